@@ -11,7 +11,8 @@ exactly as in production. Unlike torchrun, a failing rank does not make the laun
 its peers: each rank's own outcome is reported, which is what fail-together tests check.
 
 Functions run in processes forked from a forkserver that has imported torch once (a fresh
-``spawn`` costs ~1.5 s of torch import per rank). They must be importable (module level).
+``spawn`` costs ~1.5 s of torch import per rank). They must be importable (module level);
+a calling script (not pytest) needs the usual ``if __name__ == "__main__":`` guard.
 A script path (str/Path ending in .py) instead runs ``python script *args`` per rank.
 """
 
