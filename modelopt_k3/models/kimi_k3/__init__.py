@@ -1,0 +1,36 @@
+"""Kimi-K3 (``model_type: kimi_k3``): spec, fused experts, converters and import shims."""
+
+from __future__ import annotations
+
+from ..spec import ExpertProjection, ModelSpec, register_spec
+from .converters import EXPERT_KEY_RE, kimi_k3_converters
+from .experts import KimiK3Experts
+from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
+from .shims import apply_import_shims
+
+KIMI_K3_SPEC = register_spec(
+    ModelSpec(
+        model_type="kimi_k3",
+        # The experts interface (use_experts_implementation, grouped_mm) and WeightConverter API.
+        min_transformers="5.0.0",
+        build=apply_import_shims,
+        prepare=prepare,
+        experts_module_regex=r"\.block_sparse_moe\.experts$",
+        ep_sharded_params={"gate_up_proj": 0, "down_proj": 0},
+        expert_projections=(
+            ExpertProjection("w1", "gate_up_proj", chunk=0, n_chunks=2),
+            ExpertProjection("w3", "gate_up_proj", chunk=1, n_chunks=2),
+            ExpertProjection("w2", "down_proj"),
+        ),
+        shared_scale_groups=(("w1", "w3"),),
+        num_experts_attr="num_experts",
+        expert_key_regex=EXPERT_KEY_RE.pattern,
+        prepared_placement=patched_placement,
+        source_formats=SUPPORTED_SOURCE_FORMATS,
+        patches_process_wide=True,
+        converters=lambda: kimi_k3_converters(packed=True),
+    ),
+    overwrite=True,
+)
+
+__all__ = ["KIMI_K3_SPEC", "KimiK3Experts", "kimi_k3_converters", "prepare"]

@@ -1,0 +1,81 @@
+"""``torch_a2a``: expert-parallel dispatch as a transformers experts implementation.
+
+Each rank holds a contiguous block of every MoE layer's experts (``module.expert_offset``,
+``module.num_experts`` local of ``module.num_global_experts``). For each (token, slot) pair the owner
+rank is ``expert_id // experts_per_rank``. Tokens travel to their owner with ``all_to_all_single``
+(counts first, then payload), the owner runs its local experts with the local implementation
+(weight 1.0, so the result is the bare expert output), the outputs come back the same way and are
+combined in fp32 at the origin exactly as in one process.
+
+Works for any experts module that follows transformers' experts interface (``gate_up_proj`` /
+``down_proj`` / ``_apply_gate``) and carries the three placement attributes above. Every rank must
+call it the same number of times (the calibration loop equalises batch counts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+A2A_NAME = "torch_a2a"
+# Implementation used on the owner rank; set per module as ``local_experts_implementation``.
+DEFAULT_LOCAL = "eager"
+
+
+def _local_forward(module: torch.nn.Module):
+    name = getattr(module, "local_experts_implementation", DEFAULT_LOCAL)
+    if name == "eager":
+        # The class's own forward, below the interface dispatch (which would route back to us).
+        return type(module).forward.__wrapped__
+    return ALL_EXPERTS_FUNCTIONS[name]
+
+
+def _exchange(tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+    dist.all_to_all_single(
+        out, tensor.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group
+    )
+    return out
+
+
+@torch.no_grad()
+def torch_a2a_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    group=None,
+) -> torch.Tensor:
+    per_rank = self.num_experts
+    ep_size = self.num_global_experts // per_rank
+    if not dist.is_initialized() or ep_size == 1:
+        return _local_forward(self)(self, hidden_states, top_k_index - self.expert_offset, top_k_weights)
+    num_tokens, top_k = top_k_index.shape
+    flat_ids = top_k_index.reshape(-1)
+    owner = torch.div(flat_ids, per_rank, rounding_mode="floor")
+    order = owner.argsort(stable=True)
+    send_counts_t = torch.bincount(owner, minlength=ep_size)
+    recv_counts_t = torch.empty_like(send_counts_t)
+    dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
+    send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
+
+    send_x = hidden_states[order // top_k]
+    send_ids = flat_ids[order] - owner[order] * per_rank  # owner-local ids
+    recv_x = _exchange(send_x, send_counts, recv_counts, group)
+    recv_ids = _exchange(send_ids, send_counts, recv_counts, group)
+
+    ones = torch.ones(recv_ids.numel(), 1, dtype=torch.float32, device=recv_x.device)
+    expert_out = _local_forward(self)(self, recv_x, recv_ids.unsqueeze(1), ones)
+
+    back = _exchange(expert_out, recv_counts, send_counts, group)
+    per_slot = torch.empty_like(back)
+    per_slot[order] = back
+    combined = (per_slot.view(num_tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)).sum(1)
+    return combined.to(hidden_states.dtype)
+
+
+def register_torch_a2a() -> None:
+    """Register ``torch_a2a`` with transformers' experts interface (expert-parallel route only)."""
+    if A2A_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(A2A_NAME, torch_a2a_experts_forward)

@@ -1,0 +1,115 @@
+"""The distribution plan: decided once, from the meta-built config, the world size and the spec.
+
+Everything downstream (load, calibration, export) reads the plan instead of re-guessing from the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..models.spec import ExpertPlacement, ModelSpec, SpecError
+
+PlanKind = Literal["whole", "fsdp2", "expert_parallel"]
+PLAN_KINDS: tuple[str, ...] = ("auto", "whole", "fsdp2", "expert_parallel")
+EP_DEGREE_ENV = "MODELOPT_K3_EP_DEGREE"
+
+
+class PlanError(SpecError):
+    """A plan that cannot work, refused before any weight is read."""
+
+
+@dataclass(frozen=True)
+class DistributionPlan:
+    kind: PlanKind
+    rank: int
+    world_size: int
+    ep_degree: int
+    device: torch.device
+    experts_implementation: str
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.kind == "expert_parallel"
+
+    @property
+    def placement(self) -> ExpertPlacement:
+        if not self.expert_parallel:
+            return ExpertPlacement()
+        return ExpertPlacement(ep_rank=self.rank % self.ep_degree, ep_size=self.ep_degree)
+
+    @property
+    def writes_experts(self) -> bool:
+        """Whether this rank writes its experts at export (one copy of each expert in the output)."""
+        return self.rank < self.ep_degree if self.expert_parallel else self.rank == 0
+
+    def describe(self) -> str:
+        text = f"plan={self.kind} world={self.world_size} rank={self.rank}"
+        if self.expert_parallel:
+            text += f" ep={self.ep_degree} experts_implementation={self.experts_implementation}"
+        return text
+
+
+def default_local_implementation(device: torch.device) -> str:
+    # grouped_mm on CPU wants 16-byte aligned strides and is not faster there; eager is exact and simple.
+    return "grouped_mm" if device.type == "cuda" else "eager"
+
+
+def decide_plan(
+    requested: str,
+    *,
+    spec: ModelSpec,
+    num_experts: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    ep_degree: int | None = None,
+    experts_implementation: str | None = None,
+    prepared: ExpertPlacement | None = None,
+) -> DistributionPlan:
+    if requested not in PLAN_KINDS:
+        raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
+    has_ep = bool(spec.ep_sharded_params)
+    kind = requested
+    if kind == "auto":
+        kind = "expert_parallel" if world_size > 1 and has_ep else ("fsdp2" if world_size > 1 else "whole")
+    if kind == "whole" and world_size > 1:
+        raise PlanError(
+            f"plan 'whole' runs in one process, but WORLD_SIZE={world_size}; use 'expert_parallel' or 'auto'"
+        )
+    if kind == "fsdp2":
+        raise PlanError(
+            "plan 'fsdp2' is not implemented yet; use 'expert_parallel' (experts sharded, dense part replicated)"
+        )
+    if kind == "expert_parallel" and not has_ep:
+        raise PlanError(f"model_type {spec.model_type!r} declares no expert-parallel plan")
+    if kind == "expert_parallel":
+        if ep_degree is None:
+            ep_degree = int(os.environ.get(EP_DEGREE_ENV, world_size))
+        if ep_degree < 1 or world_size % ep_degree:
+            raise PlanError(f"expert-parallel degree {ep_degree} must divide the world size {world_size}")
+        if ep_degree != world_size:
+            raise PlanError(
+                f"expert-parallel degree {ep_degree} < world size {world_size} (replicated expert groups) "
+                "is not supported yet; use the default (EP degree = world size)"
+            )
+        if num_experts % ep_degree:
+            raise PlanError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel degree {ep_degree}; "
+                f"choose a degree that divides it"
+            )
+        impl = "torch_a2a"
+    else:
+        ep_degree = 1
+        impl = experts_implementation or default_local_implementation(device)
+        if prepared is not None and prepared.ep_size > 1:
+            raise PlanError(
+                f"this process already patched model_type {spec.model_type!r} for expert parallelism "
+                f"(ep_size={prepared.ep_size}); a '{kind}' load in the same process would build sharded experts. "
+                "Start a new process for it."
+            )
+    return DistributionPlan(kind, rank, world_size, ep_degree, device, impl)

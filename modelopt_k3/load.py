@@ -1,0 +1,255 @@
+"""``load_pretrained``: config -> spec -> plan -> prepare -> build on meta -> read this rank's tensors.
+
+The loader never calls ``from_pretrained``: that would either gather everything (no expert
+parallelism on the plain path) or hand the MXFP4 experts to the compressed-tensors quantizer. It
+uses the same pieces instead: the checkpoint's own classes (``auto_map``), the converters the spec
+registered with transformers' conversion API, and lazy ``safe_open`` reads of exactly the tensors
+this rank owns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from .checkpoint import CheckpointError, CheckpointReader
+from .dist.group import current_group
+from .dist.plan import DistributionPlan, decide_plan
+from .models.conversion import run_converter
+from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
+
+
+class LoadError(RuntimeError):
+    """Missing, unexpected or mismatched tensors; the message names them."""
+
+
+@dataclass
+class LoadInfo:
+    """Attached to the loaded model as ``model.modelopt_k3``; read by quantize and export."""
+
+    checkpoint: Path
+    spec: ModelSpec
+    plan: DistributionPlan
+    source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    bytes_read: int = 0
+    keys_read: list[str] = field(default_factory=list)
+
+
+def _read_raw_config(path: Path) -> dict:
+    cfg = path / "config.json"
+    if not cfg.exists():
+        raise CheckpointError(f"{path} has no config.json")
+    return json.loads(cfg.read_text())
+
+
+def resolve_model_class(path: Path, raw: dict, trust_remote_code: bool) -> tuple[type, object]:
+    """The checkpoint's own model class (from ``auto_map``) and its config."""
+    auto_map = raw.get("auto_map") or {}
+    ref = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")
+    if ref is None:
+        raise SpecError(f"{path}/config.json has no auto_map entry for AutoModelForCausalLM/AutoModel")
+    if not trust_remote_code:
+        raise SpecError(
+            f"{path} ships its own modeling code ({ref}); loading it runs that code. "
+            "Pass trust_remote_code=True (CLI: --trust_remote_code) if you trust this checkpoint."
+        )
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    return get_class_from_dynamic_module(ref, str(path)), config
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _config_dtype(config) -> torch.dtype:
+    text = getattr(config, "text_config", config)
+    name = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
+    return name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."))
+
+
+def _experts_modules(model: nn.Module, spec: ModelSpec) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if spec.is_experts_module(name, m)}
+
+
+def _plan_expert_reads(
+    reader: CheckpointReader, spec: ModelSpec, converters: list, experts: dict[str, nn.Module]
+) -> tuple[dict[str, dict[str, dict[int, str]]], set[str]]:
+    """target fused param -> source pattern -> {expert id: key}, for local experts only.
+
+    Returns the plan and the set of expert keys that belong to other ranks (neither read nor unexpected).
+    """
+    key_re = re.compile(spec.expert_key_regex)
+    reads: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
+    foreign: set[str] = set()
+    for key in reader.names():
+        m = key_re.match(key)
+        if m is None:
+            continue
+        module = experts.get(m["module"])
+        expert = int(m["expert"])
+        if module is not None and not (module.expert_offset <= expert < module.expert_offset + module.num_experts):
+            foreign.add(key)
+            continue
+        for conv in converters:
+            target, pattern = conv.rename_source_key(key)
+            if pattern is not None:
+                slots = reads[target][pattern]
+                if expert in slots:
+                    raise LoadError(f"expert {expert} of {target} is stored twice: {slots[expert]} and {key}")
+                slots[expert] = key
+                break
+    return reads, foreign
+
+
+def _fill_experts(
+    model: nn.Module,
+    reader: CheckpointReader,
+    spec: ModelSpec,
+    converters: list,
+    experts: dict[str, nn.Module],
+    progress: tqdm,
+) -> tuple[set[str], set[str]]:
+    reads, foreign = _plan_expert_reads(reader, spec, converters, experts)
+    params = dict(model.named_parameters())
+    consumed: set[str] = set()
+    filled: set[str] = set()
+    for conv in converters:
+        target_suffix = conv.target_patterns[0]
+        for module_name, module in experts.items():
+            target = f"{module_name}.{target_suffix.rsplit('.', 1)[-1]}"
+            if not target.endswith(target_suffix) or target not in params:
+                continue
+            by_pattern = reads.get(target, {})
+            local = range(module.expert_offset, module.expert_offset + module.num_experts)
+            present = [p for p in conv.source_patterns if p in by_pattern]
+            if not present:
+                continue
+            missing = [
+                f"{module_name}.{e}.<{p}>" for p in conv.source_patterns for e in local if e not in by_pattern.get(p, {})
+            ]
+            if missing:
+                raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
+            tensors = {p: [reader.get(by_pattern[p][e]) for e in local] for p in conv.source_patterns}
+            consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in local)
+            fused = run_converter(conv, tensors)
+            param = params[target]
+            if fused.shape != param.shape:
+                raise LoadError(f"{target}: converted shape {list(fused.shape)} != parameter {list(param.shape)}")
+            with torch.no_grad():
+                param.copy_(fused.to(param.dtype))
+            filled.add(target)
+            progress.update(1)
+    return consumed | foreign, filled
+
+
+def _names(keys: list[str] | set[str], limit: int = 12) -> str:
+    keys = sorted(keys)
+    more = f" … and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def _fill_dense(
+    model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm
+) -> set[str]:
+    consumed: set[str] = set()
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    missing = []
+    for name, tensor in state.items():
+        if name in skip:
+            continue
+        if name not in reader:
+            missing.append(name)
+            continue
+        src = reader.get(name)
+        info.source_dtypes[name] = src.dtype
+        if src.shape != tensor.shape:
+            raise LoadError(f"{name}: checkpoint shape {list(src.shape)} != model shape {list(tensor.shape)}")
+        with torch.no_grad():
+            tensor.copy_(src.to(tensor.dtype))
+        consumed.add(name)
+        progress.update(1)
+    if missing:
+        raise LoadError(f"tensors missing from checkpoint {reader.path}: {_names(missing)}")
+    return consumed
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    plan: str = "auto",
+    trust_remote_code: bool = False,
+    dtype: torch.dtype | None = None,
+    experts_implementation: str | None = None,
+    ep_degree: int | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """Load a checkpoint with fused experts, sharded per the distribution plan.
+
+    ``plan``: ``auto`` (expert_parallel under torchrun with more than one rank, else whole),
+    ``whole`` or ``expert_parallel``. ``dtype`` defaults to the config's dtype. Every parameter is
+    filled from the checkpoint or loading fails naming the tensors; nothing is left initialised at random.
+    """
+    path = Path(path)
+    raw = _read_raw_config(path)
+    spec = get_spec(raw.get("model_type", ""))
+    spec.check_transformers()
+    spec.build()
+    model_cls, config = resolve_model_class(path, raw, trust_remote_code)
+    text = getattr(config, "text_config", config)
+    group = current_group()
+    the_plan = decide_plan(
+        plan,
+        spec=spec,
+        num_experts=getattr(text, spec.num_experts_attr),
+        rank=group.rank,
+        world_size=group.world_size,
+        device=group.device,
+        ep_degree=ep_degree,
+        experts_implementation=experts_implementation,
+        prepared=spec.prepared_placement(model_cls),
+    )
+    if the_plan.expert_parallel:
+        from .dist.a2a import register_torch_a2a
+
+        register_torch_a2a()
+    spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation))
+
+    dtype = dtype or _config_dtype(config)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = model_cls(config)
+    model.to_empty(device=the_plan.device)
+    converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
+    info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)
+    with CheckpointReader(path) as reader:
+        experts = _experts_modules(model, spec)
+        total = len(dict(model.named_parameters())) + len(dict(model.named_buffers()))
+        with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
+            consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
+            unfilled = [f"{n}.{p}" for n, m in experts.items() for p in spec.ep_sharded_params if f"{n}.{p}" not in filled]
+            if unfilled:
+                raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
+            consumed = consumed_experts | _fill_dense(model, reader, filled, info, bar)
+        unexpected = set(reader.names()) - consumed
+        if unexpected:
+            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
+        info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
+    model.eval()
+    model.modelopt_k3 = info
+    return model

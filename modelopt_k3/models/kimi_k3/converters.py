@@ -1,0 +1,85 @@
+"""Checkpoint converters: per-expert ``w1/w3/w2`` -> fused ``gate_up_proj`` / ``down_proj``.
+
+They are transformers ``WeightConverter`` objects (the library's conversion API): source patterns,
+a target, and a chain of ``ConversionOps``. The chain for MXFP4-packed experts is
+``Mxfp4Decompress`` (ours: exact decode of ``weight_packed`` + E8M0 ``weight_scale``) ->
+``MergeModulelist`` (stack experts) -> ``Concatenate`` (gate rows first). Checkpoints whose experts
+are stored plain (``.weight``) use the same chain minus the decode.
+
+Patterns are anchored on ``.block_sparse_moe.experts.<int>.`` so ``shared_experts`` and the latent
+``routed_expert_*`` projections can never match.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter
+
+from ...numerics.mxfp4 import mxfp4_decode
+
+EXPERTS_PREFIX = r"(?<=\.)block_sparse_moe\.experts\.\d+\."
+GATE_UP_TARGET = "block_sparse_moe.experts.gate_up_proj"
+DOWN_TARGET = "block_sparse_moe.experts.down_proj"
+# <experts module>.<expert id>.<projection>.<tensor>, for reading ids back out of checkpoint keys.
+EXPERT_KEY_RE = re.compile(r"^(?P<module>.+\.block_sparse_moe\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<tensor>\w+)$")
+PACKED_SUFFIX, SCALE_SUFFIX = "weight_packed", "weight_scale"
+
+
+def _pattern(proj: str, tensor: str) -> str:
+    return rf"{EXPERTS_PREFIX}{proj}\.{tensor}"
+
+
+class Mxfp4Decompress(ConversionOps):
+    """``(weight_packed, weight_scale)`` lists -> decoded weights, exact (FORMATS.md MXFP4).
+
+    The decoded list is returned under the ``weight_packed`` pattern so that the following
+    ``Concatenate`` keeps the source order (w1 before w3).
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs
+    ) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for pattern in source_patterns:
+            if not pattern.endswith(PACKED_SUFFIX):
+                continue
+            scale_pattern = pattern[: -len(PACKED_SUFFIX)] + SCALE_SUFFIX
+            packed, scales = input_dict.pop(pattern), input_dict.pop(scale_pattern)
+            packed = packed if isinstance(packed, list) else [packed]
+            scales = scales if isinstance(scales, list) else [scales]
+            if len(packed) != len(scales):
+                raise ValueError(f"{len(packed)} packed tensors but {len(scales)} scales for {pattern}")
+            out[pattern] = [mxfp4_decode(p, s, dtype=self.dtype) for p, s in zip(packed, scales)]
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        raise NotImplementedError("modelopt_k3 exports through its own writer, never by reversing the load")
+
+
+def kimi_k3_converters(*, packed: bool, dtype: torch.dtype = torch.bfloat16) -> list[WeightConverter]:
+    """The two fused-expert converters for a checkpoint whose experts are ``packed`` (MXFP4) or plain."""
+    if packed:
+        tensors = (PACKED_SUFFIX, SCALE_SUFFIX)
+        head: list[ConversionOps] = [Mxfp4Decompress(dtype)]
+    else:
+        tensors = ("weight",)
+        head = []
+    gate_up = WeightConverter(
+        source_patterns=[_pattern(p, t) for p in ("w1", "w3") for t in tensors],
+        target_patterns=GATE_UP_TARGET,
+        operations=[*head, MergeModulelist(dim=0), Concatenate(dim=1)],
+    )
+    down = WeightConverter(
+        source_patterns=[_pattern("w2", t) for t in tensors],
+        target_patterns=DOWN_TARGET,
+        operations=[*head, MergeModulelist(dim=0)],
+    )
+    return [gate_up, down]

@@ -1,0 +1,189 @@
+"""Patch the checkpoint's own remote modeling code so its MoE block holds fused experts.
+
+We do not vendor a copy of the modeling code: the block class is found in the module that the
+checkpoint's ``auto_map`` class was loaded from (each checkpoint revision gets its own dynamic
+module), and the module-level name ``KimiSparseMoeBlock`` is rebound to a subclass whose ``experts``
+is a ``KimiK3Experts`` and whose ``moe_infer`` dispatches through transformers' experts interface.
+Blocks built before the patch keep their class and therefore their own forward. Re-running with the
+same placement is a no-op; everything is validated before anything is changed.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+
+from ...checkpoint import CheckpointReader
+from ..spec import ExpertPlacement, PrepareContext, SpecError
+from .converters import EXPERT_KEY_RE, PACKED_SUFFIX, SCALE_SUFFIX, kimi_k3_converters
+from .experts import KimiK3Experts
+
+BLOCK_CLASS = "KimiSparseMoeBlock"
+EXPERT_CLASS = "KimiBlockSparseMLP"
+SUPPORTED_SOURCE_FORMATS = frozenset({"mxfp4-pack-quantized"})
+_PATCH_FLAG = "_modelopt_k3_fused"
+
+
+def find_block_module(model_cls: type) -> ModuleType:
+    """The module of the checkpoint's remote code that defines the MoE block class."""
+    package = model_cls.__module__.rpartition(".")[0]
+    candidates = [sys.modules.get(model_cls.__module__)]
+    candidates += [m for name, m in list(sys.modules.items()) if name.startswith(package + ".")]
+    for module in candidates:
+        block = getattr(module, BLOCK_CLASS, None) if module is not None else None
+        if isinstance(block, type):
+            original = getattr(block, "_modelopt_k3_original", block)
+            if sys.modules.get(original.__module__) is not None:
+                return sys.modules[original.__module__]
+    raise SpecError(
+        f"no module of {model_cls.__module__!r}'s remote code defines {BLOCK_CLASS}; "
+        "is this a Kimi-K3 checkpoint?"
+    )
+
+
+def parse_source_scheme(config) -> str | None:
+    """The compressed-tensors format of the routed experts, or None for an unquantized checkpoint."""
+    qcfg = getattr(config, "quantization_config", None)
+    if qcfg is None:
+        text = getattr(config, "text_config", None)
+        qcfg = getattr(text, "quantization_config", None)
+    if qcfg is None:
+        return None
+    if not isinstance(qcfg, dict):
+        qcfg = qcfg.to_dict() if hasattr(qcfg, "to_dict") else dict(qcfg)
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        parsed = QuantizationConfig.model_validate(qcfg)
+    except Exception as e:  # pydantic raises its own ValidationError; report it as ours
+        raise SpecError(f"cannot parse the checkpoint's quantization_config: {e}") from None
+    formats = {g.format or parsed.format for g in parsed.config_groups.values()}
+    formats.discard(None)
+    if not formats:
+        formats = {parsed.format}
+    unsupported = formats - SUPPORTED_SOURCE_FORMATS
+    if unsupported or len(formats) != 1:
+        raise SpecError(
+            f"unsupported compressed scheme {sorted(map(str, formats))} in quantization_config; "
+            f"Kimi-K3's converters decompress {sorted(SUPPORTED_SOURCE_FORMATS)}"
+        )
+    for name, group in parsed.config_groups.items():
+        w = group.weights
+        if w is None or (w.num_bits, str(w.type), w.group_size) != (4, "float", 32):
+            raise SpecError(f"quantization_config group {name!r} is not MXFP4 (4-bit float, group 32): {w}")
+    return formats.pop()
+
+
+def check_expert_tensors(reader: CheckpointReader, text_config) -> bool:
+    """Validate every routed expert tensor against the config. Returns True when experts are packed."""
+    num_experts = text_config.num_experts
+    inter = text_config.moe_intermediate_size
+    hidden = text_config.routed_expert_hidden_size or text_config.hidden_size
+    shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    packed_seen = plain_seen = False
+    for key in reader.names():
+        m = EXPERT_KEY_RE.match(key)
+        if m is None:
+            continue
+        info = reader.info(key)
+        out_f, in_f = shapes[m["proj"]]
+        expert = int(m["expert"])
+        if expert >= num_experts:
+            raise SpecError(f"{key}: expert id {expert} >= num_experts={num_experts}")
+        if m["tensor"] == PACKED_SUFFIX:
+            packed_seen = True
+            want = (torch.uint8, (out_f, in_f // 2))
+        elif m["tensor"] == SCALE_SUFFIX:
+            want = (torch.uint8, (out_f, in_f // 32))
+        elif m["tensor"] == "weight":
+            plain_seen = True
+            want = (info.dtype, (out_f, in_f))
+        else:
+            raise SpecError(f"{key}: unexpected routed-expert tensor {m['tensor']!r}")
+        if (info.dtype, info.shape) != want:
+            raise SpecError(
+                f"{key}: stored as {info.dtype} {list(info.shape)}, but the config "
+                f"(num_experts={num_experts}, moe_intermediate_size={inter}, hidden={hidden}) "
+                f"needs {want[0]} {list(want[1])}"
+            )
+    if packed_seen and plain_seen:
+        raise SpecError("the checkpoint mixes MXFP4-packed and plain routed experts")
+    if not (packed_seen or plain_seen):
+        raise SpecError(f"no routed expert tensors (…block_sparse_moe.experts.<e>.w1…) in {reader.path}")
+    return packed_seen
+
+
+def make_fused_block(original: type, placement: ExpertPlacement) -> type:
+    """A subclass of the remote MoE block whose experts are one ``KimiK3Experts``."""
+
+    class FusedKimiSparseMoeBlock(original):
+        _modelopt_k3_fused = True
+        _modelopt_k3_original = original
+        _modelopt_k3_placement = placement
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            act_fn = self.experts[0].act_fn  # the remote SituAndMul with this config's betas
+            local = placement.local_range(config.num_experts)
+            self.ep_size, self.ep_rank, self.experts_per_rank = placement.ep_size, placement.ep_rank, len(local)
+            self.experts = KimiK3Experts(
+                config,
+                num_experts=len(local),
+                expert_offset=local.start,
+                num_global_experts=config.num_experts,
+                hidden_dim=config.routed_expert_hidden_size or config.hidden_size,
+                intermediate_dim=config.moe_intermediate_size,
+                act_fn=act_fn,
+            )
+
+        def moe_infer(self, x, topk_ids, topk_weight):
+            # Same contract as the remote moe_infer: latent x [N, Dl], global ids, fp32 weights.
+            return self.experts(x, topk_ids, topk_weight)
+
+        def moe_train(self, x, topk_ids, topk_weight):
+            return self.experts(x, topk_ids, topk_weight)
+
+    FusedKimiSparseMoeBlock.__name__ = FusedKimiSparseMoeBlock.__qualname__ = BLOCK_CLASS
+    FusedKimiSparseMoeBlock.__module__ = original.__module__
+    return FusedKimiSparseMoeBlock
+
+
+def prepare(ctx: PrepareContext) -> None:
+    if ctx.checkpoint is None:
+        raise SpecError("Kimi-K3 prepare needs the checkpoint path (to validate its experts before patching)")
+    module = find_block_module(ctx.model_cls)
+    text_config = getattr(ctx.config, "text_config", ctx.config)
+    scheme = parse_source_scheme(ctx.config)
+    with CheckpointReader(ctx.checkpoint) as reader:
+        packed = check_expert_tensors(reader, text_config)
+    if packed and scheme is None:
+        raise SpecError("routed experts are stored MXFP4-packed but the config has no quantization_config")
+    ctx.placement.local_range(text_config.num_experts)  # refuse an indivisible EP degree early
+
+    current = getattr(module, BLOCK_CLASS)
+    original = getattr(current, "_modelopt_k3_original", current)
+    if not getattr(current, _PATCH_FLAG, False) or current._modelopt_k3_placement != ctx.placement:
+        setattr(module, BLOCK_CLASS, make_fused_block(original, ctx.placement))
+    text_config._experts_implementation = ctx.experts_implementation
+    register_checkpoint_conversion_mapping(
+        ctx.model_cls.__name__, kimi_k3_converters(packed=packed), overwrite=True
+    )
+
+
+def unprepare(model_cls: type) -> None:
+    """Restore the remote block class (tests and long-lived processes that switch plans)."""
+    module = find_block_module(model_cls)
+    current = getattr(module, BLOCK_CLASS)
+    setattr(module, BLOCK_CLASS, getattr(current, "_modelopt_k3_original", current))
+
+
+def patched_placement(model_cls: type) -> ExpertPlacement | None:
+    """The placement the process-wide patch was made for, or None when unpatched."""
+    try:
+        current = getattr(find_block_module(model_cls), BLOCK_CLASS)
+    except SpecError:
+        return None
+    return getattr(current, "_modelopt_k3_placement", None) if getattr(current, _PATCH_FLAG, False) else None

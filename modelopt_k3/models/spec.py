@@ -1,0 +1,144 @@
+"""Model specs: everything the generic pipeline needs to know about one ``model_type``.
+
+A spec is data plus a few hooks. The generic code (load, quantize, export, distribution) reads it and
+never looks at model-specific classes itself; model-specific code lives in ``models/<model>/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from packaging.version import Version
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class SpecError(RuntimeError):
+    """A model spec refuses a checkpoint or an environment; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which contiguous block of each MoE layer's experts this process holds."""
+
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    def local_range(self, num_experts: int) -> range:
+        if num_experts % self.ep_size:
+            raise SpecError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.ep_size}")
+        per_rank = num_experts // self.ep_size
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+
+@dataclass(frozen=True)
+class ExpertProjection:
+    """One per-expert Linear of the checkpoint as a slice of a fused parameter.
+
+    ``fused_param[e].chunk(n_chunks, dim=0)[chunk]`` is the ``[out, in]`` weight of
+    ``<experts module>.<e>.<name>`` in the checkpoint.
+    """
+
+    name: str  # checkpoint name, e.g. "w1"
+    fused_param: str  # e.g. "gate_up_proj"
+    chunk: int = 0
+    n_chunks: int = 1
+
+
+@dataclass(frozen=True)
+class PrepareContext:
+    """What ``ModelSpec.prepare`` gets: the checkpoint's own model class and where it came from."""
+
+    model_cls: type
+    config: Any
+    checkpoint: Path | None
+    placement: ExpertPlacement = ExpertPlacement()
+    experts_implementation: str = "eager"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    min_transformers: str
+    # Import shims run before the remote code is imported; must not change anything the model computes.
+    build: Callable[[], None]
+    # Patches the checkpoint's own modeling code (fused experts); idempotent.
+    prepare: Callable[[PrepareContext], None]
+    # Regex (searched) matching the in-memory names of fused experts modules.
+    experts_module_regex: str
+    # Fused parameter -> the dimension that indexes experts (what expert parallelism shards).
+    ep_sharded_params: Mapping[str, int]
+    # Per-expert checkpoint Linears as views of the fused parameters, in checkpoint order.
+    expert_projections: tuple[ExpertProjection, ...]
+    # Groups of projections that must share weight_scale_2 / input_scale (fused gate+up kernels).
+    shared_scale_groups: tuple[tuple[str, ...], ...]
+    # Config attribute holding the global routed-expert count.
+    num_experts_attr: str
+    # Checkpoint keys of routed experts, with named groups ``module`` and ``expert``.
+    expert_key_regex: str
+    # The placement a process-wide prepare was made for (None when the model class is unpatched).
+    prepared_placement: Callable[[type], ExpertPlacement | None]
+    # Source weight formats prepare's converters decompress (compressed-tensors format names).
+    source_formats: frozenset[str] = frozenset()
+    # True when prepare rebinds classes in a module shared by the whole process.
+    patches_process_wide: bool = True
+    # Builds the transformers WeightConverters for this checkpoint (fused targets from per-expert keys).
+    converters: Callable[[], list] = field(default=lambda: [])
+    # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
+    attach_kv_cache: Callable[[nn.Module, str], None] | None = None
+
+    def check_transformers(self) -> None:
+        import transformers
+
+        have = Version(transformers.__version__)
+        if have < Version(self.min_transformers):
+            raise SpecError(
+                f"model_type {self.model_type!r} needs transformers>={self.min_transformers}, "
+                f"but transformers {transformers.__version__} is installed"
+            )
+
+    def projection(self, name: str) -> ExpertProjection:
+        for proj in self.expert_projections:
+            if proj.name == name:
+                return proj
+        raise KeyError(name)
+
+    def is_experts_module(self, name: str, module: nn.Module) -> bool:
+        import re
+
+        return re.search(self.experts_module_regex, name) is not None and all(
+            hasattr(module, p) for p in self.ep_sharded_params
+        )
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+# model_type -> module that registers its spec on import (lazy, so importing the package stays cheap).
+_BUILTIN: dict[str, str] = {
+    "kimi_k3": "modelopt_k3.models.kimi_k3",
+}
+
+
+def register_spec(spec: ModelSpec, *, overwrite: bool = False) -> ModelSpec:
+    if spec.model_type in _REGISTRY and not overwrite:
+        raise SpecError(f"a spec for model_type {spec.model_type!r} is already registered")
+    _REGISTRY[spec.model_type] = spec
+    return spec
+
+
+def get_spec(model_type: str) -> ModelSpec:
+    if model_type not in _REGISTRY and model_type in _BUILTIN:
+        importlib.import_module(_BUILTIN[model_type])
+    try:
+        return _REGISTRY[model_type]
+    except KeyError:
+        known = sorted(set(_REGISTRY) | set(_BUILTIN))
+        raise SpecError(f"no model spec for model_type {model_type!r}; known: {known}") from None
+
+
+def registered_model_types() -> list[str]:
+    return sorted(set(_REGISTRY) | set(_BUILTIN))
