@@ -1,0 +1,122 @@
+"""Independent reference loader for tiny stand-in checkpoints.
+
+It shares nothing with the project's own loader: the model class comes from the checkpoint's
+remote code through transformers' dynamic-module machinery, the MXFP4 experts are decoded with
+compressed-tensors' own decompressor, and every parameter is filled straight from the safetensors
+files. Tests compare the project's loader against this baseline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+_PACKED_SUFFIXES = (".weight_packed", ".weight_scale")
+
+
+def load_reference_class(path: str | Path, auto_class: str = "AutoModelForCausalLM") -> tuple[Any, type]:
+    """(config, unpatched model class) for a checkpoint dir, via its own remote code."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
+    cls = get_class_from_dynamic_module(config.auto_map[auto_class], str(path))
+    return config, cls
+
+
+def _mxfp4_scheme(config: Any) -> Any:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qcfg = getattr(config, "quantization_config", None)
+    if qcfg is None:
+        raise ValueError("checkpoint config has no top-level quantization_config")
+    if not isinstance(qcfg, dict):
+        qcfg = qcfg.to_dict()
+    parsed = QuantizationConfig.model_validate(qcfg)
+    if parsed.format != "mxfp4-pack-quantized" or len(parsed.config_groups) != 1:
+        raise ValueError(f"expected one mxfp4-pack-quantized config group, got {qcfg}")
+    return next(iter(parsed.config_groups.values()))
+
+
+def _decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, scheme: Any) -> torch.Tensor:
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+
+    out = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, scheme)
+    return out["weight"]
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a sharded checkpoint, as stored (index order)."""
+    path = Path(path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for key, fname in index["weight_map"].items():
+        by_file[fname].append(key)
+    tensors: dict[str, torch.Tensor] = {}
+    for fname, keys in sorted(by_file.items()):
+        with safe_open(str(path / fname), framework="pt") as f:
+            for key in keys:
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Build the checkpoint's own (unpatched) model class and fill every parameter from disk.
+
+    Parameters take `dtype` except those the remote code creates in fp32 explicitly (as
+    from_pretrained would). Raises if any parameter is left unfilled or any tensor is unused.
+    """
+    config, cls = load_reference_class(path)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device="cpu")
+    if any(True for _ in model.buffers()):
+        raise AssertionError("reference loader expects a model without buffers")
+
+    tensors = read_checkpoint(path)
+    scheme = _mxfp4_scheme(config)
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    unexpected: list[str] = []
+
+    packed_prefixes = sorted({k[: -len(s)] for k in tensors for s in _PACKED_SUFFIXES if k.endswith(s)})
+    dense = {k: v for k, v in tensors.items() if not k.endswith(_PACKED_SUFFIXES)}
+    for prefix in packed_prefixes:
+        dense[f"{prefix}.weight"] = _decode_mxfp4(
+            tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"], scheme
+        )
+
+    with torch.no_grad():
+        for key, value in dense.items():
+            param = params.get(key)
+            if param is None:
+                unexpected.append(key)
+                continue
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}"
+                )
+            param.copy_(value.to(param.dtype))
+            filled.add(key)
+    missing = sorted(set(params) - filled)
+    if missing or unexpected:
+        raise ValueError(
+            f"reference load mismatch: missing={missing[:20]} unexpected={sorted(unexpected)[:20]}"
+        )
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Logits [B, T, V] from a plain forward with use_cache=False."""
+    return model(input_ids=input_ids, use_cache=False, **kwargs).logits

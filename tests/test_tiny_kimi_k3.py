@@ -1,0 +1,405 @@
+"""Tests for the tiny Kimi-K3 stand-in checkpoint generator, its remote code and the reference loader."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from modelopt_k3.testing import TINY_DEFAULTS, make_tiny_kimi_k3
+from modelopt_k3.testing.reference import load_reference_model, read_checkpoint, reference_logits
+from modelopt_k3.testing.remote_code import modeling_kimi_linear as mkl
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+F32_SUFFIXES = (".A_log", ".dt_bias", ".e_score_correction_bias", "_conv1d.weight", ".o_norm.weight")
+TEXT_PREFIX = "language_model.model.layers."
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_kimi_k3(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="module")
+def ref_model(ckpt: Path) -> torch.nn.Module:
+    return load_reference_model(ckpt)
+
+
+@pytest.fixture(scope="module")
+def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    return read_checkpoint(ckpt)
+
+
+def _fla_file(rel: str):
+    """Load an fla file by path: importing the fla package would pull in triton."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / rel
+    mod_spec = importlib.util.spec_from_file_location(f"_fla_naive_{path.stem}", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except ImportError as err:  # e.g. the file starts importing triton in a newer fla
+        pytest.skip(f"{rel} does not import without triton: {err}")
+    return module
+
+
+def _shard_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json")}
+
+
+# ----------------------------------------------------------------------------------------------
+# Generator: files, determinism, config
+# ----------------------------------------------------------------------------------------------
+
+
+def test_deterministic_in_seed(ckpt: Path, tmp_path: Path) -> None:
+    same = _shard_bytes(make_tiny_kimi_k3(tmp_path / "same", seed=0))
+    assert same == _shard_bytes(ckpt)
+    other = _shard_bytes(make_tiny_kimi_k3(tmp_path / "other", seed=1))
+    shards = [n for n in same if n.endswith(".safetensors")]
+    assert len(shards) >= 2
+    assert all(same[n] != other[n] for n in shards)
+
+
+def test_refuses_non_empty_dir(ckpt: Path) -> None:
+    with pytest.raises(FileExistsError):
+        make_tiny_kimi_k3(ckpt)
+    with pytest.raises(ValueError, match="unknown"):
+        make_tiny_kimi_k3(ckpt.parent / "x", num_expertz=4)
+
+
+def test_config_fields(ckpt: Path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k3"
+    assert cfg["auto_map"] == {
+        "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+        "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+        "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+    }
+    assert cfg["dtype"] == "bfloat16"
+    text = cfg["text_config"]
+    assert text["model_type"] == "kimi_linear"
+    for key in (
+        "hidden_size",
+        "num_experts",
+        "routed_expert_hidden_size",
+        "attn_res_block_size",
+        "vocab_size",
+    ):
+        assert text[key] == TINY_DEFAULTS[key]
+    assert text["linear_attn_config"]["kda_layers"] == [1, 2, 3]
+    assert text["linear_attn_config"]["full_attn_layers"] == [4]
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        assert 0 <= text[key] < text["vocab_size"]
+    assert 0 <= cfg["media_placeholder_token_id"] < text["vocab_size"]
+
+    q = text["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors"
+    assert q["format"] == "mxfp4-pack-quantized"
+    assert q["quantization_status"] == "compressed"
+    group = q["config_groups"]["group_0"]
+    assert group["format"] == "mxfp4-pack-quantized" and group["targets"] == ["Linear"]
+    assert group["input_activations"] is None
+    assert group["weights"] == {
+        "num_bits": 4,
+        "type": "float",
+        "strategy": "group",
+        "group_size": 32,
+        "symmetric": True,
+        "dynamic": False,
+        "scale_dtype": "torch.uint8",
+    }
+    ignore = q["ignore"]
+    assert "language_model.lm_head" in ignore
+    assert any("vision_tower" in n for n in ignore) and any("mm_projector" in n for n in ignore)
+    assert any(".self_attn." in n for n in ignore) and any("shared_experts" in n for n in ignore)
+    assert any(n.endswith("block_sparse_moe.gate") for n in ignore)
+    assert not any("routed_expert" in n or n.endswith("res_proj") or ".experts." in n for n in ignore)
+
+
+def test_autoconfig_remote_code(ckpt: Path) -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(ckpt, trust_remote_code=True)
+    assert type(cfg).__name__ == "KimiK3Config"
+    assert type(cfg.text_config).__name__ == "KimiLinearConfig"
+    assert type(cfg.vision_config).__name__ == "KimiK3VisionConfig"
+    assert cfg.quantization_config == cfg.text_config.quantization_config
+    assert cfg.quantization_config["format"] == "mxfp4-pack-quantized"
+
+
+def test_tokenizer_offline_roundtrip(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True)
+    text = "Hello, Kimi! ünïcødé ✓ 1+1=2\n\ttabs"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text.encode())
+    assert tok.decode(ids) == text
+    cfg = json.loads((ckpt / "config.json").read_text())["text_config"]
+    assert len(tok) <= cfg["vocab_size"]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        cfg["bos_token_id"],
+        cfg["eos_token_id"],
+        cfg["pad_token_id"],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors on disk
+# ----------------------------------------------------------------------------------------------
+
+
+def test_index_covers_shards(ckpt: Path) -> None:
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(ckpt.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    assert {p.name for p in shards} == set(index["weight_map"].values())
+    seen: dict[str, str] = {}
+    total = 0
+    for shard in shards:
+        assert shard.name.endswith(f"-of-{len(shards):05d}.safetensors")
+        with safe_open(str(shard), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                assert key not in seen
+                seen[key] = shard.name
+                t = f.get_tensor(key)
+                total += t.numel() * t.element_size()
+    assert seen == index["weight_map"]
+    assert index["metadata"]["total_size"] == total
+
+
+def test_routed_experts_are_mxfp4_packed(tensors: dict[str, torch.Tensor]) -> None:
+    s = TINY_DEFAULTS
+    dl, inter = s["routed_expert_hidden_size"], s["moe_intermediate_size"]
+    shapes = {"w1": (inter, dl), "w3": (inter, dl), "w2": (dl, inter)}
+    experts = [k for k in tensors if ".block_sparse_moe.experts." in k]
+    moe_layers = range(s["first_k_dense_replace"], s["num_hidden_layers"])
+    assert len(experts) == 2 * 3 * s["num_experts"] * len(moe_layers)
+    nibbles = set()
+    for key in experts:
+        proj = key.split(".")[-2]
+        out_f, in_f = shapes[proj]
+        t = tensors[key]
+        assert t.dtype == torch.uint8
+        if key.endswith(".weight_packed"):
+            assert t.shape == (out_f, in_f // 2)
+            nibbles |= set((t & 0xF).unique().tolist()) | set((t >> 4).unique().tolist())
+        else:
+            assert key.endswith(".weight_scale") and t.shape == (out_f, in_f // 32)
+            assert int(t.min()) >= 115 and int(t.max()) <= 127
+    assert nibbles == set(range(16))
+    assert not any(".experts." in k and k.endswith(".weight") for k in tensors)
+
+
+def test_dtypes_f32_where_the_real_checkpoint_has_them(tensors: dict[str, torch.Tensor]) -> None:
+    for key, t in tensors.items():
+        if ".experts." in key:
+            continue
+        expected = torch.float32 if key.endswith(F32_SUFFIXES) else torch.bfloat16
+        assert t.dtype == expected, key
+    dk, hk = TINY_DEFAULTS["linear_head_dim"], TINY_DEFAULTS["linear_num_heads"]
+    a_log = tensors[f"{TEXT_PREFIX}0.self_attn.A_log"]
+    assert a_log.shape == (dk,) and (a_log[hk:] == 0).all() and (a_log[:hk] != 0).all()
+    assert tensors[f"{TEXT_PREFIX}0.self_attn.dt_bias"].abs().sum() > 0
+    assert tensors[f"{TEXT_PREFIX}1.block_sparse_moe.gate.e_score_correction_bias"].abs().sum() > 0
+    assert tensors[f"{TEXT_PREFIX}0.self_attn.q_conv1d.weight"].shape == (hk * dk, 1, 4)
+
+
+def test_reference_decode_matches_format_rule(ckpt: Path, ref_model: torch.nn.Module, tensors) -> None:
+    key = f"{TEXT_PREFIX}1.block_sparse_moe.experts.3.w2"
+    packed, scale = tensors[f"{key}.weight_packed"], tensors[f"{key}.weight_scale"]
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
+    expected = E2M1[codes] * torch.exp2(scale.float() - 127).repeat_interleave(32, dim=1)
+    got = ref_model.get_parameter(f"{key}.weight")
+    assert torch.equal(got, expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model structure and forward
+# ----------------------------------------------------------------------------------------------
+
+
+def test_state_dict_keys_match_checkpoint(ref_model: torch.nn.Module, tensors) -> None:
+    ckpt_keys = {k.replace(".weight_packed", ".weight") for k in tensors if not k.endswith(".weight_scale")}
+    assert set(ref_model.state_dict()) == ckpt_keys
+
+
+def test_layer_types(ref_model: torch.nn.Module) -> None:
+    layers = ref_model.language_model.model.layers
+    kinds = [
+        (type(layer.self_attn).__name__, "moe" if hasattr(layer, "block_sparse_moe") else "dense")
+        for layer in layers
+    ]
+    assert kinds == [
+        ("KimiDeltaAttention", "dense"),
+        ("KimiDeltaAttention", "moe"),
+        ("KimiDeltaAttention", "moe"),
+        ("KimiMLAAttention", "moe"),
+    ]
+    block = layers[1].block_sparse_moe
+    assert isinstance(block.experts, torch.nn.ModuleList) and len(block.experts) == 8
+    assert (block.ep_size, block.ep_rank, block.experts_per_rank) == (1, 0, 8)
+    assert block.use_latent_moe and block.latent_moe_use_norm and block.moe_hidden_size == 64
+    assert type(block.experts[0]).__name__ == "KimiBlockSparseMLP"
+    assert type(block.gate).__name__ == "KimiMoEGate"
+    size = TINY_DEFAULTS["attn_res_block_size"]
+    assert sum(i % size == 0 for i in range(len(layers))) >= 2  # at least two AttnRes blocks
+    assert ref_model.language_model.model.output_attn_res_proj.weight.shape == (1, 128)
+
+
+def test_vision_side_keys_and_dtype(ref_model: torch.nn.Module) -> None:
+    assert ref_model.vision_tower.patch_embed.pos_emb.weight.shape == (64, 64, 32)
+    assert ref_model.vision_tower.encoder.blocks[0].wqkv.weight.shape == (96, 32)
+    assert ref_model.mm_projector.proj[0].weight.shape == (128, 128)
+    assert ref_model.mm_projector.proj[2].weight.shape == (128, 128)
+    lm_dtype = ref_model.language_model.dtype
+    for name, p in ref_model.named_parameters():
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            assert p.dtype == lm_dtype, name
+    assert not any(n.endswith(".bias") for n, _ in ref_model.named_parameters())
+
+
+def test_reference_forward(ref_model: torch.nn.Module) -> None:
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    reference_logits(ref_model, ids[:, :8])  # warm-up
+    # Best of three: the CI machine is shared, a single run can be descheduled.
+    timings = []
+    for _ in range(3):
+        start = time.perf_counter()
+        logits = reference_logits(ref_model, ids)
+        timings.append(time.perf_counter() - start)
+    elapsed = min(timings)
+    assert logits.shape == (1, 64, 512) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    assert 0.1 < logits.std() < 100
+    assert elapsed < 1.0, f"64-token forward took {elapsed:.2f}s"
+
+
+def test_padding_and_cache(ref_model: torch.nn.Module) -> None:
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    full = reference_logits(ref_model, ids)
+    # Left padding: the valid positions must see exactly the unpadded sequence.
+    padded = torch.cat([torch.full((1, 3), 258), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], dim=1)
+    got = reference_logits(ref_model, padded, attention_mask=mask)[:, 3:]
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+    # Cached prefill + one decode step equals the full forward.
+    with torch.no_grad():
+        out = ref_model(input_ids=ids[:, :-1], use_cache=True)
+        step = ref_model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+    torch.testing.assert_close(step.logits[:, -1], full[:, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_meta_instantiation_of_every_pretrained_class(ckpt: Path) -> None:
+    from modelopt_k3.testing.reference import load_reference_class
+
+    config, cls = load_reference_class(ckpt)
+    with torch.device("meta"):
+        model = cls(config)
+        lm_cls = type(model.language_model)
+        lm = lm_cls(config.text_config)
+    assert all(p.is_meta for p in model.parameters())
+    assert lm.lm_head.weight.shape == (512, 128)
+    assert type(model).__name__ == "KimiK3ForConditionalGeneration"
+    assert "KimiDecoderLayer" in model._no_split_modules
+
+
+def test_many_experts(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    path = make_tiny_kimi_k3(tmp_path / "e128", num_experts=128)
+    assert time.perf_counter() - start < 5.0
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert f"{TEXT_PREFIX}3.block_sparse_moe.experts.127.w2.weight_packed" in index["weight_map"]
+    model = load_reference_model(make_tiny_kimi_k3(tmp_path / "e64", num_experts=64))
+    logits = reference_logits(model, torch.arange(16).view(1, 16))
+    assert logits.shape == (1, 16, 512) and torch.isfinite(logits).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Remote-code math against fla's CPU references and simple re-derivations
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kda_recurrence_matches_fla_naive() -> None:
+    naive = _fla_file("ops/kda/naive.py")
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 2, 9, 2, 16, 8
+    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    g_raw, beta_raw = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, generator=g)
+    A_log = torch.zeros(K)
+    A_log[:H] = torch.rand(H, generator=g) * 2
+    dt_bias = 0.1 * torch.randn(H * K, generator=g)
+    a = mkl.kda_gate(g_raw, A_log, dt_bias, -5.0)
+    # lower-bound gate computed by hand: lb * sigmoid(exp(A_log[h]) * (g + dt_bias))
+    by_hand = -5.0 * torch.sigmoid(A_log[:H].exp().view(H, 1) * (g_raw + dt_bias.view(H, K)))
+    torch.testing.assert_close(a, by_hand)
+    qn, kn, b = mkl.l2norm(q), mkl.l2norm(k), torch.sigmoid(beta_raw)
+    ours, s_ours = mkl.kda_recurrence(qn, kn, v, a, b, K**-0.5)
+    ref, s_ref = naive.naive_recurrent_kda(qn, kn, v, a, b, scale=K**-0.5, output_final_state=True)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_ours, s_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_apply_attn_res_matches_fla_naive() -> None:
+    naive = _fla_file("ops/attnres/naive.py")
+    g = torch.Generator().manual_seed(0)
+    N, n, D = 5, 3, 16
+    residuals, partial = torch.randn(N, n, D, generator=g), torch.randn(N, D, generator=g)
+    proj, norm = torch.nn.Linear(D, 1, bias=False), mkl.KimiRMSNorm(D, eps=1e-5)
+    with torch.no_grad():
+        proj.weight.normal_(generator=g)
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+    ours = mkl._apply_attn_res(partial, residuals, proj, norm)
+    ref = naive.naive_attnres(
+        query=proj.weight,
+        residuals=[residuals[:, i] for i in range(n)] + [partial],
+        rms_weight=norm.weight,
+        rms_eps=norm.variance_epsilon,
+    )
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_infer_matches_dense_loop(ref_model: torch.nn.Module) -> None:
+    block = ref_model.language_model.model.layers[2].block_sparse_moe
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 20, 128, generator=g)
+    idx, w = block.gate(h)
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32 and idx.shape == (20, 2)
+    torch.testing.assert_close(w.sum(-1), torch.ones(20))  # renormalised, scaling factor 1
+    x = torch.randn(20, 64, generator=g)
+    with torch.no_grad():
+        expected = torch.zeros(20, 64)
+        for t in range(20):
+            for j in range(2):
+                expected[t] += w[t, j] * block.experts[int(idx[t, j])](x[t : t + 1])[0]
+        got = block.moe_infer(x, idx, w)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_situ_and_short_conv() -> None:
+    act = mkl.SituAndMul(4.0, 25.0)
+    x = torch.randn(3, 8)
+    gate, up = x.chunk(2, -1)
+    expected = 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate) * 25.0 * torch.tanh(up / 25.0)
+    torch.testing.assert_close(act(x), expected)
+    w = torch.randn(6, 1, 4)
+    xs = torch.randn(2, 7, 6)
+    y, _ = mkl._causal_depthwise_conv_silu(xs, w, None)
+    by_hand = torch.zeros(2, 7, 6)
+    for t in range(7):
+        for j in range(4):
+            src = t - 3 + j
+            if src >= 0:
+                by_hand[:, t] += w[:, 0, j] * xs[:, src]
+    torch.testing.assert_close(y, torch.nn.functional.silu(by_hand))
