@@ -1,0 +1,1 @@
+"""Checkpoint writing: the ModelOpt HF format, streamed into shards, atomically."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..spec import ExpertProjection, ModelSpec, register_spec
 from .converters import EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
+from .kv_cache import attach_kv_cache
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
 from .shims import apply_import_shims
 
@@ -29,6 +30,7 @@ KIMI_K3_SPEC = register_spec(
         source_formats=SUPPORTED_SOURCE_FORMATS,
         patches_process_wide=True,
         converters=lambda: kimi_k3_converters(packed=True),
+        attach_kv_cache=attach_kv_cache,
     ),
     overwrite=True,
 )

@@ -60,7 +60,10 @@ def parse_source_scheme(config) -> str | None:
         parsed = QuantizationConfig.model_validate(qcfg)
     except Exception as e:  # pydantic raises its own ValidationError; report it as ours
         raise SpecError(f"cannot parse the checkpoint's quantization_config: {e}") from None
-    formats = {g.format or parsed.format for g in parsed.config_groups.values()}
+    if parsed.quant_method != "compressed-tensors":
+        raise SpecError(f"quantization_config has quant_method {parsed.quant_method!r}, not 'compressed-tensors'")
+    # The top-level format counts too (compressed-tensors picks the compressor by it); pydantic lets any string through.
+    formats = {g.format or parsed.format for g in parsed.config_groups.values()} | {parsed.format}
     formats.discard(None)
     if not formats:
         formats = {parsed.format}

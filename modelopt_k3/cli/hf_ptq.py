@@ -1,0 +1,122 @@
+"""``hf_ptq``: load -> quantize (calibrate) -> export, in one process or under torchrun.
+
+Flags follow ModelOpt's ``examples/llm_ptq/hf_ptq.py`` where they overlap, so existing command lines
+keep working. Without ``--pyt_ckpt_path`` the embedded tiny Kimi-K3 stand-in is generated into a cache
+directory and used (its remote code is this project's own, so it needs no ``--trust_remote_code``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+QFORMAT_PRESETS = {
+    "nvfp4": "presets/nvfp4",
+    "nvfp4_experts_only": "presets/nvfp4_experts_only",
+    "w4a16_nvfp4": "presets/w4a16_nvfp4",
+    "fp8": "presets/fp8",
+}
+TINY_CACHE_ENV = "MODELOPT_K3_CACHE"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="modelopt-k3-ptq",
+        description="Post-training quantization of a Kimi-K3-class checkpoint to an NVFP4/FP8 ModelOpt checkpoint.",
+    )
+    p.add_argument("--pyt_ckpt_path", type=Path, default=None,
+                   help="checkpoint directory (default: the embedded tiny Kimi-K3, built into a cache dir)")
+    p.add_argument("--qformat", default="nvfp4", help=f"preset: {', '.join(QFORMAT_PRESETS)} (ignored with --recipe)")
+    p.add_argument("--recipe", default=None, help="YAML recipe path or name (overrides --qformat)")
+    p.add_argument("--kv_cache_qformat", default="none", choices=["none", "fp8"])
+    p.add_argument("--calib_size", type=int, default=32, help="number of calibration sequences (all ranks together)")
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--calib_seq", type=int, default=128, help="tokens per calibration sequence")
+    p.add_argument("--dataset", default="builtin", help="local .txt/.jsonl, a datasets name, or 'builtin'")
+    p.add_argument("--export_path", type=Path, default=None, help="output directory (default: ./<ckpt>-<format>)")
+    p.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modeling code")
+    p.add_argument("--calibrate_all_experts", action="store_true",
+                   help="during calibration every expert sees every token (routing output unchanged)")
+    p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel"])
+    p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
+    p.add_argument("--max_shard_size_mb", type=int, default=5 * 1024)
+    p.add_argument("--no_progress", action="store_true")
+    return p
+
+
+def _tiny_checkpoint(group) -> Path:
+    from ..dist.collectives import barrier, run_together
+    from ..testing import make_tiny_kimi_k3
+
+    root = Path(os.environ.get(TINY_CACHE_ENV, Path.home() / ".cache" / "modelopt_k3"))
+    path = root / "tiny_kimi_k3"
+
+    def build() -> None:
+        if group.is_main and not (path / "model.safetensors.index.json").exists():
+            tmp = root / f".tiny_kimi_k3.tmp-{os.getpid()}"
+            make_tiny_kimi_k3(tmp, overwrite=True)
+            tmp.rename(path) if not path.exists() else None
+
+    run_together("build tiny checkpoint", build, group=group)
+    barrier(group)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from .. import export_checkpoint, load_pretrained, quantize
+    from ..data import load_texts, make_forward_loop, pack_sequences, rank_batches
+    from ..dist.group import run_group
+    from ..recipe import load_recipe
+
+    with run_group() as group:
+        main_rank = group.is_main
+        say = print if main_rank else (lambda *a, **k: None)
+        progress = main_rank and not args.no_progress
+        t0 = time.perf_counter()
+        ckpt = args.pyt_ckpt_path
+        trust = args.trust_remote_code
+        if ckpt is None:
+            ckpt, trust = _tiny_checkpoint(group), True
+        recipe_name = args.recipe or QFORMAT_PRESETS.get(args.qformat, args.qformat)
+        overrides = {}
+        if args.kv_cache_qformat != "none":
+            overrides["kv_cache"] = args.kv_cache_qformat
+        if args.calibrate_all_experts:
+            overrides["calibrate_all_experts"] = True
+        recipe = load_recipe(recipe_name, overrides=overrides or None)
+        export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
+
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype, progress=progress)
+        info = model.modelopt_k3
+        t_load = time.perf_counter()
+        say(f"[modelopt_k3] loaded {ckpt} ({info.plan.describe()}), read {info.bytes_read / 2**20:.1f} MiB "
+            f"on rank {group.rank} in {t_load - t0:.1f}s")
+
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+        sequences = pack_sequences(tokenizer, load_texts(args.dataset), num_sequences=args.calib_size,
+                                   seq_len=args.calib_seq)
+        batches = rank_batches(sequences, batch_size=args.batch_size, rank=group.rank, world_size=group.world_size)
+        forward_loop = make_forward_loop(batches, device=info.plan.device, progress=progress)
+        quantize(model, recipe, forward_loop, verbose=main_rank)
+        t_calib = time.perf_counter()
+        say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {t_calib - t_load:.1f}s")
+
+        out = export_checkpoint(model, export_path, overwrite=args.overwrite,
+                                max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
+        t_export = time.perf_counter()
+        say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Calibration data: local files, a ``datasets`` name when reachable, or the built-in set.
+
+Texts are tokenized, concatenated and cut into ``seq_len``-token sequences (packing: no padding, so
+every position is a real token). Each rank takes every ``world``-th sequence; ranks are given the
+same number of batches (a short rank repeats its own sequences) because expert-parallel forwards
+are collective. Repeating a sequence leaves ``max`` calibration unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+BUILTIN = "builtin"
+BUILTIN_PATH = Path(__file__).with_name("calib_builtin.txt")
+
+
+class DataError(ValueError):
+    pass
+
+
+def _read_txt(path: Path) -> list[str]:
+    # Paragraphs (blank-line separated) are samples; a file without blank lines gives one per line.
+    text = path.read_text(encoding="utf-8")
+    parts = [p.strip() for p in text.split("\n\n")]
+    if len(parts) <= 1:
+        parts = [line.strip() for line in text.splitlines()]
+    return [p for p in parts if p]
+
+
+def _read_jsonl(path: Path, field: str = "text") -> list[str]:
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not JSON: {e}") from None
+        if not isinstance(row, dict) or not isinstance(row.get(field), str):
+            raise DataError(f"{path}:{lineno}: expected an object with a string {field!r} field")
+        out.append(row[field])
+    return out
+
+
+def load_texts(dataset: str | None) -> list[str]:
+    """Calibration texts from ``dataset``: None/"builtin", a .txt/.jsonl path, or a ``datasets`` name."""
+    if dataset in (None, BUILTIN):
+        return _read_txt(BUILTIN_PATH)
+    path = Path(dataset)
+    if path.suffix in (".txt", ".jsonl", ".json") or path.exists():
+        if not path.is_file():
+            raise DataError(f"calibration file {path} does not exist")
+        texts = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_txt(path)
+    else:
+        try:
+            import datasets  # optional; needs network or a local cache
+        except ImportError:
+            raise DataError(
+                f"{dataset!r} is not a local .txt/.jsonl file and the 'datasets' package is not installed; "
+                f"use a local file or '{BUILTIN}'"
+            ) from None
+        try:
+            ds = datasets.load_dataset(dataset, split="train", streaming=True)
+            texts = [row["text"] for _, row in zip(range(4096), ds)]
+        except Exception as e:
+            raise DataError(f"could not load dataset {dataset!r} ({type(e).__name__}: {e}); "
+                            f"use a local .txt/.jsonl file or '{BUILTIN}'") from None
+    if not texts:
+        raise DataError(f"calibration source {dataset!r} holds no text")
+    return texts
+
+
+def pack_sequences(tokenizer, texts: list[str], *, num_sequences: int, seq_len: int) -> torch.Tensor:
+    """``[num_sequences, seq_len]`` token ids: texts tokenized, joined with EOS, cut; cycled if short."""
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for text in texts:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if eos is not None:
+            stream.append(eos)
+    if not stream:
+        raise DataError("the tokenizer produced no tokens from the calibration texts")
+    need = num_sequences * seq_len
+    while len(stream) < need:
+        stream += stream[: need - len(stream)]
+    return torch.tensor(stream[:need], dtype=torch.long).view(num_sequences, seq_len)
+
+
+def rank_batches(sequences: torch.Tensor, *, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
+    """This rank's share as batches; every rank gets the same number of batches."""
+    mine = sequences[rank::world_size]
+    per_rank = -(-sequences.shape[0] // world_size)
+    if mine.shape[0] == 0:
+        mine = sequences[:1]
+    if mine.shape[0] < per_rank:  # repeat own sequences: max calibration is unchanged by repeats
+        reps = -(-per_rank // mine.shape[0])
+        mine = mine.repeat(reps, 1)[:per_rank]
+    return list(mine.split(batch_size))
+
+
+def make_forward_loop(batches: list[torch.Tensor], *, device: torch.device, progress: bool = True) -> Callable[[nn.Module], None]:
+    def forward_loop(model: nn.Module) -> None:
+        for batch in tqdm(batches, desc="calibrate", disable=not progress, leave=False):
+            model(input_ids=batch.to(device), use_cache=False)
+
+    return forward_loop

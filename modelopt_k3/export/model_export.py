@@ -1,0 +1,173 @@
+"""``export_checkpoint``: each rank quantizes and writes what it owns; only the index travels.
+
+Ownership: a rank writes its own experts (expert parallel) and a deterministic share of the dense work
+(quantized Linears and pass-through tensors, item ``i`` to rank ``i % world``). Pass-through tensors are
+copied from the source checkpoint, so everything left unquantized keeps its source name, dtype and
+bytes. Rank 0 writes the index, ``config.json``, ``hf_quant_config.json`` and copies the remote code
+and tokenizer. All of it happens in one temporary directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
+from ..dist.collectives import run_together
+from ..dist.group import current_group
+from ..quant.modules import ExpertsQuantState
+from .modelopt_format import (
+    config_quantization_config,
+    hf_quant_config,
+    input_scale_tensor,
+    strip_source_quantization,
+    weight_tensors,
+)
+from .writer import ShardWriter, atomic_output_dir, gather_weight_maps, write_index
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+_NOT_COPIED = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
+
+
+def _dense_items(model: nn.Module, qplan, reader: CheckpointReader, expert_key_re: re.Pattern) -> list[tuple[str, str]]:
+    """Sorted work items ("quant", module) / ("copy", source key) for everything but routed experts."""
+    items = [("quant", name) for name in qplan.dense]
+    owned = {f"{name}.weight" for name in qplan.dense}
+    items += [("copy", key) for key in reader.names() if key not in owned and not expert_key_re.match(key)]
+    for name, module in model.named_modules():
+        for key in getattr(module, "kv_scale_names", ()):
+            items.append(("kv", f"{name}.{key}"))
+    return sorted(items, key=lambda it: it[1])
+
+
+def _quant_linear_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    wq = module.weight_quantizer
+    out = weight_tensors(wq.fmt, module.weight.detach(), None if wq.fmt == "fp8_pb" else wq.scale())
+    if module.input_quantizer is not None:
+        out["input_scale"] = input_scale_tensor(module.input_quantizer.scale())
+    return out
+
+
+def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert tensors under the checkpoint's names ``{name}.{e}.{proj}.*``."""
+    state: ExpertsQuantState | None = getattr(experts, "quant", None)
+    for local in range(experts.num_experts):
+        expert = experts.expert_offset + local
+        for proj in spec.expert_projections:
+            fused = getattr(experts, proj.fused_param).detach()[local]
+            weight = fused.chunk(proj.n_chunks, dim=0)[proj.chunk]
+            prefix = f"{name}.{expert}.{proj.name}"
+            if proj.name not in projs or state is None:
+                yield f"{prefix}.weight", weight.to(torch.bfloat16).contiguous()
+                continue
+            wq = state.weight[proj.fused_param]
+            scale = None if wq.fmt == "fp8_pb" else wq.scale()[local]
+            for key, tensor in weight_tensors(wq.fmt, weight, scale).items():
+                yield f"{prefix}.{key}", tensor
+            if proj.fused_param in state.input:
+                yield f"{prefix}.input_scale", input_scale_tensor(state.input[proj.fused_param].scale())
+
+
+def _layer_algos(model: nn.Module, qplan) -> dict[str, str]:
+    algos = {name: fmt.algo for name, fmt in qplan.dense.items()}
+    for name, projs in qplan.experts.items():
+        experts = model.get_submodule(name)
+        for e in range(experts.num_global_experts):
+            for proj, fmt in projs.items():
+                algos[f"{name}.{e}.{proj}"] = fmt.algo
+    return algos
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for path in sorted(src.iterdir()):
+        if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(".safetensors"):
+            shutil.copy2(path, dst / path.name)
+
+
+def _write_configs(src: Path, dst: Path, hf_quant: dict) -> None:
+    config = strip_source_quantization(json.loads((src / "config.json").read_text()))
+    config["quantization_config"] = config_quantization_config(hf_quant)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+
+
+def export_checkpoint(
+    model: nn.Module,
+    export_dir: str | Path,
+    *,
+    format: str = "modelopt",
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> Path:
+    """Write the quantized model as a ModelOpt Hugging Face checkpoint; returns ``export_dir``.
+
+    Call on every rank. Nothing is gathered: each rank writes its own shard files.
+    """
+    if format != "modelopt":
+        raise ValueError(f"unknown export format {format!r}; supported: 'modelopt'")
+    info = getattr(model, "modelopt_k3", None)
+    qplan = getattr(model, "modelopt_k3_quant", None)
+    if info is None or qplan is None:
+        raise ValueError("export_checkpoint expects a model from load_pretrained that went through quantize")
+    group = current_group()
+    spec, plan = info.spec, info.plan
+    expert_key_re = re.compile(spec.expert_key_regex)
+    export_dir = Path(export_dir)
+    modules = dict(model.named_modules())
+    experts_modules = {n: m for n, m in modules.items() if spec.is_experts_module(n, m)}
+
+    with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:
+
+        def write_rank_share() -> tuple[dict[str, str], int]:
+            with CheckpointReader(info.checkpoint) as reader, ShardWriter(
+                tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
+            ) as writer:
+                items = _dense_items(model, qplan, reader, expert_key_re)[group.rank :: group.world_size]
+                n_experts = sum(m.num_experts for m in experts_modules.values()) if plan.writes_experts else 0
+                bar = tqdm(total=len(items) + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
+                for kind, name in items:
+                    if kind == "copy":
+                        writer.add(name, reader.get(name))
+                    elif kind == "kv":
+                        owner, _, key = name.rpartition(".")
+                        writer.add(name, modules[owner].kv_scale(key))
+                    else:
+                        for key, tensor in _quant_linear_tensors(modules[name]).items():
+                            writer.add(f"{name}.{key}", tensor)
+                    bar.update(1)
+                if plan.writes_experts:
+                    for name, experts in experts_modules.items():
+                        projs = qplan.experts.get(name, {})
+                        for key, tensor in _expert_tensors(name, experts, spec, projs):
+                            writer.add(key, tensor)
+                        bar.update(experts.num_experts)
+                bar.close()
+                weight_map = writer.close()
+                return weight_map, writer.total_bytes
+
+        weight_map, nbytes = run_together("export write shards", write_rank_share, group=group)
+        maps, total = gather_weight_maps(weight_map, nbytes, group=group)
+
+        def finish() -> None:
+            if not group.is_main:
+                return
+            write_index(tmp, maps, total)
+            hf_quant = hf_quant_config(
+                _layer_algos(model, qplan),
+                kv_cache=qplan.recipe.kv_cache,
+                exclude_modules=sorted(qplan.left_bf16),
+                recipe=qplan.recipe.name,
+            )
+            _write_configs(info.checkpoint, tmp, hf_quant)
+            _copy_side_files(info.checkpoint, tmp)
+
+        run_together("export index and configs", finish, group=group)
+    return export_dir

@@ -1,0 +1,157 @@
+"""``quantize(model, recipe, forward_loop)``: match the recipe, attach quantizers, calibrate, summarise.
+
+Recipe patterns are matched against the checkpoint's own module names: a dense Linear's in-memory
+name is its checkpoint name, and a fused experts module is matched as the per-expert Linears it is on
+disk (``…experts.{e}.w1`` etc., via the spec's ``expert_projections``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..models.spec import ModelSpec
+from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
+from .calibrate import calibrate, enable_calibrate_all_experts
+from .modules import attach_experts, attach_linear
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantPlan:
+    """What quantize decided, per checkpoint module name; read by the summary and the exporter."""
+
+    recipe: Recipe
+    dense: dict[str, QuantFormat] = field(default_factory=dict)
+    # experts module name -> projection name -> format (same for every expert of the module)
+    experts: dict[str, dict[str, QuantFormat]] = field(default_factory=dict)
+    left_bf16: dict[str, str] = field(default_factory=dict)  # module name -> reason
+
+    def summary(self) -> str:
+        counts: Counter[str] = Counter(f.algo for f in self.dense.values())
+        for projs in self.experts.values():
+            for fmt in projs.values():
+                counts[f"{fmt.algo} (fused experts)"] += 1
+        reasons: Counter[str] = Counter(self.left_bf16.values())
+        lines = [f"recipe {self.recipe.name}: algorithm={self.recipe.algorithm} kv_cache={self.recipe.kv_cache}"]
+        lines += [f"  {algo:<28} {n:>6} modules" for algo, n in sorted(counts.items())]
+        lines.append(f"  {'BF16 (left unquantized)':<28} {len(self.left_bf16):>6} modules")
+        lines += [f"    {n:>6}  {reason}" for reason, n in reasons.most_common()]
+        return "\n".join(lines)
+
+
+def _expert_names(module_name: str, experts: nn.Module, spec: ModelSpec) -> dict[str, list[tuple[str, tuple[int, int]]]]:
+    """projection -> [(checkpoint name, (out, in))] for the local experts of one fused module."""
+    out: dict[str, list[tuple[str, tuple[int, int]]]] = {}
+    for proj in spec.expert_projections:
+        param = getattr(experts, proj.fused_param)
+        rows = param.shape[1] // proj.n_chunks
+        shape = (rows, param.shape[2])
+        out[proj.name] = [
+            (f"{module_name}.{experts.expert_offset + e}.{proj.name}", shape) for e in range(experts.num_experts)
+        ]
+    return out
+
+
+def _reason(entry) -> str:
+    if entry is None:
+        return "no recipe entry matches"
+    return entry.reason or f"disabled by {entry.source}"
+
+
+def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> QuantPlan:
+    plan = QuantPlan(recipe)
+    shapes: dict[str, tuple[int, int]] = {}
+    experts_modules = {n: m for n, m in model.named_modules() if spec.is_experts_module(n, m)}
+    for name, module in model.named_modules():
+        if name in experts_modules:
+            per_proj = _expert_names(name, module, spec)
+            projs: dict[str, QuantFormat] = {}
+            for proj, names in per_proj.items():
+                resolved = {recipe.resolve(n)[0] for n, _ in names}
+                if len(resolved) > 1:
+                    raise RecipeError(
+                        f"recipe {recipe.name}: the experts of {name} get different formats for {proj} "
+                        f"({sorted(map(str, resolved))}); all experts of one layer must share one format"
+                    )
+                fmt = resolved.pop()
+                shapes.update(dict(names))
+                if fmt is not None and fmt.enabled:
+                    projs[proj] = fmt
+                else:
+                    plan.left_bf16[f"{name}.*.{proj}"] = _reason(recipe.resolve(names[0][0])[1])
+            for group in spec.shared_scale_groups:
+                fmts = {str(projs.get(p)) for p in group}
+                if len(fmts) > 1:
+                    raise RecipeError(
+                        f"recipe {recipe.name}: {name} projections {group} share one weight_scale_2/input_scale "
+                        f"(one fused kernel) and must get the same format, got {sorted(fmts)}"
+                    )
+            if projs:
+                plan.experts[name] = projs
+        elif type(module) is nn.Linear:
+            shapes[name] = (module.out_features, module.in_features)
+            fmt, entry = recipe.resolve(name)
+            if fmt is not None and fmt.enabled:
+                plan.dense[name] = fmt
+            else:
+                plan.left_bf16[name] = _reason(entry)
+    recipe.check_against(shapes)
+    return plan
+
+
+def _fused_formats(spec: ModelSpec, projs: dict[str, QuantFormat]) -> dict[str, tuple[str | None, str | None, float | None]]:
+    """fused param -> (weight fmt, input fmt, constant input amax), from per-projection formats."""
+    out: dict[str, tuple[str | None, str | None, float | None]] = {}
+    for proj in spec.expert_projections:
+        fmt = projs.get(proj.name)
+        value = (fmt.weights, fmt.inputs, fmt.input_amax) if fmt is not None else (None, None, None)
+        if proj.fused_param in out and out[proj.fused_param] != value:
+            raise RecipeError(f"projections fused into {proj.fused_param} need one format, got {out[proj.fused_param]} and {value}")
+        out[proj.fused_param] = value
+    return out
+
+
+def quantize(
+    model: nn.Module,
+    recipe: Recipe | str,
+    forward_loop: Callable[[nn.Module], None] | None = None,
+    *,
+    verbose: bool = True,
+) -> nn.Module:
+    """Attach quantizers per ``recipe``, calibrate with ``forward_loop`` (``max``), return ``model``.
+
+    ``forward_loop(model)`` runs this rank's share of the calibration data through the model; it may
+    be None when the recipe needs no activation statistics (constant ``input_amax`` or weight-only).
+    """
+    if isinstance(recipe, str):
+        recipe = load_recipe(recipe)
+    info = getattr(model, "modelopt_k3", None)
+    if info is None:
+        raise ValueError("quantize expects a model from modelopt_k3.load_pretrained (it needs the spec and plan)")
+    if getattr(model, "modelopt_k3_quant", None) is not None:
+        raise ValueError("this model is already quantized")
+    spec: ModelSpec = info.spec
+    qplan = plan_quantization(model, recipe, spec)
+    modules = dict(model.named_modules())
+    for name, fmt in qplan.dense.items():
+        attach_linear(modules[name], fmt.weights, fmt.inputs, fmt.input_amax)
+    for name, projs in qplan.experts.items():
+        attach_experts(modules[name], _fused_formats(spec, projs))
+    if recipe.kv_cache is not None:
+        if spec.attach_kv_cache is None:
+            raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "
+                              f"which model_type {spec.model_type} does not support")
+        spec.attach_kv_cache(model, recipe.kv_cache)
+    if recipe.calibrate_all_experts:
+        enable_calibrate_all_experts(model)
+    calibrate(model, forward_loop)
+    model.modelopt_k3_quant = qplan
+    if verbose and info.plan.rank == 0:
+        print(qplan.summary())
+    return model

@@ -1,0 +1,100 @@
+"""``max`` calibration: weight amax from the weights, activation amax from a forward loop.
+
+Distribution rules (FORMATS.md, DESIGN.md): dense quantizers' amax is max-reduced over all ranks
+(each rank saw its own share of the data); expert weight amax stays with the owner (weights differ per
+expert); expert input amax is one value per MoE layer and projection, max-reduced over all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dist.collectives import all_reduce_max_, run_together
+from ..dist.group import current_group
+from .modules import ExpertsQuantState, iter_quantizers, set_mode
+
+
+def _all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0 (row counts may differ)."""
+    g = current_group()
+    if g.world_size == 1:
+        return x
+    n = torch.tensor([x.shape[0]], device=x.device)
+    counts = [torch.zeros_like(n) for _ in range(g.world_size)]
+    dist.all_gather(counts, n, group=g.pg)
+    counts_l = [int(c) for c in counts]
+    padded = x.new_zeros((max(counts_l), *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = [torch.empty_like(padded) for _ in counts_l]
+    dist.all_gather(out, padded.contiguous(), group=g.pg)
+    return torch.cat([o[:c] for o, c in zip(out, counts_l)])
+
+
+def _calibrate_all_experts_hook(experts: nn.Module, state: ExpertsQuantState):
+    """Pre-hook: during calibration, push every token (of every rank) through every local expert.
+
+    The routed forward that follows is unchanged, so the model's output is the model's own.
+    """
+    eager = type(experts).forward.__wrapped__  # below the interface dispatch: local ids, this rank only
+
+    def hook(module, args, kwargs):
+        if not state.calibrate_all_experts or not any(q.mode == "calib" for q in state.input.values()):
+            return None
+        x = _all_gather_rows(args[0])
+        n, e = x.shape[0], module.num_experts
+        ids = torch.arange(e, device=x.device).expand(n, e)
+        eager(module, x, ids, torch.zeros(n, e, dtype=torch.float32, device=x.device))
+        return None
+
+    return hook
+
+
+def enable_calibrate_all_experts(model: nn.Module) -> None:
+    for module in model.modules():
+        state = getattr(module, "quant", None)
+        if isinstance(state, ExpertsQuantState) and not state.calibrate_all_experts:
+            state.calibrate_all_experts = True
+            # Registered after the input-quantizer hook, so x here is already observed by it.
+            module.register_forward_pre_hook(_calibrate_all_experts_hook(module, state), with_kwargs=True)
+
+
+def sync_amax(model: nn.Module) -> None:
+    """Max-reduce activation amax over ranks. Weight amax stays local (replicated or owned)."""
+    g = current_group()
+    if g.world_size == 1:
+        return
+    inputs = [q for _, q in iter_quantizers(model) if q.role == "input" and q.constant_amax is None]
+    if not inputs:
+        return
+    # One collective for all of them; NaN (never observed here) must not poison the max.
+    flat = torch.stack([q.amax.reshape(()) for q in inputs]).to(g.device)
+    flat = torch.nan_to_num(flat, nan=-1.0)
+    all_reduce_max_(flat, group=g)
+    for q, value in zip(inputs, flat.tolist()):
+        q.amax.fill_(float("nan") if value < 0 else value)
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None) -> None:
+    """Run ``forward_loop`` with input quantizers observing, then switch every quantizer to ``quant``."""
+    needs_data = any(q.role == "input" and q.constant_amax is None for _, q in iter_quantizers(model))
+    if needs_data:
+        if forward_loop is None:
+            raise ValueError("the recipe quantizes activations without a constant amax: a forward_loop is required")
+        set_mode(model, "calib", role="input")
+        try:
+            run_together("calibration forward", forward_loop, model)
+        finally:
+            set_mode(model, "off")
+        sync_amax(model)
+    missing = [name for name, q in iter_quantizers(model) if q.fmt != "fp8_pb" and not q.calibrated]
+    if missing:
+        raise RuntimeError(
+            "no calibration data reached these quantizers (more data or calibrate_all_experts helps): "
+            + ", ".join(missing[:10])
+        )
+    set_mode(model, "quant")

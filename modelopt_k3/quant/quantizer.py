@@ -1,0 +1,97 @@
+"""``TensorQuantizer``: calibration state (amax) plus a fake-quant forward that uses the export numerics.
+
+One quantizer serves one tensor role (a Linear's weight, a Linear's input, or one projection of a
+fused experts module, where ``amax`` has one entry per local expert). Modes:
+
+* ``calib``: record ``amax`` (running max of ``|x|``), return ``x`` unchanged;
+* ``quant``: return ``dequantize(quantize(x))`` computed by ``modelopt_k3.numerics`` -- exactly what
+  the exported checkpoint will hold, so the fake-quantized model and the export agree;
+* ``off``: identity.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..numerics import fp8 as fp8n
+from ..numerics import nvfp4 as nvn
+
+Mode = Literal["off", "calib", "quant"]
+FORMATS = ("nvfp4", "fp8", "fp8_pb")
+
+
+class QuantizerError(RuntimeError):
+    pass
+
+
+class TensorQuantizer(nn.Module):
+    """Quantizer for one tensor role; ``amax`` is a buffer (scalar, or ``[E]`` per expert)."""
+
+    def __init__(
+        self, fmt: str, *, role: Literal["weight", "input"], amax_shape: tuple[int, ...] = (), constant_amax: float | None = None
+    ) -> None:
+        super().__init__()
+        if fmt not in FORMATS:
+            raise QuantizerError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+        self.fmt = fmt
+        self.role = role
+        self.mode: Mode = "off"
+        self.constant_amax = constant_amax
+        self.register_buffer("amax", torch.full(amax_shape, float("nan"), dtype=torch.float32))
+        if constant_amax is not None:
+            self.amax.fill_(constant_amax)
+
+    def extra_repr(self) -> str:
+        amax = "unset" if not self.calibrated else f"{self.amax.max().item():.4g}"
+        const = " (constant)" if self.constant_amax is not None else ""
+        return f"{self.role} {self.fmt}, mode={self.mode}, amax={amax}{const}"
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(torch.isfinite(self.amax).all())
+
+    def reset(self) -> None:
+        self.amax.fill_(float("nan") if self.constant_amax is None else self.constant_amax)
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor, reduce_dims: tuple[int, ...] | None = None) -> None:
+        """Fold ``max|x|`` into ``amax`` (over ``reduce_dims``, all dims when None)."""
+        if self.constant_amax is not None:
+            return
+        x = x.detach().float().abs()
+        value = x.amax() if reduce_dims is None else x.amax(dim=reduce_dims)
+        value = value.to(self.amax.device)
+        self.amax.copy_(torch.where(torch.isnan(self.amax), value, torch.maximum(self.amax, value)))
+
+    def scale(self) -> torch.Tensor:
+        """The per-tensor scale the export writes (``weight_scale_2``/``input_scale``/FP8 ``scale``)."""
+        if not self.calibrated:
+            raise QuantizerError(f"{self.role} quantizer ({self.fmt}) has no amax: it was never calibrated")
+        if self.fmt == "nvfp4":
+            return nvn.nvfp4_global_scale(self.amax)
+        return fp8n.fp8_scale(self.amax)
+
+    def fake_quant(self, x: torch.Tensor, *, expert_dim: bool = False) -> torch.Tensor:
+        """Quantize-dequantize ``x``. ``expert_dim``: ``x`` is ``[E, out, in]`` with one amax per expert."""
+        if self.fmt == "fp8_pb":
+            return fp8n.fp8_fake_quant_blockwise(x, block=128) if not expert_dim else torch.stack(
+                [fp8n.fp8_fake_quant_blockwise(w, block=128) for w in x]
+            )
+        scale = self.scale()
+        if expert_dim:
+            scale = scale.view(-1, 1, 1)
+        scale = scale.to(x.device)
+        if self.fmt == "nvfp4":
+            return nvn.nvfp4_fake_quant(x, scale)
+        return fp8n.fp8_fake_quant_per_tensor(x, scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "calib":
+            self.observe(x)
+            return x
+        if self.mode == "quant":
+            return self.fake_quant(x)
+        return x

@@ -1,0 +1,171 @@
+"""Expert parallelism on gloo/CPU: logits, per-rank reads, export equality, failing together."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from _mp import run_ranks
+from safetensors import safe_open
+
+from modelopt_k3.models.kimi_k3.converters import EXPERT_KEY_RE
+
+pytestmark = pytest.mark.multiprocess
+
+EP_ENV = {"MODELOPT_K3_DIST_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
+ACTIVATION_SCALES = re.compile(r"\.(input_scale|k_scale|v_scale)$")
+
+
+# --------------------------------------------------------------------------- rank workers (module level)
+
+
+def _ep_logits(ckpt: str, ids: torch.Tensor):
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.dist.group import run_group
+
+    with run_group():
+        model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, dtype=torch.float32, progress=False)
+        info = model.modelopt_k3
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+        experts = {
+            name: (m.expert_offset, m.num_experts)
+            for name, m in model.named_modules()
+            if info.spec.is_experts_module(name, m)
+        }
+        return logits, list(info.keys_read), info.bytes_read, experts, info.plan.kind
+
+
+def _ep_ptq(argv: list[str], fail: str | None = None):
+    """Run the hf_ptq CLI on this rank; ``fail`` makes rank 1 raise in 'calibration' or 'export'."""
+    import os
+
+    from modelopt_k3.cli import hf_ptq
+
+    rank = int(os.environ["RANK"])
+    if fail == "calibration" and rank == 1:
+        import modelopt_k3.data as data
+
+        original = data.make_forward_loop
+
+        def failing_loop(batches, **kw):
+            inner = original(batches, **kw)
+
+            def loop(model):
+                inner(model)
+                raise RuntimeError("injected calibration failure on rank 1")
+
+            return loop
+
+        data.make_forward_loop = failing_loop
+    if fail == "export" and rank == 1:
+        from modelopt_k3.export import writer
+
+        def failing_add(self, name, tensor):
+            raise RuntimeError("injected export failure on rank 1")
+
+        writer.ShardWriter.add = failing_add
+    return hf_ptq.main(argv)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _read_export(path: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for file in sorted(set(index.values())):
+        with safe_open(path / file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[key] = f.get_tensor(key)
+    assert set(out) == set(index), "index and shard contents differ"
+    return out
+
+
+def assert_exports_equal(a: Path, b: Path) -> None:
+    ta, tb = _read_export(a), _read_export(b)
+    assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))[:10]
+    for key in ta:
+        x, y = ta[key], tb[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        if ACTIVATION_SCALES.search(key):
+            torch.testing.assert_close(x, y, rtol=0.01, atol=0, msg=key)
+        else:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{key} differs"
+    for name in ("config.json", "hf_quant_config.json"):
+        assert json.loads((a / name).read_text()) == json.loads((b / name).read_text()), name
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def ep_ckpt(tmp_path_factory) -> Path:
+    from modelopt_k3.testing import make_tiny_kimi_k3
+
+    return make_tiny_kimi_k3(tmp_path_factory.mktemp("ep") / "tiny", num_experts=16)
+
+
+@pytest.fixture(scope="module")
+def single_logits(ep_ckpt):
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    (result,) = run_ranks(1, _ep_logits, str(ep_ckpt), ids, timeout=300, env=EP_ENV)
+    assert result.exitcode == 0, result.traceback
+    return ids, result.value
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_logits_equal_single_process_and_reads_are_local(ep_ckpt, single_logits, world):
+    ids, (ref_logits, ref_keys, ref_bytes, _, kind) = single_logits
+    assert kind == "whole"
+    results = run_ranks(world, _ep_logits, str(ep_ckpt), ids, timeout=300, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0] * world, [r.traceback for r in results]
+    expert_bytes = []
+    for r in results:
+        logits, keys, nbytes, experts, kind = r.value
+        assert kind == "expert_parallel"
+        rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
+        assert rel <= 1e-5, f"rank {r.rank}: relative logits error {rel:.3g}"
+        assert len(keys) == len(set(keys)), "a tensor was read twice"
+        for key in keys:
+            m = EXPERT_KEY_RE.match(key)
+            if m is None:
+                continue
+            offset, count = experts[m["module"]]
+            assert offset <= int(m["expert"]) < offset + count, f"rank {r.rank} read {key} of another rank"
+        expert_bytes.append(sum(1 for k in keys if EXPERT_KEY_RE.match(k)))
+    # Every expert tensor was read exactly once over all ranks.
+    assert sum(expert_bytes) == sum(1 for k in ref_keys if EXPERT_KEY_RE.match(k))
+
+
+PTQ_ARGS = ["--trust_remote_code", "--qformat", "nvfp4", "--kv_cache_qformat", "fp8", "--calib_size", "8",
+            "--batch_size", "2", "--calib_seq", "32", "--no_progress"]
+
+
+def test_ep_export_equals_single_process_export(ep_ckpt, tmp_path):
+    single = tmp_path / "single"
+    (r,) = run_ranks(1, _ep_ptq, [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(single)],
+                     timeout=300, env=EP_ENV)
+    assert r.exitcode == 0, r.traceback
+    for world in (2, 4):
+        out = tmp_path / f"ep{world}"
+        results = run_ranks(world, _ep_ptq, [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(out)],
+                            timeout=300, env=EP_ENV)
+        assert [x.exitcode for x in results] == [0] * world, [x.traceback for x in results]
+        assert_exports_equal(single, out)
+        assert not list(tmp_path.glob(".*tmp*")), "temporary export directory left behind"
+
+
+@pytest.mark.parametrize("stage", ["calibration", "export"])
+def test_rank_failure_fails_all_ranks_and_leaves_no_checkpoint(ep_ckpt, tmp_path, stage):
+    out = tmp_path / "out"
+    env = {**EP_ENV, "MODELOPT_K3_DIST_TIMEOUT": "20"}
+    results = run_ranks(2, _ep_ptq, [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(out)],
+                        stage, timeout=120, env=env)
+    assert all(r.exitcode not in (0, None) for r in results), [(r.rank, r.exitcode) for r in results]
+    assert any("rank 1" in (r.error or "") for r in results), [r.error for r in results]
+    assert not out.exists()
+    assert not list(tmp_path.glob(".*tmp*"))
