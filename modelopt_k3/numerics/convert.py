@@ -1,0 +1,133 @@
+"""Calibration-free MXFP4 -> NVFP4 cast (docs/FORMATS.md, "Calibration-free MXFP4 -> NVFP4").
+
+An MXFP4 block of 32 is two NVFP4 blocks of 16 sharing one power-of-two scale ``2**(s-127)``.
+With ``weight_scale_2 = gs`` a power of two, the NVFP4 block scale ``2**(s-127) / gs`` is a power
+of two too, and E4M3 holds the powers of two ``2**-9`` (subnormal) .. ``2**8``. When it is
+representable the E2M1 codes carry over byte for byte and the block is lossless.
+
+Why the largest block maps to 2**8 = 256 and not 448: block scales must be *powers of two* for the
+codes to carry over, and 256 is the largest power of two in E4M3 (448 = 1.75 * 2**8 is not).
+FORMATS.md's "at most 448" is met with the most headroom downward: 18 consecutive exponents
+(``max_s - 17 .. max_s``) are lossless.
+
+Rules (all vectorized, on the uint8 exponents and bytes directly):
+
+- Default ``global_scale`` = ``shared_global_scale_for(weight_scale)``: ``2**(max_s - 127 - 8)``
+  over every block with ``s != 255`` (per leading index for batched ``[E, out, in/32]``).
+  ``shared_global_scale_for(w1_scale, w3_scale)`` is the max over both, so an expert's gate and
+  up projections share it (the scale tensors alone cannot tell all-zero blocks apart, so their
+  exponents count; encoders give zero blocks small exponents, which never raise the max).
+- A block is carried when ``fp32(e4m3(2**(s-127) / gs)) * gs == 2**(s-127)`` exactly in fp32 (the
+  same product ``nvfp4_dequantize`` forms), so any ``global_scale`` the caller passes works; only
+  a power of two carries every in-range block.
+- An NVFP4 half-block whose 16 codes are all ±0 is carried with block scale 1.0 (the NVFP4
+  all-zero rule) and never counted, whatever its exponent.
+- Any other half-block is requantized from its decoded fp32 values with the NVFP4 numerics of
+  ``nvfp4_quantize`` and the same global scale, and counted. This covers exponents below
+  ``2**-9 * gs`` (the block scale clamps to 2**-9), above 448 * gs (only with a caller-chosen
+  global scale) and E8M0 NaN (byte 255: NaN block scale, decodes to NaN as MXFP4 does).
+
+For every carried block ``nvfp4_dequantize(result)`` equals ``mxfp4_decode`` bit for bit (in fp32
+and, as both round the same fp32 value once, in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .constants import E8M0_BIAS, E8M0_NAN, FP8_E4M3_MAX_POW2_EXP, MXFP4_BLOCK, NVFP4_BLOCK
+from .e2m1 import _table, pack_fp4, unpack_fp4
+from .mxfp4 import _scale_table
+from .nvfp4 import NVFP4Weight, _quantize_keys, _rows_global_scale
+
+__all__ = ["mxfp4_to_nvfp4", "shared_global_scale_for"]
+
+_E4M3 = torch.float8_e4m3fn
+_E4M3_ONE = 0x38  # float8_e4m3fn bit pattern of 1.0
+_MAG_BITS = 0x7777777777777777  # the three magnitude bits of all 16 nibbles in 8 bytes
+
+
+def shared_global_scale_for(*weight_scales: Tensor) -> Tensor:
+    """Power-of-two ``weight_scale_2`` mapping the largest block scale of all inputs to 2**8.
+
+    ``weight_scales`` are MXFP4 E8M0 scale tensors ``[..., out, in/32]`` (e.g. an expert's w1 and
+    w3). 2-D inputs give a 0-d fp32 tensor; batched ``[E, out, in/32]`` inputs give ``[E]`` (one
+    per leading index), and all inputs must share those leading dims. Bytes 255 (NaN) are ignored.
+    """
+    if not weight_scales:
+        raise ValueError("shared_global_scale_for needs at least one weight_scale tensor")
+    lead = tuple(weight_scales[0].shape[:-2])
+    smax = None
+    for s in weight_scales:
+        if s.dtype != torch.uint8 or s.dim() < 2 or tuple(s.shape[:-2]) != lead:
+            raise ValueError(
+                f"shared_global_scale_for needs uint8 [..., out, in/32] tensors with equal leading dims; "
+                f"got {s.dtype} {tuple(s.shape)} next to leading dims {lead}"
+            )
+        m = (
+            s.masked_fill(s == E8M0_NAN, 0).amax(dim=(-2, -1))
+            if s.numel()
+            else torch.zeros(lead, dtype=torch.uint8)
+        )
+        smax = m if smax is None else torch.maximum(smax, m)
+    exp = smax.double() - (E8M0_BIAS + FP8_E4M3_MAX_POW2_EXP)
+    return torch.exp2(exp).float()  # 2**-135 .. 2**119, exact in fp32
+
+
+def mxfp4_to_nvfp4(
+    weight_packed: Tensor, weight_scale: Tensor, global_scale: Tensor | float | None = None
+) -> tuple[NVFP4Weight, int]:
+    """Cast MXFP4 ``(weight_packed [..., out, in/2], weight_scale [..., out, in/32])`` to NVFP4.
+
+    Returns ``(NVFP4Weight(packed, block_scale, global_scale), n_requantized_blocks)``, where
+    blocks are NVFP4 blocks of 16 and ``global_scale`` is ModelOpt's ``weight_scale_2``
+    (value = code * float(block_scale) * global_scale). See the module docstring for the rules.
+    """
+    if weight_packed.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
+        raise ValueError(
+            f"mxfp4_to_nvfp4 needs uint8 tensors, got {weight_packed.dtype} and {weight_scale.dtype}"
+        )
+    *lead, half = weight_packed.shape
+    nb32 = weight_scale.shape[-1]
+    if tuple(weight_scale.shape[:-1]) != tuple(lead) or half != nb32 * (MXFP4_BLOCK // 2):
+        raise ValueError(
+            f"MXFP4 shapes do not match: weight_packed {tuple(weight_packed.shape)}, weight_scale {tuple(weight_scale.shape)}"
+        )
+    device = weight_packed.device
+    if global_scale is None:
+        global_scale = shared_global_scale_for(weight_scale)
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
+    gs = _rows_global_scale(global_scale, torch.Size((*lead, half * 2)), device)
+
+    s = weight_scale.reshape(-1, nb32)
+    target = _scale_table(device).index_select(0, s.reshape(-1).int()).view(s.shape)  # 2**(s-127) fp32
+    cand = (target / gs).to(_E4M3)
+    carried = cand.float() * gs == target  # NaN (s = 255) compares False
+
+    packed = weight_packed.reshape(-1, half).clone()
+    n_half = 2 * nb32
+    half_bytes = packed.view(-1, n_half, NVFP4_BLOCK // 2)
+    zero = (half_bytes.view(torch.int64).view(-1, n_half) & _MAG_BITS) == 0  # all 16 codes are +-0
+    bits = cand.view(torch.uint8).repeat_interleave(2, dim=-1)
+    bits = torch.where(zero, _E4M3_ONE, bits).to(torch.uint8)
+    need = ~(carried.repeat_interleave(2, dim=-1) | zero)
+
+    idx = need.nonzero()
+    n_req = int(idx.shape[0])
+    if n_req:
+        r, h = idx[:, 0], idx[:, 1]
+        codes = unpack_fp4(half_bytes[r, h])  # [n, 16]
+        vals = _table("code_value", device).index_select(0, codes.reshape(-1).int()).view(n_req, NVFP4_BLOCK)
+        vals *= target[r, h // 2].unsqueeze(-1)  # exact decode (or inf), as mxfp4_decode in fp32
+        keys, bs, _ = _quantize_keys(vals.unsqueeze(1), gs[r] if gs.dim() else gs)
+        new_codes = _table("key_code", device).index_select(0, keys.reshape(-1)).view(n_req, NVFP4_BLOCK)
+        half_bytes[r, h] = pack_fp4(new_codes)
+        bits[r, h] = bs.view(torch.uint8).view(-1)
+
+    result = NVFP4Weight(
+        packed.view(*lead, half),
+        bits.view(_E4M3).view(*lead, n_half),
+        global_scale,
+    )
+    return result, n_req

@@ -1,0 +1,235 @@
+"""NVFP4 (ModelOpt Hugging Face format): scales, quantize, dequantize, fake quant.
+
+Per weight ``W [..., out, in]`` (in % 16 == 0), docs/FORMATS.md:
+
+- ``global_scale`` (ModelOpt ``weight_scale_2``, a dequant multiplier) = ``amax / (6 * 448)``;
+- ``block_scale`` (``weight_scale``) float8_e4m3fn ``[..., out, in/16]`` = block_amax /
+  (6 * global_scale), an all-zero block gets 1.0, clamped to [2**-9, 448], cast (RNE);
+- codes = E2M1_round(W / (float(block_scale) * global_scale)), packed two per byte;
+- value = E2M1(code) * (float(block_scale) * global_scale).
+
+Arithmetic, fixed so that every function here agrees bit for bit: everything is fp32. ``6 *
+global_scale`` is rounded once, then ``block_amax / that``; ``eff = float(block_scale) *
+global_scale`` is rounded once; codes round ``fp32(W) / eff``; dequantized values are
+``fp32(E2M1) * eff`` rounded to fp32, then cast to the output dtype. Float64 inputs are cast to
+fp32 first.
+
+Decisions:
+
+- ``nvfp4_global_scale(0) = 1.0`` (as if amax were 6 * 448, the uncalibrated default that
+  FORMATS.md fixes for ``input_scale``): a zero scale would make the reciprocal that serving
+  kernels and compressed-tensors store infinite. An all-zero weight quantizes to all-zero codes
+  whatever the scale.
+- A block containing NaN gets a NaN block scale (E4M3 NaN) and dequantizes to NaN; an inf in a
+  block clamps its scale to 448 and saturates to ±6.
+- Leading batch dims: ``global_scale`` may be a scalar (shape ``[]`` or ``[1]``), or have one
+  value per leading index (shape ``[E]`` or ``[E, 1, 1]`` for ``W [E, out, in]``; in general
+  anything broadcastable to ``W.shape[:-1] + (1,)``). ``nvfp4_quantize(W)`` with no global scale
+  uses one per leading index of a batched ``W`` (per expert), one scalar for a 2-D ``W``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._slabs import row_slabs
+from .constants import FP4_MAX, FP8_E4M3_MAX, FP8_E4M3_MIN_SUBNORMAL, NVFP4_BLOCK
+from .e2m1 import _e2m1_keys, _table
+
+__all__ = [
+    "FP4_MAX",
+    "FP8_E4M3_MAX",
+    "NVFP4Weight",
+    "nvfp4_block_scales",
+    "nvfp4_dequantize",
+    "nvfp4_fake_quant",
+    "nvfp4_global_scale",
+    "nvfp4_quantize",
+]
+
+_E4M3 = torch.float8_e4m3fn
+
+
+class NVFP4Weight(NamedTuple):
+    """A packed NVFP4 weight (ModelOpt tensor names in brackets).
+
+    packed: uint8 ``[..., out, in/2]`` E2M1 codes, element 2i in the low nibble (``weight``).
+    block_scale: float8_e4m3fn ``[..., out, in/16]`` (``weight_scale``).
+    global_scale: float32 ``[]`` or one per leading index, e.g. ``[E]`` (``weight_scale_2``).
+    """
+
+    packed: Tensor
+    block_scale: Tensor
+    global_scale: Tensor
+
+
+def nvfp4_global_scale(amax: Tensor | float) -> Tensor:
+    """``amax / (6 * 448)`` in fp32 (same shape as ``amax``); amax == 0 gives 1.0."""
+    amax = torch.as_tensor(amax).float()
+    return torch.where(amax == 0, 1.0, amax / (FP4_MAX * FP8_E4M3_MAX))
+
+
+def _check_blocks(x: Tensor, what: str) -> None:
+    if not x.is_floating_point() or x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(
+            f"{what} needs a float tensor whose last dim is a multiple of {NVFP4_BLOCK}, "
+            f"got {x.dtype} {tuple(x.shape)}"
+        )
+
+
+def _rows_global_scale(global_scale: Tensor | float, shape: torch.Size, device: torch.device) -> Tensor:
+    """The global scale as fp32, either a 0-d tensor or one value per row ``[R, 1]`` of ``shape``."""
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
+    if gs.numel() == 1:
+        return gs.reshape(())
+    lead = tuple(shape[:-1])
+    if gs.dim() == 1 and len(lead) >= 2 and gs.shape[0] == lead[0]:
+        gs = gs.reshape((-1,) + (1,) * (len(shape) - 1))
+    try:
+        rows = gs.expand(lead + (1,))
+    except RuntimeError:
+        raise ValueError(
+            f"global_scale of shape {tuple(gs.shape)} does not broadcast to a tensor of shape {tuple(shape)} "
+            "(use a scalar, [E] or [E, 1, 1] for [E, out, in])"
+        ) from None
+    return rows.reshape(-1, 1)
+
+
+def _leading_amax(w: Tensor) -> Tensor:
+    """amax over the last two dims (one per leading index), or over everything for 1-D/2-D."""
+    if w.dim() <= 2:
+        return w.abs().amax().float()
+    return w.abs().amax(dim=(-2, -1)).float()
+
+
+def _block_scales(xb: Tensor, gs: Tensor) -> Tensor:
+    """E4M3 block scales of ``xb [R, nb, 16]`` for fp32 ``gs`` (0-d or ``[R, 1]``)."""
+    mn, mx = torch.aminmax(xb, dim=-1)
+    amax = torch.maximum(mx, mn.neg_()).float()
+    bs = amax / (gs * FP4_MAX)
+    bs = torch.where(amax == 0, 1.0, bs).clamp_(FP8_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX)
+    return bs.to(_E4M3)
+
+
+def _quantize_keys(xb: Tensor, gs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(E2M1 table keys int32 [R, nb, 16], block scales e4m3 [R, nb], eff fp32 [R, nb, 1])."""
+    bs = _block_scales(xb, gs)
+    eff = (bs.float() * gs).unsqueeze(-1)
+    q = torch.div(xb, eff)  # fp32 (bf16/fp16 inputs are promoted exactly)
+    return _e2m1_keys(q, inplace=True), bs, eff
+
+
+def nvfp4_block_scales(w: Tensor, global_scale: Tensor | float) -> Tensor:
+    """Per-16-block scales ``block_amax / (6 * global_scale)`` as float8_e4m3fn ``[..., in/16]``.
+
+    An all-zero block gets 1.0; the result is clamped to [2**-9, 448] before the (RNE) cast.
+    """
+    _check_blocks(w, "nvfp4_block_scales")
+    if w.dtype == torch.float64:
+        w = w.float()
+    *lead, n = w.shape
+    gs = _rows_global_scale(global_scale, w.shape, w.device)
+    return _block_scales(w.reshape(-1, n // NVFP4_BLOCK, NVFP4_BLOCK), gs).view(*lead, n // NVFP4_BLOCK)
+
+
+def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVFP4Weight:
+    """Quantize ``w [..., out, in]`` to NVFP4 (see the module docstring for the exact arithmetic).
+
+    ``global_scale`` (``weight_scale_2``) defaults to ``nvfp4_global_scale(amax)`` with the amax
+    taken per leading index for batched weights (``[E, out, in]`` -> ``[E]``).
+    """
+    _check_blocks(w, "nvfp4_quantize")
+    if w.dtype == torch.float64:
+        w = w.float()
+    if global_scale is None:
+        global_scale = nvfp4_global_scale(_leading_amax(w))
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device)
+    if global_scale.numel() == 1:
+        global_scale = global_scale.reshape(())
+    *lead, n = w.shape
+    nb = n // NVFP4_BLOCK
+    gs = _rows_global_scale(global_scale, w.shape, w.device)
+    x = w.reshape(-1, nb, NVFP4_BLOCK)
+    packed = torch.empty(x.shape[0], n // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(x.shape[0], nb, dtype=_E4M3, device=w.device)
+    key_code = _table("key_code", w.device)
+    for sl in row_slabs(x.shape[0], n, w.device):
+        keys, scales[sl], _ = _quantize_keys(x[sl], gs[sl] if gs.dim() else gs)
+        codes = key_code.index_select(0, keys.view(-1)).view(-1, n // 2, 2)
+        torch.bitwise_or(codes[..., 0], codes[..., 1] << 4, out=packed[sl])
+    return NVFP4Weight(packed.view(*lead, n // 2), scales.view(*lead, nb), global_scale)
+
+
+def nvfp4_dequantize(
+    packed: Tensor, block_scale: Tensor, global_scale: Tensor | float, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``E2M1(code) * (float(block_scale) * global_scale)`` as ``[..., out, in]`` in ``dtype``."""
+    if packed.dtype != torch.uint8 or block_scale.dtype != _E4M3:
+        raise ValueError(
+            f"nvfp4_dequantize needs uint8 packed and e4m3 block_scale, got {packed.dtype}, {block_scale.dtype}"
+        )
+    *lead, half = packed.shape
+    nb = block_scale.shape[-1]
+    if tuple(block_scale.shape[:-1]) != tuple(lead) or half != nb * (NVFP4_BLOCK // 2):
+        raise ValueError(
+            f"NVFP4 shapes do not match: packed {tuple(packed.shape)} needs block_scale "
+            f"{tuple(lead) + (half * 2 // NVFP4_BLOCK,)}, got {tuple(block_scale.shape)}"
+        )
+    n = half * 2
+    gs = _rows_global_scale(global_scale, torch.Size((*lead, n)), packed.device)
+    pair_values = _byte_pair_values(packed.device)
+    rows = packed.reshape(-1, nb, NVFP4_BLOCK // 2)
+    srows = block_scale.reshape(-1, nb)
+    out = torch.empty(rows.shape[0], nb, NVFP4_BLOCK, dtype=dtype, device=packed.device)
+    for sl in row_slabs(rows.shape[0], n, packed.device):
+        vals = pair_values.index_select(0, rows[sl].reshape(-1).int()).view(torch.float32)
+        vals = vals.view(-1, nb, NVFP4_BLOCK)
+        vals *= (srows[sl].float() * (gs[sl] if gs.dim() else gs)).unsqueeze(-1)
+        out[sl] = vals
+    return out.view(*lead, n)
+
+
+def _byte_pair_values(device: torch.device) -> Tensor:
+    """[256] int64 table: both fp32 E2M1 values of a packed byte, bit-packed (low nibble first)."""
+    key = ("byte_pair_fp32", device)
+    t = _PAIR_TABLES.get(key)
+    if t is None:
+        vals = _table("code_value", torch.device("cpu"))
+        byte = torch.arange(256)
+        t = torch.stack((vals[byte & 0xF], vals[byte >> 4]), dim=-1).contiguous().view(torch.int64)
+        t = t.reshape(-1).to(device)
+        _PAIR_TABLES[key] = t
+    return t
+
+
+_PAIR_TABLES: dict[tuple, Tensor] = {}
+
+
+def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float) -> Tensor:
+    """Quantize-dequantize ``x [..., n]`` (n % 16 == 0) in blocks of 16 along the last dim.
+
+    Block scales are dynamic (computed from ``x``), the global scale is the one given (scalar, or
+    one per leading index as for weights). Returns ``x.dtype``; equals
+    ``nvfp4_dequantize(*nvfp4_quantize(x, global_scale), dtype=x.dtype)`` bit for bit. No
+    gradient flows (calibration use).
+    """
+    _check_blocks(x, "nvfp4_fake_quant")
+    x = x.detach()
+    out_dtype = x.dtype
+    if x.dtype == torch.float64:
+        x = x.float()
+    n = x.shape[-1]
+    nb = n // NVFP4_BLOCK
+    gs = _rows_global_scale(global_scale, x.shape, x.device)
+    xb = x.reshape(-1, nb, NVFP4_BLOCK)
+    out = torch.empty(xb.shape, dtype=out_dtype, device=x.device)
+    key_value = _table("key_value", x.device)
+    for sl in row_slabs(xb.shape[0], n, x.device):
+        keys, _, eff = _quantize_keys(xb[sl], gs[sl] if gs.dim() else gs)
+        vals = key_value.index_select(0, keys.view(-1)).view(keys.shape)
+        vals *= eff
+        out[sl] = vals
+    return out.view(x.shape)
