@@ -94,7 +94,7 @@ def assert_exports_equal(a: Path, b: Path) -> None:
         if ACTIVATION_SCALES.search(key):
             torch.testing.assert_close(x, y, rtol=0.01, atol=0, msg=key)
         else:
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{key} differs"
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"{key} differs"
     for name in ("config.json", "hf_quant_config.json"):
         assert json.loads((a / name).read_text()) == json.loads((b / name).read_text()), name
 
