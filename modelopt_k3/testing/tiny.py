@@ -312,8 +312,8 @@ def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
         s["full_attn_layers"] = [n]
     elif "full_attn_layers" not in sizes:
         s["full_attn_layers"] = [i for i in range(1, n + 1) if i not in s["kda_layers"]]
-    for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
-        if s[key] % MXFP4_GROUP:
+    for key in ("routed_expert_hidden_size", "moe_intermediate_size", "hidden_size"):
+        if s[key] is not None and s[key] % MXFP4_GROUP:
             raise ValueError(f"{key}={s[key]} must be a multiple of {MXFP4_GROUP} (MXFP4 group size)")
     return s
 

@@ -7,6 +7,7 @@
 # imported lazily so that CPU-only installs (no triton) never import fla.
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -82,6 +83,12 @@ def _output_with_cache(cls: type, cache: Any, **fields: Any) -> Any:
 
 def _cache_of(output: Any) -> Any:
     return getattr(output, "cache", None) if hasattr(output, "cache") else output.past_key_values
+
+
+# As upstream: "situ" is registered globally, but ACT2FN["situ"] is SituAndMul() with beta=1 and no
+# linear clamp, so the modules below never use it.
+if "situ" not in ACT2FN:
+    ACT2FN["situ"] = SituAndMul
 
 
 def _make_act(config: KimiLinearConfig) -> nn.Module:
@@ -475,8 +482,10 @@ class KimiDeltaAttention(nn.Module):
             use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
             lower_bound=self.lower_bound,
-            transpose_state_layout=True,
         )
+        # The cache keeps the state as [V, K]; fla 0.6 renamed `transpose_state_layout` to `state_v_first`.
+        layout_kw = "state_v_first" if "state_v_first" in inspect.signature(chunk_kda).parameters else None
+        kw[layout_kw or "transpose_state_layout"] = True
         if use_recurrent:
             return fused_recurrent_kda(q, k, v, **kw)
         return chunk_kda(q, k, v, safe_gate=self.lower_bound is not None, **kw)
@@ -519,7 +528,7 @@ class KimiMoEGate(nn.Module):
             group_scores = choice.view(n, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
             group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-            score_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, -1).reshape(n, -1)
+            score_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, self.num_experts // self.n_group).reshape(n, -1)
             choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
         topk_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         topk_weight = scores.gather(1, topk_idx)
