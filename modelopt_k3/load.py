@@ -142,7 +142,10 @@ def _fill_experts(
             if not present:
                 continue
             missing = [
-                f"{module_name}.{e}.<{p}>" for p in conv.source_patterns for e in local if e not in by_pattern.get(p, {})
+                _missing_key(module_name, e, p, by_pattern.get(p, {}))
+                for p in conv.source_patterns
+                for e in local
+                if e not in by_pattern.get(p, {})
             ]
             if missing:
                 raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
@@ -157,6 +160,15 @@ def _fill_experts(
             filled.add(target)
             progress.update(1)
     return consumed | foreign, filled
+
+
+def _missing_key(module_name: str, expert: int, pattern: str, present: dict[int, str]) -> str:
+    """The key expert ``expert`` lacks, read off a sibling's key for the same pattern (else the pattern)."""
+    for other, key in present.items():
+        head = f"{module_name}.{other}."
+        if key.startswith(head):
+            return f"{module_name}.{expert}.{key[len(head) :]}"
+    return f"{module_name}.{expert}.<{pattern}>"
 
 
 def _names(keys: list[str] | set[str], limit: int = 12) -> str:
