@@ -42,6 +42,7 @@ class LoadInfo:
     spec: ModelSpec
     plan: DistributionPlan
     source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
     bytes_read: int = 0
     keys_read: list[str] = field(default_factory=list)
 
@@ -181,7 +182,9 @@ def _fill_dense(
     model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm
 ) -> set[str]:
     consumed: set[str] = set()
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    params = dict(model.named_parameters())
+    state = {**params, **dict(model.named_buffers())}
+    keep = re.compile(info.spec.keep_source_dtype) if info.spec.keep_source_dtype else None
     missing = []
     for name, tensor in state.items():
         if name in skip:
@@ -194,7 +197,10 @@ def _fill_dense(
         if src.shape != tensor.shape:
             raise LoadError(f"{name}: checkpoint shape {list(src.shape)} != model shape {list(tensor.shape)}")
         with torch.no_grad():
-            tensor.copy_(src.to(tensor.dtype))
+            if keep is not None and keep.search(name) and src.dtype != tensor.dtype and name in params:
+                params[name].data = src.to(tensor.device)  # keep the checkpoint's dtype (see the spec)
+            else:
+                tensor.copy_(src.to(tensor.dtype))
         consumed.add(name)
         progress.update(1)
     if missing:
@@ -262,6 +268,8 @@ def load_pretrained(
         if unexpected:
             raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
         info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
+        key_re = re.compile(spec.expert_key_regex)
+        info.packed_experts = any(k.endswith(".weight_packed") and key_re.match(k) for k in reader.names())
     model.eval()
     model.modelopt_k3 = info
     return model

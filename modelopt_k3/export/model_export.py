@@ -58,6 +58,12 @@ def _quant_linear_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Per-expert tensors under the checkpoint's names ``{name}.{e}.{proj}.*``."""
     state: ExpertsQuantState | None = getattr(experts, "quant", None)
+    # Lossless casts of the source bytes, batched per projection over this rank's experts.
+    cast = {}
+    for proj in spec.expert_projections:
+        wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
+        if wq is not None and wq.source is not None:
+            cast[proj.name] = wq.source[0].cast(proj.name, wq.scale())
     for local in range(experts.num_experts):
         expert = experts.expert_offset + local
         for proj in spec.expert_projections:
@@ -68,8 +74,17 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
                 yield f"{prefix}.weight", weight.to(torch.bfloat16).contiguous()
                 continue
             wq = state.weight[proj.fused_param]
-            scale = None if wq.fmt == "fp8_pb" else wq.scale()[local]
-            for key, tensor in weight_tensors(wq.fmt, weight, scale).items():
+            if proj.name in cast:
+                c = cast[proj.name]
+                tensors = {
+                    "weight": c.packed[local],
+                    "weight_scale": c.block_scale[local],
+                    "weight_scale_2": wq.scale()[local].reshape(()).to(torch.float32),
+                }
+            else:
+                scale = None if wq.fmt == "fp8_pb" else wq.scale()[local]
+                tensors = weight_tensors(wq.fmt, weight, scale)
+            for key, tensor in tensors.items():
                 yield f"{prefix}.{key}", tensor
             if proj.fused_param in state.input:
                 yield f"{prefix}.input_scale", input_scale_tensor(state.input[proj.fused_param].scale())

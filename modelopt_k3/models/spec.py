@@ -89,6 +89,9 @@ class ModelSpec:
     patches_process_wide: bool = True
     # Builds the transformers WeightConverters for this checkpoint (fused targets from per-expert keys).
     converters: Callable[[], list] = field(default=lambda: [])
+    # Parameters (regex on in-memory names) kept in their checkpoint dtype instead of the load dtype,
+    # where rounding would change behaviour (e.g. a routing bias that decides expert selection).
+    keep_source_dtype: str | None = None
     # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
 

@@ -18,6 +18,7 @@ from ..models.spec import ModelSpec
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from .calibrate import calibrate, enable_calibrate_all_experts
 from .modules import attach_experts, attach_linear
+from .mxfp4_source import Mxfp4ExpertSource
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,12 @@ def quantize(
     for name, fmt in qplan.dense.items():
         attach_linear(modules[name], fmt.weights, fmt.inputs, fmt.input_amax)
     for name, projs in qplan.experts.items():
-        attach_experts(modules[name], _fused_formats(spec, projs))
+        experts = modules[name]
+        source = None
+        if info.packed_experts:
+            local = range(experts.expert_offset, experts.expert_offset + experts.num_experts)
+            source = Mxfp4ExpertSource(info.checkpoint, spec, name, local)
+        attach_experts(experts, _fused_formats(spec, projs), source=source)
     if recipe.kv_cache is not None:
         if spec.attach_kv_cache is None:
             raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "

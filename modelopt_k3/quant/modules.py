@@ -80,8 +80,13 @@ def attach_experts(
     experts: nn.Module,
     formats: dict[str, tuple[str | None, str | None, float | None]],
     input_param_order: tuple[str, str] = ("gate_up_proj", "down_proj"),
+    source=None,
 ) -> ExpertsQuantState:
-    """``formats``: fused param -> (weight fmt, input fmt, constant input amax); None fmt = not quantized."""
+    """``formats``: fused param -> (weight fmt, input fmt, constant input amax); None fmt = not quantized.
+
+    ``source``: an ``Mxfp4ExpertSource`` when the checkpoint stores these experts MXFP4-packed; NVFP4
+    weights are then the lossless cast of the source bytes.
+    """
     state = ExpertsQuantState().to(experts.down_proj.device)
     n = experts.num_experts
     for param, (w_fmt, i_fmt, i_amax) in formats.items():
@@ -90,6 +95,8 @@ def attach_experts(
         q = TensorQuantizer(w_fmt, role="weight", amax_shape=(n,)).to(experts.down_proj.device)
         if w_fmt != "fp8_pb":
             q.observe(getattr(experts, param), reduce_dims=(1, 2))
+        if source is not None and w_fmt == "nvfp4":
+            q.use_source(source, param)
         state.weight[param] = q
         if i_fmt is not None:
             state.input[param] = TensorQuantizer(i_fmt, role="input", constant_amax=i_amax).to(

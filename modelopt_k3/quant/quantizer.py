@@ -43,6 +43,15 @@ class TensorQuantizer(nn.Module):
         self.register_buffer("amax", torch.full(amax_shape, float("nan"), dtype=torch.float32))
         if constant_amax is not None:
             self.amax.fill_(constant_amax)
+        # Set for weights cast losslessly from an MXFP4 source (quant/mxfp4_source.py): the scale is
+        # the source's power of two, not amax-derived, and fake quant is the cast, dequantized.
+        self.source = None
+        self.register_buffer("fixed_scale", None)
+        self._fake_cache: torch.Tensor | None = None
+
+    def use_source(self, source, fused_param: str) -> None:
+        self.source = (source, fused_param)
+        self.fixed_scale = source.global_scales(fused_param).to(self.amax.device)
 
     def extra_repr(self) -> str:
         amax = "unset" if not self.calibrated else f"{self.amax.max().item():.4g}"
@@ -51,7 +60,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def calibrated(self) -> bool:
-        return bool(torch.isfinite(self.amax).all())
+        return self.fixed_scale is not None or bool(torch.isfinite(self.amax).all())
 
     def reset(self) -> None:
         self.amax.fill_(float("nan") if self.constant_amax is None else self.constant_amax)
@@ -68,6 +77,8 @@ class TensorQuantizer(nn.Module):
 
     def scale(self) -> torch.Tensor:
         """The per-tensor scale the export writes (``weight_scale_2``/``input_scale``/FP8 ``scale``)."""
+        if self.fixed_scale is not None:
+            return self.fixed_scale
         if not self.calibrated:
             raise QuantizerError(f"{self.role} quantizer ({self.fmt}) has no amax: it was never calibrated")
         if self.fmt == "nvfp4":
@@ -76,6 +87,11 @@ class TensorQuantizer(nn.Module):
 
     def fake_quant(self, x: torch.Tensor, *, expert_dim: bool = False) -> torch.Tensor:
         """Quantize-dequantize ``x``. ``expert_dim``: ``x`` is ``[E, out, in]`` with one amax per expert."""
+        if self.source is not None:
+            if self._fake_cache is None or self._fake_cache.dtype != x.dtype:
+                source, param = self.source
+                self._fake_cache = source.fake_quant(param, self.scale(), dtype=x.dtype).to(x.device)
+            return self._fake_cache
         if self.fmt == "fp8_pb":
             return fp8n.fp8_fake_quant_blockwise(x, block=128) if not expert_dim else torch.stack(
                 [fp8n.fp8_fake_quant_blockwise(w, block=128) for w in x]

@@ -1,0 +1,61 @@
+"""Lossless NVFP4 for experts whose source checkpoint stores them MXFP4-packed.
+
+An MXFP4 weight is already on an E2M1 grid with power-of-two block scales, so NVFP4 can hold it
+exactly (FORMATS.md, "Calibration-free MXFP4 -> NVFP4"): the E2M1 codes carry over byte for byte and
+only the scales are re-expressed. Re-quantizing the decoded BF16 values from their amax instead would
+add a second rounding for nothing. So for MXFP4-sourced experts with an NVFP4 recipe the weight
+``weight_scale_2`` is the power of two of ``shared_global_scale_for`` (shared by the projections
+fused into one parameter, i.e. w1 and w3), the export casts the source bytes of this rank's experts
+(read again, lazily; never another rank's), and the fake-quant forward uses exactly those values.
+This is also what the calibration-free streaming converter writes, so both paths agree byte for byte.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointReader
+from ..models.spec import ModelSpec
+from ..numerics import mxfp4_to_nvfp4, nvfp4_dequantize, shared_global_scale_for
+from ..numerics.nvfp4 import NVFP4Weight
+
+PACKED, SCALE = "weight_packed", "weight_scale"
+
+
+class Mxfp4ExpertSource:
+    """This rank's packed experts of one fused experts module, read on demand from the source."""
+
+    def __init__(self, checkpoint: Path, spec: ModelSpec, module_name: str, experts: range) -> None:
+        self.checkpoint = Path(checkpoint)
+        self.spec = spec
+        self.module_name = module_name
+        self.experts = experts
+        self.requantized_blocks: dict[str, int] = {}
+
+    def _stack(self, proj: str, suffix: str) -> torch.Tensor:
+        with CheckpointReader(self.checkpoint) as reader:
+            return torch.stack([reader.get(f"{self.module_name}.{e}.{proj}.{suffix}") for e in self.experts])
+
+    def _projections(self, fused_param: str) -> list[str]:
+        projs = [p for p in self.spec.expert_projections if p.fused_param == fused_param]
+        return [p.name for p in sorted(projs, key=lambda p: p.chunk)]
+
+    def global_scales(self, fused_param: str) -> torch.Tensor:
+        """fp32 ``[E_local]``: one power of two per expert, shared by the fused projections."""
+        return shared_global_scale_for(*(self._stack(p, SCALE) for p in self._projections(fused_param)))
+
+    def cast(self, proj: str, global_scales: torch.Tensor) -> NVFP4Weight:
+        """Batched ``[E_local, out, ...]`` NVFP4 tensors of one projection (counts requantized blocks)."""
+        weight, n_req = mxfp4_to_nvfp4(self._stack(proj, PACKED), self._stack(proj, SCALE), global_scales)
+        self.requantized_blocks[proj] = n_req
+        return weight
+
+    def fake_quant(self, fused_param: str, global_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The fused parameter as the export will hold it, dequantized: ``[E_local, rows, in]``."""
+        parts = []
+        for proj in self._projections(fused_param):
+            w = self.cast(proj, global_scales)
+            parts.append(nvfp4_dequantize(w.packed, w.block_scale, global_scales.view(-1, 1, 1), dtype=torch.float32))
+        return torch.cat(parts, dim=1).to(dtype)
