@@ -36,8 +36,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .constants import E8M0_BIAS, E8M0_NAN, FP8_E4M3_MAX_POW2_EXP, MXFP4_BLOCK, NVFP4_BLOCK
-from .e2m1 import _table, pack_fp4, unpack_fp4
+from ._slabs import row_slabs
+from .constants import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    FP8_E4M3_MAX_POW2_EXP,
+    FP8_E4M3_MIN_POW2_EXP,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+)
+from .e2m1 import E2M1_VALUES, _table, e2m1_round, pack_fp4, unpack_fp4
 from .mxfp4 import _scale_table
 from .nvfp4 import NVFP4Weight, _quantize_keys, _rows_global_scale
 
@@ -45,7 +53,52 @@ __all__ = ["mxfp4_to_nvfp4", "shared_global_scale_for"]
 
 _E4M3 = torch.float8_e4m3fn
 _E4M3_ONE = 0x38  # float8_e4m3fn bit pattern of 1.0
+_E4M3_MIN = 0x01  # float8_e4m3fn bit pattern of 2**-9
 _MAG_BITS = 0x7777777777777777  # the three magnitude bits of all 16 nibbles in 8 bytes
+_MAX_SHIFT = 5  # 6 * 2**-5 < 0.25: from 5 binades down every E2M1 value rounds to +-0
+_SHIFT_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _halves(x: Tensor) -> Tensor:
+    """uint8 ``[R, 2n]`` repeating each value (0..255) of ``x [R, n]`` twice (per-32 to per-16 block)."""
+    x16 = x.to(torch.int16)
+    x16 |= x16 << 8
+    return x16.view(torch.uint8)
+
+
+def _block_rule_table(gs: Tensor) -> Tensor:
+    """Per (global scale, exponent byte) rule, ``[len(gs) * 256]`` int32 (see ``mxfp4_to_nvfp4``).
+
+    Bits 0-7: the e4m3 block scale (``e4m3(2**(s-127) / gs)``, or 2**-9 for shifted blocks); bits
+    8-10: the shift row k (0 = codes carried unchanged); bit 11: requantize from decoded values.
+    """
+    gs = gs.view(-1, 1)
+    s = torch.arange(256, device=gs.device).view(1, -1)
+    target = _scale_table(gs.device).view(1, -1)  # 2**(s-127) fp32, NaN for 255
+    cand = (target / gs).to(_E4M3)
+    carried = cand.float() * gs == target  # NaN compares False
+    # Below-range blocks under a power-of-two global scale 2**g: the NVFP4 rule clamps their scale
+    # to 2**-9 and divides the decoded value code * 2**(s-127) by 2**-9 * 2**g, i.e. scales the E2M1
+    # value by exactly 2**-k, k = g + 118 - s >= 1: new codes are a table lookup on the old bytes.
+    mant, exp = torch.frexp(gs)
+    k = (exp - 1 + (E8M0_BIAS + FP8_E4M3_MIN_POW2_EXP)) - s
+    shifted = (mant == 0.5) & (k >= 1) & (s != E8M0_NAN) & ~carried
+    general = ~(carried | shifted)
+    bits = cand.view(torch.uint8).int().masked_fill(shifted, _E4M3_MIN)
+    row = k.clamp(0, _MAX_SHIFT).masked_fill(~shifted, 0).int()
+    return (bits | (row << 8) | (general.int() << 11)).view(-1)
+
+
+def _shift_table(device: torch.device) -> Tensor:
+    """[(_MAX_SHIFT + 1) * 256] uint8: entry ``k << 8 | byte`` re-rounds both codes of ``byte`` scaled by 2**-k."""
+    t = _SHIFT_TABLES.get(device)
+    if t is None:
+        codes = unpack_fp4(torch.arange(256, dtype=torch.uint8))  # [512], low nibble first
+        vals = torch.tensor(E2M1_VALUES)[codes.int()]
+        rows = [pack_fp4(e2m1_round(vals * 2.0**-k)) for k in range(_MAX_SHIFT + 1)]
+        t = torch.cat(rows).to(device)
+        _SHIFT_TABLES[device] = t
+    return t
 
 
 def shared_global_scale_for(*weight_scales: Tensor) -> Tensor:
@@ -101,27 +154,40 @@ def mxfp4_to_nvfp4(
     gs = _rows_global_scale(global_scale, torch.Size((*lead, half * 2)), device)
 
     s = weight_scale.reshape(-1, nb32)
-    target = _scale_table(device).index_select(0, s.reshape(-1).int()).view(s.shape)  # 2**(s-127) fp32
-    cand = (target / gs).to(_E4M3)
-    carried = cand.float() * gs == target  # NaN (s = 255) compares False
+    # Every per-block decision depends only on (global scale, exponent byte): tabulate it for the
+    # distinct global scales and look it up, instead of doing fp math on every block.
+    uniq, inverse = torch.unique(gs.reshape(-1), return_inverse=True)
+    table = _block_rule_table(uniq)  # [G * 256] int32: e4m3 bits | shift row << 8 | general << 11
+    idx = s.int() if uniq.numel() == 1 else (inverse.view(-1, 1).int() << 8) | s
+    rule = table.index_select(0, idx.view(-1)).view(s.shape)
 
     packed = weight_packed.reshape(-1, half).clone()
     n_half = 2 * nb32
     half_bytes = packed.view(-1, n_half, NVFP4_BLOCK // 2)
     zero = (half_bytes.view(torch.int64).view(-1, n_half) & _MAG_BITS) == 0  # all 16 codes are +-0
-    bits = cand.view(torch.uint8).repeat_interleave(2, dim=-1)
-    bits = torch.where(zero, _E4M3_ONE, bits).to(torch.uint8)
-    need = ~(carried.repeat_interleave(2, dim=-1) | zero)
+    bits = _halves(rule & 0xFF).masked_fill_(zero, _E4M3_ONE)
+    n_req = 0
+    shift_row = (rule >> 8) & 0x7
+    if bool(shift_row.any()):
+        n_req += int((_halves(shift_row).bool() & ~zero).sum())
+        blocks = packed.view(-1, nb32, MXFP4_BLOCK // 2)
+        shift_table = _shift_table(device)
+        row = (shift_row << 8).unsqueeze(-1)
+        for sl in row_slabs(blocks.shape[0], half, device):
+            bidx = torch.bitwise_or(row[sl], blocks[sl])
+            torch.index_select(shift_table, 0, bidx.view(-1), out=blocks[sl].view(-1))
 
-    idx = need.nonzero()
-    n_req = int(idx.shape[0])
-    if n_req:
+    general = rule >> 11
+    if bool(general.any()):  # NaN exponents, a non-power-of-two or too small caller-given global scale
+        need = _halves(general).bool() & ~zero
+        idx = need.nonzero()
+        n_req += int(idx.shape[0])
         r, h = idx[:, 0], idx[:, 1]
         codes = unpack_fp4(half_bytes[r, h])  # [n, 16]
-        vals = _table("code_value", device).index_select(0, codes.reshape(-1).int()).view(n_req, NVFP4_BLOCK)
-        vals *= target[r, h // 2].unsqueeze(-1)  # exact decode (or inf), as mxfp4_decode in fp32
+        vals = _table("code_value", device).index_select(0, codes.reshape(-1).int()).view(-1, NVFP4_BLOCK)
+        vals *= _scale_table(device)[s[r, h // 2].int()].unsqueeze(-1)  # exact decode, as mxfp4_decode
         keys, bs, _ = _quantize_keys(vals.unsqueeze(1), gs[r] if gs.dim() else gs)
-        new_codes = _table("key_code", device).index_select(0, keys.reshape(-1)).view(n_req, NVFP4_BLOCK)
+        new_codes = _table("key_code", device).index_select(0, keys.reshape(-1)).view(-1, NVFP4_BLOCK)
         half_bytes[r, h] = pack_fp4(new_codes)
         bits[r, h] = bs.view(torch.uint8).view(-1)
 

@@ -95,15 +95,16 @@ def _table(kind: str, device: torch.device) -> Tensor:
     return t
 
 
-def _e2m1_keys(x32: Tensor, *, inplace: bool = False) -> Tensor:
+def _e2m1_keys(x32: Tensor, *, inplace: bool = False, tmp: Tensor | None = None) -> Tensor:
     """int32 keys in [0, 2048) of an fp32 tensor; ``_table('key_code')[key]`` is the E2M1 code.
 
-    With ``inplace=True`` the keys overwrite ``x32``'s storage (returned as an int32 view).
+    With ``inplace=True`` the keys overwrite ``x32``'s storage (returned as an int32 view);
+    ``tmp`` is an optional int32 scratch tensor of the same shape.
     Exact for every fp32 input except NaNs whose two top payload bits are set, which may map to
     any code (callers that care fix NaNs first).
     """
     b = x32.view(torch.int32)
-    t = b >> 22
+    t = b >> 22 if tmp is None else torch.bitwise_right_shift(b, 22, out=tmp)
     t &= 1
     if inplace:
         b += t

@@ -30,6 +30,7 @@ Decisions:
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 _E4M3 = torch.float8_e4m3fn
+_PAIR_TABLES: dict[tuple, Tensor] = {}
 
 
 class NVFP4Weight(NamedTuple):
@@ -98,28 +100,81 @@ def _rows_global_scale(global_scale: Tensor | float, shape: torch.Size, device: 
     return rows.reshape(-1, 1)
 
 
-def _leading_amax(w: Tensor) -> Tensor:
-    """amax over the last two dims (one per leading index), or over everything for 1-D/2-D."""
-    if w.dim() <= 2:
-        return w.abs().amax().float()
-    return w.abs().amax(dim=(-2, -1)).float()
+def _leading_amax(block_amax: Tensor, lead: tuple[int, ...]) -> Tensor:
+    """Tensor amax from block amaxes ``[R, nb]``: one per leading index for batched weights."""
+    if len(lead) <= 1:
+        return block_amax.amax()
+    return block_amax.view(*lead[:-1], -1).amax(dim=-1)
 
 
-def _block_scales(xb: Tensor, gs: Tensor) -> Tensor:
-    """E4M3 block scales of ``xb [R, nb, 16]`` for fp32 ``gs`` (0-d or ``[R, 1]``)."""
-    mn, mx = torch.aminmax(xb, dim=-1)
-    amax = torch.maximum(mx, mn.neg_()).float()
+_SIGNLESS = {
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
+
+
+def _block_amax(xb: Tensor) -> Tensor:
+    """fp32 amax over the last dim. Compares sign-cleared bit patterns (monotone for floats, and a
+    NaN pattern beats inf as torch.amax propagates NaN): several times faster than amax on CPU."""
+    signless = _SIGNLESS.get(xb.dtype)
+    if signless is None:
+        return xb.abs().amax(dim=-1).float()
+    int_dtype, mask = signless
+    return (xb.view(int_dtype) & mask).amax(dim=-1).view(xb.dtype).float()
+
+
+def _scales_from_amax(amax: Tensor, gs: Tensor) -> Tensor:
+    """E4M3 block scales ``amax / (6 * gs)``, all-zero block 1.0, clamped to [2**-9, 448]."""
     bs = amax / (gs * FP4_MAX)
     bs = torch.where(amax == 0, 1.0, bs).clamp_(FP8_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX)
     return bs.to(_E4M3)
 
 
-def _quantize_keys(xb: Tensor, gs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(E2M1 table keys int32 [R, nb, 16], block scales e4m3 [R, nb], eff fp32 [R, nb, 1])."""
-    bs = _block_scales(xb, gs)
+def _quantize_keys(
+    xb: Tensor, gs: Tensor, bs: Tensor | None = None, scratch: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(E2M1 table keys int32 [R, nb, 16], block scales e4m3 [R, nb], eff fp32 [R, nb, 1]).
+
+    ``scratch`` = (fp32, int32) buffers of ``xb``'s shape: the keys are written into the first.
+    """
+    if bs is None:
+        bs = _scales_from_amax(_block_amax(xb), gs)
     eff = (bs.float() * gs).unsqueeze(-1)
-    q = torch.div(xb, eff)  # fp32 (bf16/fp16 inputs are promoted exactly)
-    return _e2m1_keys(q, inplace=True), bs, eff
+    if scratch is None:
+        q = torch.div(xb, eff)  # fp32 (bf16/fp16 inputs are promoted exactly)
+        return _e2m1_keys(q, inplace=True), bs, eff
+    q, tmp = scratch
+    torch.div(xb, eff, out=q)
+    return _e2m1_keys(q, inplace=True, tmp=tmp), bs, eff
+
+
+def _scratch(rows: int, nb: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    shape = (rows, nb, NVFP4_BLOCK)
+    return torch.empty(shape, dtype=torch.float32, device=device), torch.empty(
+        shape, dtype=torch.int32, device=device
+    )
+
+
+def _pair_code_table(device: torch.device) -> Tensor:
+    """[2**22] uint8: entry ``k0 | k1 << 11`` is the packed byte of the E2M1 keys k0 (low) and k1."""
+    t = _PAIR_TABLES.get(("pair_code", device))
+    if t is None:
+        codes = _table("key_code", device)
+        i = torch.arange(1 << 22, device=device)
+        t = codes[i & 0x7FF] | (codes[i >> 11] << 4)
+        _PAIR_TABLES[("pair_code", device)] = t
+    return t
+
+
+def _pack_keys(keys: Tensor, tmp: Tensor, out: Tensor) -> None:
+    """Packed bytes of contiguous int32 keys ``[..., 2m]`` into ``out [..., m]`` (``tmp``: int32 scratch)."""
+    v = keys.view(torch.int64).view(-1)  # k_even | k_odd << 32 (little endian)
+    u = tmp.view(-1)[: 2 * v.numel()].view(torch.int64)
+    torch.bitwise_right_shift(v, 21, out=u)  # k_odd << 11
+    u |= v
+    u &= 0x3FFFFF
+    torch.index_select(_pair_code_table(keys.device), 0, u, out=out.view(-1))
 
 
 def nvfp4_block_scales(w: Tensor, global_scale: Tensor | float) -> Tensor:
@@ -132,7 +187,8 @@ def nvfp4_block_scales(w: Tensor, global_scale: Tensor | float) -> Tensor:
         w = w.float()
     *lead, n = w.shape
     gs = _rows_global_scale(global_scale, w.shape, w.device)
-    return _block_scales(w.reshape(-1, n // NVFP4_BLOCK, NVFP4_BLOCK), gs).view(*lead, n // NVFP4_BLOCK)
+    amax = _block_amax(w.reshape(-1, n // NVFP4_BLOCK, NVFP4_BLOCK))
+    return _scales_from_amax(amax, gs).view(*lead, n // NVFP4_BLOCK)
 
 
 def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVFP4Weight:
@@ -144,22 +200,27 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
     _check_blocks(w, "nvfp4_quantize")
     if w.dtype == torch.float64:
         w = w.float()
+    if sys.byteorder != "little":  # _pack_keys reads int32 pairs as int64
+        raise NotImplementedError("nvfp4_quantize assumes a little-endian host")
+    *lead, n = w.shape
+    nb = n // NVFP4_BLOCK
+    x = w.reshape(-1, nb, NVFP4_BLOCK)
+    slabs = row_slabs(x.shape[0], n, w.device)
+    amax = torch.cat([_block_amax(x[sl]) for sl in slabs]) if len(slabs) > 1 else _block_amax(x)
     if global_scale is None:
-        global_scale = nvfp4_global_scale(_leading_amax(w))
+        global_scale = nvfp4_global_scale(_leading_amax(amax, tuple(lead)))
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device)
     if global_scale.numel() == 1:
         global_scale = global_scale.reshape(())
-    *lead, n = w.shape
-    nb = n // NVFP4_BLOCK
     gs = _rows_global_scale(global_scale, w.shape, w.device)
-    x = w.reshape(-1, nb, NVFP4_BLOCK)
+    scales = _scales_from_amax(amax, gs)
     packed = torch.empty(x.shape[0], n // 2, dtype=torch.uint8, device=w.device)
-    scales = torch.empty(x.shape[0], nb, dtype=_E4M3, device=w.device)
-    key_code = _table("key_code", w.device)
-    for sl in row_slabs(x.shape[0], n, w.device):
-        keys, scales[sl], _ = _quantize_keys(x[sl], gs[sl] if gs.dim() else gs)
-        codes = key_code.index_select(0, keys.view(-1)).view(-1, n // 2, 2)
-        torch.bitwise_or(codes[..., 0], codes[..., 1] << 4, out=packed[sl])
+    q, tmp = _scratch(slabs[0].stop - slabs[0].start, nb, w.device)
+    for sl in slabs:
+        rows = sl.stop - sl.start
+        scratch = (q[:rows], tmp[:rows])
+        keys, _, _ = _quantize_keys(x[sl], gs[sl] if gs.dim() else gs, scales[sl], scratch)
+        _pack_keys(keys, scratch[1], packed[sl])
     return NVFP4Weight(packed.view(*lead, n // 2), scales.view(*lead, nb), global_scale)
 
 
@@ -205,9 +266,6 @@ def _byte_pair_values(device: torch.device) -> Tensor:
     return t
 
 
-_PAIR_TABLES: dict[tuple, Tensor] = {}
-
-
 def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float) -> Tensor:
     """Quantize-dequantize ``x [..., n]`` (n % 16 == 0) in blocks of 16 along the last dim.
 
@@ -227,9 +285,16 @@ def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float) -> Tensor:
     xb = x.reshape(-1, nb, NVFP4_BLOCK)
     out = torch.empty(xb.shape, dtype=out_dtype, device=x.device)
     key_value = _table("key_value", x.device)
-    for sl in row_slabs(xb.shape[0], n, x.device):
-        keys, _, eff = _quantize_keys(xb[sl], gs[sl] if gs.dim() else gs)
-        vals = key_value.index_select(0, keys.view(-1)).view(keys.shape)
-        vals *= eff
-        out[sl] = vals
+    slabs = row_slabs(xb.shape[0], n, x.device)
+    q, tmp = _scratch(slabs[0].stop - slabs[0].start, nb, x.device)
+    for sl in slabs:
+        rows = sl.stop - sl.start
+        keys, _, eff = _quantize_keys(xb[sl], gs[sl] if gs.dim() else gs, None, (q[:rows], tmp[:rows]))
+        vals = tmp[:rows].view(torch.float32)
+        torch.index_select(key_value, 0, keys.view(-1), out=vals.view(-1))
+        if out_dtype == torch.float32:
+            torch.mul(vals, eff, out=out[sl])
+        else:
+            vals *= eff
+            out[sl] = vals
     return out.view(x.shape)
