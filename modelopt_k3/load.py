@@ -244,9 +244,10 @@ def load_pretrained(
         prepared=spec.prepared_placement(model_cls),
     )
     if the_plan.expert_parallel:
-        from .dist.a2a import register_torch_a2a
+        from .dist.a2a import init_expert_groups, register_torch_a2a
 
         register_torch_a2a()
+        init_expert_groups(the_plan.world_size, the_plan.ep_degree, the_plan.rank)
     spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation))
 
     dtype = dtype or _config_dtype(config)

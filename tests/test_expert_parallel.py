@@ -150,10 +150,11 @@ def test_ep_export_equals_single_process_export(ep_ckpt, tmp_path):
     (r,) = run_ranks(1, _ep_ptq, [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(single)],
                      timeout=300, env=EP_ENV)
     assert r.exitcode == 0, r.traceback
-    for world in (2, 4):
-        out = tmp_path / f"ep{world}"
-        results = run_ranks(world, _ep_ptq, [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(out)],
-                            timeout=300, env=EP_ENV)
+    # EP degree = world size at 2 and 4 ranks; and 4 ranks as two replicas of an EP-2 group.
+    for world, ep in ((2, 2), (4, 4), (4, 2)):
+        out = tmp_path / f"ep{world}-{ep}"
+        args = [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(out), "--ep_degree", str(ep)]
+        results = run_ranks(world, _ep_ptq, args, timeout=300, env=EP_ENV)
         assert [x.exitcode for x in results] == [0] * world, [x.traceback for x in results]
         assert_exports_equal(single, out)
         assert not list(tmp_path.glob(".*tmp*")), "temporary export directory left behind"

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate_all_experts", action="store_true",
                    help="during calibration every expert sees every token (routing output unchanged)")
     p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel"])
+    p.add_argument("--ep_degree", type=int, default=None,
+                   help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
     p.add_argument("--max_shard_size_mb", type=int, default=5 * 1024)
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
-        model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype, progress=progress)
+        model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype,
+                                ep_degree=args.ep_degree, progress=progress)
         info = model.modelopt_k3
         t_load = time.perf_counter()
         say(f"[modelopt_k3] loaded {ckpt} ({info.plan.describe()}), read {info.bytes_read / 2**20:.1f} MiB "

@@ -19,6 +19,9 @@ import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 A2A_NAME = "torch_a2a"
+# The process group tokens are exchanged in: None = the world (EP degree = world size); with a smaller
+# EP degree, this rank's group of ``ep_degree`` contiguous ranks (set once by ``init_expert_groups``).
+_EP_GROUP = None
 # Implementation used on the owner rank; set per module as ``local_experts_implementation``.
 DEFAULT_LOCAL = "eager"
 
@@ -49,6 +52,7 @@ def torch_a2a_experts_forward(
 ) -> torch.Tensor:
     per_rank = self.num_experts
     ep_size = self.num_global_experts // per_rank
+    group = _EP_GROUP if group is None else group
     if not dist.is_initialized() or ep_size == 1:
         return _local_forward(self)(self, hidden_states, top_k_index - self.expert_offset, top_k_weights)
     num_tokens, top_k = top_k_index.shape
@@ -73,6 +77,18 @@ def torch_a2a_experts_forward(
     per_slot[order] = back
     combined = (per_slot.view(num_tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)).sum(1)
     return combined.to(hidden_states.dtype)
+
+
+def init_expert_groups(world_size: int, ep_degree: int, rank: int) -> None:
+    """Create the expert-parallel groups (every rank must call this, in the same order)."""
+    global _EP_GROUP
+    if ep_degree == world_size:
+        _EP_GROUP = None
+        return
+    for start in range(0, world_size, ep_degree):
+        group = dist.new_group(list(range(start, start + ep_degree)))
+        if start <= rank < start + ep_degree:
+            _EP_GROUP = group
 
 
 def register_torch_a2a() -> None:

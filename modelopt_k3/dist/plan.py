@@ -43,6 +43,11 @@ class DistributionPlan:
         return ExpertPlacement(ep_rank=self.rank % self.ep_degree, ep_size=self.ep_degree)
 
     @property
+    def replica(self) -> int:
+        """Which copy of the experts this rank belongs to (world / ep_degree copies, ranks grouped contiguously)."""
+        return self.rank // self.ep_degree if self.expert_parallel else 0
+
+    @property
     def writes_experts(self) -> bool:
         """Whether this rank writes its experts at export (one copy of each expert in the output)."""
         return self.rank < self.ep_degree if self.expert_parallel else self.rank == 0
@@ -92,11 +97,6 @@ def decide_plan(
             ep_degree = int(os.environ.get(EP_DEGREE_ENV, world_size))
         if ep_degree < 1 or world_size % ep_degree:
             raise PlanError(f"expert-parallel degree {ep_degree} must divide the world size {world_size}")
-        if ep_degree != world_size:
-            raise PlanError(
-                f"expert-parallel degree {ep_degree} < world size {world_size} (replicated expert groups) "
-                "is not supported yet; use the default (EP degree = world size)"
-            )
         if num_experts % ep_degree:
             raise PlanError(
                 f"num_experts={num_experts} is not divisible by the expert-parallel degree {ep_degree}; "
