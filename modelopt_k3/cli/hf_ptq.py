@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
+    p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
+                   help="modelopt (hf_quant_config.json; vLLM/TRT-LLM/SGLang) or compressed-tensors nvfp4-pack-quantized")
     p.add_argument("--max_shard_size_mb", type=int, default=5 * 1024)
     p.add_argument("--no_progress", action="store_true")
     return p
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         t_calib = time.perf_counter()
         say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {t_calib - t_load:.1f}s")
 
-        out = export_checkpoint(model, export_path, overwrite=args.overwrite,
+        out = export_checkpoint(model, export_path, format=args.export_format, overwrite=args.overwrite,
                                 max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
         t_export = time.perf_counter()
         say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")

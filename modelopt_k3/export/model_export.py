@@ -23,6 +23,7 @@ from ..checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..dist.collectives import run_together
 from ..dist.group import current_group
 from ..quant.modules import ExpertsQuantState
+from . import compressed_tensors_format as ct_format
 from .modelopt_format import (
     config_quantization_config,
     hf_quant_config,
@@ -33,6 +34,8 @@ from .modelopt_format import (
 from .writer import ShardWriter, atomic_output_dir, gather_weight_maps, write_index
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+# Export format -> how one quantized Linear's ModelOpt-named tensors are laid out in that format.
+FORMATS = {"modelopt": lambda tensors: tensors, "compressed-tensors": ct_format.rename_tensors}
 _NOT_COPIED = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
 
 
@@ -55,8 +58,8 @@ def _quant_linear_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Per-expert tensors under the checkpoint's names ``{name}.{e}.{proj}.*``."""
+def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterator[tuple[str, dict[str, torch.Tensor], bool]]:
+    """Per-expert ``(prefix, tensors, quantized)`` under the checkpoint's names ``{name}.{e}.{proj}``."""
     state: ExpertsQuantState | None = getattr(experts, "quant", None)
     # Lossless casts of the source bytes, batched per projection over this rank's experts.
     cast = {}
@@ -71,7 +74,7 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             weight = fused.chunk(proj.n_chunks, dim=0)[proj.chunk]
             prefix = f"{name}.{expert}.{proj.name}"
             if proj.name not in projs or state is None:
-                yield f"{prefix}.weight", weight.to(torch.bfloat16).contiguous()
+                yield prefix, {"weight": weight.to(torch.bfloat16).contiguous()}, False
                 continue
             wq = state.weight[proj.fused_param]
             if proj.name in cast:
@@ -84,10 +87,9 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             else:
                 scale = None if wq.fmt == "fp8_pb" else wq.scale()[local]
                 tensors = weight_tensors(wq.fmt, weight, scale)
-            for key, tensor in tensors.items():
-                yield f"{prefix}.{key}", tensor
             if proj.fused_param in state.input:
-                yield f"{prefix}.input_scale", input_scale_tensor(state.input[proj.fused_param].scale())
+                tensors["input_scale"] = input_scale_tensor(state.input[proj.fused_param].scale())
+            yield prefix, tensors, True
 
 
 def _layer_algos(model: nn.Module, qplan) -> dict[str, str]:
@@ -106,11 +108,12 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(path, dst / path.name)
 
 
-def _write_configs(src: Path, dst: Path, hf_quant: dict) -> None:
+def _write_configs(src: Path, dst: Path, quantization_config: dict, hf_quant: dict | None) -> None:
     config = strip_source_quantization(json.loads((src / "config.json").read_text()))
-    config["quantization_config"] = config_quantization_config(hf_quant)
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+    if hf_quant is not None:
+        (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
 
 
 def export_checkpoint(
@@ -126,12 +129,21 @@ def export_checkpoint(
 
     Call on every rank. Nothing is gathered: each rank writes its own shard files.
     """
-    if format != "modelopt":
-        raise ValueError(f"unknown export format {format!r}; supported: 'modelopt'")
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; supported: {list(FORMATS)}")
     info = getattr(model, "modelopt_k3", None)
     qplan = getattr(model, "modelopt_k3_quant", None)
     if info is None or qplan is None:
         raise ValueError("export_checkpoint expects a model from load_pretrained that went through quantize")
+    layer_algos = _layer_algos(model, qplan)
+    if format == "compressed-tensors":
+        algos = set(layer_algos.values())
+        if len(algos) != 1 or not ct_format.supported_algo(next(iter(algos))) or qplan.recipe.kv_cache:
+            raise ValueError(
+                f"format 'compressed-tensors' writes one NVFP4 scheme without KV-cache scales; this model has "
+                f"{sorted(algos)} (kv_cache={qplan.recipe.kv_cache}). Use format='modelopt' for it."
+            )
+    layout = FORMATS[format]
     group = current_group()
     spec, plan = info.spec, info.plan
     expert_key_re = re.compile(spec.expert_key_regex)
@@ -155,14 +167,15 @@ def export_checkpoint(
                         owner, _, key = name.rpartition(".")
                         writer.add(name, modules[owner].kv_scale(key))
                     else:
-                        for key, tensor in _quant_linear_tensors(modules[name]).items():
+                        for key, tensor in layout(_quant_linear_tensors(modules[name])).items():
                             writer.add(f"{name}.{key}", tensor)
                     bar.update(1)
                 if plan.writes_experts:
                     for name, experts in experts_modules.items():
                         projs = qplan.experts.get(name, {})
-                        for key, tensor in _expert_tensors(name, experts, spec, projs):
-                            writer.add(key, tensor)
+                        for prefix, tensors, quantized in _expert_tensors(name, experts, spec, projs):
+                            for key, tensor in (layout(tensors) if quantized else tensors).items():
+                                writer.add(f"{prefix}.{key}", tensor)
                         bar.update(experts.num_experts)
                 bar.close()
                 weight_map = writer.close()
@@ -175,13 +188,15 @@ def export_checkpoint(
             if not group.is_main:
                 return
             write_index(tmp, maps, total)
-            hf_quant = hf_quant_config(
-                _layer_algos(model, qplan),
-                kv_cache=qplan.recipe.kv_cache,
-                exclude_modules=sorted(qplan.left_bf16),
-                recipe=qplan.recipe.name,
-            )
-            _write_configs(info.checkpoint, tmp, hf_quant)
+            exclude = sorted(qplan.left_bf16)
+            if format == "modelopt":
+                hf_quant = hf_quant_config(
+                    layer_algos, kv_cache=qplan.recipe.kv_cache, exclude_modules=exclude, recipe=qplan.recipe.name
+                )
+                _write_configs(info.checkpoint, tmp, config_quantization_config(hf_quant), hf_quant)
+            else:
+                qcfg = ct_format.quantization_config(next(iter(layer_algos.values())), exclude)
+                _write_configs(info.checkpoint, tmp, qcfg, None)
             _copy_side_files(info.checkpoint, tmp)
 
         run_together("export index and configs", finish, group=group)
