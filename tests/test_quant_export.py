@@ -907,10 +907,10 @@ def test_quantize_summary_refusals_and_twice(tiny_ckpt, tiny_reference, capsys) 
     quantize(model, MIRROR, verbose=True)
     summary = capsys.readouterr().out
     print(summary)
-    for text in ("NVFP4 (fused experts)", "FP8_PB_WO", "BF16 (left unquantized)", "attention-residual projection",
+    for text in ("NVFP4 (experts, per layer+proj)", "FP8_PB_WO", "BF16 (left unquantized)", "attention-residual projection",
                  "latent-expert projection", "lm_head", "vision tower", "vision projector", "no recipe entry matches"):
         assert text in summary, text
-    counts = dict(re.findall(r"^\s+(NVFP4 \(fused experts\)|FP8_PB_WO)\s+(\d+) modules$", summary, re.M))
-    assert counts == {"NVFP4 (fused experts)": "9", "FP8_PB_WO": str(3 * 8 + 6)}, counts
+    counts = dict(re.findall(r"^\s+(NVFP4 \(experts, per layer\+proj\)|FP8_PB_WO)\s+(\d+) modules$", summary, re.M))
+    assert counts == {"NVFP4 (experts, per layer+proj)": "9", "FP8_PB_WO": str(3 * 8 + 6)}, counts
     with pytest.raises(ValueError, match="already quantized"):
         quantize(model, "presets/nvfp4", verbose=False)

@@ -37,7 +37,7 @@ class QuantPlan:
         counts: Counter[str] = Counter(f.algo for f in self.dense.values())
         for projs in self.experts.values():
             for fmt in projs.values():
-                counts[f"{fmt.algo} (fused experts)"] += 1
+                counts[f"{fmt.algo} (experts, per layer+proj)"] += 1
         reasons: Counter[str] = Counter(self.left_bf16.values())
         lines = [f"recipe {self.recipe.name}: algorithm={self.recipe.algorithm} kv_cache={self.recipe.kv_cache}"]
         lines += [f"  {algo:<28} {n:>6} modules" for algo, n in sorted(counts.items())]
