@@ -161,8 +161,9 @@ def _pair_code_table(device: torch.device) -> Tensor:
     t = _PAIR_TABLES.get(("pair_code", device))
     if t is None:
         codes = _table("key_code", device)
-        i = torch.arange(1 << 22, device=device)
-        t = codes[i & 0x7FF] | (codes[i >> 11] << 4)
+        # row k1, column k0: index k1 * 2048 + k0 == k0 | k1 << 11. An outer op builds the 4 MiB table
+        # directly (indexing an int64 arange of 2**22 would peak ~75 MiB of temporaries).
+        t = (codes[None, :] | (codes[:, None] << 4)).reshape(-1)
         _PAIR_TABLES[("pair_code", device)] = t
     return t
 
