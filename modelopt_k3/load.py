@@ -29,6 +29,8 @@ from .dist.plan import DistributionPlan, decide_plan
 from .models.conversion import run_converter
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
 
+EXPERTS_PER_READ = 16
+
 
 class LoadError(RuntimeError):
     """Missing, unexpected or mismatched tensors; the message names them."""
@@ -150,14 +152,20 @@ def _fill_experts(
             ]
             if missing:
                 raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
-            tensors = {p: [reader.get(by_pattern[p][e]) for e in local] for p in conv.source_patterns}
-            consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in local)
-            fused = run_converter(conv, tensors)
             param = params[target]
-            if fused.shape != param.shape:
-                raise LoadError(f"{target}: converted shape {list(fused.shape)} != parameter {list(param.shape)}")
-            with torch.no_grad():
-                param.copy_(fused.to(param.dtype))
+            if param.shape[0] != len(local):
+                raise LoadError(f"{target}: parameter holds {param.shape[0]} experts, this rank owns {len(local)}")
+            # A few experts at a time: peak memory stays near the parameter itself, not 3x it.
+            for start in range(0, len(local), EXPERTS_PER_READ):
+                ids = local[start : start + EXPERTS_PER_READ]
+                tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
+                consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
+                fused = run_converter(conv, tensors)
+                rows = param[start : start + len(ids)]
+                if fused.shape != rows.shape:
+                    raise LoadError(f"{target}: converted shape {list(fused.shape)} != parameter rows {list(rows.shape)}")
+                with torch.no_grad():
+                    rows.copy_(fused.to(param.dtype))
             filled.add(target)
             progress.update(1)
     return consumed | foreign, filled
