@@ -275,7 +275,7 @@ def test_nvfp4_round_trip_error_and_fake_quant_exact(dtype):
 
 
 def test_nvfp4_nan_block_dequantizes_to_nan():
-    w = torch.ones(2, 32)
+    w = torch.linspace(-1, 1, 64).view(2, 32)
     w[0, 3] = float("nan")
     q = nvfp4_quantize(w, torch.tensor(1.0))
     deq = nvfp4_dequantize(*q)
@@ -285,6 +285,9 @@ def test_nvfp4_nan_block_dequantizes_to_nan():
         and not torch.isnan(deq[1]).any()
     )
     assert torch.isnan(nvfp4_fake_quant(w, 1.0)[0, :16]).all()
+    assert (q.packed[0, :8] == 0x77).all() and not (q.packed[0, 8:] == 0x77).any()  # fixed codes: +6
+    packed, scale = mxfp4_encode(w)
+    assert scale[:, 0].tolist() == [255, 125] and (packed[0] == 0x77).all() and not (packed[1] == 0x77).all()
 
 
 def test_nvfp4_per_expert_global_scales_match_loop():
@@ -468,6 +471,7 @@ def test_mxfp4_to_nvfp4_nan_scale_is_requantized_to_nan():
     assert n_req == 2 and res.global_scale.item() == 2.0 ** (126 - 135)
     deq = nvfp4_dequantize(*res)
     assert torch.isnan(deq[0, :32]).all() and not torch.isnan(deq[:, 32:]).any()
+    assert (res.packed[0, :16] == 0x77).all() and torch.isnan(res.block_scale[0, :2].float()).all()
 
 
 def test_shared_global_scale_for_w1_w3_and_batched_experts():

@@ -47,7 +47,7 @@ from .constants import (
 )
 from .e2m1 import E2M1_VALUES, _table, e2m1_round, pack_fp4, unpack_fp4
 from .mxfp4 import _scale_table
-from .nvfp4 import NVFP4Weight, _quantize_keys, _rows_global_scale
+from .nvfp4 import NVFP4Weight, _quantize_keys, _rows_global_scale, _saturate_nan_blocks
 
 __all__ = ["mxfp4_to_nvfp4", "shared_global_scale_for"]
 
@@ -188,7 +188,9 @@ def mxfp4_to_nvfp4(
         vals *= _scale_table(device)[s[r, h // 2].int()].unsqueeze(-1)  # exact decode, as mxfp4_decode
         keys, bs, _ = _quantize_keys(vals.unsqueeze(1), gs[r] if gs.dim() else gs)
         new_codes = _table("key_code", device).index_select(0, keys.reshape(-1)).view(-1, NVFP4_BLOCK)
-        half_bytes[r, h] = pack_fp4(new_codes)
+        new_bytes = pack_fp4(new_codes).unsqueeze(1)
+        _saturate_nan_blocks(new_bytes, torch.isnan(bs.float()))
+        half_bytes[r, h] = new_bytes.squeeze(1)
         bits[r, h] = bs.view(torch.uint8).view(-1)
 
     result = NVFP4Weight(

@@ -39,7 +39,8 @@ _E4M3 = torch.float8_e4m3fn
 def fp8_scale(amax: Tensor | float) -> Tensor:
     """``amax / 448`` in fp32 (same shape as ``amax``); amax == 0 gives 1.0."""
     amax = torch.as_tensor(amax).float()
-    return torch.where(amax == 0, 1.0, amax / FP8_E4M3_MAX)
+    # a device tensor divisor: CUDA multiplies by the reciprocal of a Python scalar (other rounding)
+    return torch.where(amax == 0, 1.0, amax / amax.new_tensor(FP8_E4M3_MAX))
 
 
 def _to_e4m3(q: Tensor) -> Tensor:

@@ -97,9 +97,10 @@ def mxfp4_encode(w: Tensor) -> tuple[Tensor, Tensor]:
     Per block of 32: shared exponent ``e = floor(log2(block_amax)) - 2`` (2 = floor(log2(6)), the
     E2M1 emax), clamped to the E8M0 range [-127, 127]; codes = E2M1_round(w / 2**e) (computed in
     fp32, saturating at ±6, so magnitudes in [6, 8) * 2**e clip to 6). An all-zero block gets
-    e = -127 (byte 0); a block holding NaN gets byte 255 (NaN). Note: compressed-tensors' observer
-    rounds the amax to a power of two *up* when its mantissa is large (``round_to_power_2``), so
-    its exponents can be one higher than OCP's for some blocks; this function is the OCP rule.
+    e = -127 (byte 0); a block holding NaN gets byte 255 (NaN) and codes +6 (bytes 0x77).
+    Note: compressed-tensors' observer rounds the amax to a power of two *up* when its mantissa
+    is large (``round_to_power_2``), so its exponents can be one higher than OCP's for some
+    blocks; this function is the OCP rule.
 
     Returns ``(weight_packed uint8 [..., out, in/2], weight_scale uint8 [..., out, in/32])``.
     """
@@ -121,4 +122,7 @@ def mxfp4_encode(w: Tensor) -> tuple[Tensor, Tensor]:
     q = wb * inv.unsqueeze(-1)
     keys = _e2m1_keys(q, inplace=True)
     codes = _table("key_code", w.device).index_select(0, keys.reshape(-1)).view(*lead, n)
-    return pack_fp4(codes), scale
+    packed = pack_fp4(codes)
+    # NaN blocks decode to NaN whatever their codes; fix them to +6 so bytes match across devices
+    packed.view(*lead, n // MXFP4_BLOCK, MXFP4_BLOCK // 2).masked_fill_(torch.isnan(amax).unsqueeze(-1), 0x77)
+    return packed, scale

@@ -20,8 +20,9 @@ Decisions:
   FORMATS.md fixes for ``input_scale``): a zero scale would make the reciprocal that serving
   kernels and compressed-tensors store infinite. An all-zero weight quantizes to all-zero codes
   whatever the scale.
-- A block containing NaN gets a NaN block scale (E4M3 NaN) and dequantizes to NaN; an inf in a
-  block clamps its scale to 448 and saturates to ±6.
+- A block containing NaN gets a NaN block scale (E4M3 NaN) and dequantizes to NaN; its codes are
+  all +6 (bytes 0x77) so the bytes are the same on every device. An inf in a block clamps its
+  scale to 448 and saturates to ±6.
 - Leading batch dims: ``global_scale`` may be a scalar (shape ``[]`` or ``[1]``), or have one
   value per leading index (shape ``[E]`` or ``[E, 1, 1]`` for ``W [E, out, in]``; in general
   anything broadcastable to ``W.shape[:-1] + (1,)``). ``nvfp4_quantize(W)`` with no global scale
@@ -71,7 +72,9 @@ class NVFP4Weight(NamedTuple):
 def nvfp4_global_scale(amax: Tensor | float) -> Tensor:
     """``amax / (6 * 448)`` in fp32 (same shape as ``amax``); amax == 0 gives 1.0."""
     amax = torch.as_tensor(amax).float()
-    return torch.where(amax == 0, 1.0, amax / (FP4_MAX * FP8_E4M3_MAX))
+    # divide by a tensor on amax's device: CUDA turns division by a Python scalar into a
+    # multiplication by its reciprocal, which rounds differently
+    return torch.where(amax == 0, 1.0, amax / amax.new_tensor(FP4_MAX * FP8_E4M3_MAX))
 
 
 def _check_blocks(x: Tensor, what: str) -> None:
@@ -222,7 +225,19 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
         scratch = (q[:rows], tmp[:rows])
         keys, _, _ = _quantize_keys(x[sl], gs[sl] if gs.dim() else gs, scales[sl], scratch)
         _pack_keys(keys, scratch[1], packed[sl])
+    _saturate_nan_blocks(packed.view(-1, nb, NVFP4_BLOCK // 2), torch.isnan(amax))
     return NVFP4Weight(packed.view(*lead, n // 2), scales.view(*lead, nb), global_scale)
+
+
+def _saturate_nan_blocks(block_bytes: Tensor, nan: Tensor) -> None:
+    """Give every block holding a NaN the codes +6 (bytes 0x77), in place.
+
+    Such a block's scale is NaN, so its codes do not change its (NaN) value, but the quotients'
+    NaN payloads differ between devices; a fixed code keeps the bytes reproducible.
+    """
+    if block_bytes.device.type == "cpu" and not bool(nan.any()):
+        return
+    block_bytes.masked_fill_(nan.view(*block_bytes.shape[:-1], 1), 0x77)
 
 
 def nvfp4_dequantize(
