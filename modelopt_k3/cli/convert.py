@@ -1,0 +1,89 @@
+"""``modelopt-k3-convert``: calibration-free streaming conversion of an MXFP4 checkpoint, shard by shard.
+
+    modelopt-k3-convert --src CKPT --dst OUT --recipe RECIPE [--rank R --world_size W] [--overwrite]
+
+Ranks split the source shards (shard ``i`` goes to rank ``i % W``); run one process per rank on any
+machines that share ``OUT``. Under ``torchrun`` the rank and world size come from its environment
+and the ranks meet in a (gloo) process group, so rank 0 finalizes after the others; independent
+processes coordinate through the completion records in ``OUT`` and the last to finish finalizes.
+A rerun resumes: completed shards are kept, partial ones redone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="modelopt-k3-convert",
+        description="Convert an MXFP4 Kimi-K3-class checkpoint to a ModelOpt NVFP4/FP8 checkpoint without "
+        "calibration, one shard at a time, never building the model.",
+    )
+    p.add_argument("--src", type=Path, required=True, help="source checkpoint directory")
+    p.add_argument("--dst", type=Path, required=True, help="output directory (written in place; resumable)")
+    p.add_argument("--recipe", required=True, help="YAML recipe path or name (needs no calibration)")
+    p.add_argument("--rank", type=int, default=None, help="this process's rank (default: $RANK or 0)")
+    p.add_argument("--world_size", type=int, default=None, help="number of ranks (default: $WORLD_SIZE or 1)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a complete output, another job's partial output or foreign files in --dst")
+    p.add_argument("--no_resume", action="store_true", help="rewrite this rank's shards even if complete")
+    p.add_argument("--no_verify", action="store_true",
+                   help="on resume trust a completed shard's recorded size instead of re-hashing it")
+    p.add_argument("--workers", type=int, default=None,
+                   help="threads converting one shard's tensors (default: min(4, CPU count))")
+    p.add_argument("--finalize", action="store_true",
+                   help="only finalize (index, configs, marker) an output whose shards are all complete")
+    p.add_argument("--no_progress", action="store_true")
+    return p
+
+
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and bool(os.environ.get("MASTER_ADDR"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..checkpoint import CheckpointError
+    from ..convert import ConvertError, convert_checkpoint, finalize_conversion
+    from ..dist.collectives import DistributedStepError
+    from ..recipe import RecipeError
+
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
+    world_size = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    expected = (CheckpointError, ConvertError, RecipeError, FileExistsError, ValueError, DistributedStepError)
+    try:
+        if args.finalize:
+            stats = finalize_conversion(args.src, args.dst, args.recipe)
+            print(f"modelopt_k3 convert: finalized {args.dst}")
+            print("\n".join(stats.lines("  ")))
+            return 0
+        kwargs = dict(
+            rank=rank,
+            world_size=world_size,
+            resume=not args.no_resume,
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+            workers=args.workers,
+            progress=not args.no_progress and sys.stderr.isatty(),
+        )
+        if _under_torchrun():
+            from ..dist.group import run_group
+
+            # gloo: the ranks only exchange small objects and failure flags, never tensors on a GPU.
+            with run_group(backend="gloo"):
+                report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
+        else:
+            report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
+    except expected as exc:
+        print(f"modelopt-k3-convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
