@@ -1,0 +1,265 @@
+"""Expert-parallel PTQ per rank at EP 1, 2 and 4 (issue 4's benchmark), gloo on CPU.
+
+The checkpoint is the tiny Kimi-K3 with 64 experts per MoE layer and 256x256 expert matrices, so
+the routed experts are most of the bytes. Each EP degree runs the whole ``hf_ptq`` pipeline -- load
+(``plan="auto"``: whole at EP 1, expert_parallel above), NVFP4 calibration on the builtin text (the
+same sequences split across ranks), export -- in fresh processes launched like ``torchrun`` (one
+process per rank, ``RANK``/``WORLD_SIZE``/``MASTER_*`` set; ``OMP_NUM_THREADS`` = threads / ranks).
+
+Per rank it records: checkpoint bytes read in each phase, split routed-expert / dense (every
+``CheckpointReader.get`` is counted, including the export's re-read of the experts' MXFP4 source
+for the lossless cast); the bytes of the local fused expert parameters; resident memory (RSS)
+after imports, after load, after calibration and after export, and the peak (kernel VmHWM, reset
+at each phase start) during load, calibration and export; wall time of each phase.
+
+Goals (issue 4): expert bytes read and expert memory per rank scale as 1/EP (checked as
+``EP1 bytes / (EP x largest rank's bytes) >= 1``); export peak memory no higher than after
+calibration (each rank's export peak over its high-water mark at the end of calibration, <= 1).
+Wall times at EP > 1 share 2 cores between the ranks: they show overheads, not speed-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .bench_io import QUICK_SMALL as QUICK_SIZES
+from .bench_io import SMALL as SIZES
+from .common import Figure, PeakRSS, _status_kib, rss_now, tiny_checkpoint
+
+AREA = "ep"
+REPO = Path(__file__).resolve().parent.parent
+CALIB = {"sequences": 16, "seq_len": 64, "batch_size": 4}
+QUICK_CALIB = {"sequences": 4, "seq_len": 16, "batch_size": 2}
+
+
+# ------------------------------------------------------------------------------------ rank worker
+
+
+def worker(ckpt: str, export_dir: str, out_json: str, calib: dict) -> None:
+    """One rank: load -> calibrate -> export, measured; writes its record to ``out_json``."""
+    hwm_start = (_status_kib("VmHWM") or 0) * 1024
+    from modelopt_k3.checkpoint import CheckpointReader
+    from modelopt_k3.models.kimi_k3.converters import EXPERT_KEY_RE
+
+    phase = ["load"]
+    reads: dict[str, dict[str, int]] = {}
+    original_get = CheckpointReader.get
+
+    def counting_get(self, key):
+        tensor = original_get(self, key)
+        r = reads.setdefault(phase[0], {"expert_bytes": 0, "dense_bytes": 0, "keys": 0})
+        r["expert_bytes" if EXPERT_KEY_RE.match(key) else "dense_bytes"] += self.info(key).nbytes
+        r["keys"] += 1
+        return tensor
+
+    CheckpointReader.get = counting_get
+    try:
+        rec = _measured_pipeline(ckpt, export_dir, calib, phase, hwm_start)
+    finally:
+        CheckpointReader.get = original_get
+    rec["reads"] = reads
+    rec["expert_bytes_read"] = sum(r["expert_bytes"] for r in reads.values())
+    rec["dense_bytes_read"] = sum(r["dense_bytes"] for r in reads.values())
+    Path(out_json).write_text(json.dumps(rec, indent=2))
+
+
+def _measured_pipeline(ckpt: str, export_dir: str, calib: dict, phase: list[str], hwm_start: int) -> dict:
+    from modelopt_k3 import export_checkpoint, load_pretrained, quantize
+    from modelopt_k3.dist.group import run_group
+    from modelopt_k3.recipe import load_recipe
+
+    from .common import calibration_loop
+
+    rec: dict = {"rss_after_imports": rss_now()}
+    hwm_start = max(hwm_start, (_status_kib("VmHWM") or 0) * 1024)
+    with run_group() as group:
+        rec.update(rank=group.rank, world_size=group.world_size)
+        t0 = time.perf_counter()
+        with PeakRSS() as peak:
+            model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, progress=False)
+        rec["load_s"] = time.perf_counter() - t0
+        rec["load_peak_rss"], rec["rss_after_load"] = peak.peak, rss_now()
+        info = model.modelopt_k3
+        rec["plan"] = info.plan.describe()
+        rec["bytes_read_by_loader"] = info.bytes_read
+        experts = [m for n, m in model.named_modules() if info.spec.is_experts_module(n, m)]
+        rec["local_experts_per_layer"] = [m.num_experts for m in experts]
+        rec["expert_param_bytes"] = sum(p.nbytes for m in experts for p in m.parameters(recurse=False))
+        rec["all_param_bytes"] = sum(p.nbytes for p in model.parameters())
+
+        phase[0] = "calibration"
+        loop = calibration_loop(model, Path(ckpt), rank=group.rank, world_size=group.world_size, **calib)
+        t0 = time.perf_counter()
+        with PeakRSS() as peak:
+            quantize(model, load_recipe("presets/nvfp4"), loop)
+        rec["calibration_s"] = time.perf_counter() - t0
+        rec["calibration_peak_rss"], rec["rss_after_calibration"] = peak.peak, rss_now()
+        rec["hwm_after_calibration"] = max(hwm_start, rec["load_peak_rss"], rec["calibration_peak_rss"])
+
+        phase[0] = "export"
+        t0 = time.perf_counter()
+        with PeakRSS() as peak:
+            export_checkpoint(model, export_dir, overwrite=True, progress=False)
+        rec["export_s"] = time.perf_counter() - t0
+        rec["export_peak_rss"], rec["rss_after_export"] = peak.peak, rss_now()
+    return rec
+
+
+# ------------------------------------------------------------------------------------ launcher
+
+
+def start(ep: int, ckpt: Path, workdir: Path, calib: dict, timeout: float, threads: int) -> dict:
+    """Start ``ep`` worker processes (torchrun-style env); ``finish`` waits for them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = workdir / f"ep{ep}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    threads = max(1, threads // ep)
+    procs = []
+    for rank in range(ep):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MODELOPT_K3_DIST_TIMEOUT": str(int(timeout)),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        if ep > 1:
+            env.update(RANK=str(rank), WORLD_SIZE=str(ep), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ep),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(run_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed in finish
+        cmd = [sys.executable, "-m", "benchmarks.bench_ep", "--worker", str(ckpt), str(run_dir / "export"),
+               str(run_dir / f"rank{rank}.json"), json.dumps(calib)]
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    return {"ep": ep, "run_dir": run_dir, "procs": procs, "deadline": time.monotonic() + timeout,
+            "started": time.perf_counter()}
+
+
+def finish(run: dict) -> list[dict]:
+    """Wait for a ``start``ed EP run (killing it at its deadline) and return its records by rank."""
+    ep, run_dir = run["ep"], run["run_dir"]
+    codes = []
+    for p, log in run["procs"]:
+        try:
+            codes.append(p.wait(timeout=max(1.0, run["deadline"] - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+        log.close()
+    if any(codes):
+        tails = "\n".join(
+            f"--- rank {r} (exit {c}):\n" + (run_dir / f"rank{r}.log").read_text(errors="replace")[-3000:]
+            for r, c in enumerate(codes) if c
+        )
+        raise RuntimeError(f"EP {ep} run failed:\n{tails}")
+    records = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(ep)]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return records
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _markdown(by_ep: dict[int, list[dict]], sizes: dict, calib: dict) -> str:
+    from modelopt_k3.testing import TINY_DEFAULTS
+
+    s = {**TINY_DEFAULTS, **sizes}
+    moe_layers = s["num_hidden_layers"] - s["first_k_dense_replace"]
+    lines = [
+        f"### Expert-parallel PTQ per rank (tiny Kimi-K3: {s['num_experts']} experts x {moe_layers} MoE layers, "
+        f"experts {s['moe_intermediate_size']}x{s['routed_expert_hidden_size']}; calibration "
+        f"{calib['sequences']} x {calib['seq_len']} tokens; gloo, CPU)",
+        "",
+        "| EP | rank | expert MiB read | dense MiB read | expert params MiB | RSS after load | peak load | "
+        "peak calib | RSS after calib | peak export | load s | calib s | export s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ep, recs in by_ep.items():
+        for r in recs:
+            lines.append(
+                f"| {ep} | {r['rank']} | {_mib(r['expert_bytes_read'])} | {_mib(r['dense_bytes_read'])} | "
+                f"{_mib(r['expert_param_bytes'])} | {_mib(r['rss_after_load'])} | {_mib(r['load_peak_rss'])} | "
+                f"{_mib(r['calibration_peak_rss'])} | {_mib(r['rss_after_calibration'])} | "
+                f"{_mib(r['export_peak_rss'])} | {r['load_s']:.1f} | {r['calibration_s']:.1f} | {r['export_s']:.1f} |"
+            )
+    lines.append("")
+    lines.append("Memory columns are RSS in MiB. Bytes read include the export's re-read of the experts' MXFP4 "
+                 "source (lossless cast). Ranks share 2 cores, so times at EP > 1 show overheads, not speed-ups.")
+    return "\n".join(lines)
+
+
+def run(ctx):
+    sizes, calib = (QUICK_SIZES, QUICK_CALIB) if ctx.quick else (SIZES, CALIB)
+    degrees = (1, 2) if ctx.quick else (1, 2, 4)
+    ckpt = tiny_checkpoint(ctx.workdir, ctx.log, **sizes)
+    by_ep: dict[int, list[dict]] = {}
+    if ctx.quick:  # smoke run, numbers mean nothing: EP 2 in the background, EP 1 in this process meanwhile
+        runs = [start(ep, ckpt, ctx.workdir, calib, timeout=300, threads=ctx.threads) for ep in degrees[1:]]
+        out = ctx.workdir / "ep1_inprocess.json"
+        worker(str(ckpt), str(ctx.workdir / "ep1_inprocess_export"), str(out), calib)
+        by_ep[1] = [json.loads(out.read_text())]
+        shutil.rmtree(ctx.workdir / "ep1_inprocess_export", ignore_errors=True)
+        by_ep.update({run["ep"]: finish(run) for run in runs})
+    else:  # one degree at a time: the ranks of one run have the machine to themselves
+        for ep in degrees:
+            run = start(ep, ckpt, ctx.workdir, calib, timeout=300, threads=ctx.threads)
+            by_ep[ep] = finish(run)
+            ctx.log(f"ep {ep}: {time.perf_counter() - run['started']:.1f}s wall for {ep} rank(s)")
+
+    figures: list[Figure] = []
+    base = by_ep[1][0]
+    for ep in degrees[1:]:
+        recs = by_ep[ep]
+        for what, key, title in (
+            ("read", "expert_bytes_read", "expert bytes read per rank"),
+            ("memory", "expert_param_bytes", "expert parameter bytes per rank"),
+        ):
+            worst = max(r[key] for r in recs)
+            figures.append(Figure(
+                name=f"ep_expert_{what}/ep{ep}", area=AREA, title=f"EP {ep}: {title} x EP vs EP 1",
+                ours={"label": f"largest rank's {key} at EP {ep}", "value": worst / 2**20, "unit": "MiB"},
+                reference={"label": f"{key} at EP 1", "value": base[key] / 2**20, "unit": "MiB"},
+                ratio=base[key] / (ep * worst), target=1.0, target_text=">= 1 (scales as 1/EP)", unit="MiB",
+                details={"per_rank": [r[key] for r in recs],
+                         "dense_bytes_read_per_rank": [r["dense_bytes_read"] for r in recs]},
+            ))
+    for ep in degrees:
+        recs = by_ep[ep]
+        ratios = [r["export_peak_rss"] / r["hwm_after_calibration"] for r in recs]
+        worst = max(range(len(recs)), key=lambda i: ratios[i])
+        r = recs[worst]
+        figures.append(Figure(
+            name=f"ep_export_peak/ep{ep}", area=AREA,
+            title=f"EP {ep}: export peak RSS vs peak after calibration (worst rank)",
+            ours={"label": "export peak RSS", "value": r["export_peak_rss"] / 2**20, "unit": "MiB"},
+            reference={"label": "RSS high-water mark at the end of calibration",
+                       "value": r["hwm_after_calibration"] / 2**20, "unit": "MiB"},
+            ratio=ratios[worst], target=1.0, target_text="<= 1", unit="MiB", higher_is_better=False,
+            details={"per_rank_ratio": ratios,
+                     "export_peak_minus_rss_after_calibration_mib": [
+                         (x["export_peak_rss"] - x["rss_after_calibration"]) / 2**20 for x in recs],
+                     "rank": r["rank"]},
+        ))
+    extra = {"checkpoint": str(ckpt), "sizes": sizes, "calibration": calib, "per_rank": by_ep,
+             "markdown": _markdown(by_ep, sizes, calib)}
+    return figures, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="rank worker of the EP benchmark (started by bench_ep.launch)")
+    p.add_argument("--worker", nargs=4, metavar=("CKPT", "EXPORT_DIR", "OUT_JSON", "CALIB_JSON"), required=True)
+    args = p.parse_args(argv)
+    ckpt, export_dir, out_json, calib = args.worker
+    worker(ckpt, export_dir, out_json, json.loads(calib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

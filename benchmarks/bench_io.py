@@ -1,0 +1,269 @@
+"""Checkpoint I/O: ``load_pretrained`` vs ``safe_open``, ``export_checkpoint`` vs ``save_file``.
+
+Two tiny Kimi-K3 checkpoints with 64 experts per MoE layer (3 MoE layers), identical but for the
+expert matrix sizes, so the routed experts dominate the bytes:
+
+- ``e64-256``: experts 256x256 (the expert-parallel benchmark's checkpoint, ~22 MB);
+- ``e64-512``: experts 512x512 (~82 MB; same tensor count and model structure).
+
+What is timed (page cache warm for everything; interleaved repeats in one process):
+
+- load: ``load_pretrained(path, trust_remote_code=True)`` -- config, remote-code class, build on
+  meta, ``to_empty``, read every tensor, MXFP4 decode + stack + concatenate the experts into the
+  fused BF16 parameters, copy the dense tensors. Reference: ``safe_open`` of every shard and
+  ``get_tensor`` of every key (the same bytes). The first load in the process (remote-code import
+  and class patching, one-time costs) is reported apart. Because both checkpoints have the same
+  structure, the difference between them gives the per-byte cost without the fixed costs.
+- export: ``export_checkpoint`` of the quantized (NVFP4 recipe, short calibration) model into a
+  fresh directory -- dense quantization, the lossless MXFP4->NVFP4 cast of the experts (which
+  re-reads their source bytes), pass-through copies, shard writing, index and configs. Reference:
+  ``safetensors.torch.save_file`` of the exact tensors that export wrote, into one file. The writer
+  alone (``ShardWriter.add`` + ``close`` of those tensors) is reported too.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .common import (
+    GB,
+    Figure,
+    calibration_loop,
+    checkpoint_files,
+    time_interleaved,
+    timing_figure,
+    tiny_checkpoint,
+    warm_page_cache,
+)
+
+AREA = "io"
+SMALL = {"num_experts": 64, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256}
+LARGE = {"num_experts": 64, "moe_intermediate_size": 512, "routed_expert_hidden_size": 512}
+QUICK_SMALL = {"num_experts": 8}
+QUICK_LARGE = {"num_experts": 8, "moe_intermediate_size": 128, "routed_expert_hidden_size": 128}
+
+# (label, matcher on a cProfile key (file, line, function)) for the load's phases
+_PHASES = [
+    ("config + remote-code class", lambda k: k[2] == "resolve_model_class"),
+    ("build on meta", lambda k: k[2] == "__init__" and "modeling_kimi_k3" in k[0]),
+    ("to_empty", lambda k: k[2] == "to_empty"),
+    ("experts: read + decode + fuse + copy", lambda k: k[2] == "_fill_experts"),
+    ("dense tensors", lambda k: k[2] == "_fill_dense"),
+]
+
+
+def raw_read(paths: list[Path]) -> int:
+    total = 0
+    for p in paths:
+        with safe_open(p, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                total += f.get_tensor(key).nbytes
+    return total
+
+
+def read_and_decode(paths: list[Path]) -> None:
+    """The least work a loader must do: read every tensor and decode every MXFP4 expert to BF16."""
+    from modelopt_k3.numerics import mxfp4_decode
+
+    for p in paths:
+        with safe_open(p, framework="pt") as f:
+            keys = list(f.keys())
+            for key in keys:
+                if key.endswith(".weight_packed"):
+                    mxfp4_decode(f.get_tensor(key), f.get_tensor(key[: -len("packed")] + "scale"))
+                elif not key.endswith(".weight_scale"):
+                    f.get_tensor(key)
+
+
+def _load(ckpt: Path):
+    from modelopt_k3 import load_pretrained
+
+    return load_pretrained(ckpt, trust_remote_code=True, progress=False)
+
+
+def _profile(fn) -> dict:
+    """Where one call's time goes (cProfile, so somewhat slower): phases (cumulative) and top self time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # key -> (cc, nc, tottime, cumtime, callers)
+    phases = {"total": sum(v[2] for v in stats.values())}
+    for label, match in _PHASES:
+        cum = [v[3] for k, v in stats.items() if match(k)]
+        if cum:
+            phases[label] = max(cum)  # nested __init__s of one model: the outermost is the largest
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:8]
+    self_time = {(f"{Path(k[0]).name}:{k[2]}" if k[0] != "~" else k[2]): v[2] for k, v in top}
+    return {"phases_s": {k: round(v, 3) for k, v in phases.items()},
+            "top_self_time_s": {k: round(v, 3) for k, v in self_time.items()}}
+
+
+def _profile_text(profile: dict) -> str:
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in profile["phases_s"].items())
+    hot = ", ".join(f"{k} {v:.2f} s" for k, v in list(profile["top_self_time_s"].items())[:4])
+    return f"{phases}; most self time in {hot}"
+
+
+def _read_all(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in checkpoint_files(path):
+        with safe_open(p, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _rm(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _load_figures(ctx, ckpts: dict[str, Path], repeats: int) -> list[Figure]:
+    (small_name, small), (large_name, large) = ckpts.items()
+    figures: list[Figure] = []
+    runs = {}
+    first_load = bytes_read = None
+    for name, ckpt in ckpts.items():
+        paths = checkpoint_files(ckpt)
+        nbytes = warm_page_cache(paths)
+        if first_load is None:  # the process's first load: remote-code import and class patching
+            t0 = time.perf_counter()
+            bytes_read = _load(ckpt).modelopt_k3.bytes_read
+            first_load = time.perf_counter() - t0
+        ctx.log(f"io load {name}: {nbytes / 2**20:.1f} MiB in {len(paths)} shards, {repeats} repeats")
+        times = time_interleaved({"ours": lambda c=ckpt: _load(c), "ref": lambda p=paths: raw_read(p)}, repeats)
+        tensor_bytes = raw_read(paths)
+        runs[name] = (times, tensor_bytes)
+        figures.append(timing_figure(
+            f"load/{name}", AREA, f"load_pretrained tiny Kimi-K3 {name} (end to end)",
+            "load_pretrained (build on meta + read + decode/fuse experts)", "safe_open + get_tensor of every key",
+            times, target=0.5, target_text=">= 0.5 of raw read speed",
+            details={"tensor_bytes": tensor_bytes, "file_bytes": nbytes,
+                     "ours_gbps": tensor_bytes / statistics.median(times["ours"]) / GB,
+                     "ref_gbps": tensor_bytes / statistics.median(times["ref"]) / GB},
+        ))
+    med = {k: {side: statistics.median(v[0][side]) for side in ("ours", "ref")} for k, v in runs.items()}
+    small_bytes, large_bytes = runs[small_name][1], runs[large_name][1]
+    d_load = med[large_name]["ours"] - med[small_name]["ours"]
+    d_raw = med[large_name]["ref"] - med[small_name]["ref"]
+    d_bytes = large_bytes - small_bytes
+    fixed = med[small_name]["ours"] - small_bytes * d_load / d_bytes
+
+    large_paths = checkpoint_files(large)
+    floor = time_interleaved({"ours": lambda: _load(large), "ref": lambda: read_and_decode(large_paths)}, repeats)
+    profile = _profile(lambda: _load(large))
+    ctx.log(f"io load profile ({large_name}): {profile}")
+    bound = (
+        f"What bounds it: one profiled load of {large_name}: {_profile_text(profile)}. Per byte read the "
+        "loader writes 4 bytes of BF16 (MXFP4 is 4.25 bits a weight) and moves them again to fuse the "
+        f"experts, against one copy for the raw read; the fixed costs (no bytes) come to ~{fixed:.2f} s."
+    )
+    for fig in figures:
+        fig.details.update(bound=bound, one_time_first_load_s=first_load)
+    figures.append(Figure(
+        name="load/per_byte", area=AREA, title=f"load_pretrained per-byte cost ({small_name} -> {large_name})",
+        ours={"label": "marginal load s/GB", "value": d_load / d_bytes * GB, "unit": "s/GB"},
+        reference={"label": "marginal safe_open s/GB", "value": d_raw / d_bytes * GB, "unit": "s/GB"},
+        ratio=d_raw / d_load if d_load > 0 else float("nan"), target=0.5, target_text=">= 0.5 of raw read speed",
+        unit="s/GB",
+        details={
+            "method": "difference of median times between two checkpoints of identical structure",
+            "bytes_difference": d_bytes, "fixed_cost_estimate_s": fixed,
+            "one_time_first_load_s": first_load, "first_load_bytes_read": bytes_read,
+            "profile_large_load": profile, "bound": bound,
+        },
+    ))
+    figures.append(timing_figure(
+        f"load_vs_read_decode/{large_name}", AREA, f"load_pretrained vs read+mxfp4_decode floor {large_name}",
+        "load_pretrained", "safe_open every tensor + mxfp4_decode every expert (no fusing)", floor,
+        target=None, target_text="report only (fraction of the floor)",
+    ))
+    return figures
+
+
+def _export_figures(ctx, name: str, ckpt: Path, repeats: int) -> list[Figure]:
+    from modelopt_k3 import export_checkpoint, quantize
+    from modelopt_k3.export.writer import ShardWriter
+    from modelopt_k3.recipe import load_recipe
+
+    model = _load(ckpt)
+    seqs, seq_len = (4, 16) if ctx.quick else (8, 32)
+    t0 = time.perf_counter()
+    quantize(model, load_recipe("presets/nvfp4"), calibration_loop(model, ckpt, sequences=seqs, seq_len=seq_len,
+                                                                   batch_size=4))
+    calib_s = time.perf_counter() - t0
+    root = ctx.workdir / "io_export"
+    _rm(root)
+    root.mkdir(parents=True)
+    first = root / "first"
+    export_checkpoint(model, first, progress=False)
+    tensors = _read_all(first)
+    out_bytes = sum(t.nbytes for t in tensors.values())
+    ours_dir, ref_file, writer_dir = root / "ours", root / "ref.safetensors", root / "writer"
+
+    def writer_only() -> None:
+        writer_dir.mkdir()
+        with ShardWriter(writer_dir, rank=0) as w:
+            for key, t in tensors.items():
+                w.add(key, t)
+
+    ctx.log(f"io export {name}: {out_bytes / 2**20:.1f} MiB of tensors, {repeats} repeats")
+    times = time_interleaved(
+        {"ours": lambda: export_checkpoint(model, ours_dir, progress=False),
+         "ref": lambda: save_file(tensors, str(ref_file))},
+        repeats, before={"ours": lambda: _rm(ours_dir), "ref": lambda: _rm(ref_file)},
+    )
+    wtimes = time_interleaved(
+        {"ours": writer_only, "ref": lambda: save_file(tensors, str(ref_file))},
+        repeats, before={"ours": lambda: _rm(writer_dir), "ref": lambda: _rm(ref_file)},
+    )
+    _rm(ours_dir)
+    profile = _profile(lambda: export_checkpoint(model, ours_dir, progress=False))
+    ctx.log(f"io export profile ({name}): {profile}")
+    _rm(root)
+    return [
+        timing_figure(
+            f"export/{name}", AREA, f"export_checkpoint write throughput {name} (end to end)",
+            "export_checkpoint (quantize dense, cast experts, copy, write shards + index/configs)",
+            "save_file of the same tensors", times, target=0.5, target_text=">= 0.5 of save_file",
+            details={"tensor_bytes": out_bytes, "tensors": len(tensors),
+                     "ours_gbps": out_bytes / statistics.median(times["ours"]) / GB,
+                     "ref_gbps": out_bytes / statistics.median(times["ref"]) / GB,
+                     "calibration_s": calib_s, "calibration": f"{seqs} x {seq_len} tokens, builtin text",
+                     "profile": profile,
+                     "bound": f"What bounds it: one profiled export of {name}: {_profile_text(profile)}. Export "
+                              "also re-reads the experts' MXFP4 source bytes for the lossless cast and "
+                              "quantizes the dense Linears; save_file only serializes."},
+        ),
+        timing_figure(
+            f"export_writer/{name}", AREA, f"ShardWriter alone {name}",
+            "ShardWriter.add + close of the exported tensors", "save_file of the same tensors", wtimes,
+            target=None, target_text="report only",
+            details={"ours_gbps": out_bytes / statistics.median(wtimes["ours"]) / GB},
+        ),
+    ]
+
+
+def run(ctx):
+    small_sizes, large_sizes = (QUICK_SMALL, QUICK_LARGE) if ctx.quick else (SMALL, LARGE)
+    names = ("quick-small", "quick-large") if ctx.quick else ("e64-256", "e64-512")
+    ckpts = {
+        names[0]: tiny_checkpoint(ctx.workdir, ctx.log, **small_sizes),
+        names[1]: tiny_checkpoint(ctx.workdir, ctx.log, **large_sizes),
+    }
+    repeats = ctx.repeats if ctx.quick else max(2, ctx.repeats - 2)  # a large load takes seconds
+    figures = _load_figures(ctx, ckpts, repeats)
+    figures += _export_figures(ctx, names[1], ckpts[names[1]], repeats)
+    return figures, {"checkpoints": {n: str(p) for n, p in ckpts.items()}}

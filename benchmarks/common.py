@@ -1,0 +1,316 @@
+"""Shared pieces of the benchmark suite: timing, figures, machine facts, resident-memory probes.
+
+Timing rule: every figure times our code and its reference in the same process, interleaved
+(ours, reference, ours, reference, ...) after one untimed warm-up call of each, so that caches,
+lazily built tables and background load hit both sides alike. A figure's ratio is computed from
+the medians; the per-repeat (paired) ratios give its min/max.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+MiB = 2**20
+
+
+def summary(samples: list[float]) -> dict[str, Any]:
+    """min/median/max of a list of samples (and the samples, for the record)."""
+    return {
+        "min": min(samples),
+        "median": statistics.median(samples),
+        "max": max(samples),
+        "n": len(samples),
+        "samples": [round(s, 6) for s in samples],
+    }
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    before: dict[str, Callable[[], Any]] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, called in turn ``repeats`` times after ``warmup`` calls each.
+
+    ``before[name]``, if given, runs untimed before every call of ``fns[name]`` (e.g. to remove the
+    previous call's output files).
+    """
+    before = before or {}
+    for _ in range(warmup):
+        for name, fn in fns.items():
+            before.get(name, lambda: None)()
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    gc.collect()
+    gc.disable()  # as timeit does: no collector pause lands in one side's timing
+    try:
+        for i in range(repeats):
+            order = list(fns.items())
+            if i % 2:
+                order.reverse()  # alternate who runs first: neither side always gets the warmer cache
+            for name, fn in order:
+                before.get(name, lambda: None)()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return times
+
+
+@dataclass
+class Figure:
+    """One benchmark figure: ours vs a reference measured in the same run, with a target.
+
+    ``ratio`` is "how many times better ours is" for timings (reference seconds / our seconds), or
+    the fraction asked for (e.g. our GB/s / copy GB/s). ``target`` None means report-only; the
+    figure passes when ``ratio >= target`` (``ratio <= target`` if not ``higher_is_better``).
+    """
+
+    name: str
+    area: str
+    title: str
+    ours: dict[str, Any]
+    reference: dict[str, Any]
+    ratio: float
+    ratio_range: tuple[float, float] | None = None
+    target: float | None = None
+    target_text: str = ""
+    unit: str = "s"
+    higher_is_better: bool = True
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool | None:
+        if self.target is None:
+            return None
+        return bool(self.ratio >= self.target) if self.higher_is_better else bool(self.ratio <= self.target)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["passed"] = self.passed
+        if self.target is not None and not self.passed:
+            if self.higher_is_better:
+                how = f"{self.ratio / self.target:.2f} of the target" + (
+                    f", {self.target / self.ratio:.1f}x short" if self.ratio > 0 else "")
+                d["shortfall"] = f"{self.ratio:.3g} vs target >= {self.target:g}: {how}"
+            else:
+                d["shortfall"] = (f"{self.ratio:.3g} vs target <= {self.target:g}: "
+                                  f"{(self.ratio / self.target - 1) * 100:.1f}% over")
+        return d
+
+
+def timing_figure(
+    name: str,
+    area: str,
+    title: str,
+    ours_label: str,
+    ref_label: str,
+    times: dict[str, list[float]],
+    *,
+    target: float | None,
+    target_text: str,
+    details: dict[str, Any] | None = None,
+) -> Figure:
+    """A speed-up figure from interleaved timings ``{"ours": [...], "ref": [...]}``."""
+    ours, ref = times["ours"], times["ref"]
+    paired = [r / o for o, r in zip(ours, ref)]
+    return Figure(
+        name=name,
+        area=area,
+        title=title,
+        ours={"label": ours_label, **summary(ours)},
+        reference={"label": ref_label, **summary(ref)},
+        ratio=statistics.median(ref) / statistics.median(ours),
+        ratio_range=(min(paired), max(paired)),
+        target=target,
+        target_text=target_text,
+        details=details or {},
+    )
+
+
+def machine_facts() -> dict[str, Any]:
+    import psutil
+    import safetensors
+    import torch
+    import transformers
+
+    try:
+        import compressed_tensors
+
+        ct_version = compressed_tensors.__version__
+    except ImportError:  # pragma: no cover - a required dependency
+        ct_version = None
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu,
+        "cpu_cores_logical": os.cpu_count(),
+        "cpu_cores_physical": psutil.cpu_count(logical=False),
+        "memory_total_bytes": psutil.virtual_memory().total,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "compressed_tensors": ct_version,
+        "safetensors": safetensors.__version__,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+# ------------------------------------------------------------------------------ resident memory
+
+
+def _status_kib(field_name: str) -> int | None:
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None
+    for line in status.read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    return None
+
+
+class PeakRSS:
+    """Peak resident memory of this process over a phase.
+
+    Linux: the kernel's exact high-water mark VmHWM, reset at the start of the phase by writing 5 to
+    ``/proc/self/clear_refs``. Elsewhere (or if the reset is refused) a sampler thread polls psutil
+    every ``interval`` seconds; both are kept when available, ``peak`` prefers the kernel's.
+    """
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.kernel_peak: int | None = None
+        self.sampled_peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._reset_ok = False
+
+    def __enter__(self) -> PeakRSS:
+        import psutil
+
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._reset_ok = True
+        except OSError:
+            self._reset_ok = False
+        proc = psutil.Process()
+        self.sampled_peak = proc.memory_info().rss
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval):
+                self.sampled_peak = max(self.sampled_peak, proc.memory_info().rss)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        hwm = _status_kib("VmHWM")
+        self.kernel_peak = hwm * 1024 if (hwm is not None and self._reset_ok) else None
+
+    @property
+    def peak(self) -> int:
+        return self.kernel_peak if self.kernel_peak is not None else self.sampled_peak
+
+
+def rss_now() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@dataclass
+class Context:
+    """What a benchmark area gets from the runner."""
+
+    quick: bool
+    repeats: int
+    workdir: Path  # scratch space; checkpoints built here are cached between runs
+    out_dir: Path  # where results.json / RESULTS.md go
+    log: Callable[[str], None] = print
+    threads: int = 1  # torch threads of the runner; EP ranks split them
+
+
+# ------------------------------------------------------------------------------ shared checkpoints
+
+
+def tiny_checkpoint(workdir: Path, log: Callable[[str], None] = print, **sizes: Any) -> Path:
+    """A tiny Kimi-K3 checkpoint with ``sizes``, built once into ``workdir`` and reused while the sizes
+    and the generator's source are unchanged (the generator is deterministic)."""
+    import hashlib
+    import json
+    import shutil
+
+    import modelopt_k3.testing.tiny as tiny
+
+    stamp = json.dumps(
+        {"sizes": sizes, "generator": hashlib.sha256(Path(tiny.__file__).read_bytes()).hexdigest()}, sort_keys=True
+    )
+    short = {"num_experts": "e", "moe_intermediate_size": "m", "routed_expert_hidden_size": "h"}
+    name = "_".join(f"{short.get(k, k)}{v}" for k, v in sorted(sizes.items())) or "default"
+    path = Path(workdir) / f"kimi_k3_{name}"  # a valid identifier: transformers imports the remote code by it
+    if (path / "bench_stamp.json").exists() and (path / "bench_stamp.json").read_text() == stamp:
+        return path
+    t0 = time.perf_counter()
+    tmp = path.parent / f".{path.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tiny.make_tiny_kimi_k3(tmp, **sizes)
+    (tmp / "bench_stamp.json").write_text(stamp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    log(f"built {path} in {time.perf_counter() - t0:.1f}s")
+    return path
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    import json
+
+    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
+    return [Path(path) / f for f in sorted(set(index["weight_map"].values()))]
+
+
+def warm_page_cache(paths: list[Path]) -> int:
+    """Read every file once so that every timed read comes from the page cache; returns bytes."""
+    total = 0
+    buf = bytearray(64 * MiB)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def calibration_loop(model, ckpt: Path, *, sequences: int, seq_len: int, batch_size: int, rank: int = 0,
+                     world_size: int = 1):
+    """The forward loop ``hf_ptq`` builds (builtin calibration text), for ``quantize``."""
+    from transformers import AutoTokenizer
+
+    from modelopt_k3.data import load_texts, make_forward_loop, pack_sequences, rank_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True)
+    seqs = pack_sequences(tokenizer, load_texts("builtin"), num_sequences=sequences, seq_len=seq_len)
+    batches = rank_batches(seqs, batch_size=batch_size, rank=rank, world_size=world_size)
+    return make_forward_loop(batches, device=model.modelopt_k3.plan.device, progress=False)

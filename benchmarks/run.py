@@ -1,0 +1,192 @@
+"""Run the benchmark suite: ``python -m benchmarks`` (or ``python benchmarks/run.py``) from the repo root.
+
+    python -m benchmarks                 # everything (< ~10 min on a 2-core CPU machine)
+    python -m benchmarks --quick         # smoke run: small shapes, tiny checkpoints, no convert
+    python -m benchmarks --only numerics # one area (numerics, io, ep, convert); repeat or comma-join
+    python -m benchmarks --out DIR       # write results.json / RESULTS.md into DIR
+
+Writes ``results.json`` (machine facts, versions, every figure with min/median/max over repeats,
+its reference, ratio, target and pass/fail) and ``RESULTS.md`` (a short table). Exits 1 if any
+figure misses its target or an area fails to run, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # ``python benchmarks/run.py``: make the package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+from benchmarks.common import Context, Figure, machine_facts  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+AREAS = {
+    "numerics": "benchmarks.bench_numerics",
+    "io": "benchmarks.bench_io",
+    "ep": "benchmarks.bench_ep",
+    "convert": "benchmarks.convert_area",
+}
+QUICK_SKIPS = {"convert": "bench_convert.py builds a ~0.5 GB checkpoint; run it with --only convert"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: small sizes, 1 repeat, EP 1 and 2 only, convert skipped")
+    p.add_argument("--only", action="append", default=None, metavar="NAME",
+                   help=f"run only these areas ({', '.join(AREAS)}); repeat or comma-join")
+    p.add_argument("--out", type=Path, default=HERE, help="directory for results.json and RESULTS.md")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per figure (default 5, quick 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in this process (default: all cores; EP ranks share them)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="scratch dir; checkpoints built there are reused (default: $TMPDIR/modelopt_k3_benchmarks)")
+    return p
+
+
+def _fmt_value(side: dict, unit: str) -> str:
+    if "median" in side:
+        s = side["median"]
+        return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+    if "gbps" in side:
+        return f"{side['gbps']:.2f} GB/s"
+    if "value" in side:
+        v = side["value"]
+        return f"{v:.3g} {side.get('unit', unit)}".strip() if isinstance(v, float) else f"{v} {side.get('unit', unit)}"
+    return "-"
+
+
+def render_markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"{m['date']} · {m['cpu_model']} · {m['cpu_cores_logical']} cores · "
+        f"{m['memory_total_bytes'] / 2**30:.0f} GiB · torch {m['torch']} · transformers {m['transformers']} · "
+        f"compressed-tensors {m['compressed_tensors']} · safetensors {m['safetensors']} · "
+        f"{results['suite']['threads']} torch threads · load average {m['load_average_at_start'][0]:.1f} at start, "
+        f"{results['load_average_at_end'][0]:.1f} at end"
+        + (" · **--quick (smoke run, not the real figures)**" if results["suite"]["quick"] else ""),
+        "",
+        "Medians over repeats (min/max and every sample in `results.json`); ratio = reference time / our "
+        "time unless stated; [min–max] of the paired per-repeat ratios.",
+        "",
+        "| figure | ours | reference | ratio | target | result |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in results["figures"]:
+        rng = f.get("ratio_range")
+        ratio = f"{f['ratio']:.3g}" + (f" [{rng[0]:.3g}–{rng[1]:.3g}]" if rng else "")
+        result = {True: "pass", False: "**FAIL**", None: "report"}[f["passed"]]
+        lines.append(
+            f"| {f['title']} | {_fmt_value(f['ours'], f['unit'])} | {_fmt_value(f['reference'], f['unit'])} "
+            f"| {ratio} | {f['target_text']} | {result} |"
+        )
+    sides: dict[str, tuple[str, str]] = {}
+    for f in results["figures"]:
+        sides.setdefault(f["name"].split("/")[0], (f["ours"].get("label", ""), f["reference"].get("label", "")))
+    lines += ["", "What each side runs (details in the `benchmarks/bench_*.py` docstrings):", ""]
+    lines += [f"- `{family}`: ours = {ours}; reference = {ref}" for family, (ours, ref) in sides.items()]
+    for extra in results.get("areas", {}).values():
+        table = extra.get("markdown") if isinstance(extra, dict) else None
+        if table:
+            lines += ["", table]
+    failed = [f for f in results["figures"] if f["passed"] is False]
+    if failed:
+        lines += ["", "## Targets missed", ""]
+        said: dict[str, str] = {}
+        for f in failed:
+            bound = f["details"].get("bound", "")
+            if bound in said:
+                bound = f"(Bound: as for {said[bound]}.)"
+            elif bound:
+                said[bound] = f["title"]
+            lines.append(f"- **{f['title']}**: {f['shortfall']}." + (f" {bound}" if bound else ""))
+    if results["errors"]:
+        lines += ["", "## Areas that failed to run", ""]
+        for area, err in results["errors"].items():
+            last = [line for line in err.splitlines() if line.strip()][-1:] or ["?"]
+            lines.append(f"- {area}: `{last[0].strip()}` (traceback in results.json)")
+    if results["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(f"{a} ({why})" for a, why in results["skipped"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    only = [a for item in (args.only or []) for a in item.split(",") if a]
+    unknown = sorted(set(only) - set(AREAS))
+    if unknown:
+        print(f"unknown area(s) {unknown}; known: {', '.join(AREAS)}", file=sys.stderr)
+        return 2
+    workdir = args.workdir or Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "modelopt_k3_benchmarks"
+    workdir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    repeats = args.repeats or (1 if args.quick else 5)
+
+    def log(msg: str) -> None:
+        print(f"[bench {time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+    import torch
+
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the subprocesses (EP ranks divide it)
+    t0 = time.perf_counter()
+    ctx = Context(quick=args.quick, repeats=repeats, workdir=workdir, out_dir=args.out, log=log, threads=threads)
+    busy = os.getloadavg()[0]
+    if busy > 0.5 * (os.cpu_count() or 1):
+        log(f"warning: load average {busy:.1f} on {os.cpu_count()} cores before starting: other jobs share the "
+            "CPU, so absolute timings are pessimistic (ratios are interleaved, but multi-threaded ops can stall)")
+    results: dict = {
+        "machine": machine_facts(),
+        "suite": {"quick": args.quick, "repeats": repeats, "threads": threads, "only": only or None,
+                  "argv": sys.argv[1:]},
+        "figures": [],
+        "areas": {},
+        "errors": {},
+        "skipped": {},
+    }
+    for area, module in AREAS.items():
+        if only and area not in only:
+            continue
+        if args.quick and area in QUICK_SKIPS and area not in only:
+            results["skipped"][area] = QUICK_SKIPS[area]
+            continue
+        log(f"== {area}")
+        started = time.perf_counter()
+        try:
+            out = importlib.import_module(module).run(ctx)
+        except Exception:
+            results["errors"][area] = traceback.format_exc()
+            log(f"{area} FAILED:\n{results['errors'][area]}")
+            continue
+        figures, extra = out if isinstance(out, tuple) else (out, {})
+        extra = {**extra, "wall_s": time.perf_counter() - started}
+        results["areas"][area] = extra
+        for fig in figures:
+            d = fig.to_dict() if isinstance(fig, Figure) else fig
+            results["figures"].append(d)
+            verdict = {True: "pass", False: "FAIL", None: "report"}[d["passed"]]
+            log(f"{d['title']}: ratio {d['ratio']:.3g} ({d['target_text']}) {verdict}")
+    results["suite"]["wall_s"] = time.perf_counter() - t0
+    results["load_average_at_end"] = os.getloadavg()
+    results["passed"] = not results["errors"] and all(f["passed"] is not False for f in results["figures"])
+
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (args.out / "RESULTS.md").write_text(render_markdown(results))
+    log(f"wrote {args.out / 'results.json'} and {args.out / 'RESULTS.md'} "
+        f"({'all targets met' if results['passed'] else 'targets missed or errors'})")
+    return 0 if results["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
