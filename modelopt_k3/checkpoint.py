@@ -133,6 +133,16 @@ class CheckpointReader:
         self.log.bytes += info.nbytes
         return tensor
 
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of dim 0 only (a ``safe_open`` slice: no other bytes are read)."""
+        info = self.info(key)
+        if not info.shape or not 0 <= start <= stop <= info.shape[0]:
+            raise CheckpointError(f"tensor {key!r} of shape {list(info.shape)} has no rows [{start}, {stop})")
+        tensor = self._handle(info.file).get_slice(key)[start:stop]
+        self.log.keys.append(key)
+        self.log.bytes += info.nbytes // info.shape[0] * (stop - start) if stop > start else 0
+        return tensor
+
     @property
     def files(self) -> list[str]:
         return sorted({i.file for i in self._infos.values()})

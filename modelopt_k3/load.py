@@ -24,6 +24,7 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from .checkpoint import CheckpointError, CheckpointReader
+from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
 from .dist.plan import DistributionPlan, decide_plan
 from .models.conversion import run_converter
@@ -92,9 +93,9 @@ def _experts_modules(model: nn.Module, spec: ModelSpec) -> dict[str, nn.Module]:
 
 
 def _plan_expert_reads(
-    reader: CheckpointReader, spec: ModelSpec, converters: list, experts: dict[str, nn.Module]
+    reader: CheckpointReader, spec: ModelSpec, converters: list, local: dict[str, range]
 ) -> tuple[dict[str, dict[str, dict[int, str]]], set[str]]:
-    """target fused param -> source pattern -> {expert id: key}, for local experts only.
+    """target fused param -> source pattern -> {expert id: key}, for the experts in ``local[module]`` only.
 
     Returns the plan and the set of expert keys that belong to other ranks (neither read nor unexpected).
     """
@@ -105,9 +106,9 @@ def _plan_expert_reads(
         m = key_re.match(key)
         if m is None:
             continue
-        module = experts.get(m["module"])
+        mine = local.get(m["module"])
         expert = int(m["expert"])
-        if module is not None and not (module.expert_offset <= expert < module.expert_offset + module.num_experts):
+        if mine is not None and expert not in mine:
             foreign.add(key)
             continue
         for conv in converters:
@@ -129,18 +130,20 @@ def _fill_experts(
     experts: dict[str, nn.Module],
     progress: tqdm,
 ) -> tuple[set[str], set[str]]:
-    reads, foreign = _plan_expert_reads(reader, spec, converters, experts)
+    # Global ids this rank holds per module: its EP block, or the rows of its FSDP2 shard.
+    ranges = {name: local_experts(module, spec) for name, module in experts.items()}
+    reads, foreign = _plan_expert_reads(reader, spec, converters, ranges)
     params = dict(model.named_parameters())
     consumed: set[str] = set()
     filled: set[str] = set()
     for conv in converters:
         target_suffix = conv.target_patterns[0]
-        for module_name, module in experts.items():
+        for module_name in experts:
             target = f"{module_name}.{target_suffix.rsplit('.', 1)[-1]}"
             if not target.endswith(target_suffix) or target not in params:
                 continue
             by_pattern = reads.get(target, {})
-            local = range(module.expert_offset, module.expert_offset + module.num_experts)
+            local = ranges[module_name]
             present = [p for p in conv.source_patterns if p in by_pattern]
             if not present:
                 continue
@@ -152,7 +155,7 @@ def _fill_experts(
             ]
             if missing:
                 raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
-            param = params[target]
+            param = local_tensor(params[target])
             if param.shape[0] != len(local):
                 raise LoadError(f"{target}: parameter holds {param.shape[0]} experts, this rank owns {len(local)}")
             # A few experts at a time: peak memory stays near the parameter itself, not 3x it.
@@ -200,10 +203,15 @@ def _fill_dense(
         if name not in reader:
             missing.append(name)
             continue
-        src = reader.get(name)
-        info.source_dtypes[name] = src.dtype
-        if src.shape != tensor.shape:
-            raise LoadError(f"{name}: checkpoint shape {list(src.shape)} != model shape {list(tensor.shape)}")
+        stored = reader.info(name)
+        info.source_dtypes[name] = stored.dtype
+        if stored.shape != tuple(tensor.shape):
+            raise LoadError(f"{name}: checkpoint shape {list(stored.shape)} != model shape {list(tensor.shape)}")
+        if tensor is not local_tensor(tensor):  # FSDP2 shard: read only this rank's rows
+            rows = local_rows(tensor)
+            src, tensor = reader.get_rows(name, rows.start, rows.stop), local_tensor(tensor)
+        else:
+            src = reader.get(name)
         with torch.no_grad():
             if keep is not None and keep.search(name) and src.dtype != tensor.dtype and name in params:
                 params[name].data = src.to(tensor.device)  # keep the checkpoint's dtype (see the spec)
@@ -214,6 +222,18 @@ def _fill_dense(
     if missing:
         raise LoadError(f"tensors missing from checkpoint {reader.path}: {_names(missing)}")
     return consumed
+
+
+def _keep_source_dtypes_on_meta(model: nn.Module, reader: CheckpointReader, spec: ModelSpec) -> None:
+    """Give ``spec.keep_source_dtype`` parameters their checkpoint dtype while the model is still on meta."""
+    if not spec.keep_source_dtype:
+        return
+    keep = re.compile(spec.keep_source_dtype)
+    for name, param in list(model.named_parameters()):
+        if keep.search(name) and name in reader and reader.info(name).dtype != param.dtype:
+            owner, _, attr = name.rpartition(".")
+            new = nn.Parameter(torch.empty_like(param, dtype=reader.info(name).dtype), param.requires_grad)
+            setattr(model.get_submodule(owner), attr, new)
 
 
 def load_pretrained(
@@ -229,8 +249,10 @@ def load_pretrained(
     """Load a checkpoint with fused experts, sharded per the distribution plan.
 
     ``plan``: ``auto`` (expert_parallel under torchrun with more than one rank, else whole),
-    ``whole`` or ``expert_parallel``. ``dtype`` defaults to the config's dtype. Every parameter is
-    filled from the checkpoint or loading fails naming the tensors; nothing is left initialised at random.
+    ``whole``, ``expert_parallel`` or ``fsdp2`` (dense part and experts sharded with FSDP2
+    ``fully_shard``; each rank reads only its rows, see ``dist/fsdp.py``). ``dtype`` defaults to the
+    config's dtype. Every parameter is filled from the checkpoint or loading fails naming the tensors;
+    nothing is left initialised at random.
     """
     path = Path(path)
     raw = _read_raw_config(path)
@@ -261,10 +283,14 @@ def load_pretrained(
     dtype = dtype or _config_dtype(config)
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(config)
+    reader = CheckpointReader(path)  # headers only, until a tensor is asked for
+    if the_plan.kind == "fsdp2":
+        _keep_source_dtypes_on_meta(model, reader, spec)  # a DTensor's dtype cannot be switched after sharding
+        shard_model(model, the_plan.device, the_plan.world_size, spec)
     model.to_empty(device=the_plan.device)
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)
-    with CheckpointReader(path) as reader:
+    with reader:
         experts = _experts_modules(model, spec)
         total = len(dict(model.named_parameters())) + len(dict(model.named_buffers()))
         with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
@@ -276,6 +302,8 @@ def load_pretrained(
         unexpected = set(reader.names()) - consumed
         if unexpected:
             raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
+        if the_plan.kind == "fsdp2":
+            check_partition(model)  # every element of every sharded parameter held (and so filled) by one rank
         info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
         key_re = re.compile(spec.expert_key_regex)
         info.packed_experts = any(k.endswith(".weight_packed") and key_re.match(k) for k in reader.names())

@@ -393,8 +393,8 @@ def test_refuses_unknown_plan(tiny_ckpt: Path) -> None:
         _load(tiny_ckpt, plan="tensor_parallel")
 
 
-def test_refuses_fsdp2(tiny_ckpt: Path) -> None:
-    with pytest.raises(PlanError, match=r"'fsdp2' is not implemented.*expert_parallel"):
+def test_refuses_fsdp2_in_one_process(tiny_ckpt: Path) -> None:
+    with pytest.raises(PlanError, match=r"'fsdp2' shards over the ranks.*WORLD_SIZE=1; use 'whole'"):
         _load(tiny_ckpt, plan="fsdp2")
 
 

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modeling code")
     p.add_argument("--calibrate_all_experts", action="store_true",
                    help="during calibration every expert sees every token (routing output unchanged)")
-    p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel"])
+    p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel", "fsdp2"],
+                   help="auto: expert_parallel under torchrun, else whole; fsdp2: dense and experts FSDP2-sharded")
     p.add_argument("--ep_degree", type=int, default=None,
                    help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")

@@ -50,6 +50,8 @@ class DistributionPlan:
     @property
     def writes_experts(self) -> bool:
         """Whether this rank writes its experts at export (one copy of each expert in the output)."""
+        if self.kind == "fsdp2":
+            return True  # every rank writes the expert rows of its own shards
         return self.rank < self.ep_degree if self.expert_parallel else self.rank == 0
 
     def describe(self) -> str:
@@ -62,6 +64,26 @@ class DistributionPlan:
 def default_local_implementation(device: torch.device) -> str:
     # grouped_mm on CPU wants 16-byte aligned strides and is not faster there; eager is exact and simple.
     return "grouped_mm" if device.type == "cuda" else "eager"
+
+
+def _check_fsdp2(
+    spec: ModelSpec, num_experts: int, world_size: int, ep_degree: int | None, experts_implementation: str | None
+) -> None:
+    """Refuse an fsdp2 run that cannot work, before anything is built or read."""
+    if world_size < 2:
+        raise PlanError("plan 'fsdp2' shards over the ranks of a torchrun launch, but WORLD_SIZE=1; use 'whole'")
+    if ep_degree not in (None, 1):
+        raise PlanError(f"an expert-parallel degree ({ep_degree}) applies to plan 'expert_parallel', not 'fsdp2'")
+    if experts_implementation == "torch_a2a":
+        raise PlanError("'torch_a2a' dispatches to expert-parallel owners; plan 'fsdp2' runs every expert locally")
+    bad_dims = {p: d for p, d in spec.ep_sharded_params.items() if d != 0}
+    if bad_dims:
+        raise PlanError(f"plan 'fsdp2' shards dim 0, but {spec.model_type!r} indexes experts on other dims: {bad_dims}")
+    if spec.ep_sharded_params and num_experts % world_size:
+        raise PlanError(
+            f"num_experts={num_experts} is not divisible by WORLD_SIZE={world_size}: plan 'fsdp2' gives every "
+            "rank the same number of whole experts; choose a world size that divides it"
+        )
 
 
 def decide_plan(
@@ -87,9 +109,7 @@ def decide_plan(
             f"plan 'whole' runs in one process, but WORLD_SIZE={world_size}; use 'expert_parallel' or 'auto'"
         )
     if kind == "fsdp2":
-        raise PlanError(
-            "plan 'fsdp2' is not implemented yet; use 'expert_parallel' (experts sharded, dense part replicated)"
-        )
+        _check_fsdp2(spec, num_experts, world_size, ep_degree, experts_implementation)
     if kind == "expert_parallel" and not has_ep:
         raise PlanError(f"model_type {spec.model_type!r} declares no expert-parallel plan")
     if kind == "expert_parallel":

@@ -1,10 +1,13 @@
 """``export_checkpoint``: each rank quantizes and writes what it owns; only the index travels.
 
-Ownership: a rank writes its own experts (expert parallel) and a deterministic share of the dense work
-(quantized Linears and pass-through tensors, item ``i`` to rank ``i % world``). Pass-through tensors are
-copied from the source checkpoint, so everything left unquantized keeps its source name, dtype and
-bytes. Rank 0 writes the index, ``config.json``, ``hf_quant_config.json`` and copies the remote code
-and tokenizer. All of it happens in one temporary directory renamed into place at the end.
+Ownership: a rank writes its own experts (expert parallel; under FSDP2 the expert rows of its shards)
+and a deterministic share of the dense work (quantized Linears and pass-through tensors, item ``i`` to
+rank ``i % world``). Under FSDP2 the owner of a quantized Linear gathers that one weight from the
+other ranks' shards (peak: the largest dense weight), quantizes it and writes it under one key.
+Pass-through tensors are copied from the source checkpoint, so everything left unquantized keeps its
+source name, dtype and bytes. Rank 0 writes the index, ``config.json``, ``hf_quant_config.json`` and
+copies the remote code and tokenizer. All of it happens in one temporary directory renamed into place
+at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..dist.collectives import run_together
+from ..dist.fsdp import gather_to_owner, local_rows, local_tensor
 from ..dist.group import current_group
 from ..quant.modules import ExpertsQuantState
 from . import compressed_tensors_format as ct_format
@@ -50,27 +54,32 @@ def _dense_items(model: nn.Module, qplan, reader: CheckpointReader, expert_key_r
     return sorted(items, key=lambda it: it[1])
 
 
-def _quant_linear_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+def _quant_linear_tensors(module: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     wq = module.weight_quantizer
-    out = weight_tensors(wq.fmt, module.weight.detach(), None if wq.fmt == "fp8_pb" else wq.scale())
+    out = weight_tensors(wq.fmt, weight, None if wq.fmt == "fp8_pb" else wq.scale())
     if module.input_quantizer is not None:
         out["input_scale"] = input_scale_tensor(module.input_quantizer.scale())
     return out
 
 
 def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterator[tuple[str, dict[str, torch.Tensor], bool]]:
-    """Per-expert ``(prefix, tensors, quantized)`` under the checkpoint's names ``{name}.{e}.{proj}``."""
+    """Per-expert ``(prefix, tensors, quantized)`` under the checkpoint's names ``{name}.{e}.{proj}``.
+
+    Only the experts this rank holds. Quantizer scales span the module's expert dim (index ``idx``);
+    local weights and casts hold this rank's rows (index ``local``): the same unless FSDP2-sharded.
+    """
     state: ExpertsQuantState | None = getattr(experts, "quant", None)
+    rows = local_rows(getattr(experts, spec.expert_projections[0].fused_param))
     # Lossless casts of the source bytes, batched per projection over this rank's experts.
     cast = {}
     for proj in spec.expert_projections:
         wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
         if wq is not None and wq.source is not None:
             cast[proj.name] = wq.source[0].cast(proj.name, wq.scale())
-    for local in range(experts.num_experts):
-        expert = experts.expert_offset + local
+    for idx in rows:
+        local, expert = idx - rows.start, experts.expert_offset + idx
         for proj in spec.expert_projections:
-            fused = getattr(experts, proj.fused_param).detach()[local]
+            fused = local_tensor(getattr(experts, proj.fused_param)).detach()[local]
             weight = fused.chunk(proj.n_chunks, dim=0)[proj.chunk]
             prefix = f"{name}.{expert}.{proj.name}"
             if proj.name not in projs or state is None:
@@ -82,10 +91,10 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
                 tensors = {
                     "weight": c.packed[local],
                     "weight_scale": c.block_scale[local],
-                    "weight_scale_2": wq.scale()[local].reshape(()).to(torch.float32),
+                    "weight_scale_2": wq.scale()[idx].reshape(()).to(torch.float32),
                 }
             else:
-                scale = None if wq.fmt == "fp8_pb" else wq.scale()[local]
+                scale = None if wq.fmt == "fp8_pb" else wq.scale()[idx]
                 tensors = weight_tensors(wq.fmt, weight, scale)
             if proj.fused_param in state.input:
                 tensors["input_scale"] = input_scale_tensor(state.input[proj.fused_param].scale())
@@ -157,19 +166,32 @@ def export_checkpoint(
             with CheckpointReader(info.checkpoint) as reader, ShardWriter(
                 tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
             ) as writer:
-                items = _dense_items(model, qplan, reader, expert_key_re)[group.rank :: group.world_size]
+                items = _dense_items(model, qplan, reader, expert_key_re)
                 n_experts = sum(m.num_experts for m in experts_modules.values()) if plan.writes_experts else 0
-                bar = tqdm(total=len(items) + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
-                for kind, name in items:
-                    if kind == "copy":
-                        writer.add(name, reader.get(name))
-                    elif kind == "kv":
-                        owner, _, key = name.rpartition(".")
-                        writer.add(name, modules[owner].kv_scale(key))
-                    else:
-                        for key, tensor in layout(_quant_linear_tensors(modules[name])).items():
-                            writer.add(f"{name}.{key}", tensor)
+                n_mine = len(items[group.rank :: group.world_size])
+                bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
+                failed: Exception | None = None
+                for i, (kind, name) in enumerate(items):
+                    owner = i % group.world_size  # item i belongs to rank i % world
+                    # An FSDP2-sharded weight is gathered to its owner only, one tensor at a time. Every rank
+                    # joins every gather, so a rank that failed keeps joining and raises after the loop.
+                    weight = gather_to_owner(modules[name].weight, owner) if kind == "quant" else None
+                    if owner != group.rank or failed is not None:
+                        continue
+                    try:
+                        if kind == "copy":
+                            writer.add(name, reader.get(name))
+                        elif kind == "kv":
+                            module_name, _, key = name.rpartition(".")
+                            writer.add(name, modules[module_name].kv_scale(key))
+                        else:
+                            for key, tensor in layout(_quant_linear_tensors(modules[name], weight)).items():
+                                writer.add(f"{name}.{key}", tensor)
+                    except Exception as exc:
+                        failed = exc
                     bar.update(1)
+                if failed is not None:
+                    raise failed
                 if plan.writes_experts:
                     for name, experts in experts_modules.items():
                         projs = qplan.experts.get(name, {})

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..dist.fsdp import local_experts, local_rows, row_gatherer
 from ..models.spec import ModelSpec
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from .calibrate import calibrate, enable_calibrate_all_experts
@@ -146,8 +147,10 @@ def quantize(
         experts = modules[name]
         source = None
         if info.packed_experts:
-            local = range(experts.expert_offset, experts.expert_offset + experts.num_experts)
-            source = Mxfp4ExpertSource(info.checkpoint, spec, name, local)
+            # Only the experts this rank holds (its EP block or FSDP2 rows); scales gathered when sharded.
+            fused = getattr(experts, next(iter(spec.ep_sharded_params)))
+            source = Mxfp4ExpertSource(info.checkpoint, spec, name, local_experts(experts, spec),
+                                       rows=local_rows(fused), gather=row_gatherer(fused))
         attach_experts(experts, _fused_formats(spec, projs), source=source)
     if recipe.kv_cache is not None:
         if spec.attach_kv_cache is None:

@@ -25,14 +25,32 @@ PACKED, SCALE = "weight_packed", "weight_scale"
 
 
 class Mxfp4ExpertSource:
-    """This rank's packed experts of one fused experts module, read on demand from the source."""
+    """This rank's packed experts of one fused experts module, read on demand from the source.
 
-    def __init__(self, checkpoint: Path, spec: ModelSpec, module_name: str, experts: range) -> None:
+    ``experts``: the global ids read. ``rows``: where they sit in the module's expert dimension (all of
+    it for one process or an expert-parallel block; one shard under FSDP2, where ``gather`` joins the
+    ranks' rows). Scales passed in and returned span the whole expert dimension; casts and the cached
+    fake-quant values cover only ``rows``.
+    """
+
+    def __init__(
+        self, checkpoint: Path, spec: ModelSpec, module_name: str, experts: range,
+        rows: range | None = None, gather=None,
+    ) -> None:
         self.checkpoint = Path(checkpoint)
         self.spec = spec
         self.module_name = module_name
         self.experts = experts
+        self.rows = rows if rows is not None else range(len(experts))
+        self.gather = gather
         self.requantized_blocks: dict[str, int] = {}
+
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        """``[len(rows), ...]`` -> the whole expert dimension (identity unless sharded; collective then)."""
+        return local if self.gather is None else self.gather(local)
+
+    def _mine(self, global_scales: torch.Tensor) -> torch.Tensor:
+        return global_scales[self.rows.start : self.rows.stop]
 
     def _stack(self, proj: str, suffix: str) -> torch.Tensor:
         with CheckpointReader(self.checkpoint) as reader:
@@ -43,19 +61,21 @@ class Mxfp4ExpertSource:
         return [p.name for p in sorted(projs, key=lambda p: p.chunk)]
 
     def global_scales(self, fused_param: str) -> torch.Tensor:
-        """fp32 ``[E_local]``: one power of two per expert, shared by the fused projections."""
-        return shared_global_scale_for(*(self._stack(p, SCALE) for p in self._projections(fused_param)))
+        """fp32, one power of two per expert (shared by the fused projections), over the whole expert dim."""
+        return self.full(shared_global_scale_for(*(self._stack(p, SCALE) for p in self._projections(fused_param))))
 
     def cast(self, proj: str, global_scales: torch.Tensor) -> NVFP4Weight:
-        """Batched ``[E_local, out, ...]`` NVFP4 tensors of one projection (counts requantized blocks)."""
+        """Batched ``[len(rows), out, ...]`` NVFP4 tensors of one projection (counts requantized blocks)."""
+        global_scales = self._mine(global_scales)
         weight, n_req = mxfp4_to_nvfp4(self._stack(proj, PACKED), self._stack(proj, SCALE), global_scales)
         self.requantized_blocks[proj] = n_req
         return weight
 
     def fake_quant(self, fused_param: str, global_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The fused parameter as the export will hold it, dequantized: ``[E_local, rows, in]``."""
+        """This rank's rows of the fused parameter as the export will hold them, dequantized."""
+        mine = self._mine(global_scales)
         parts = []
         for proj in self._projections(fused_param):
             w = self.cast(proj, global_scales)
-            parts.append(nvfp4_dequantize(w.packed, w.block_scale, global_scales.view(-1, 1, 1), dtype=torch.float32))
+            parts.append(nvfp4_dequantize(w.packed, w.block_scale, mine.view(-1, 1, 1), dtype=torch.float32))
         return torch.cat(parts, dim=1).to(dtype)

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..dist.fsdp import full_amax
 from ..numerics import fp8 as fp8n
 from ..numerics import nvfp4 as nvn
 
@@ -67,12 +68,13 @@ class TensorQuantizer(nn.Module):
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, reduce_dims: tuple[int, ...] | None = None) -> None:
-        """Fold ``max|x|`` into ``amax`` (over ``reduce_dims``, all dims when None)."""
+        """Fold ``max|x|`` into ``amax`` (over ``reduce_dims``, all dims when None).
+
+        An FSDP2-sharded ``x`` gives the amax of the full tensor (a collective: every rank calls it).
+        """
         if self.constant_amax is not None:
             return
-        x = x.detach().float().abs()
-        value = x.amax() if reduce_dims is None else x.amax(dim=reduce_dims)
-        value = value.to(self.amax.device)
+        value = full_amax(x, reduce_dims).to(self.amax.device)
         self.amax.copy_(torch.where(torch.isnan(self.amax), value, torch.maximum(self.amax, value)))
 
     def scale(self) -> torch.Tensor:
@@ -91,7 +93,7 @@ class TensorQuantizer(nn.Module):
             if self._fake_cache is None or self._fake_cache.dtype != x.dtype:
                 source, param = self.source
                 self._fake_cache = source.fake_quant(param, self.scale(), dtype=x.dtype).to(x.device)
-            return self._fake_cache
+            return source.full(self._fake_cache)  # this rank's rows, gathered when the weight is sharded
         if self.fmt == "fp8_pb":
             return fp8n.fp8_fake_quant_blockwise(x, block=128) if not expert_dim else torch.stack(
                 [fp8n.fp8_fake_quant_blockwise(w, block=128) for w in x]
