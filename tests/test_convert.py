@@ -431,6 +431,23 @@ def test_recipe_that_needs_calibration_is_refused(ckpt: Path, tmp_path: Path):
 # --------------------------------------------------------------------------- CLI
 
 
+def _cli_rank(argv: list[str]) -> int:
+    return cli_main(argv)
+
+
+@pytest.mark.multiprocess
+def test_cli_under_torchrun_with_a_process_group(converted, ckpt: Path, tmp_path: Path):
+    """Two gloo ranks (torchrun's environment): rank 0 finalizes after the others, same files."""
+    from _mp import run_ranks
+
+    out = tmp_path / "torchrun"
+    argv = ["--src", str(ckpt), "--dst", str(out), "--recipe", MIRROR, "--no_progress"]
+    results = run_ranks(2, _cli_rank, argv, timeout=120)
+    assert [r.exitcode for r in results] == [0, 0], results
+    assert [r.value for r in results] == [0, 0], results
+    assert _files(out) == _files(converted[0])
+
+
 def test_cli(converted, ckpt: Path, tmp_path: Path, capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

@@ -12,6 +12,7 @@ A rerun resumes: completed shards are kept, partial ones redone.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             # gloo: the ranks only exchange small objects and failure flags, never tensors on a GPU.
             with run_group(backend="gloo"):
                 report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
+            # A process-group object still referenced at interpreter exit is destroyed during
+            # teardown, where gloo aborts the process ("terminate called without an active
+            # exception"): drop every reference (cycles included) while Python is still running.
+            gc.collect()
         else:
             report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
     except expected as exc:
