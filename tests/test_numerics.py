@@ -505,3 +505,35 @@ def test_shared_global_scale_for_w1_w3_and_batched_experts():
         "w3 lossless under the shared scale",
     )
     assert FP4_MAX == 6.0 and FP8_E4M3_MAX == 448.0
+
+
+# ------------------------------------------------------------------------------- CPU worker pool
+
+
+def test_cpu_slab_workers_are_exact_and_leave_thread_settings_alone():
+    import threading
+
+    from modelopt_k3.numerics import _slabs
+
+    g = torch.Generator().manual_seed(15)
+    w = torch.randn(2, 200, 2048, generator=g).to(torch.bfloat16)  # several slabs
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = nvfp4_quantize(w)
+        serial_fq = nvfp4_fake_quant(w, serial.global_scale)
+        torch.set_num_threads(2)
+        pooled = nvfp4_quantize(w)
+        assert_bits_equal(pooled.packed, serial.packed, "packed, 2 workers vs 1 thread")
+        assert_bits_equal(pooled.block_scale, serial.block_scale, "block scales, 2 workers vs 1 thread")
+        assert_bits_equal(nvfp4_fake_quant(w, serial.global_scale), serial_fq, "fake quant, 2 workers vs 1")
+        assert torch.get_num_threads() == 2  # the caller's setting is untouched
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [2]  # ... and so is the process-wide value new threads start from
+        workers = _slabs._pool(2)
+        assert {workers.submit(torch.get_num_threads).result() for _ in range(4)} == {1}
+    finally:
+        torch.set_num_threads(before)

@@ -33,10 +33,12 @@ and, as both round the same fp32 value once, in bf16).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from ._slabs import row_slabs
+from ._slabs import run_slabs
 from .constants import (
     E8M0_BIAS,
     E8M0_NAN,
@@ -66,12 +68,16 @@ def _halves(x: Tensor) -> Tensor:
     return x16.view(torch.uint8)
 
 
-def _block_rule_table(gs: Tensor) -> Tensor:
-    """Per (global scale, exponent byte) rule, ``[len(gs) * 256]`` int32 (see ``mxfp4_to_nvfp4``).
+class _BlockRules(NamedTuple):
+    """Per (global scale, exponent byte) tables, ``[len(gs) * 256]`` each (see ``mxfp4_to_nvfp4``)."""
 
-    Bits 0-7: the e4m3 block scale (``e4m3(2**(s-127) / gs)``, or 2**-9 for shifted blocks); bits
-    8-10: the shift row k (0 = codes carried unchanged); bit 11: requantize from decoded values.
-    """
+    bits2: Tensor  # int16: e4m3 bits of the block scale, twice (one per 16-half), little end first
+    shift: Tensor  # int32: shift row k << 8 (0 = codes carried unchanged)
+    shifted2: Tensor  # int16: 1 for shifted blocks, twice
+    general: Tensor  # uint8: 1 where the block is requantized from its decoded values
+
+
+def _block_rules(gs: Tensor) -> _BlockRules:
     gs = gs.view(-1, 1)
     s = torch.arange(256, device=gs.device).view(1, -1)
     target = _scale_table(gs.device).view(1, -1)  # 2**(s-127) fp32, NaN for 255
@@ -86,7 +92,13 @@ def _block_rule_table(gs: Tensor) -> Tensor:
     general = ~(carried | shifted)
     bits = cand.view(torch.uint8).int().masked_fill(shifted, _E4M3_MIN)
     row = k.clamp(0, _MAX_SHIFT).masked_fill(~shifted, 0).int()
-    return (bits | (row << 8) | (general.int() << 11)).view(-1)
+    twice = 0x0101  # x * 0x0101 = x | x << 8 for a byte x; as int16 bits
+    return _BlockRules(
+        bits2=(bits * twice).short().view(-1),
+        shift=(row << 8).view(-1),
+        shifted2=(shifted.int() * twice).short().view(-1),
+        general=general.to(torch.uint8).view(-1),
+    )
 
 
 def _shift_table(device: torch.device) -> Tensor:
@@ -118,14 +130,26 @@ def shared_global_scale_for(*weight_scales: Tensor) -> Tensor:
                 f"shared_global_scale_for needs uint8 [..., out, in/32] tensors with equal leading dims; "
                 f"got {s.dtype} {tuple(s.shape)} next to leading dims {lead}"
             )
-        m = (
-            s.masked_fill(s == E8M0_NAN, 0).amax(dim=(-2, -1))
-            if s.numel()
-            else torch.zeros(lead, dtype=torch.uint8)
-        )
+        if s.numel():
+            m = _row_max_exponent(s).view(*lead, -1).amax(dim=-1)
+        else:
+            m = torch.zeros(lead, dtype=torch.uint8, device=s.device)
         smax = m if smax is None else torch.maximum(smax, m)
     exp = smax.double() - (E8M0_BIAS + FP8_E4M3_MAX_POW2_EXP)
     return torch.exp2(exp).float()  # 2**-135 .. 2**119, exact in fp32
+
+
+def _row_max_exponent(weight_scale: Tensor) -> Tensor:
+    """uint8 ``[rows]``: the largest exponent byte of each row, NaN bytes (255) ignored."""
+    rows = weight_scale.reshape(-1, weight_scale.shape[-1])
+    out = torch.empty(rows.shape[0], dtype=torch.uint8, device=rows.device)
+
+    def row_max(sl: slice) -> None:
+        r = rows[sl]
+        out[sl] = r.masked_fill(r == E8M0_NAN, 0).amax(dim=-1)
+
+    run_slabs(rows.shape[0], rows.shape[1], rows.device, row_max)
+    return out
 
 
 def mxfp4_to_nvfp4(
@@ -157,28 +181,44 @@ def mxfp4_to_nvfp4(
     # Every per-block decision depends only on (global scale, exponent byte): tabulate it for the
     # distinct global scales and look it up, instead of doing fp math on every block.
     uniq, inverse = torch.unique(gs.reshape(-1), return_inverse=True)
-    table = _block_rule_table(uniq)  # [G * 256] int32: e4m3 bits | shift row << 8 | general << 11
-    idx = s.int() if uniq.numel() == 1 else (inverse.view(-1, 1).int() << 8) | s
-    rule = table.index_select(0, idx.view(-1)).view(s.shape)
+    rules = _block_rules(uniq)
+    row_offset = (inverse.view(-1, 1).int() << 8) if uniq.numel() > 1 else None
+    shift_table = _shift_table(device)
 
-    packed = weight_packed.reshape(-1, half).clone()
-    n_half = 2 * nb32
+    src = weight_packed.reshape(-1, nb32, MXFP4_BLOCK // 2).contiguous()
+    n_rows, n_half = src.shape[0], 2 * nb32
+    packed = torch.empty(n_rows, half, dtype=torch.uint8, device=device)
+    bits = torch.empty(n_rows, n_half, dtype=torch.uint8, device=device)
+    zero = torch.empty(n_rows, n_half, dtype=torch.bool, device=device)
+    shifted_counts: list[Tensor] = []
+    general_slabs: list[bool] = []
+
+    def convert(sl: slice) -> None:
+        ss, blk = s[sl], src[sl]
+        idx = (ss.int() if row_offset is None else row_offset[sl] | ss).view(-1)
+        b = bits[sl]
+        torch.index_select(rules.bits2, 0, idx, out=b.view(torch.int16).view(-1))
+        z = zero[sl]
+        torch.eq(blk.view(torch.int64).view(z.shape) & _MAG_BITS, 0, out=z)  # 16 codes all +-0
+        b.masked_fill_(z, _E4M3_ONE)
+        out = packed[sl].view(blk.shape)
+        shift = rules.shift.index_select(0, idx)
+        if bool(shift.any()):
+            flags = rules.shifted2.index_select(0, idx).view(torch.uint8).view(z.shape)
+            shifted_counts.append(torch.gt(flags, z.view(torch.uint8)).sum())  # shifted, not all zero
+            bidx = torch.bitwise_or(shift.view(*ss.shape, 1), blk)
+            torch.index_select(shift_table, 0, bidx.view(-1), out=out.view(-1))
+        else:
+            out.copy_(blk)
+        general_slabs.append(bool(rules.general.index_select(0, idx).any()))
+
+    run_slabs(n_rows, half, device, convert)
+    n_req = int(sum(c.item() for c in shifted_counts))
     half_bytes = packed.view(-1, n_half, NVFP4_BLOCK // 2)
-    zero = (half_bytes.view(torch.int64).view(-1, n_half) & _MAG_BITS) == 0  # all 16 codes are +-0
-    bits = _halves(rule & 0xFF).masked_fill_(zero, _E4M3_ONE)
-    n_req = 0
-    shift_row = (rule >> 8) & 0x7
-    if bool(shift_row.any()):
-        n_req += int((_halves(shift_row).bool() & ~zero).sum())
-        blocks = packed.view(-1, nb32, MXFP4_BLOCK // 2)
-        shift_table = _shift_table(device)
-        row = (shift_row << 8).unsqueeze(-1)
-        for sl in row_slabs(blocks.shape[0], half, device):
-            bidx = torch.bitwise_or(row[sl], blocks[sl])
-            torch.index_select(shift_table, 0, bidx.view(-1), out=blocks[sl].view(-1))
 
-    general = rule >> 11
-    if bool(general.any()):  # NaN exponents, a non-power-of-two or too small caller-given global scale
+    if any(general_slabs):  # NaN exponents, a non-power-of-two or too small caller-given global scale
+        idx = (s.int() if row_offset is None else row_offset | s).view(-1)
+        general = rules.general.index_select(0, idx).view(s.shape)
         need = _halves(general).bool() & ~zero
         idx = need.nonzero()
         n_req += int(idx.shape[0])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._slabs import row_slabs
+from ._slabs import run_slabs
 from .constants import E2M1_EMAX, E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, MXFP4_BLOCK
 from .e2m1 import E2M1_VALUES, _e2m1_keys, _table, pack_fp4
 
@@ -85,9 +85,12 @@ def mxfp4_decode(weight_packed: Tensor, weight_scale: Tensor, dtype: torch.dtype
     rows = weight_packed.reshape(-1, n_blocks, MXFP4_BLOCK // 2)
     srows = weight_scale.reshape(-1, n_blocks, 1)
     out = torch.empty(rows.shape, dtype=table.dtype, device=weight_packed.device)
-    for sl in row_slabs(rows.shape[0], half, weight_packed.device):
+
+    def decode(sl: slice) -> None:
         idx = torch.bitwise_or(srows[sl].int() << 8, rows[sl])
         torch.index_select(table, 0, idx.view(-1), out=out[sl].view(-1))
+
+    run_slabs(rows.shape[0], half, weight_packed.device, decode)
     return out.view(dtype).view(*lead, half * 2)
 
 

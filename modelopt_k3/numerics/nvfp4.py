@@ -20,8 +20,9 @@ Decisions:
   FORMATS.md fixes for ``input_scale``): a zero scale would make the reciprocal that serving
   kernels and compressed-tensors store infinite. An all-zero weight quantizes to all-zero codes
   whatever the scale.
-- A block containing NaN gets a NaN block scale (E4M3 NaN) and dequantizes to NaN; its codes are
-  all +6 (bytes 0x77) so the bytes are the same on every device. An inf in a block clamps its
+- A block containing NaN gets a NaN block scale (E4M3 NaN) and dequantizes to NaN; every block
+  with a NaN scale (also all blocks under a NaN global scale) gets the codes +6 (bytes 0x77), so
+  the bytes are the same on every device. An inf in a block clamps its
   scale to 448 and saturates to ±6.
 - Leading batch dims: ``global_scale`` may be a scalar (shape ``[]`` or ``[1]``), or have one
   value per leading index (shape ``[E]`` or ``[E, 1, 1]`` for ``W [E, out, in]``; in general
@@ -37,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._slabs import row_slabs
+from ._slabs import run_slabs
 from .constants import FP4_MAX, FP8_E4M3_MAX, FP8_E4M3_MIN_SUBNORMAL, NVFP4_BLOCK
 from .e2m1 import _e2m1_keys, _table
 
@@ -202,6 +203,7 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
     taken per leading index for batched weights (``[E, out, in]`` -> ``[E]``).
     """
     _check_blocks(w, "nvfp4_quantize")
+    w = w.detach()
     if w.dtype == torch.float64:
         w = w.float()
     if sys.byteorder != "little":  # _pack_keys reads int32 pairs as int64
@@ -209,31 +211,50 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
     *lead, n = w.shape
     nb = n // NVFP4_BLOCK
     x = w.reshape(-1, nb, NVFP4_BLOCK)
-    slabs = row_slabs(x.shape[0], n, w.device)
-    amax = torch.cat([_block_amax(x[sl]) for sl in slabs]) if len(slabs) > 1 else _block_amax(x)
+    device = w.device
+    amax = torch.empty(x.shape[0], nb, dtype=torch.float32, device=device)
     if global_scale is None:
+
+        def block_amax(sl: slice) -> None:
+            amax[sl] = _block_amax(x[sl])
+
+        run_slabs(x.shape[0], n, device, block_amax)
         global_scale = nvfp4_global_scale(_leading_amax(amax, tuple(lead)))
-    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device)
+        amax_done = True
+    else:
+        amax_done = False
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
     if global_scale.numel() == 1:
         global_scale = global_scale.reshape(())
-    gs = _rows_global_scale(global_scale, w.shape, w.device)
-    scales = _scales_from_amax(amax, gs)
-    packed = torch.empty(x.shape[0], n // 2, dtype=torch.uint8, device=w.device)
-    q, tmp = _scratch(slabs[0].stop - slabs[0].start, nb, w.device)
-    for sl in slabs:
-        rows = sl.stop - sl.start
-        scratch = (q[:rows], tmp[:rows])
-        keys, _, _ = _quantize_keys(x[sl], gs[sl] if gs.dim() else gs, scales[sl], scratch)
-        _pack_keys(keys, scratch[1], packed[sl])
-    _saturate_nan_blocks(packed.view(-1, nb, NVFP4_BLOCK // 2), torch.isnan(amax))
+    gs = _rows_global_scale(global_scale, w.shape, device)
+    packed = torch.empty(x.shape[0], n // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(x.shape[0], nb, dtype=_E4M3, device=device)
+    _pair_code_table(device)  # build the shared tables before any worker thread needs them
+
+    def quantize(sl: slice) -> None:
+        xs, g = x[sl], gs[sl] if gs.dim() else gs
+        if not amax_done:
+            amax[sl] = _block_amax(xs)
+        bs = _scales_from_amax(amax[sl], g)
+        scales[sl] = bs
+        q, tmp = _scratch(xs.shape[0], nb, device)
+        keys, _, _ = _quantize_keys(xs, g, bs, (q, tmp))
+        _pack_keys(keys, tmp, packed[sl])
+        _saturate_nan_blocks(packed[sl].view(-1, nb, NVFP4_BLOCK // 2), _e4m3_isnan(bs))
+
+    run_slabs(x.shape[0], n, device, quantize)
     return NVFP4Weight(packed.view(*lead, n // 2), scales.view(*lead, nb), global_scale)
 
 
-def _saturate_nan_blocks(block_bytes: Tensor, nan: Tensor) -> None:
-    """Give every block holding a NaN the codes +6 (bytes 0x77), in place.
+def _e4m3_isnan(bs: Tensor) -> Tensor:
+    return (bs.view(torch.uint8) & 0x7F) == 0x7F
 
-    Such a block's scale is NaN, so its codes do not change its (NaN) value, but the quotients'
-    NaN payloads differ between devices; a fixed code keeps the bytes reproducible.
+
+def _saturate_nan_blocks(block_bytes: Tensor, nan: Tensor) -> None:
+    """Give every block whose scale is NaN the codes +6 (bytes 0x77), in place.
+
+    The codes do not change such a block's (NaN) value, but the quotients' NaN payloads differ
+    between devices; a fixed code keeps the bytes reproducible.
     """
     if block_bytes.device.type == "cpu" and not bool(nan.any()):
         return
@@ -256,16 +277,20 @@ def nvfp4_dequantize(
             f"{tuple(lead) + (half * 2 // NVFP4_BLOCK,)}, got {tuple(block_scale.shape)}"
         )
     n = half * 2
-    gs = _rows_global_scale(global_scale, torch.Size((*lead, n)), packed.device)
-    pair_values = _byte_pair_values(packed.device)
+    device = packed.device
+    gs = _rows_global_scale(global_scale, torch.Size((*lead, n)), device)
+    pair_values = _byte_pair_values(device)
     rows = packed.reshape(-1, nb, NVFP4_BLOCK // 2)
     srows = block_scale.reshape(-1, nb)
-    out = torch.empty(rows.shape[0], nb, NVFP4_BLOCK, dtype=dtype, device=packed.device)
-    for sl in row_slabs(rows.shape[0], n, packed.device):
+    out = torch.empty(rows.shape[0], nb, NVFP4_BLOCK, dtype=dtype, device=device)
+
+    def dequantize(sl: slice) -> None:
         vals = pair_values.index_select(0, rows[sl].reshape(-1).int()).view(torch.float32)
         vals = vals.view(-1, nb, NVFP4_BLOCK)
         vals *= (srows[sl].float() * (gs[sl] if gs.dim() else gs)).unsqueeze(-1)
         out[sl] = vals
+
+    run_slabs(rows.shape[0], n, device, dequantize)
     return out.view(*lead, n)
 
 
@@ -299,18 +324,21 @@ def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float) -> Tensor:
     nb = n // NVFP4_BLOCK
     gs = _rows_global_scale(global_scale, x.shape, x.device)
     xb = x.reshape(-1, nb, NVFP4_BLOCK)
-    out = torch.empty(xb.shape, dtype=out_dtype, device=x.device)
-    key_value = _table("key_value", x.device)
-    slabs = row_slabs(xb.shape[0], n, x.device)
-    q, tmp = _scratch(slabs[0].stop - slabs[0].start, nb, x.device)
-    for sl in slabs:
-        rows = sl.stop - sl.start
-        keys, _, eff = _quantize_keys(xb[sl], gs[sl] if gs.dim() else gs, None, (q[:rows], tmp[:rows]))
-        vals = tmp[:rows].view(torch.float32)
+    device = x.device
+    out = torch.empty(xb.shape, dtype=out_dtype, device=device)
+    key_value = _table("key_value", device)
+
+    def fake_quant(sl: slice) -> None:
+        xs = xb[sl]
+        q, tmp = _scratch(xs.shape[0], nb, device)
+        keys, _, eff = _quantize_keys(xs, gs[sl] if gs.dim() else gs, None, (q, tmp))
+        vals = tmp.view(torch.float32)
         torch.index_select(key_value, 0, keys.view(-1), out=vals.view(-1))
         if out_dtype == torch.float32:
             torch.mul(vals, eff, out=out[sl])
         else:
             vals *= eff
             out[sl] = vals
+
+    run_slabs(xb.shape[0], n, device, fake_quant)
     return out.view(x.shape)
