@@ -173,7 +173,23 @@ def machine_facts() -> dict[str, Any]:
         "compressed_tensors": ct_version,
         "safetensors": safetensors.__version__,
         "load_average_at_start": os.getloadavg(),
+        **_git_state(),
     }
+
+
+def _git_state() -> dict[str, Any]:
+    """The commit measured and any uncommitted changes to the package (they would be measured too)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "modelopt_k3"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return {"git_commit": None, "uncommitted_package_files": None}
+    return {"git_commit": commit, "uncommitted_package_files": [line[3:] for line in dirty]}
 
 
 # ------------------------------------------------------------------------------ resident memory

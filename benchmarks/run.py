@@ -74,6 +74,8 @@ def render_markdown(results: dict) -> str:
         f"compressed-tensors {m['compressed_tensors']} · safetensors {m['safetensors']} · "
         f"{results['suite']['threads']} torch threads · load average {m['load_average_at_start'][0]:.1f} at start, "
         f"{results['load_average_at_end'][0]:.1f} at end"
+        + f" · commit {str(m.get('git_commit'))[:10]}"
+        + (f" + uncommitted {', '.join(m['uncommitted_package_files'])}" if m.get("uncommitted_package_files") else "")
         + (" · **--quick (smoke run, not the real figures)**" if results["suite"]["quick"] else ""),
         "",
         "Medians over repeats (min/max and every sample in `results.json`); ratio = reference time / our "
