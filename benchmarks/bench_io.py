@@ -54,6 +54,8 @@ LARGE = {"num_experts": 64, "moe_intermediate_size": 512, "routed_expert_hidden_
 QUICK_SMALL = {"num_experts": 8}
 QUICK_LARGE = {"num_experts": 8, "moe_intermediate_size": 128, "routed_expert_hidden_size": 128}
 
+# cProfile sees only the main thread: numerics run by a worker pool show up as waits on a lock
+_LOCK_WAIT = "thread lock waits (numerics worker pool)"
 # (label, matcher on a cProfile key (file, line, function)) for the load's phases
 _PHASES = [
     ("config + remote-code class", lambda k: k[2] == "resolve_model_class"),
@@ -125,14 +127,16 @@ def _profile(fn, tries: int = 3, before=lambda: None) -> dict:
         if cum:
             phases[label] = max(cum)  # nested __init__s of one model: the outermost is the largest
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:8]
-    self_time = {(f"{Path(k[0]).name}:{k[2]}" if k[0] != "~" else k[2]): v[2] for k, v in top}
+    self_time = {_LOCK_WAIT if k[2] == "<method 'acquire' of '_thread.lock' objects>"
+                 else (f"{Path(k[0]).name}:{k[2]}" if k[0] != "~" else k[2]): (round(v[2], 3), v[1])
+                 for k, v in top}
     return {"phases_s": {k: round(v, 3) for k, v in phases.items()},
-            "top_self_time_s": {k: round(v, 3) for k, v in self_time.items()}}
+            "top_self_time_s_and_calls": self_time}
 
 
 def _profile_text(profile: dict) -> str:
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in profile["phases_s"].items())
-    hot = ", ".join(f"{k} {v:.2f} s" for k, v in list(profile["top_self_time_s"].items())[:4])
+    hot = ", ".join(f"{k} {s:.2f} s ({n} calls)" for k, (s, n) in list(profile["top_self_time_s_and_calls"].items())[:5])
     return f"{phases}; most self time in {hot}"
 
 
