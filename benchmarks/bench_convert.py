@@ -2,10 +2,10 @@
 
     python benchmarks/bench_convert.py [--workdir DIR] [--repeats 5] [--experts 64] [--shard_mb 256]
 
-Builds a scaled-up tiny Kimi-K3 checkpoint (cached in ``--workdir``), warms the page cache, then
-alternates, ``--repeats`` times: a plain read-and-write copy of every shard (64 MiB chunks, each file
-fsynced as the converter does; once more without fsync) and ``convert_checkpoint`` with the Kimi-K3
-mirror recipe (which also sha256-hashes every output shard). Throughput is source bytes per second
+Builds a scaled-up tiny Kimi-K3 checkpoint (cached in ``--workdir``), warms the page cache and runs
+each side once untimed, then alternates, ``--repeats`` times: a plain read-and-write copy of every
+shard (64 MiB chunks, each file fsynced as the converter does; once more without fsync) and
+``convert_checkpoint`` with the Kimi-K3 mirror recipe (which also sha256-hashes every output shard). Throughput is source bytes per second
 of wall time, from the median and from the best of the repeats; the goal is conversion >= 0.5x the
 copy. Peak memory is measured in a fresh child process: RSS after imports and planning
 (``baseline``) and the peak RSS while converting; the goal is (peak - baseline) <= 3x the largest
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     conv._build_plan(ckpt.absolute(), load_recipe(RECIPE))  # imports outside the timings
     read_all(paths)  # both measurements read from a warm page cache
+    plain_copy(paths, args.workdir / "copy_out", fsync=True)  # untimed warm-up of both sides
+    convert_once(ckpt, args.workdir / "convert_out")
     copy_s, copy_nosync_s, convert_s = [], [], []
     stats: dict = {}
     load_before = os.getloadavg()
