@@ -75,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             from ..dist.group import run_group
 
             # gloo: the ranks only exchange small objects and failure flags, never tensors on a GPU.
-            with run_group(backend="gloo"):
-                report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
-            # A process-group object still referenced at interpreter exit is destroyed during
-            # teardown, where gloo aborts the process ("terminate called without an active
-            # exception"): drop every reference (cycles included) while Python is still running.
-            gc.collect()
+            try:
+                with run_group(backend="gloo"):
+                    report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
+            finally:
+                # A process-group object still referenced at interpreter exit is destroyed during
+                # teardown, where gloo aborts the process ("terminate called without an active
+                # exception"): drop every reference (cycles included) while Python still runs.
+                gc.collect()
         else:
             report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
     except expected as exc:
