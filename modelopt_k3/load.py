@@ -236,6 +236,15 @@ def _keep_source_dtypes_on_meta(model: nn.Module, reader: CheckpointReader, spec
             setattr(model.get_submodule(owner), attr, new)
 
 
+def set_experts_implementation(model: nn.Module, spec: ModelSpec, name: str) -> None:
+    """Route every fused experts module of ``model`` through experts implementation ``name``.
+
+    Set on the configs the experts read at call time, after construction (see Kimi-K3's prepare).
+    """
+    for module in _experts_modules(model, spec).values():
+        module.config._experts_implementation = name
+
+
 def load_pretrained(
     path: str | Path,
     *,
@@ -287,6 +296,7 @@ def load_pretrained(
     if the_plan.kind == "fsdp2":
         _keep_source_dtypes_on_meta(model, reader, spec)  # a DTensor's dtype cannot be switched after sharding
         shard_model(model, the_plan.device, the_plan.world_size, spec)
+    set_experts_implementation(model, spec, the_plan.experts_implementation)
     model.to_empty(device=the_plan.device)
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)

@@ -170,7 +170,10 @@ def prepare(ctx: PrepareContext) -> None:
     original = getattr(current, "_modelopt_k3_original", current)
     if not getattr(current, _PATCH_FLAG, False) or current._modelopt_k3_placement != ctx.placement:
         setattr(module, BLOCK_CLASS, make_fused_block(original, ctx.placement))
-    text_config._experts_implementation = ctx.experts_implementation
+    # transformers validates the implementation while the model is constructed and, for remote-code
+    # classes, rejects grouped_mm (its check greps the class source for the decorator). Construct with
+    # eager; set_experts_implementation() installs the plan's choice on the built model.
+    text_config._experts_implementation = "eager"
     register_checkpoint_conversion_mapping(
         ctx.model_cls.__name__, kimi_k3_converters(packed=packed), overwrite=True
     )
