@@ -14,6 +14,7 @@ the watchdog aborts the process after it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -146,6 +147,9 @@ def destroy_run_group() -> None:
     if _owned and dist.is_initialized():
         dist.destroy_process_group()
     _current, _owned = None, False
+    # Collect now: a gloo ProcessGroup still referenced from a cycle at interpreter exit can abort
+    # the process ("terminate called without an active exception") after a successful run.
+    gc.collect()
 
 
 @contextlib.contextmanager
