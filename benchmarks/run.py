@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             results["skipped"][area] = QUICK_SKIPS[area]
             continue
         log(f"== {area}")
-        started = time.perf_counter()
+        started, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
             out = importlib.import_module(module).run(ctx)
         except Exception:
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{area} FAILED:\n{results['errors'][area]}")
             continue
         figures, extra = out if isinstance(out, tuple) else (out, {})
-        extra = {**extra, "wall_s": time.perf_counter() - started}
+        extra = {**extra, "wall_s": time.perf_counter() - started,
+                 "load_average_1min_before_after": (load_before, os.getloadavg()[0])}
         results["areas"][area] = extra
         for fig in figures:
             d = fig.to_dict() if isinstance(fig, Figure) else fig
