@@ -21,6 +21,7 @@ never over quantization blocks or elements.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ USE_POOL = True  # False: run the slabs on the calling thread (torch's own intra
 _THREAD_PREFIX = "modelopt_k3_numerics"
 _POOL: ThreadPoolExecutor | None = None
 _POOL_WORKERS = 0
+_POOL_PID = 0  # a forked child inherits the pool object but not its threads: it makes its own
 _POOL_LOCK = threading.Lock()
 
 
@@ -44,10 +46,10 @@ def _single_threaded_worker(started: threading.Barrier) -> None:
 
 def _pool(workers: int) -> ThreadPoolExecutor:
     """The shared pool of ``workers`` single-threaded torch workers (created on first use)."""
-    global _POOL, _POOL_WORKERS
+    global _POOL, _POOL_WORKERS, _POOL_PID
     with _POOL_LOCK:
-        if _POOL is None or workers > _POOL_WORKERS:
-            if _POOL is not None:
+        if _POOL is None or workers > _POOL_WORKERS or os.getpid() != _POOL_PID:
+            if _POOL is not None and os.getpid() == _POOL_PID:
                 _POOL.shutdown(wait=False)
             threads = torch.get_num_threads()
             started = threading.Barrier(workers + 1)
@@ -61,7 +63,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
                 pool.submit(lambda: None)
             started.wait()
             torch.set_num_threads(threads)  # restore the process-wide value the workers lowered
-            _POOL, _POOL_WORKERS = pool, workers
+            _POOL, _POOL_WORKERS, _POOL_PID = pool, workers, os.getpid()
         return _POOL
 
 

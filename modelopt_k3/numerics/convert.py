@@ -25,7 +25,10 @@ Rules (all vectorized, on the uint8 exponents and bytes directly):
 - Any other half-block is requantized from its decoded fp32 values with the NVFP4 numerics of
   ``nvfp4_quantize`` and the same global scale, and counted. This covers exponents below
   ``2**-9 * gs`` (the block scale clamps to 2**-9), above 448 * gs (only with a caller-chosen
-  global scale) and E8M0 NaN (byte 255: NaN block scale, decodes to NaN as MXFP4 does).
+  global scale) and E8M0 NaN (byte 255: NaN block scale and codes +6, decodes to NaN as MXFP4
+  does). Below-range blocks under a power-of-two global scale (the common case) take a shortcut
+  with the same result: their scale clamps to 2**-9 and their E2M1 values scale by exactly 2**-k,
+  so new bytes come from a ``[6, 256]`` byte table; only the rest decode and requantize.
 
 For every carried block ``nvfp4_dequantize(result)`` equals ``mxfp4_decode`` bit for bit (in fp32
 and, as both round the same fp32 value once, in bf16).

@@ -95,13 +95,16 @@ def _table(kind: str, device: torch.device) -> Tensor:
     return t
 
 
-def _e2m1_keys(x32: Tensor, *, inplace: bool = False, tmp: Tensor | None = None) -> Tensor:
+def _e2m1_keys(
+    x32: Tensor, *, inplace: bool = False, tmp: Tensor | None = None, shift: bool = True
+) -> Tensor:
     """int32 keys in [0, 2048) of an fp32 tensor; ``_table('key_code')[key]`` is the E2M1 code.
 
     With ``inplace=True`` the keys overwrite ``x32``'s storage (returned as an int32 view);
-    ``tmp`` is an optional int32 scratch tensor of the same shape.
-    Exact for every fp32 input except NaNs whose two top payload bits are set, which may map to
-    any code (callers that care fix NaNs first).
+    ``tmp`` is an optional int32 scratch tensor of the same shape. With ``shift=False`` the
+    result is ``b + 0x1FFFFF + bit22(b)``, whose bits 21-31 are the key (for callers that extract
+    them themselves). Exact for every fp32 input except NaNs whose two top payload bits are set,
+    which may map to any code (callers that care fix NaNs first).
     """
     b = x32.view(torch.int32)
     t = b >> 22 if tmp is None else torch.bitwise_right_shift(b, 22, out=tmp)
@@ -112,8 +115,9 @@ def _e2m1_keys(x32: Tensor, *, inplace: bool = False, tmp: Tensor | None = None)
     else:
         t += b
     t += 0x1FFFFF
-    t >>= 21
-    t &= 0x7FF
+    if shift:
+        t >>= 21
+        t &= 0x7FF
     return t
 
 

@@ -128,29 +128,35 @@ def _block_amax(xb: Tensor) -> Tensor:
     return (xb.view(int_dtype) & mask).amax(dim=-1).view(xb.dtype).float()
 
 
-def _scales_from_amax(amax: Tensor, gs: Tensor) -> Tensor:
-    """E4M3 block scales ``amax / (6 * gs)``, all-zero block 1.0, clamped to [2**-9, 448]."""
-    bs = amax / (gs * FP4_MAX)
-    bs = torch.where(amax == 0, 1.0, bs).clamp_(FP8_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX)
-    return bs.to(_E4M3)
+def _scales_from_amax(amax: Tensor, denom: Tensor, out: Tensor | None = None) -> Tensor:
+    """E4M3 block scales ``amax / denom`` (``denom = 6 * gs``, rounded once), all-zero block 1.0,
+    clamped to [2**-9, 448]; written into ``out`` (e4m3) when given."""
+    bs = amax / denom
+    bs.masked_fill_(amax == 0, 1.0).clamp_(FP8_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX)
+    return bs.to(_E4M3) if out is None else out.copy_(bs)
 
 
 def _quantize_keys(
-    xb: Tensor, gs: Tensor, bs: Tensor | None = None, scratch: tuple[Tensor, Tensor] | None = None
+    xb: Tensor,
+    gs: Tensor,
+    bs: Tensor | None = None,
+    scratch: tuple[Tensor, Tensor] | None = None,
+    shift: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(E2M1 table keys int32 [R, nb, 16], block scales e4m3 [R, nb], eff fp32 [R, nb, 1]).
 
-    ``scratch`` = (fp32, int32) buffers of ``xb``'s shape: the keys are written into the first.
+    ``scratch`` = (fp32, int32) buffers of ``xb``'s shape: the keys are written into the first
+    (unshifted with ``shift=False``, see ``_e2m1_keys``).
     """
     if bs is None:
-        bs = _scales_from_amax(_block_amax(xb), gs)
+        bs = _scales_from_amax(_block_amax(xb), gs * FP4_MAX)
     eff = (bs.float() * gs).unsqueeze(-1)
     if scratch is None:
         q = torch.div(xb, eff)  # fp32 (bf16/fp16 inputs are promoted exactly)
         return _e2m1_keys(q, inplace=True), bs, eff
     q, tmp = scratch
     torch.div(xb, eff, out=q)
-    return _e2m1_keys(q, inplace=True, tmp=tmp), bs, eff
+    return _e2m1_keys(q, inplace=True, tmp=tmp, shift=shift), bs, eff
 
 
 def _scratch(rows: int, nb: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -172,14 +178,21 @@ def _pair_code_table(device: torch.device) -> Tensor:
     return t
 
 
-def _pack_keys(keys: Tensor, tmp: Tensor, out: Tensor) -> None:
-    """Packed bytes of contiguous int32 keys ``[..., 2m]`` into ``out [..., m]`` (``tmp``: int32 scratch)."""
-    v = keys.view(torch.int64).view(-1)  # k_even | k_odd << 32 (little endian)
+def _pack_keys(sums: Tensor, tmp: Tensor, out: Tensor) -> None:
+    """Packed bytes into ``out [..., m]`` from contiguous int32 unshifted keys ``[..., 2m]``.
+
+    ``sums`` come from ``_e2m1_keys(..., shift=False)`` (key = bits 21-31) and are clobbered;
+    ``tmp`` is int32 scratch of the same size. Read as int64 pairs (little endian), the even
+    element's key is bits 21-31 and the odd one's bits 53-63: both go into one 22-bit index.
+    """
+    v = sums.view(torch.int64).view(-1)
     u = tmp.view(-1)[: 2 * v.numel()].view(torch.int64)
-    torch.bitwise_right_shift(v, 21, out=u)  # k_odd << 11
+    torch.bitwise_right_shift(v, 21, out=u)
+    u &= 0x7FF  # even key
+    v >>= 42
+    v &= 0x3FF800  # odd key << 11
     u |= v
-    u &= 0x3FFFFF
-    torch.index_select(_pair_code_table(keys.device), 0, u, out=out.view(-1))
+    torch.index_select(_pair_code_table(sums.device), 0, u, out=out.view(-1))
 
 
 def nvfp4_block_scales(w: Tensor, global_scale: Tensor | float) -> Tensor:
@@ -193,7 +206,7 @@ def nvfp4_block_scales(w: Tensor, global_scale: Tensor | float) -> Tensor:
     *lead, n = w.shape
     gs = _rows_global_scale(global_scale, w.shape, w.device)
     amax = _block_amax(w.reshape(-1, n // NVFP4_BLOCK, NVFP4_BLOCK))
-    return _scales_from_amax(amax, gs).view(*lead, n // NVFP4_BLOCK)
+    return _scales_from_amax(amax, gs * FP4_MAX).view(*lead, n // NVFP4_BLOCK)
 
 
 def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVFP4Weight:
@@ -212,34 +225,33 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
     nb = n // NVFP4_BLOCK
     x = w.reshape(-1, nb, NVFP4_BLOCK)
     device = w.device
-    amax = torch.empty(x.shape[0], nb, dtype=torch.float32, device=device)
     if global_scale is None:
+        amax = torch.empty(x.shape[0], nb, dtype=torch.float32, device=device)
 
         def block_amax(sl: slice) -> None:
             amax[sl] = _block_amax(x[sl])
 
         run_slabs(x.shape[0], n, device, block_amax)
         global_scale = nvfp4_global_scale(_leading_amax(amax, tuple(lead)))
-        amax_done = True
     else:
-        amax_done = False
+        amax = None
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
     if global_scale.numel() == 1:
         global_scale = global_scale.reshape(())
     gs = _rows_global_scale(global_scale, w.shape, device)
+    denom = gs * FP4_MAX
     packed = torch.empty(x.shape[0], n // 2, dtype=torch.uint8, device=device)
     scales = torch.empty(x.shape[0], nb, dtype=_E4M3, device=device)
     _pair_code_table(device)  # build the shared tables before any worker thread needs them
 
     def quantize(sl: slice) -> None:
         xs, g = x[sl], gs[sl] if gs.dim() else gs
-        if not amax_done:
-            amax[sl] = _block_amax(xs)
-        bs = _scales_from_amax(amax[sl], g)
-        scales[sl] = bs
+        a = _block_amax(xs) if amax is None else amax[sl]
+        bs = scales[sl]
+        _scales_from_amax(a, denom[sl] if denom.dim() else denom, out=bs)
         q, tmp = _scratch(xs.shape[0], nb, device)
-        keys, _, _ = _quantize_keys(xs, g, bs, (q, tmp))
-        _pack_keys(keys, tmp, packed[sl])
+        sums, _, _ = _quantize_keys(xs, g, bs, (q, tmp), shift=False)
+        _pack_keys(sums, tmp, packed[sl])
         _saturate_nan_blocks(packed[sl].view(-1, nb, NVFP4_BLOCK // 2), _e4m3_isnan(bs))
 
     run_slabs(x.shape[0], n, device, quantize)
