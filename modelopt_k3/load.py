@@ -48,6 +48,13 @@ class LoadInfo:
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
     bytes_read: int = 0
     keys_read: list[str] = field(default_factory=list)
+    _source: CheckpointReader | None = field(default=None, repr=False)
+
+    def source(self) -> CheckpointReader:
+        """A reader over the source checkpoint for later reads (headers parsed once, kept open)."""
+        if self._source is None:
+            self._source = CheckpointReader(self.checkpoint)
+        return self._source
 
 
 def _read_raw_config(path: Path) -> dict:

@@ -149,7 +149,7 @@ def quantize(
         if info.packed_experts:
             # Only the experts this rank holds (its EP block or FSDP2 rows); scales gathered when sharded.
             fused = getattr(experts, next(iter(spec.ep_sharded_params)))
-            source = Mxfp4ExpertSource(info.checkpoint, spec, name, local_experts(experts, spec),
+            source = Mxfp4ExpertSource(info.source(), spec, name, local_experts(experts, spec),
                                        rows=local_rows(fused), gather=row_gatherer(fused))
         attach_experts(experts, _fused_formats(spec, projs), source=source)
     if recipe.kv_cache is not None:

@@ -34,10 +34,11 @@ class Mxfp4ExpertSource:
     """
 
     def __init__(
-        self, checkpoint: Path, spec: ModelSpec, module_name: str, experts: range,
+        self, source: Path | CheckpointReader, spec: ModelSpec, module_name: str, experts: range,
         rows: range | None = None, gather=None,
     ) -> None:
-        self.checkpoint = Path(checkpoint)
+        # A shared open reader (LoadInfo.source()) parses the index and shard headers once per model.
+        self.reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
         self.spec = spec
         self.module_name = module_name
         self.experts = experts
@@ -53,8 +54,7 @@ class Mxfp4ExpertSource:
         return global_scales[self.rows.start : self.rows.stop]
 
     def _stack(self, proj: str, suffix: str) -> torch.Tensor:
-        with CheckpointReader(self.checkpoint) as reader:
-            return torch.stack([reader.get(f"{self.module_name}.{e}.{proj}.{suffix}") for e in self.experts])
+        return torch.stack([self.reader.get(f"{self.module_name}.{e}.{proj}.{suffix}") for e in self.experts])
 
     def _projections(self, fused_param: str) -> list[str]:
         projs = [p for p in self.spec.expert_projections if p.fused_param == fused_param]
