@@ -318,3 +318,33 @@ def test_multi_rank_uncaught_failure_in_body_script(tmp_path):
             f"(seen from rank {r.rank}): rank 0: RuntimeError: rank 0 ran out of memory"
         ) in r.output, r.output
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_spilled_shards_read_back_byte_equal(tmp_path):
+    """Past ``spill_bytes`` tensors go to a spill file; shards assembled from it read back exactly."""
+    dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8]
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": (torch.randn(50, 24, generator=g) * 7).to(dtypes[i % 4]) for i in range(24)}
+    tensors["scalar"] = torch.tensor(0.125)
+    with ShardWriter(tmp_path, max_shard_bytes=12_000, spill_bytes=3_000) as writer:
+        for name, t in tensors.items():
+            writer.add(name, t)
+            assert writer._buffer_bytes - sum(x.nbytes for x in writer._buffer.values()) >= 0
+            assert sum(x.nbytes for x in writer._buffer.values()) <= 3_000 + t.nbytes
+    weight_map = writer.close()
+    assert len(set(weight_map.values())) > 1
+    assert not list(tmp_path.glob(".*spill")), "spill files left behind"
+    for name, t in tensors.items():
+        with safe_open(tmp_path / weight_map[name], framework="pt") as f:
+            got = f.get_tensor(name)
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    for file in set(weight_map.values()):
+        assert (tmp_path / file).stat().st_size <= 12_000 + 2_000  # data bound plus header
+
+
+def test_spill_file_removed_on_error(tmp_path):
+    with pytest.raises(RuntimeError), ShardWriter(tmp_path, spill_bytes=100) as writer:
+        writer.add("a", torch.zeros(1000))
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []

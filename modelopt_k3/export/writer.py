@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import struct
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from modelopt_k3.checkpoint import _ST_DTYPES
 from modelopt_k3.dist.collectives import (
     DistributedStepError,
     all_gather_object,
@@ -50,6 +52,9 @@ __all__ = [
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+# Buffered bytes above which a shard's tensors go to its spill file (bounds export memory).
+DEFAULT_SPILL_BYTES = 256 * 2**20
+_ST_DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 
 # --------------------------------------------------------------------------- atomic directory
@@ -179,8 +184,10 @@ def _reraise(exc: BaseException) -> None:
 class ShardWriter:
     """Buffer tensors and write safetensors shards of at most ``max_shard_bytes`` each.
 
-    Memory stays bounded by about one shard (plus one tensor): a shard's tensors are dropped
-    once written. A tensor larger than the limit gets a shard of its own. File names are
+    Memory stays bounded by ``spill_bytes`` (plus one tensor): once a shard's buffered tensors pass
+    it, their bytes go to a spill file next to the shard, and the shard is assembled from it (header,
+    then the spilled bytes) when it is full. A shard that never spills is written by safetensors'
+    own ``save_file``. A tensor larger than the limit gets a shard of its own. File names are
     unique per rank: ``{prefix}-r{rank:05d}-{i:05d}.safetensors``; ``write_index`` renames them.
     """
 
@@ -192,6 +199,7 @@ class ShardWriter:
         rank: int = 0,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         metadata: dict[str, str] | None = None,
+        spill_bytes: int = DEFAULT_SPILL_BYTES,
     ):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -207,6 +215,9 @@ class ShardWriter:
         self._buffer_bytes = 0
         self._buffer_storages: set[int] = set()
         self._closed = False
+        self.spill_bytes = spill_bytes
+        self._spilled: list[tuple[str, str, list[int], int]] = []  # name, dtype, shape, nbytes (in order)
+        self._spill_file = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self._closed:
@@ -229,21 +240,57 @@ class ShardWriter:
         ):
             t = t.clone(memory_format=torch.contiguous_format)
             storage = t.untyped_storage()
-        if self._buffer and self._buffer_bytes + t.nbytes > self.max_shard_bytes:
+        if (self._buffer or self._spilled) and self._buffer_bytes + t.nbytes > self.max_shard_bytes:
             self._flush()
         self._buffer[name] = t
         self._buffer_storages.add(storage.data_ptr())
         self._buffer_bytes += t.nbytes
         self.total_bytes += t.nbytes
         self.weight_map[name] = self._shard_name(self.num_shards)
+        if self._buffer_bytes > self.spill_bytes:
+            self._spill()
+
+    def _spill_path(self) -> Path:
+        return self.out_dir / f".{self._shard_name(self.num_shards)}.spill"
+
+    def _spill(self) -> None:
+        """Move the buffered tensors' bytes to this shard's spill file, in order."""
+        if self._spill_file is None:
+            self._spill_file = open(self._spill_path(), "wb")  # noqa: SIM115 - closed in _flush/__exit__
+        for name, t in self._buffer.items():
+            self._spill_file.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            self._spilled.append((name, _ST_DTYPE_NAMES[t.dtype], list(t.shape), t.nbytes))
+        self._buffer, self._buffer_storages = {}, set()
+
+    def _flush_spilled(self, path: Path) -> None:
+        """Assemble a shard from its spill file: 8-byte header length, JSON header, tensor bytes."""
+        self._spill()
+        self._spill_file.close()
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        offset = 0
+        for name, dtype, shape, nbytes in self._spilled:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+        spill = self._spill_path()
+        with open(path, "wb") as out, open(spill, "rb") as data:
+            out.write(struct.pack("<Q", len(raw)) + raw)
+            shutil.copyfileobj(data, out, length=64 * 2**20)
+        spill.unlink()
+        self._spill_file, self._spilled = None, []
 
     def _shard_name(self, i: int) -> str:
         return f"{self.prefix}-r{self.rank:05d}-{i:05d}.safetensors"
 
     def _flush(self) -> None:
-        if not self._buffer:
+        if not self._buffer and self._spill_file is None:
             return
-        save_file(self._buffer, str(self.out_dir / self._shard_name(self.num_shards)), metadata=self.metadata)
+        path = self.out_dir / self._shard_name(self.num_shards)
+        if self._spill_file is not None:
+            self._flush_spilled(path)
+        else:
+            save_file(self._buffer, str(path), metadata=self.metadata)
         self.num_shards += 1
         self._buffer = {}
         self._buffer_storages = set()
@@ -262,8 +309,12 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # do not write a partial shard on error; drop the buffer
+        else:  # do not write a partial shard on error; drop the buffer and any spill file
             self._buffer, self._buffer_storages, self._closed = {}, set(), True
+            if self._spill_file is not None:
+                self._spill_file.close()
+                self._spill_path().unlink(missing_ok=True)
+                self._spill_file, self._spilled = None, []
 
 
 # --------------------------------------------------------------------------- index
