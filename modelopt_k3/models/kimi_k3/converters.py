@@ -35,8 +35,8 @@ def _pattern(proj: str, tensor: str) -> str:
 class Mxfp4Decompress(ConversionOps):
     """``(weight_packed, weight_scale)`` lists -> decoded weights, exact (FORMATS.md MXFP4).
 
-    The decoded list is returned under the ``weight_packed`` pattern so that the following
-    ``Concatenate`` keeps the source order (w1 before w3).
+    The decoded, stacked ``[n_experts, out, in]`` tensor is returned under the ``weight_packed``
+    pattern so that the following ``Concatenate`` keeps the source order (w1 before w3).
     """
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -45,8 +45,8 @@ class Mxfp4Decompress(ConversionOps):
     @torch.no_grad()
     def convert(
         self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs
-    ) -> dict[str, list[torch.Tensor]]:
-        out: dict[str, list[torch.Tensor]] = {}
+    ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
         for pattern in source_patterns:
             if not pattern.endswith(PACKED_SUFFIX):
                 continue
@@ -56,7 +56,9 @@ class Mxfp4Decompress(ConversionOps):
             scales = scales if isinstance(scales, list) else [scales]
             if len(packed) != len(scales):
                 raise ValueError(f"{len(packed)} packed tensors but {len(scales)} scales for {pattern}")
-            out[pattern] = [mxfp4_decode(p, s, dtype=self.dtype) for p, s in zip(packed, scales)]
+            # Decode the stacked experts at once; MergeModulelist passes a stacked tensor through, so
+            # the bf16 weights are materialised once here and once more by Concatenate.
+            out[pattern] = mxfp4_decode(torch.stack(packed), torch.stack(scales), dtype=self.dtype)
         return out
 
     @property
