@@ -83,6 +83,7 @@ from .export.modelopt_format import (
     config_quantization_config,
     hf_quant_config,
     input_scale_tensor,
+    linear_layout,
     strip_source_quantization,
     weight_tensors,
 )
@@ -90,7 +91,7 @@ from .export.writer import write_index
 from .models.spec import ModelSpec, get_spec
 from .numerics import fp8 as fp8n
 from .numerics import nvfp4 as nvn
-from .numerics.constants import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
+from .numerics.constants import MXFP4_BLOCK, NVFP4_BLOCK
 from .numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
 from .numerics.mxfp4 import mxfp4_decode
 from .recipe import QuantFormat, Recipe, RecipeError, load_recipe
@@ -448,23 +449,10 @@ def _check_source_scheme(raw: dict, spec: ModelSpec, config_path: Path) -> None:
 
 
 def _outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -> tuple[_Out, ...]:
-    out_f, in_f = shape
     if fmt is None:  # a routed expert left unquantized: decoded, written as bf16 (as the model path does)
         return (_Out(f"{name}.weight", torch.bfloat16, shape),)
-    if fmt.weights == "nvfp4":
-        outs = [
-            _Out(f"{name}.weight", torch.uint8, (out_f, in_f // 2)),
-            _Out(f"{name}.weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_BLOCK)),
-            _Out(f"{name}.weight_scale_2", torch.float32, ()),
-        ]
-    elif fmt.weights == "fp8":
-        outs = [_Out(f"{name}.weight", torch.float8_e4m3fn, shape), _Out(f"{name}.weight_scale", torch.float32, ())]
-    else:  # fp8_pb: partial edge blocks, see numerics.fp8
-        blocks = (-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK))
-        outs = [_Out(f"{name}.weight", torch.float8_e4m3fn, shape), _Out(f"{name}.weight_scale", torch.float32, blocks)]
-    if fmt.inputs is not None:
-        outs.append(_Out(f"{name}.input_scale", torch.float32, ()))
-    return tuple(outs)
+    layout = linear_layout(fmt.weights, shape, input_scale=fmt.inputs is not None)
+    return tuple(_Out(f"{name}.{suffix}", dtype, shp) for suffix, dtype, shp in layout)
 
 
 def _is_linear(module: str, parts: dict[str, _SrcTensor]) -> bool:

@@ -50,6 +50,33 @@ def weight_tensors(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None) -
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
+def linear_layout(
+    weights: str, shape: tuple[int, int], *, input_scale: bool
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(suffix, dtype, shape)`` of every tensor one quantized Linear ``[out, in]`` is written as.
+
+    What ``weight_tensors`` (plus ``input_scale``) produces, known before any value is computed:
+    the streaming converter writes shard headers from it.
+    """
+    out_f, in_f = shape
+    if weights == "nvfp4":
+        layout = [
+            ("weight", torch.uint8, (out_f, in_f // 2)),
+            ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_GROUP)),
+            ("weight_scale_2", torch.float32, ()),
+        ]
+    elif weights == "fp8":
+        layout = [("weight", torch.float8_e4m3fn, (out_f, in_f)), ("weight_scale", torch.float32, ())]
+    elif weights == "fp8_pb":
+        blocks = (-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK))  # partial edge blocks
+        layout = [("weight", torch.float8_e4m3fn, (out_f, in_f)), ("weight_scale", torch.float32, blocks)]
+    else:
+        raise ValueError(f"unknown weight format {weights!r}")
+    if input_scale:
+        layout.append(("input_scale", torch.float32, ()))
+    return layout
+
+
 def input_scale_tensor(scale: torch.Tensor) -> torch.Tensor:
     return scale.detach().reshape(()).to(torch.float32).cpu()
 
