@@ -38,6 +38,7 @@ from .modelopt_format import (
 from .writer import ShardWriter, atomic_output_dir, gather_weight_maps, write_index
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+EXPERTS_PER_CAST = 16
 # Export format -> how one quantized Linear's ModelOpt-named tensors are laid out in that format.
 FORMATS = {"modelopt": lambda tensors: tensors, "compressed-tensors": ct_format.rename_tensors}
 _NOT_COPIED = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
@@ -70,14 +71,17 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
     """
     state: ExpertsQuantState | None = getattr(experts, "quant", None)
     rows = local_rows(getattr(experts, spec.expert_projections[0].fused_param))
-    # Lossless casts of the source bytes, batched per projection over this rank's experts.
-    cast = {}
-    for proj in spec.expert_projections:
-        wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
-        if wq is not None and wq.source is not None:
-            cast[proj.name] = wq.source[0].cast(proj.name, wq.scale())
+    cast: dict[str, object] = {}
     for idx in rows:
         local, expert = idx - rows.start, experts.expert_offset + idx
+        if local % EXPERTS_PER_CAST == 0:
+            # Lossless casts of the source bytes, a few experts at a time (bounded export memory).
+            part = slice(local, local + EXPERTS_PER_CAST)
+            for proj in spec.expert_projections:
+                wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
+                if wq is not None and wq.source is not None:
+                    cast[proj.name] = wq.source[0].cast(proj.name, wq.scale(), part)
+        in_part = local % EXPERTS_PER_CAST
         for proj in spec.expert_projections:
             fused = local_tensor(getattr(experts, proj.fused_param)).detach()[local]
             weight = fused.chunk(proj.n_chunks, dim=0)[proj.chunk]
@@ -89,8 +93,8 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             if proj.name in cast:
                 c = cast[proj.name]
                 tensors = {
-                    "weight": c.packed[local],
-                    "weight_scale": c.block_scale[local],
+                    "weight": c.packed[in_part],
+                    "weight_scale": c.block_scale[in_part],
                     "weight_scale_2": wq.scale()[idx].reshape(()).to(torch.float32),
                 }
             else:

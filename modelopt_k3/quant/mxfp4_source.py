@@ -53,8 +53,8 @@ class Mxfp4ExpertSource:
     def _mine(self, global_scales: torch.Tensor) -> torch.Tensor:
         return global_scales[self.rows.start : self.rows.stop]
 
-    def _stack(self, proj: str, suffix: str) -> torch.Tensor:
-        return torch.stack([self.reader.get(f"{self.module_name}.{e}.{proj}.{suffix}") for e in self.experts])
+    def _stack(self, proj: str, suffix: str, part: slice = slice(None)) -> torch.Tensor:
+        return torch.stack([self.reader.get(f"{self.module_name}.{e}.{proj}.{suffix}") for e in self.experts[part]])
 
     def _projections(self, fused_param: str) -> list[str]:
         projs = [p for p in self.spec.expert_projections if p.fused_param == fused_param]
@@ -64,11 +64,12 @@ class Mxfp4ExpertSource:
         """fp32, one power of two per expert (shared by the fused projections), over the whole expert dim."""
         return self.full(shared_global_scale_for(*(self._stack(p, SCALE) for p in self._projections(fused_param))))
 
-    def cast(self, proj: str, global_scales: torch.Tensor) -> NVFP4Weight:
-        """Batched ``[len(rows), out, ...]`` NVFP4 tensors of one projection (counts requantized blocks)."""
-        global_scales = self._mine(global_scales)
-        weight, n_req = mxfp4_to_nvfp4(self._stack(proj, PACKED), self._stack(proj, SCALE), global_scales)
-        self.requantized_blocks[proj] = n_req
+    def cast(self, proj: str, global_scales: torch.Tensor, part: slice = slice(None)) -> NVFP4Weight:
+        """Batched ``[n, out, ...]`` NVFP4 tensors of one projection for this rank's experts ``[part]``
+        (all of them by default); counts requantized blocks."""
+        global_scales = self._mine(global_scales)[part]
+        weight, n_req = mxfp4_to_nvfp4(self._stack(proj, PACKED, part), self._stack(proj, SCALE, part), global_scales)
+        self.requantized_blocks[proj] = self.requantized_blocks.get(proj, 0) + n_req
         return weight
 
     def fake_quant(self, fused_param: str, global_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
