@@ -254,8 +254,9 @@ def run(ctx):
                          f"MiB above its high-water mark after calibration "
                          f"({(r['export_peak_rss'] - r['rss_after_calibration']) / 2**20:.1f} MiB above its RSS then); "
                          f"the whole export writes {r['export_total_bytes'] / 2**20:.1f} MiB over {ep} rank(s). "
-                         "ShardWriter buffers a shard (default 5 GiB) before writing it, so a rank's whole output "
-                         "sits in memory at once here, next to the batched MXFP4 source stacks of the cast."
+                         "ShardWriter keeps up to 256 MiB of a shard in memory before spilling to disk, and the "
+                         "lossless cast holds 16 experts' MXFP4 source at a time: at this size a rank's whole "
+                         "output fits under both bounds, so it all sits in memory once."
                      )},
         ))
     extra = {"checkpoint": str(ckpt), "sizes": sizes, "calibration": calib, "per_rank": by_ep,
