@@ -126,7 +126,7 @@ def decide_plan(
     else:
         ep_degree = 1
         impl = experts_implementation or default_local_implementation(device)
-        if prepared is not None and prepared.ep_size > 1:
+        if spec.patches_process_wide and prepared is not None and prepared.ep_size > 1:
             raise PlanError(
                 f"this process already patched model_type {spec.model_type!r} for expert parallelism "
                 f"(ep_size={prepared.ep_size}); a '{kind}' load in the same process would build sharded experts. "

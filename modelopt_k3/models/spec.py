@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,8 +87,6 @@ class ModelSpec:
     source_formats: frozenset[str] = frozenset()
     # True when prepare rebinds classes in a module shared by the whole process.
     patches_process_wide: bool = True
-    # Builds the transformers WeightConverters for this checkpoint (fused targets from per-expert keys).
-    converters: Callable[[], list] = field(default=lambda: [])
     # Parameters (regex on in-memory names) kept in their checkpoint dtype instead of the load dtype,
     # where rounding would change behaviour (e.g. a routing bias that decides expert selection).
     keep_source_dtype: str | None = None
@@ -104,12 +102,6 @@ class ModelSpec:
                 f"model_type {self.model_type!r} needs transformers>={self.min_transformers}, "
                 f"but transformers {transformers.__version__} is installed"
             )
-
-    def projection(self, name: str) -> ExpertProjection:
-        for proj in self.expert_projections:
-            if proj.name == name:
-                return proj
-        raise KeyError(name)
 
     def is_experts_module(self, name: str, module: nn.Module) -> bool:
         import re

@@ -29,7 +29,6 @@ KIMI_K3_SPEC = register_spec(
         prepared_placement=patched_placement,
         source_formats=SUPPORTED_SOURCE_FORMATS,
         patches_process_wide=True,
-        converters=lambda: kimi_k3_converters(packed=True),
         attach_kv_cache=attach_kv_cache,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
