@@ -1,0 +1,181 @@
+"""State files in ``dst``: completion records, the destination checks and the finalize step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import __version__
+from ..checkpoint import INDEX_NAME, SINGLE_NAME
+from ..export.modelopt_format import (
+    config_quantization_config,
+    hf_quant_config,
+    strip_source_quantization,
+)
+from ..export.writer import write_index
+from ..recipe import Recipe
+from .report import ConvertStats
+
+if TYPE_CHECKING:
+    from .plan import _Plan
+
+
+STATE_DIR = ".modelopt_k3_convert"
+COMPLETE_MARKER = ".modelopt_k3_complete"
+JOB_FILE = "job.json"
+RECORD_VERSION = 1
+# Written by finalize (or never copied): everything else in the source directory that is not a
+# safetensors shard (remote code, tokenizer, generation config) is copied as it is.
+_NOT_SIDE_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
+_HASH_CHUNK = 16 * 2**20
+
+
+class ConvertError(RuntimeError):
+    """The output directory or a shard's state refuses the conversion; the message names the file."""
+
+
+def _tmp_name(path: Path) -> Path:
+    # Unique per writer: ranks on different hosts may share a pid and write to one shared filesystem.
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = _tmp_name(path)
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _record_path(dst: Path, file: str) -> Path:
+    return dst / STATE_DIR / "shards" / f"{file}.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -> dict | None:
+    """The shard's record if it belongs to this job and its output file still matches it."""
+    path = _record_path(dst, file)
+    try:
+        rec = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    if rec.get("version") != RECORD_VERSION or rec.get("fingerprint") != fingerprint:
+        return None
+    out = dst / file
+    try:
+        if out.stat().st_size != rec["output"]["size"]:
+            return None
+    except FileNotFoundError:
+        return None
+    if verify_hash and _sha256(out) != rec["output"]["sha256"]:
+        return None
+    return rec
+
+
+def _prepare_dst(dst: Path, plan: _Plan, recipe: Recipe, *, overwrite: bool) -> None:
+    """Create or adopt ``dst``; refuse a complete output, another job's output or foreign files.
+
+    Only idempotent steps, so that independent ranks may all run it.
+    """
+    state = dst / STATE_DIR
+    if dst.exists() and not dst.is_dir():
+        raise ConvertError(f"output path {dst} exists and is not a directory")
+    marker = dst / COMPLETE_MARKER
+    if marker.exists():
+        if not overwrite:
+            raise FileExistsError(
+                f"{dst} already holds a complete conversion ({COMPLETE_MARKER}); pass overwrite=True "
+                "(--overwrite) to convert again, or choose another output directory"
+            )
+        marker.unlink(missing_ok=True)
+        (dst / INDEX_NAME).unlink(missing_ok=True)
+    elif dst.is_dir() and not state.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"output directory {dst} is not empty and holds no modelopt_k3 conversion; pass overwrite=True "
+            "(--overwrite) to write into it anyway, or choose another output directory"
+        )
+    (state / "shards").mkdir(parents=True, exist_ok=True)
+    job = {
+        "fingerprint": plan.fingerprint,
+        "src": str(plan.src),
+        "recipe": recipe.name,
+        "shards": plan.files,
+    }
+    job_path = state / JOB_FILE
+    try:
+        old = json.loads(job_path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        old = None
+    if old is not None and old.get("fingerprint") != plan.fingerprint and not overwrite:
+        raise ConvertError(
+            f"{dst} holds a partial conversion of another job (source {old.get('src')}, recipe "
+            f"{old.get('recipe')}); pass overwrite=True (--overwrite) to replace it, or choose another output directory"
+        )
+    if old != job:
+        _write_json_atomic(job_path, job)
+
+
+def _copy_file_atomic(src: Path, dst: Path) -> None:
+    tmp = _tmp_name(dst)
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
+    """Check every shard's record, then write index, configs, side files and (last) the marker."""
+    records = {f: _load_record(dst, f, plan.fingerprint, verify_hash=False) for f in plan.files}
+    missing = [f for f, rec in records.items() if rec is None]
+    if missing:
+        raise ConvertError(
+            f"cannot finalize {dst}: {len(missing)} of {len(plan.files)} shard(s) are not complete, "
+            f"e.g. {missing[0]}; run the ranks that own them (a rerun resumes)"
+        )
+    weight_map = {key: f for f, rec in records.items() for key in rec["tensors"]}
+    total_bytes = sum(rec["tensor_bytes"] for rec in records.values())
+    write_index(dst, [weight_map], total_bytes, rename=False)
+
+    hf_quant = hf_quant_config(
+        plan.layer_algos, kv_cache=recipe.kv_cache, exclude_modules=sorted(plan.left_bf16), recipe=recipe.name
+    )
+    config = strip_source_quantization(json.loads((plan.src / "config.json").read_text()))
+    config["quantization_config"] = config_quantization_config(hf_quant)
+    _write_json_atomic(dst / "config.json", config)
+    _write_json_atomic(dst / "hf_quant_config.json", hf_quant)
+    for path in sorted(plan.src.iterdir()):
+        if path.is_file() and path.name not in _NOT_SIDE_FILES and not path.name.endswith(".safetensors"):
+            _copy_file_atomic(path, dst / path.name)
+    # Shards of an earlier job that are not part of this output (another source's file names).
+    keep = set(plan.files)
+    for path in dst.glob("*.safetensors"):
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
+    for path in dst.glob(".*.safetensors.partial"):
+        path.unlink(missing_ok=True)
+
+    total = ConvertStats()
+    for rec in records.values():
+        total.add(ConvertStats.from_dict(rec["stats"]))
+    _write_json_atomic(
+        dst / COMPLETE_MARKER,
+        {
+            "producer": {"name": "modelopt_k3", "version": __version__},
+            "fingerprint": plan.fingerprint,
+            "recipe": recipe.name,
+            "src": str(plan.src),
+            "shards": {f: rec["output"] for f, rec in records.items()},
+            "stats": total.to_dict(),
+        },
+    )
+    return total
