@@ -24,6 +24,7 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from .checkpoint import CheckpointError, CheckpointReader
+from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
 from .dist.plan import DistributionPlan, decide_plan
@@ -307,23 +308,30 @@ def load_pretrained(
     model.to_empty(device=the_plan.device)
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)
-    with reader:
-        experts = _experts_modules(model, spec)
-        total = len(dict(model.named_parameters())) + len(dict(model.named_buffers()))
-        with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
-            consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
-            unfilled = [f"{n}.{p}" for n, m in experts.items() for p in spec.ep_sharded_params if f"{n}.{p}" not in filled]
-            if unfilled:
-                raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
-            consumed = consumed_experts | _fill_dense(model, reader, filled, info, bar)
-        unexpected = set(reader.names()) - consumed
-        if unexpected:
-            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
-        if the_plan.kind == "fsdp2":
-            check_partition(model)  # every element of every sharded parameter held (and so filled) by one rank
-        info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-        key_re = re.compile(spec.expert_key_regex)
-        info.packed_experts = any(k.endswith(".weight_packed") and key_re.match(k) for k in reader.names())
+    def read_own_tensors() -> None:
+        with reader:
+            experts = _experts_modules(model, spec)
+            total = len(dict(model.named_parameters())) + len(dict(model.named_buffers()))
+            with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
+                consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
+                unfilled = [
+                    f"{n}.{p}" for n, m in experts.items() for p in spec.ep_sharded_params if f"{n}.{p}" not in filled
+                ]
+                if unfilled:
+                    raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
+                consumed = consumed_experts | _fill_dense(model, reader, filled, info, bar)
+            unexpected = set(reader.names()) - consumed
+            if unexpected:
+                raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
+            info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
+            key_re = re.compile(spec.expert_key_regex)
+            info.packed_experts = any(k.endswith(".weight_packed") and key_re.match(k) for k in reader.names())
+
+    # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
+    # its peers waiting in the first all-to-all until the timeout.
+    run_together("load checkpoint", read_own_tensors, group=group)
+    if the_plan.kind == "fsdp2":
+        check_partition(model)  # every element of every sharded parameter held (and so filled) by one rank
     model.eval()
     model.modelopt_k3 = info
     return model

@@ -170,3 +170,18 @@ def test_rank_failure_fails_all_ranks_and_leaves_no_checkpoint(ep_ckpt, tmp_path
     assert any("rank 1" in (r.error or "") for r in results), [r.error for r in results]
     assert not out.exists()
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
+    """Rank 1 lacks one of its experts' tensors: every rank stops at load, naming rank 1 and the key."""
+    from conftest import copy_checkpoint
+
+    key = "language_model.model.layers.2.block_sparse_moe.experts.12.w3.weight_packed"  # expert 12: rank 1 of 2
+    broken = copy_checkpoint(ep_ckpt, tmp_path / "broken", drop=[key])
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    results = run_ranks(2, _ep_logits, str(broken), ids, timeout=120, env=EP_ENV)
+    assert all(r.exitcode not in (0, None) for r in results), [(r.rank, r.exitcode) for r in results]
+    for r in results:
+        assert "load checkpoint" in r.error and "rank 1" in r.error, r.error
+        assert "experts.12.w3.weight_packed" in r.error, r.error
+        assert r.wall_s < 60, f"rank {r.rank} took {r.wall_s:.0f}s: it waited for a timeout"
