@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,10 @@ def _tiny_checkpoint(group) -> Path:
         if group.is_main and not (path / "model.safetensors.index.json").exists():
             tmp = root / f".tiny_kimi_k3.tmp-{os.getpid()}"
             make_tiny_kimi_k3(tmp, overwrite=True)
-            tmp.rename(path) if not path.exists() else None
+            if path.exists():  # another run built it meanwhile
+                shutil.rmtree(tmp)
+            else:
+                tmp.rename(path)
 
     run_together("build tiny checkpoint", build, group=group)
     barrier(group)
