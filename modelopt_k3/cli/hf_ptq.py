@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modeling code")
     p.add_argument("--calibrate_all_experts", action="store_true",
                    help="during calibration every expert sees every token (routing output unchanged)")
+    p.add_argument("--eval_kl", type=int, default=0, metavar="N",
+                   help="after calibration, report KL(original || quantized) on N held-out sequences (0: skip)")
     p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel", "fsdp2"],
                    help="auto: expert_parallel under torchrun, else whole; fsdp2: dense and experts FSDP2-sharded")
     p.add_argument("--ep_degree", type=int, default=None,
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from .. import export_checkpoint, load_pretrained, quantize
     from ..data import load_texts, make_forward_loop, pack_sequences, rank_batches
     from ..dist.group import run_group
+    from ..quant.evaluate import kl_to_unquantized
     from ..recipe import load_recipe
 
     with run_group() as group:
@@ -113,13 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-        sequences = pack_sequences(tokenizer, load_texts(args.dataset), num_sequences=args.calib_size,
-                                   seq_len=args.calib_seq)
+        packed = pack_sequences(tokenizer, load_texts(args.dataset), num_sequences=args.calib_size + args.eval_kl,
+                                seq_len=args.calib_seq)
+        # Held-out sequences come after the calibration ones in the token stream.
+        sequences, held_out = packed[: args.calib_size], packed[args.calib_size :]
         batches = rank_batches(sequences, batch_size=args.batch_size, rank=group.rank, world_size=group.world_size)
         forward_loop = make_forward_loop(batches, device=info.plan.device, progress=progress)
         quantize(model, recipe, forward_loop, verbose=main_rank)
         t_calib = time.perf_counter()
         say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {t_calib - t_load:.1f}s")
+        if args.eval_kl:
+            eval_batches = rank_batches(held_out, batch_size=args.batch_size, rank=group.rank,
+                                        world_size=group.world_size)
+            kl = kl_to_unquantized(model, eval_batches, info.plan.device)
+            say(f"[modelopt_k3] KL(original || quantized) on {args.eval_kl} held-out sequences: {kl:.4f} nats/token")
+            t_calib = time.perf_counter()
 
         out = export_checkpoint(model, export_path, format=args.export_format, overwrite=args.overwrite,
                                 max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
