@@ -41,8 +41,8 @@ class QuantPlan:
                 counts[f"{fmt.algo} (experts, per layer+proj)"] += 1
         reasons: Counter[str] = Counter(self.left_bf16.values())
         lines = [f"recipe {self.recipe.name}: algorithm={self.recipe.algorithm} kv_cache={self.recipe.kv_cache}"]
-        lines += [f"  {algo:<28} {n:>6} modules" for algo, n in sorted(counts.items())]
-        lines.append(f"  {'BF16 (left unquantized)':<28} {len(self.left_bf16):>6} modules")
+        lines += [f"  {algo:<34} {n:>6} modules" for algo, n in sorted(counts.items())]
+        lines.append(f"  {'BF16 (left unquantized)':<34} {len(self.left_bf16):>6} modules")
         lines += [f"    {n:>6}  {reason}" for reason, n in reasons.most_common()]
         return "\n".join(lines)
 
