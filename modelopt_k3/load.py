@@ -261,6 +261,7 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     experts_implementation: str | None = None,
     ep_degree: int | None = None,
+    dense: str = "replicated",
     progress: bool = True,
 ) -> nn.Module:
     """Load a checkpoint with fused experts, sharded per the distribution plan.
@@ -268,7 +269,8 @@ def load_pretrained(
     ``plan``: ``auto`` (expert_parallel under torchrun with more than one rank, else whole),
     ``whole``, ``expert_parallel`` or ``fsdp2`` (dense part and experts sharded with FSDP2
     ``fully_shard``; each rank reads only its rows, see ``dist/fsdp.py``). ``dtype`` defaults to the
-    config's dtype. Every parameter is filled from the checkpoint or loading fails naming the tensors;
+    config's dtype. ``dense="fsdp2"`` with ``expert_parallel`` shards the dense part with FSDP2 too
+    (experts stay expert-parallel). Every parameter is filled from the checkpoint or loading fails naming the tensors;
     nothing is left initialised at random.
     """
     path = Path(path)
@@ -289,6 +291,7 @@ def load_pretrained(
         ep_degree=ep_degree,
         experts_implementation=experts_implementation,
         prepared=spec.prepared_placement(model_cls),
+        dense=dense,
     )
     if the_plan.expert_parallel:
         from .dist.a2a import init_expert_groups, register_torch_a2a
@@ -301,9 +304,9 @@ def load_pretrained(
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(config)
     reader = CheckpointReader(path)  # headers only, until a tensor is asked for
-    if the_plan.kind == "fsdp2":
+    if the_plan.fsdp_sharded:
         _keep_source_dtypes_on_meta(model, reader, spec)  # a DTensor's dtype cannot be switched after sharding
-        shard_model(model, the_plan.device, the_plan.world_size, spec)
+        shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
     set_experts_implementation(model, spec, the_plan.experts_implementation)
     model.to_empty(device=the_plan.device)
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
@@ -330,7 +333,7 @@ def load_pretrained(
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.
     run_together("load checkpoint", read_own_tensors, group=group)
-    if the_plan.kind == "fsdp2":
+    if the_plan.fsdp_sharded:
         check_partition(model)  # every element of every sharded parameter held (and so filled) by one rank
     model.eval()
     model.modelopt_k3 = info

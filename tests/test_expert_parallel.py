@@ -22,12 +22,13 @@ ACTIVATION_SCALES = re.compile(r"\.(input_scale|k_scale|v_scale)$")
 # --------------------------------------------------------------------------- rank workers (module level)
 
 
-def _ep_logits(ckpt: str, ids: torch.Tensor):
+def _ep_logits(ckpt: str, ids: torch.Tensor, dense: str = "replicated"):
     from modelopt_k3 import load_pretrained
     from modelopt_k3.dist.group import run_group
 
     with run_group():
-        model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, dtype=torch.float32, progress=False)
+        model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, dtype=torch.float32, dense=dense,
+                                progress=False)
         info = model.modelopt_k3
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits
@@ -185,3 +186,45 @@ def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
         assert "load checkpoint" in r.error and "rank 1" in r.error, r.error
         assert "experts.12.w3.weight_packed" in r.error, r.error
         assert r.wall_s < 60, f"rank {r.rank} took {r.wall_s:.0f}s: it waited for a timeout"
+
+
+def test_ep_with_fsdp2_dense_part(ep_ckpt, single_logits, tmp_path):
+    """Experts expert-parallel, dense part FSDP2-sharded: same logits and export as one process."""
+    ids, (ref_logits, ref_keys, _, _, _) = single_logits
+    results = run_ranks(2, _ep_logits, str(ep_ckpt), ids, "fsdp2", timeout=300, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    dense_keys = {k for k in ref_keys if not EXPERT_KEY_RE.match(k)}
+    for r in results:
+        logits, keys, _, experts, kind = r.value
+        rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
+        assert kind == "expert_parallel" and rel <= 1e-5, f"rank {r.rank}: {rel:.3g}"
+        for key in keys:
+            m = EXPERT_KEY_RE.match(key)
+            if m is not None:
+                offset, count = experts[m["module"]]
+                assert offset <= int(m["expert"]) < offset + count, f"rank {r.rank} read {key} of another rank"
+        assert dense_keys <= set(keys)  # every dense tensor is read, but only this rank's rows of it
+
+    single, hybrid = tmp_path / "single", tmp_path / "hybrid"
+    base = [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt)]
+    (r,) = run_ranks(1, _ep_ptq, [*base, "--export_path", str(single)], timeout=300, env=EP_ENV)
+    assert r.exitcode == 0, r.traceback
+    results = run_ranks(2, _ep_ptq, [*base, "--export_path", str(hybrid), "--dense", "fsdp2"], timeout=300, env=EP_ENV)
+    assert [x.exitcode for x in results] == [0, 0], [x.traceback for x in results]
+    assert_exports_equal(single, hybrid)
+
+
+def test_dense_sharding_refusals():
+    from modelopt_k3.dist.plan import PlanError, decide_plan
+    from modelopt_k3.models.spec import get_spec
+
+    spec, cpu = get_spec("kimi_k3"), torch.device("cpu")
+    kw = dict(spec=spec, num_experts=8, rank=0, device=cpu)
+    plan = decide_plan("expert_parallel", world_size=2, dense="fsdp2", **kw)
+    assert plan.dense == "fsdp2" and plan.fsdp_sharded and "dense=fsdp2" in plan.describe()
+    with pytest.raises(PlanError, match="unknown dense sharding"):
+        decide_plan("expert_parallel", world_size=2, dense="zero3", **kw)
+    with pytest.raises(PlanError, match="replicated expert groups"):
+        decide_plan("expert_parallel", world_size=4, ep_degree=2, dense="fsdp2", **kw)
+    with pytest.raises(PlanError, match="applies to plan 'expert_parallel'"):
+        decide_plan("whole", world_size=1, dense="fsdp2", **kw)

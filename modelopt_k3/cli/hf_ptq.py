@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after calibration, report KL(original || quantized) on N held-out sequences (0: skip)")
     p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel", "fsdp2"],
                    help="auto: expert_parallel under torchrun, else whole; fsdp2: dense and experts FSDP2-sharded")
+    p.add_argument("--dense", default="replicated", choices=["replicated", "fsdp2"],
+                   help="expert_parallel: keep the dense part on every rank, or shard it with FSDP2")
     p.add_argument("--ep_degree", type=int, default=None,
                    help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
         model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype,
-                                ep_degree=args.ep_degree, progress=progress)
+                                ep_degree=args.ep_degree, dense=args.dense, progress=progress)
         info = model.modelopt_k3
         t_load = time.perf_counter()
         say(f"[modelopt_k3] loaded {ckpt} ({info.plan.describe()}), read {info.bytes_read / 2**20:.1f} MiB "

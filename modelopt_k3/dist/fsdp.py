@@ -145,23 +145,30 @@ def gather_to_owner(t: torch.Tensor, owner: int) -> torch.Tensor | None:
     return torch.cat(out)[:n] if rank == owner else None
 
 
-def shard_units(model: nn.Module, spec: ModelSpec) -> list[str]:
-    """Names of the modules that become FSDP2 units (children before parents), the root excluded."""
+def shard_units(model: nn.Module, spec: ModelSpec, *, experts: bool = True) -> list[str]:
+    """Names of the modules that become FSDP2 units (children before parents), the root excluded.
+
+    ``experts=False``: the fused experts modules are left out (expert parallelism holds them).
+    """
     no_split = set()
     for module in model.modules():
         no_split.update(getattr(module, "_no_split_modules", None) or ())
     units = [
         name
         for name, module in model.named_modules()
-        if name and (spec.is_experts_module(name, module) or type(module).__name__ in no_split)
+        if name and ((experts and spec.is_experts_module(name, module)) or type(module).__name__ in no_split)
     ]
     return units[::-1]  # named_modules is pre-order: reversed, every unit comes after the units inside it
 
 
-def shard_model(model: nn.Module, device: torch.device, world_size: int, spec: ModelSpec) -> list[str]:
+def shard_model(
+    model: nn.Module, device: torch.device, world_size: int, spec: ModelSpec, *, shard_experts: bool = True
+) -> list[str]:
     """Apply ``fully_shard`` to the units and the root of a meta-built model; returns the unit names.
 
     Call before ``model.to_empty(device=...)``; the parameters are then empty local shards to fill.
+    ``shard_experts=False`` (expert parallel with an FSDP2 dense part): the experts' parameters stay
+    plain tensors, ignored by every unit, and all-to-all serves them as usual.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -169,12 +176,17 @@ def shard_model(model: nn.Module, device: torch.device, world_size: int, spec: M
     mesh = init_device_mesh(device.type, (world_size,))
     for param in model.parameters():
         param.requires_grad_(False)  # PTQ never trains; lets one unit hold fp32 and bf16 (see module doc)
-    units = shard_units(model, spec)
+    units = shard_units(model, spec, experts=shard_experts)
     modules = dict(model.named_modules())
+    ignored: set[nn.Parameter] = set()
+    if not shard_experts:
+        for name, module in modules.items():
+            if spec.is_experts_module(name, module):
+                ignored.update(module.parameters())
     for name in units:
-        fully_shard(modules[name], mesh=mesh, reshard_after_forward=True)
+        fully_shard(modules[name], mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
     # The root owns what no unit holds; resharded after forward too (FSDP2 keeps a root's gathered for training).
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
     return units
 
 

@@ -17,6 +17,7 @@ from ..models.spec import ExpertPlacement, ModelSpec, SpecError
 PlanKind = Literal["whole", "fsdp2", "expert_parallel"]
 PLAN_KINDS: tuple[str, ...] = ("auto", "whole", "fsdp2", "expert_parallel")
 EP_DEGREE_ENV = "MODELOPT_K3_EP_DEGREE"
+DENSE_MODES: tuple[str, ...] = ("replicated", "fsdp2")
 
 
 class PlanError(SpecError):
@@ -31,6 +32,13 @@ class DistributionPlan:
     ep_degree: int
     device: torch.device
     experts_implementation: str
+    # Expert parallel only: the dense part "replicated" on every rank, or "fsdp2"-sharded over the world.
+    dense: str = "replicated"
+
+    @property
+    def fsdp_sharded(self) -> bool:
+        """Whether FSDP2 shards anything (the fsdp2 plan, or the dense part under expert parallelism)."""
+        return self.kind == "fsdp2" or self.dense == "fsdp2"
 
     @property
     def expert_parallel(self) -> bool:
@@ -57,7 +65,7 @@ class DistributionPlan:
     def describe(self) -> str:
         text = f"plan={self.kind} world={self.world_size} rank={self.rank}"
         if self.expert_parallel:
-            text += f" ep={self.ep_degree} experts_implementation={self.experts_implementation}"
+            text += f" ep={self.ep_degree} experts_implementation={self.experts_implementation} dense={self.dense}"
         return text
 
 
@@ -97,8 +105,12 @@ def decide_plan(
     ep_degree: int | None = None,
     experts_implementation: str | None = None,
     prepared: ExpertPlacement | None = None,
+    dense: str = "replicated",
 ) -> DistributionPlan:
     if requested not in PLAN_KINDS:
+        raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
+    if dense not in DENSE_MODES:
+        raise PlanError(f"unknown dense sharding {dense!r}; choose one of {list(DENSE_MODES)}")
         raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
     has_ep = bool(spec.ep_sharded_params)
     kind = requested
@@ -123,7 +135,14 @@ def decide_plan(
                 f"choose a degree that divides it"
             )
         impl = "torch_a2a"
+        if dense == "fsdp2" and ep_degree != world_size:
+            raise PlanError(
+                f"an FSDP2-sharded dense part shards over all {world_size} ranks; with replicated expert groups "
+                f"(EP degree {ep_degree}) keep it replicated"
+            )
     else:
+        if dense != "replicated":
+            raise PlanError(f"dense={dense!r} applies to plan 'expert_parallel' (plan '{kind}' decides it itself)")
         ep_degree = 1
         impl = experts_implementation or default_local_implementation(device)
         if spec.patches_process_wide and prepared is not None and prepared.ep_size > 1:
@@ -132,4 +151,4 @@ def decide_plan(
                 f"(ep_size={prepared.ep_size}); a '{kind}' load in the same process would build sharded experts. "
                 "Start a new process for it."
             )
-    return DistributionPlan(kind, rank, world_size, ep_degree, device, impl)
+    return DistributionPlan(kind, rank, world_size, ep_degree, device, impl, dense if kind == "expert_parallel" else "replicated")
