@@ -50,7 +50,7 @@ from .constants import (
     MXFP4_BLOCK,
     NVFP4_BLOCK,
 )
-from .e2m1 import E2M1_VALUES, _table, e2m1_round, pack_fp4, unpack_fp4
+from .e2m1 import E2M1_VALUES, _table, check_packed_with_scales, e2m1_round, pack_fp4, unpack_fp4
 from .mxfp4 import _scale_table
 from .nvfp4 import NVFP4Weight, _quantize_keys, _rows_global_scale, _saturate_nan_blocks
 
@@ -164,16 +164,8 @@ def mxfp4_to_nvfp4(
     blocks are NVFP4 blocks of 16 and ``global_scale`` is ModelOpt's ``weight_scale_2``
     (value = code * float(block_scale) * global_scale). See the module docstring for the rules.
     """
-    if weight_packed.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
-        raise ValueError(
-            f"mxfp4_to_nvfp4 needs uint8 tensors, got {weight_packed.dtype} and {weight_scale.dtype}"
-        )
-    *lead, half = weight_packed.shape
+    lead, half = check_packed_with_scales("mxfp4_to_nvfp4", weight_packed, weight_scale, torch.uint8, MXFP4_BLOCK, "MXFP4")
     nb32 = weight_scale.shape[-1]
-    if tuple(weight_scale.shape[:-1]) != tuple(lead) or half != nb32 * (MXFP4_BLOCK // 2):
-        raise ValueError(
-            f"MXFP4 shapes do not match: weight_packed {tuple(weight_packed.shape)}, weight_scale {tuple(weight_scale.shape)}"
-        )
     device = weight_packed.device
     if global_scale is None:
         global_scale = shared_global_scale_for(weight_scale)

@@ -173,3 +173,23 @@ def unpack_fp4(packed: Tensor) -> Tensor:
         raise ValueError(f"unpack_fp4 needs uint8, got {packed.dtype}")
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def check_packed_with_scales(
+    fn: str, packed: Tensor, scale: Tensor, scale_dtype: torch.dtype, block: int, fmt: str
+) -> tuple[list[int], int]:
+    """Validate ``packed [..., out, in/2]`` against its block scales ``[..., out, in/block]``.
+
+    Returns the leading dims and ``in/2``. Shared by the MXFP4 and NVFP4 decoders and the cast.
+    """
+    if packed.dtype != torch.uint8 or scale.dtype != scale_dtype:
+        raise ValueError(
+            f"{fn} needs uint8 packed codes and {scale_dtype} block scales, got {packed.dtype} and {scale.dtype}"
+        )
+    *lead, half = packed.shape
+    if tuple(scale.shape[:-1]) != tuple(lead) or half != scale.shape[-1] * (block // 2):
+        raise ValueError(
+            f"{fmt} shapes do not match: packed {tuple(packed.shape)} needs block scales "
+            f"{tuple(lead) + (half * 2 // block,)}, got {tuple(scale.shape)}"
+        )
+    return lead, half

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ._slabs import run_slabs
 from .constants import E2M1_EMAX, E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, MXFP4_BLOCK
-from .e2m1 import E2M1_VALUES, _e2m1_keys, _table, pack_fp4
+from .e2m1 import E2M1_VALUES, _e2m1_keys, _table, check_packed_with_scales, pack_fp4
 
 __all__ = ["e8m0_to_float", "mxfp4_decode", "mxfp4_encode"]
 
@@ -69,18 +69,8 @@ def mxfp4_decode(weight_packed: Tensor, weight_scale: Tensor, dtype: torch.dtype
 
     ``weight_packed`` uint8 ``[..., out, in/2]``, ``weight_scale`` uint8 ``[..., out, in/32]``.
     """
-    if weight_packed.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
-        raise ValueError(
-            f"mxfp4_decode needs uint8 weight_packed and weight_scale, got {weight_packed.dtype} "
-            f"and {weight_scale.dtype}"
-        )
-    *lead, half = weight_packed.shape
+    lead, half = check_packed_with_scales("mxfp4_decode", weight_packed, weight_scale, torch.uint8, MXFP4_BLOCK, "MXFP4")
     n_blocks = weight_scale.shape[-1]
-    if tuple(weight_scale.shape[:-1]) != tuple(lead) or half != n_blocks * (MXFP4_BLOCK // 2):
-        raise ValueError(
-            f"MXFP4 shapes do not match: weight_packed {tuple(weight_packed.shape)} needs weight_scale "
-            f"{tuple(lead) + (half * 2 // MXFP4_BLOCK,)}, got {tuple(weight_scale.shape)}"
-        )
     table = _pair_table(dtype, weight_packed.device)
     rows = weight_packed.reshape(-1, n_blocks, MXFP4_BLOCK // 2)
     srows = weight_scale.reshape(-1, n_blocks, 1)

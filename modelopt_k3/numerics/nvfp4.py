@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ._slabs import run_slabs
 from .constants import FP4_MAX, FP8_E4M3_MAX, FP8_E4M3_MIN_SUBNORMAL, NVFP4_BLOCK
-from .e2m1 import _e2m1_keys, _table
+from .e2m1 import _e2m1_keys, _table, check_packed_with_scales
 
 __all__ = [
     "FP4_MAX",
@@ -277,17 +277,8 @@ def nvfp4_dequantize(
     packed: Tensor, block_scale: Tensor, global_scale: Tensor | float, dtype: torch.dtype = torch.float32
 ) -> Tensor:
     """``E2M1(code) * (float(block_scale) * global_scale)`` as ``[..., out, in]`` in ``dtype``."""
-    if packed.dtype != torch.uint8 or block_scale.dtype != _E4M3:
-        raise ValueError(
-            f"nvfp4_dequantize needs uint8 packed and e4m3 block_scale, got {packed.dtype}, {block_scale.dtype}"
-        )
-    *lead, half = packed.shape
+    lead, half = check_packed_with_scales("nvfp4_dequantize", packed, block_scale, _E4M3, NVFP4_BLOCK, "NVFP4")
     nb = block_scale.shape[-1]
-    if tuple(block_scale.shape[:-1]) != tuple(lead) or half != nb * (NVFP4_BLOCK // 2):
-        raise ValueError(
-            f"NVFP4 shapes do not match: packed {tuple(packed.shape)} needs block_scale "
-            f"{tuple(lead) + (half * 2 // NVFP4_BLOCK,)}, got {tuple(block_scale.shape)}"
-        )
     n = half * 2
     device = packed.device
     gs = _rows_global_scale(global_scale, torch.Size((*lead, n)), device)
