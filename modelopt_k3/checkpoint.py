@@ -143,6 +143,3 @@ class CheckpointReader:
         self.log.bytes += info.nbytes // info.shape[0] * (stop - start) if stop > start else 0
         return tensor
 
-    @property
-    def files(self) -> list[str]:
-        return sorted({i.file for i in self._infos.values()})

@@ -96,10 +96,6 @@ def _config_dtype(config) -> torch.dtype:
     return name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."))
 
 
-def _experts_modules(model: nn.Module, spec: ModelSpec) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if spec.is_experts_module(name, m)}
-
-
 def _plan_expert_reads(
     reader: CheckpointReader, spec: ModelSpec, converters: list, local: dict[str, range]
 ) -> tuple[dict[str, dict[str, dict[int, str]]], set[str]]:
@@ -201,9 +197,7 @@ def _fill_dense(
     model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm
 ) -> set[str]:
     consumed: set[str] = set()
-    params = dict(model.named_parameters())
-    state = {**params, **dict(model.named_buffers())}
-    keep = re.compile(info.spec.keep_source_dtype) if info.spec.keep_source_dtype else None
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     missing = []
     for name, tensor in state.items():
         if name in skip:
@@ -221,10 +215,7 @@ def _fill_dense(
         else:
             src = reader.get(name)
         with torch.no_grad():
-            if keep is not None and keep.search(name) and src.dtype != tensor.dtype and name in params:
-                params[name].data = src.to(tensor.device)  # keep the checkpoint's dtype (see the spec)
-            else:
-                tensor.copy_(src.to(tensor.dtype))
+            tensor.copy_(src.to(tensor.dtype))
         consumed.add(name)
         progress.update(1)
     if missing:
@@ -249,7 +240,7 @@ def set_experts_implementation(model: nn.Module, spec: ModelSpec, name: str) -> 
 
     Set on the configs the experts read at call time, after construction (see Kimi-K3's prepare).
     """
-    for module in _experts_modules(model, spec).values():
+    for module in spec.experts_modules(model).values():
         module.config._experts_implementation = name
 
 
@@ -304,8 +295,8 @@ def load_pretrained(
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(config)
     reader = CheckpointReader(path)  # headers only, until a tensor is asked for
+    _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
     if the_plan.fsdp_sharded:
-        _keep_source_dtypes_on_meta(model, reader, spec)  # a DTensor's dtype cannot be switched after sharding
         shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
     set_experts_implementation(model, spec, the_plan.experts_implementation)
     model.to_empty(device=the_plan.device)
@@ -313,7 +304,7 @@ def load_pretrained(
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)
     def read_own_tensors() -> None:
         with reader:
-            experts = _experts_modules(model, spec)
+            experts = spec.experts_modules(model)
             total = len(dict(model.named_parameters())) + len(dict(model.named_buffers()))
             with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
                 consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)

@@ -180,9 +180,8 @@ def shard_model(
     modules = dict(model.named_modules())
     ignored: set[nn.Parameter] = set()
     if not shard_experts:
-        for name, module in modules.items():
-            if spec.is_experts_module(name, module):
-                ignored.update(module.parameters())
+        for module in spec.experts_modules(model).values():
+            ignored.update(module.parameters())
     for name in units:
         fully_shard(modules[name], mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
     # The root owns what no unit holds; resharded after forward too (FSDP2 keeps a root's gathered for training).

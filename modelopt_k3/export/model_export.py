@@ -162,7 +162,7 @@ def export_checkpoint(
     expert_key_re = re.compile(spec.expert_key_regex)
     export_dir = Path(export_dir)
     modules = dict(model.named_modules())
-    experts_modules = {n: m for n, m in modules.items() if spec.is_experts_module(n, m)}
+    experts_modules = spec.experts_modules(model)
 
     with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:
 

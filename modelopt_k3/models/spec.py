@@ -103,6 +103,10 @@ class ModelSpec:
                 f"but transformers {transformers.__version__} is installed"
             )
 
+    def experts_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The model's fused experts modules by name."""
+        return {name: m for name, m in model.named_modules() if self.is_experts_module(name, m)}
+
     def is_experts_module(self, name: str, module: nn.Module) -> bool:
         import re
 
@@ -134,6 +138,3 @@ def get_spec(model_type: str) -> ModelSpec:
         known = sorted(set(_REGISTRY) | set(_BUILTIN))
         raise SpecError(f"no model spec for model_type {model_type!r}; known: {known}") from None
 
-
-def registered_model_types() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_BUILTIN))

@@ -69,7 +69,7 @@ def _reason(entry) -> str:
 def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> QuantPlan:
     plan = QuantPlan(recipe)
     shapes: dict[str, tuple[int, int]] = {}
-    experts_modules = {n: m for n, m in model.named_modules() if spec.is_experts_module(n, m)}
+    experts_modules = spec.experts_modules(model)
     for name, module in model.named_modules():
         if name in experts_modules:
             per_proj = _expert_names(name, module, spec)

@@ -44,7 +44,6 @@ class Mxfp4ExpertSource:
         self.experts = experts
         self.rows = rows if rows is not None else range(len(experts))
         self.gather = gather
-        self.requantized_blocks: dict[str, int] = {}
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """``[len(rows), ...]`` -> the whole expert dimension (identity unless sharded; collective then)."""
@@ -66,10 +65,9 @@ class Mxfp4ExpertSource:
 
     def cast(self, proj: str, global_scales: torch.Tensor, part: slice = slice(None)) -> NVFP4Weight:
         """Batched ``[n, out, ...]`` NVFP4 tensors of one projection for this rank's experts ``[part]``
-        (all of them by default); counts requantized blocks."""
+        (all of them by default)."""
         global_scales = self._mine(global_scales)[part]
-        weight, n_req = mxfp4_to_nvfp4(self._stack(proj, PACKED, part), self._stack(proj, SCALE, part), global_scales)
-        self.requantized_blocks[proj] = self.requantized_blocks.get(proj, 0) + n_req
+        weight, _ = mxfp4_to_nvfp4(self._stack(proj, PACKED, part), self._stack(proj, SCALE, part), global_scales)
         return weight
 
     def fake_quant(self, fused_param: str, global_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
