@@ -28,7 +28,8 @@ from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
 from .dist.plan import DistributionPlan, decide_plan
-from .models.conversion import run_converter
+from .models.conversion import decode_op, run_converter, run_converter_fields
+from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
 
 EXPERTS_PER_READ = 16
@@ -137,14 +138,14 @@ def _fill_experts(
     # Global ids this rank holds per module: its EP block, or the rows of its FSDP2 shard.
     ranges = {name: local_experts(module, spec) for name, module in experts.items()}
     reads, foreign = _plan_expert_reads(reader, spec, converters, ranges)
-    params = dict(model.named_parameters())
     consumed: set[str] = set()
     filled: set[str] = set()
     for conv in converters:
         target_suffix = conv.target_patterns[0]
-        for module_name in experts:
-            target = f"{module_name}.{target_suffix.rsplit('.', 1)[-1]}"
-            if not target.endswith(target_suffix) or target not in params:
+        for module_name, module in experts.items():
+            param_name = target_suffix.rsplit(".", 1)[-1]
+            target = f"{module_name}.{param_name}"
+            if not target.endswith(target_suffix) or param_name not in spec.ep_sharded_params:
                 continue
             by_pattern = reads.get(target, {})
             local = ranges[module_name]
@@ -159,23 +160,39 @@ def _fill_experts(
             ]
             if missing:
                 raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
-            param = local_tensor(params[target])
-            if param.shape[0] != len(local):
-                raise LoadError(f"{target}: parameter holds {param.shape[0]} experts, this rank owns {len(local)}")
+            destinations = _expert_destinations(module, param_name, conv)
+            for dest in destinations.values():
+                if dest.shape[0] != len(local):
+                    raise LoadError(f"{target}: parameter holds {dest.shape[0]} experts, this rank owns {len(local)}")
             # A few experts at a time: peak memory stays near the parameter itself, not 3x it.
             for start in range(0, len(local), EXPERTS_PER_READ):
                 ids = local[start : start + EXPERTS_PER_READ]
                 tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
                 consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
-                fused = run_converter(conv, tensors)
-                rows = param[start : start + len(ids)]
-                if fused.shape != rows.shape:
-                    raise LoadError(f"{target}: converted shape {list(fused.shape)} != parameter rows {list(rows.shape)}")
-                with torch.no_grad():
-                    rows.copy_(fused.to(param.dtype))
+                converted = run_converter_fields(conv, tensors) if is_packed(module) else {None: run_converter(conv, tensors)}
+                for kind, value in converted.items():
+                    rows = destinations[kind][start : start + len(ids)]
+                    if value.shape != rows.shape:
+                        raise LoadError(
+                            f"{target}: converted shape {list(value.shape)} != parameter rows {list(rows.shape)}"
+                        )
+                    with torch.no_grad():
+                        rows.copy_(value.to(rows.dtype))
             filled.add(target)
             progress.update(1)
     return consumed | foreign, filled
+
+
+def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:
+    """Where a converter's output goes: the fused parameter (this rank's rows), or for packed experts the
+    codes and scales buffers, keyed by the checkpoint field the converter keeps for each."""
+    if not is_packed(module):
+        return {None: local_tensor(getattr(module, param))}
+    op = decode_op(conv)
+    if op is None:
+        raise ResidencyError("packed experts need an MXFP4-packed source; this checkpoint stores its experts decoded")
+    layout = module.packed_layouts[param]
+    return {op.codes_field: getattr(module, layout.qdata_name), op.scales_field: getattr(module, layout.scale_name)}
 
 
 def _missing_key(module_name: str, expert: int, pattern: str, present: dict[int, str]) -> str:
@@ -235,13 +252,48 @@ def _keep_source_dtypes_on_meta(model: nn.Module, reader: CheckpointReader, spec
             setattr(model.get_submodule(owner), attr, new)
 
 
-def set_experts_implementation(model: nn.Module, spec: ModelSpec, name: str) -> None:
-    """Route every fused experts module of ``model`` through experts implementation ``name``.
+def set_experts_implementation(model: nn.Module, spec: ModelSpec, plan: DistributionPlan) -> None:
+    """Route every fused experts module of ``model`` through the plan's experts implementation, with the
+    plan's local implementation on the owner (``torch_a2a``) and, for packed experts, its decode chunk.
 
     Set on the configs the experts read at call time, after construction (see Kimi-K3's prepare).
     """
     for module in spec.experts_modules(model).values():
-        module.config._experts_implementation = name
+        module.config._experts_implementation = plan.experts_implementation
+        module.local_experts_implementation = plan.local_experts_implementation
+        if is_packed(module):
+            module.decode_chunk = min(plan.decode_chunk or module.num_experts, module.num_experts)
+
+
+def _pack_experts(model: nn.Module, spec: ModelSpec) -> DecodeWorkspace:
+    """Give every fused experts module of a meta-built model the packed layout; one shared workspace."""
+    workspace = DecodeWorkspace()
+    for module in spec.experts_modules(model).values():
+        to_packed(module, spec, workspace)
+    return workspace
+
+
+def _decide_residency(
+    requested: str, *, packed_source: bool, plan: DistributionPlan, path: Path, dtype: torch.dtype,
+    decode_chunk: int | None,
+) -> DistributionPlan:
+    """The plan with its experts residency: as asked, or for ``auto`` from the memory planner."""
+    if requested not in RESIDENCIES:
+        raise ResidencyError(f"unknown experts residency {requested!r}; choose one of {list(RESIDENCIES)}")
+    if requested == "packed" and not packed_source:
+        raise ResidencyError(
+            f"experts='packed' keeps the experts' MXFP4 source bytes, but {path} stores them decoded; "
+            "use experts='bf16' (CLI: --experts bf16)"
+        )
+    if requested == "auto":
+        if not packed_source or plan.kind == "fsdp2":
+            requested = "bf16"
+        else:
+            from .memory.planner import choose_residency
+
+            requested, chosen_chunk = choose_residency(path, plan, dtype=dtype)
+            decode_chunk = decode_chunk if decode_chunk is not None else chosen_chunk
+    return plan.with_residency(requested, decode_chunk if requested == "packed" else None)
 
 
 def load_pretrained(
@@ -253,6 +305,8 @@ def load_pretrained(
     experts_implementation: str | None = None,
     ep_degree: int | None = None,
     dense: str = "replicated",
+    experts: str = "auto",
+    decode_chunk: int | None = None,
     progress: bool = True,
 ) -> nn.Module:
     """Load a checkpoint with fused experts, sharded per the distribution plan.
@@ -263,6 +317,13 @@ def load_pretrained(
     config's dtype. ``dense="fsdp2"`` with ``expert_parallel`` shards the dense part with FSDP2 too
     (experts stay expert-parallel). Every parameter is filled from the checkpoint or loading fails naming the tensors;
     nothing is left initialised at random.
+
+    ``experts``: ``bf16`` holds the routed experts decoded; ``packed`` (MXFP4-sourced checkpoints) holds
+    their source bytes and decodes them inside the experts forward (``models/packed_experts.py``), one
+    layer or ``decode_chunk`` experts at a time; ``auto`` is packed when the memory planner says the
+    ``bf16`` residency does not fit this device (``memory/planner.py``), else bf16. Both give the same
+    logits, calibration and export, bit for bit. ``experts_implementation`` names what runs the experts
+    (under expert parallelism: what runs each owner's experts; the plan's default otherwise).
     """
     path = Path(path)
     raw = _read_raw_config(path)
@@ -290,17 +351,22 @@ def load_pretrained(
         register_torch_a2a()
         init_expert_groups(the_plan.world_size, the_plan.ep_degree, the_plan.rank)
     spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation))
-
+    converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
     dtype = dtype or _config_dtype(config)
+    packed_source = any(decode_op(c) is not None for c in converters)
+    the_plan = _decide_residency(experts, packed_source=packed_source, plan=the_plan, path=path, dtype=dtype,
+                                 decode_chunk=decode_chunk)
+
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(config)
+    if the_plan.experts_residency == "packed":
+        _pack_experts(model, spec)  # before sharding and to_empty: only the codes are ever allocated
     reader = CheckpointReader(path)  # headers only, until a tensor is asked for
     _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
     if the_plan.fsdp_sharded:
         shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
-    set_experts_implementation(model, spec, the_plan.experts_implementation)
+    set_experts_implementation(model, spec, the_plan)
     model.to_empty(device=the_plan.device)
-    converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)
     def read_own_tensors() -> None:
         with reader:
@@ -313,13 +379,14 @@ def load_pretrained(
                 ]
                 if unfilled:
                     raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
-                consumed = consumed_experts | _fill_dense(model, reader, filled, info, bar)
+                packed_fields = {f"{n}.{name}" for n, m in experts.items() if is_packed(m)
+                                 for lay in m.packed_layouts.values() for name in (lay.qdata_name, lay.scale_name)}
+                consumed = consumed_experts | _fill_dense(model, reader, filled | packed_fields, info, bar)
             unexpected = set(reader.names()) - consumed
             if unexpected:
                 raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
             info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-            key_re = re.compile(spec.expert_key_regex)
-            info.packed_experts = any(k.endswith(".weight_packed") and key_re.match(k) for k in reader.names())
+            info.packed_experts = packed_source
 
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert_parallel: keep the dense part on every rank, or shard it with FSDP2")
     p.add_argument("--ep_degree", type=int, default=None,
                    help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
+    p.add_argument("--experts", default="auto", choices=["auto", "bf16", "packed"],
+                   help="routed experts held decoded (bf16) or as their MXFP4 source bytes, decoded per layer "
+                        "inside the forward (packed); auto: packed when the memory planner says bf16 does not fit")
+    p.add_argument("--gpu_mem_gib", type=float, default=None,
+                   help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
+                        "per local rank on CPU)")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
     p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
@@ -79,6 +85,19 @@ def _tiny_checkpoint(group) -> Path:
     return path
 
 
+def memory_preflight(args: argparse.Namespace, ckpt: Path, recipe, group, dtype=None):
+    """Refuse, before any weight is read, a run the memory planner says cannot fit (``MemoryPlanError``
+    with the numbers and a configuration that would); else the planner's estimate of the run (its
+    ``config.residency`` resolves ``--experts auto``, ``decode_chunk`` the packed decode chunk)."""
+    from ..memory.planner import check_fits
+
+    return check_fits(
+        ckpt, plan=args.plan, world_size=group.world_size, dense=args.dense, ep_degree=args.ep_degree,
+        experts=args.experts, gpu_mem_gib=args.gpu_mem_gib, batch_size=args.batch_size, calib_seq=args.calib_seq,
+        recipe=recipe, device=group.device.type, dtype=dtype,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -86,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from .. import export_checkpoint, load_pretrained, quantize
     from ..data import load_texts, make_forward_loop, pack_sequences, rank_batches
     from ..dist.group import run_group
+    from ..memory.planner import MemoryPlanError
     from ..quant.evaluate import kl_to_unquantized
     from ..recipe import load_recipe
 
@@ -108,8 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
+        try:
+            memory = memory_preflight(args, ckpt, recipe, group, dtype)
+        except MemoryPlanError as e:
+            say(f"[modelopt_k3] refused before loading: {e}")
+            return 2
+        experts = memory.config.residency if not memory.refused else args.experts
         model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype,
-                                ep_degree=args.ep_degree, dense=args.dense, progress=progress)
+                                ep_degree=args.ep_degree, dense=args.dense, experts=experts,
+                                decode_chunk=memory.decode_chunk, progress=progress)
         info = model.modelopt_k3
         t_load = time.perf_counter()
         say(f"[modelopt_k3] loaded {ckpt} ({info.plan.describe()}), read {info.bytes_read / 2**20:.1f} MiB "

@@ -2,6 +2,12 @@
 
 transformers applies converters inside its own loader; ours reads the tensors itself (only this
 rank's, lazily), so it runs a converter's operation chain on tensors already grouped by pattern.
+
+A chain may start with a ``DecodeOp`` (a block-scaled source format decoded to floats, e.g.
+MXFP4). With packed-resident experts (``models/packed_experts.py``) the loader runs the same chain
+without it, once per stored field (codes, scales): stacking and concatenation are the same
+operations on the source bytes, so the packed fields land in exactly the fused layout the decoded
+weights would have.
 """
 
 from __future__ import annotations
@@ -9,16 +15,55 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.core_model_loading import WeightConverter
+from transformers.core_model_loading import ConversionOps, WeightConverter
+
+
+class DecodeOp(ConversionOps):
+    """A conversion op that decodes a block-scaled source format.
+
+    ``codes_field`` / ``scales_field``: the checkpoint tensor suffixes of the packed codes and their
+    block scales (source patterns end with them).
+    """
+
+    codes_field: str
+    scales_field: str
 
 
 def run_converter(converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]]) -> torch.Tensor:
     """Apply ``converter.operations`` to ``{source pattern: [tensor per expert, in expert order]}``."""
-    current: dict[str, Any] = dict(tensors_by_pattern)
-    for op in converter.operations:
-        current = op.convert(
-            current, source_patterns=converter.source_patterns, target_patterns=converter.target_patterns
-        )
+    return _run_chain(converter.operations, converter.source_patterns, converter, tensors_by_pattern)
+
+
+def decode_op(converter: WeightConverter) -> DecodeOp | None:
+    """The converter's decode step, or None when its source is stored unpacked."""
+    ops = [op for op in converter.operations if isinstance(op, DecodeOp)]
+    if len(ops) > 1:
+        raise ValueError(f"{converter} has {len(ops)} decode steps; expected at most one")
+    return ops[0] if ops else None
+
+
+def run_converter_fields(
+    converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The converter's chain without its ``DecodeOp``, run once per stored field.
+
+    Returns ``{codes_field: fused codes, scales_field: fused scales}`` in the fused layout.
+    """
+    op = decode_op(converter)
+    if op is None:
+        raise ValueError(f"{converter} has no decode step: its source is not packed")
+    rest = [o for o in converter.operations if o is not op]
+    out = {}
+    for field in (op.codes_field, op.scales_field):
+        patterns = [p for p in converter.source_patterns if p.endswith(field)]
+        out[field] = _run_chain(rest, patterns, converter, {p: tensors_by_pattern[p] for p in patterns})
+    return out
+
+
+def _run_chain(ops, source_patterns: list[str], converter: WeightConverter, tensors: dict[str, Any]) -> torch.Tensor:
+    current: dict[str, Any] = dict(tensors)
+    for op in ops:
+        current = op.convert(current, source_patterns=source_patterns, target_patterns=converter.target_patterns)
     if len(current) != 1:
         raise ValueError(f"{converter} produced {len(current)} tensors, expected one")
     (result,) = current.values()

@@ -79,7 +79,8 @@ class ModelSpec:
     shared_scale_groups: tuple[tuple[str, ...], ...]
     # Config attribute holding the global routed-expert count.
     num_experts_attr: str
-    # Checkpoint keys of routed experts, with named groups ``module`` and ``expert``.
+    # Checkpoint keys of routed experts, with named groups ``module``, ``expert``, ``proj`` (the
+    # ``expert_projections`` name) and ``tensor`` (e.g. ``weight`` or ``weight_packed``).
     expert_key_regex: str
     # The placement a process-wide prepare was made for (None when the model class is unpatched).
     prepared_placement: Callable[[type], ExpertPlacement | None]
@@ -92,6 +93,11 @@ class ModelSpec:
     keep_source_dtype: str | None = None
     # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
+    # Memory planner (memory/planner.py): checkpoint keys of the FSDP2 units (the model's
+    # ``_no_split_modules`` instances), with the unit's prefix as named group ``unit``; and the
+    # activation model of one calibration forward (``ActivationModel`` from text config, batch, seq, dtype bytes).
+    fsdp_unit_key_regex: str | None = None
+    activation_memory: Callable[..., Any] | None = None
 
     def check_transformers(self) -> None:
         import transformers

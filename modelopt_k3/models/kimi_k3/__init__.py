@@ -6,6 +6,7 @@ from ..spec import ExpertProjection, ModelSpec, register_spec
 from .converters import EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import attach_kv_cache
+from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
 from .shims import apply_import_shims
 
@@ -32,6 +33,9 @@ KIMI_K3_SPEC = register_spec(
         attach_kv_cache=attach_kv_cache,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
+        # _no_split_modules: KimiDecoderLayer (language model), MoonViTEncoderLayer (vision tower).
+        fsdp_unit_key_regex=r"^(?P<unit>.+\.(?:model\.layers|encoder\.blocks)\.\d+)\.",
+        activation_memory=activation_memory,
     ),
     overwrite=True,
 )
