@@ -43,7 +43,11 @@ QUICK_CALIB = {"sequences": 4, "seq_len": 16, "batch_size": 2}
 
 
 def worker(ckpt: str, export_dir: str, out_json: str, calib: dict) -> None:
-    """One rank: load -> calibrate -> export, measured; writes its record to ``out_json``."""
+    """One rank: load -> calibrate -> export, measured; writes its record to ``out_json``.
+
+    ``calib``: the calibration loop's sizes, plus optionally ``experts`` (the residency asked of
+    ``load_pretrained``, default ``auto``) and ``time_decode`` (time every packed-experts decode).
+    """
     hwm_start = (_status_kib("VmHWM") or 0) * 1024
     from modelopt_k3.checkpoint import CheckpointReader
     from modelopt_k3.models.kimi_k3.converters import EXPERT_KEY_RE
@@ -73,33 +77,52 @@ def worker(ckpt: str, export_dir: str, out_json: str, calib: dict) -> None:
 def _measured_pipeline(ckpt: str, export_dir: str, calib: dict, phase: list[str], hwm_start: int) -> dict:
     from modelopt_k3 import export_checkpoint, load_pretrained, quantize
     from modelopt_k3.dist.group import run_group
+    from modelopt_k3.models import packed_experts
     from modelopt_k3.recipe import load_recipe
 
     from .common import calibration_loop
 
-    rec: dict = {"rss_after_imports": rss_now()}
+    calib = dict(calib)
+    experts_residency, time_decode = calib.pop("experts", "auto"), calib.pop("time_decode", False)
+    rec: dict = {"rss_after_imports": rss_now(), "decode_s": 0.0, "decodes": 0}
+    if time_decode:  # every decode of packed experts into the workspace, timed
+        real_decode = packed_experts.mxfp4_decode
+
+        def timed_decode(*a, **k):
+            t = time.perf_counter()
+            out = real_decode(*a, **k)
+            rec["decode_s"] += time.perf_counter() - t
+            rec["decodes"] += 1
+            return out
+
+        packed_experts.mxfp4_decode = timed_decode
     hwm_start = max(hwm_start, (_status_kib("VmHWM") or 0) * 1024)
     with run_group() as group:
         rec.update(rank=group.rank, world_size=group.world_size)
         t0 = time.perf_counter()
         with PeakRSS() as peak:
-            model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, progress=False)
+            model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, progress=False, experts=experts_residency)
         rec["load_s"] = time.perf_counter() - t0
         rec["load_peak_rss"], rec["rss_after_load"] = peak.peak, rss_now()
         info = model.modelopt_k3
         rec["plan"] = info.plan.describe()
+        rec["experts_residency"] = info.plan.experts_residency
         rec["bytes_read_by_loader"] = info.bytes_read
         experts = [m for n, m in model.named_modules() if info.spec.is_experts_module(n, m)]
         rec["local_experts_per_layer"] = [m.num_experts for m in experts]
-        rec["expert_param_bytes"] = sum(p.nbytes for m in experts for p in m.parameters(recurse=False))
-        rec["all_param_bytes"] = sum(p.nbytes for p in model.parameters())
+        # Decoded parameters, or the packed codes and scales (buffers).
+        rec["expert_param_bytes"] = sum(t.nbytes for m in experts for t in [*m.parameters(), *m.buffers()])
+        rec["all_param_bytes"] = sum(p.nbytes for p in model.parameters()) + sum(
+            b.nbytes for m in experts for b in m.buffers())
 
         phase[0] = "calibration"
         loop = calibration_loop(model, Path(ckpt), rank=group.rank, world_size=group.world_size, **calib)
+        decode_before = rec["decode_s"]
         t0 = time.perf_counter()
         with PeakRSS() as peak:
             quantize(model, load_recipe("presets/nvfp4"), loop)
         rec["calibration_s"] = time.perf_counter() - t0
+        rec["calibration_decode_s"] = rec["decode_s"] - decode_before
         rec["calibration_peak_rss"], rec["rss_after_calibration"] = peak.peak, rss_now()
         rec["hwm_after_calibration"] = max(hwm_start, rec["load_peak_rss"], rec["calibration_peak_rss"])
 
@@ -117,14 +140,14 @@ def _measured_pipeline(ckpt: str, export_dir: str, calib: dict, phase: list[str]
 # ------------------------------------------------------------------------------------ launcher
 
 
-def start(ep: int, ckpt: Path, workdir: Path, calib: dict, timeout: float, threads: int) -> dict:
+def start(ep: int, ckpt: Path, workdir: Path, calib: dict, timeout: float, threads: int, tag: str = "") -> dict:
     """Start ``ep`` worker processes (torchrun-style env); ``finish`` waits for them."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_dir = workdir / f"ep{ep}"
+    run_dir = workdir / f"ep{ep}{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     threads = max(1, threads // ep)

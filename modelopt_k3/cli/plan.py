@@ -4,7 +4,7 @@
                      [--recipe R] [--device cuda|cpu]
 
 Reads ``config.json`` and the safetensors headers (no tensor bytes, no model), prints the table, the
-smallest world size each configuration fits on, and the largest per-rank module. Exits 1 when no
+smallest world size each configuration fits on, and each configuration's largest per-rank module. Exits 1 when no
 configuration fits ``N`` ranks (so a launcher script can stop early), else 0.
 """
 

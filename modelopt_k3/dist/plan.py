@@ -191,7 +191,9 @@ def decide_plan(
         if dense != "replicated":
             raise PlanError(f"dense={dense!r} applies to plan 'expert_parallel' (plan '{kind}' decides it itself)")
         ep_degree = 1
-        impl = local = experts_implementation or default_local_implementation(device)
+        impl = experts_implementation or default_local_implementation(device)
+        # torch_a2a in one process dispatches to itself: the local implementation runs the experts.
+        local = impl if impl != "torch_a2a" else default_local_implementation(device)
         if spec.patches_process_wide and prepared is not None and prepared.ep_size > 1:
             raise PlanError(
                 f"this process already patched model_type {spec.model_type!r} for expert parallelism "
