@@ -183,6 +183,7 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
             f"{'; '.join(needs_calib[:3])}: the calibration-free converter needs a constant input_amax "
             "(or weight-only formats); use hf_ptq to calibrate"
         )
+    table.check_groups_known()
 
     jobs_by_anchor = {job.sources[0]: job for job in plan_modules.values()}
     consumed = {k for job in plan_modules.values() for k in job.sources}

@@ -68,6 +68,7 @@ def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> Quan
     info = model.modelopt_k3
     rules = discover_shared_inputs(spec, info.model_cls, model.config) if spec.probe_model is not None else None
     table = decide(info.source().inventory(), spec, recipe, rules)
+    table.check_groups_known()
     _check_modules_match(model, table, spec)
     plan = QuantPlan(recipe, table)
     for name, d in table.decisions.items():

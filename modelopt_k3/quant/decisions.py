@@ -107,6 +107,18 @@ class DecisionTable:
         """Checkpoint modules ModelOpt gives a quantizer but that stay unquantized (per expert)."""
         return sorted(m for d in self.decisions.values() if not d.quantized for m in d.module_names())
 
+    def check_groups_known(self) -> None:
+        """Refuse a table whose dense NVFP4 Linears may share scales with groups that are unknown."""
+        if self.rules is not None:
+            return
+        need = [n for n, d in self.of_kind("linear").items() if d.quantized and shares_group_scales(d.format)]
+        if need:
+            raise RecipeError(
+                f"recipe {self.recipe.name} gives {len(need)} dense Linear(s) NVFP4 (e.g. {need[0]}); Linears that "
+                "read the same input must share their global scales, and which ones do is read from the checkpoint's "
+                "own modeling code: allow it with trust_remote_code (CLI: --trust_remote_code)"
+            )
+
     def group_input_amax(self, name: str) -> float | None:
         """The constant input amax a module's inputs get: the max over its group (None: calibrated)."""
         d = self.decisions[name]
@@ -208,25 +220,21 @@ def _routers(dense_names: Iterable[str], experts_modules: set[str]) -> set[str]:
 def _shared_groups(
     recipe: Recipe, decisions: dict[str, Decision], rules: tuple[SharedInputRule, ...] | None
 ) -> dict[str, tuple[str, ...]]:
-    quantized = [n for n, d in decisions.items() if d.kind == "linear" and d.quantized]
     if rules is None:
-        need = [n for n in quantized if shares_group_scales(decisions[n].format)]
-        if need:
-            raise RecipeError(
-                f"recipe {recipe.name} gives {len(need)} dense Linear(s) NVFP4 (e.g. {need[0]}); Linears that read "
-                "the same input must share their global scales, and which ones do is read from the checkpoint's own "
-                "modeling code: allow it with trust_remote_code (CLI: --trust_remote_code)"
-            )
         return {}
+    linears = [n for n, d in decisions.items() if d.kind == "linear"]
     groups: dict[str, tuple[str, ...]] = {}
-    for members in apply_rules(rules, quantized):
-        formats = {decisions[m].format for m in members}
+    for readers in apply_rules(rules, linears):  # the structure: every Linear reading the input
+        members = tuple(m for m in readers if decisions[m].quantized)  # only quantized members count
+        if len(members) < 2:
+            continue
+        formats = {decisions[m].format.algo for m in members}  # constant input amaxes may differ: max taken
         if len(formats) > 1:
             raise RecipeError(
                 f"recipe {recipe.name}: {', '.join(members)} read the same input (a serving engine fuses them) and "
-                f"must get one format, got {sorted(map(str, formats))}; give them one format or leave some BF16"
+                f"must get one format, got {sorted(formats)}; give them one format or leave some BF16"
             )
-        if shares_group_scales(formats.pop()):
+        if shares_group_scales(decisions[members[0]].format):
             groups["+".join(members)] = members
     return groups
 
@@ -238,7 +246,7 @@ def decide(
     inventory: Inventory, spec: ModelSpec, recipe: Recipe, rules: tuple[SharedInputRule, ...] | None
 ) -> DecisionTable:
     """The decision table of a checkpoint for ``recipe``. ``rules``: its shared-input rules, or None when
-    they are unknown (refused only if a dense Linear gets a format whose groups share scales)."""
+    they are unknown (``check_groups_known`` then refuses dense Linears whose groups share scales)."""
     dense_parts, expert_parts = _modules(inventory, spec)
     decisions = _expert_decisions(recipe, spec, expert_parts)
     experts_modules = {name.rpartition(".*.")[0] for name in decisions}
