@@ -70,8 +70,11 @@ def test_table_groups_only_quantized_members_and_refuses_mixed_formats(inventory
         {"pattern": "*.self_attn.q_a_proj", "weights": "fp8_pb", "inputs": None}]})
     with pytest.raises(RecipeError, match=r"q_a_proj read the same input .* one format"):
         decide(inventory, SPEC, mixed, rules)
-    # Per-tensor FP8 and block FP8 groups share nothing (ModelOpt skips FP8; block scales stay per block).
+    # Per-tensor FP8 and block FP8 groups share nothing (ModelOpt skips FP8; block scales stay per block),
+    # and a recipe without dense NVFP4 never runs the probe.
     assert decide(inventory, SPEC, load_recipe("presets/fp8"), rules).groups == {}
+    assert decide(inventory, SPEC, load_recipe("presets/fp8"), lambda: pytest.fail("probe ran")).rules is None
+    assert decide(inventory, SPEC, recipe, lambda: rules).groups == table.groups
     # Without the rules, a recipe whose groups would share scales is refused; experts-only is not.
     with pytest.raises(RecipeError, match="trust_remote_code"):
         decide(inventory, SPEC, recipe, None).check_groups_known()

@@ -117,14 +117,19 @@ def _fingerprint(recipe: Recipe, header_digest: str, table: DecisionTable) -> st
 
 
 def _shared_input_rules(src: Path, raw: dict, spec: ModelSpec, trust_remote_code: bool):
-    """The checkpoint's shared-input rules from a probe of its own code, or None without trust_remote_code."""
+    """A provider of the checkpoint's shared-input rules (a probe of its own code, run only when the
+    recipe needs them), or None without trust_remote_code."""
     if not trust_remote_code or spec.probe_model is None:
         return None
-    from ..load import resolve_model_class
 
-    spec.build()
-    model_cls, config = resolve_model_class(src, raw, trust_remote_code=True)
-    return discover_shared_inputs(spec, model_cls, config)
+    def probe():
+        from ..load import resolve_model_class
+
+        spec.build()
+        model_cls, config = resolve_model_class(src, raw, trust_remote_code=True)
+        return discover_shared_inputs(spec, model_cls, config)
+
+    return probe
 
 
 def _expert_jobs(d: Decision, spec: ModelSpec, tensors: dict[str, _SrcTensor]) -> list[_ModuleJob]:

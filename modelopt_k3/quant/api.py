@@ -66,7 +66,8 @@ def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec
 
 def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> QuantPlan:
     info = model.modelopt_k3
-    rules = discover_shared_inputs(spec, info.model_cls, model.config) if spec.probe_model is not None else None
+    # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
+    rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.probe_model else None
     table = decide(info.source().inventory(), spec, recipe, rules)
     table.check_groups_known()
     _check_modules_match(model, table, spec)

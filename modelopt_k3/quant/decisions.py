@@ -26,7 +26,7 @@ no-op for 128x128 block FP8 (one amax per block), so neither shares anything her
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -86,7 +86,7 @@ class DecisionTable:
     decisions: dict[str, Decision]
     # group id (its members joined by "+") -> members sharing weight_scale_2 and input_scale
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    rules: tuple[SharedInputRule, ...] | None = None  # the shared-input rules used (None: not known)
+    rules: tuple[SharedInputRule, ...] | None = None  # the shared-input rules used (None: not needed or not known)
 
     def of_kind(self, kind: Kind) -> dict[str, Decision]:
         return {n: d for n, d in self.decisions.items() if d.kind == kind}
@@ -109,10 +109,8 @@ class DecisionTable:
 
     def check_groups_known(self) -> None:
         """Refuse a table whose dense NVFP4 Linears may share scales with groups that are unknown."""
-        if self.rules is not None:
-            return
         need = [n for n, d in self.of_kind("linear").items() if d.quantized and shares_group_scales(d.format)]
-        if need:
+        if need and self.rules is None:
             raise RecipeError(
                 f"recipe {self.recipe.name} gives {len(need)} dense Linear(s) NVFP4 (e.g. {need[0]}); Linears that "
                 "read the same input must share their global scales, and which ones do is read from the checkpoint's "
@@ -217,6 +215,10 @@ def _routers(dense_names: Iterable[str], experts_modules: set[str]) -> set[str]:
 # --------------------------------------------------------------------------- groups
 
 
+def _needs_groups(decisions: Mapping[str, Decision]) -> bool:
+    return any(d.kind == "linear" and d.quantized and shares_group_scales(d.format) for d in decisions.values())
+
+
 def _shared_groups(
     recipe: Recipe, decisions: dict[str, Decision], rules: tuple[SharedInputRule, ...] | None
 ) -> dict[str, tuple[str, ...]]:
@@ -243,10 +245,15 @@ def _shared_groups(
 
 
 def decide(
-    inventory: Inventory, spec: ModelSpec, recipe: Recipe, rules: tuple[SharedInputRule, ...] | None
+    inventory: Inventory,
+    spec: ModelSpec,
+    recipe: Recipe,
+    rules: tuple[SharedInputRule, ...] | Callable[[], tuple[SharedInputRule, ...] | None] | None,
 ) -> DecisionTable:
-    """The decision table of a checkpoint for ``recipe``. ``rules``: its shared-input rules, or None when
-    they are unknown (``check_groups_known`` then refuses dense Linears whose groups share scales)."""
+    """The decision table of a checkpoint for ``recipe``. ``rules``: its shared-input rules, a callable
+    giving them (called only when a dense Linear gets NVFP4, the only format whose groups share scales,
+    so recipes without one never run the probe), or None when they are unknown
+    (``check_groups_known`` then refuses dense NVFP4 Linears)."""
     dense_parts, expert_parts = _modules(inventory, spec)
     decisions = _expert_decisions(recipe, spec, expert_parts)
     experts_modules = {name.rpartition(".*.")[0] for name in decisions}
@@ -263,6 +270,8 @@ def decide(
         decisions[name] = Decision(name, "router", dense_parts[name]["weight"][1], None, "router")
     recipe.check_against({m: d.shape for d in decisions.values() if d.kind in ("linear", "experts")
                           for m in d.module_names()})
+    if callable(rules):
+        rules = rules() if _needs_groups(decisions) else None
     groups = _shared_groups(recipe, decisions, rules)
     for gid, members in groups.items():
         for m in members:

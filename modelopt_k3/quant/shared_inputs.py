@@ -110,19 +110,32 @@ def apply_rules(rules: Iterable[SharedInputRule], linears: Iterable[str]) -> lis
 _DISCOVERED: dict[tuple[str, str], tuple[SharedInputRule, ...]] = {}
 
 
+class ProbeError(RuntimeError):
+    """The checkpoint's own code could not run the probe forward; the message names why."""
+
+
 def discover_shared_inputs(spec, model_cls: type, config) -> tuple[SharedInputRule, ...]:
     """Rules for a checkpoint, from one probe forward of ``spec.probe_model``'s tiny model.
 
-    Cached per model class and configuration: the probe runs once per process and checkpoint.
-    Routed experts are left out: their sharing rules are the spec's (``shared_scale_groups``).
+    Cached per model class and configuration: the probe runs once per process and checkpoint. It runs
+    on the GPU when there is one (remote code whose kernels need one, as the real Kimi-K3's fla
+    kernels do, cannot run it on a CPU). Routed experts are left out: their sharing rules are the
+    spec's (``shared_scale_groups``).
     """
     key = (f"{model_cls.__module__}.{model_cls.__qualname__}", config.to_json_string(use_diff=False))
     if key not in _DISCOVERED:
         if spec.probe_model is None:
             raise ValueError(f"model_type {spec.model_type!r} has no probe_model: its shared-input groups are unknown")
-        model, prefix = spec.probe_model(model_cls, config)
-        ids = torch.arange(4).remainder(model.config.vocab_size)[None]
-        groups = record_shared_inputs(model, lambda m: m(input_ids=ids, use_cache=False))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, prefix = spec.probe_model(model_cls, config, device)
+        ids = torch.arange(4, device=device).remainder(model.config.vocab_size)[None]
+        try:
+            groups = record_shared_inputs(model, lambda m: m(input_ids=ids, use_cache=False))
+        except Exception as exc:
+            raise ProbeError(
+                f"the shared-input probe could not run a forward of {model_cls.__name__}'s code on {device} "
+                f"(a tiny configuration): {type(exc).__name__}: {exc}"
+            ) from exc
         expert = re.compile(spec.expert_key_regex)
         dense = [g for g in groups if not any(expert.match(f"{prefix}{n}.weight") for n in g)]
         _DISCOVERED[key] = rules_from_groups(dense, prefix)

@@ -73,8 +73,8 @@ def _unpatched_block(model_cls: type):
         setattr(module, BLOCK_CLASS, current)
 
 
-def probe_model(model_cls: type, config: Any) -> tuple[nn.Module, str]:
-    """(tiny text model in fp32 on CPU with small random weights, prefix of its names in the checkpoint)."""
+def probe_model(model_cls: type, config: Any, device: torch.device) -> tuple[nn.Module, str]:
+    """(tiny text model in fp32 on ``device`` with small random weights, prefix of its names in the checkpoint)."""
     text_cls = getattr(sys.modules[model_cls.__module__], TEXT_CLASS)
     with _unpatched_block(model_cls), torch.device("cpu"):
         model = text_cls(tiny_text_config(config)).float().eval()
@@ -82,4 +82,4 @@ def probe_model(model_cls: type, config: Any) -> tuple[nn.Module, str]:
     with torch.no_grad():
         for p in model.parameters():  # the remote _init_weights leaves garbage: routing needs finite values
             p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-    return model, TEXT_PREFIX
+    return model.to(device), TEXT_PREFIX
