@@ -108,3 +108,27 @@ def test_quantize_refuses_a_group_with_two_formats(tiny_ckpt) -> None:
         {"pattern": "*.self_attn.k_proj", "weights": "fp8", "inputs": "fp8"}]}, name="split_kda")
     with pytest.raises(RecipeError, match=r"k_proj.* read the same input"):
         quantize(model, recipe, verbose=False)
+
+
+def test_probe_that_cannot_run_is_named() -> None:
+    """Remote code whose forward fails on this machine (the real Kimi-K3 needs fla's GPU kernels): the
+    error names the class and the cause."""
+    import dataclasses
+
+    import torch
+
+    from modelopt_k3.quant.shared_inputs import ProbeError
+
+    class Broken(torch.nn.Module):
+        config = type("C", (), {"vocab_size": 8})()
+
+        def forward(self, input_ids, use_cache):
+            raise RuntimeError("Triton is required")
+
+    class Config:
+        def to_json_string(self, use_diff):
+            return '{"broken": true}'
+
+    spec = dataclasses.replace(SPEC, probe_model=lambda cls, config, device: (Broken(), ""))
+    with pytest.raises(ProbeError, match=r"Broken's code .* RuntimeError: Triton is required"):
+        discover_shared_inputs(spec, Broken, Config())
