@@ -46,6 +46,7 @@ class LoadInfo:
     checkpoint: Path
     spec: ModelSpec
     plan: DistributionPlan
+    model_cls: type | None = None  # the checkpoint's own class (before any FSDP2 wrapping)
     source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
     bytes_read: int = 0
@@ -367,7 +368,7 @@ def load_pretrained(
         shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
     set_experts_implementation(model, spec, the_plan)
     model.to_empty(device=the_plan.device)
-    info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)
+    info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan, model_cls=model_cls)
     def read_own_tensors() -> None:
         with reader:
             experts = spec.experts_modules(model)

@@ -98,6 +98,9 @@ class ModelSpec:
     # activation model of one calibration forward (``ActivationModel`` from text config, batch, seq, dtype bytes).
     fsdp_unit_key_regex: str | None = None
     activation_memory: Callable[..., Any] | None = None
+    # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
+    # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
+    probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None
 
     def check_transformers(self) -> None:
         import transformers
