@@ -13,8 +13,9 @@ after imports, after load, after calibration and after export, and the peak (ker
 at each phase start) during load, calibration and export; wall time of each phase.
 
 Goals (issue 4): expert bytes read and expert memory per rank scale as 1/EP (checked as
-``EP1 bytes / (EP x largest rank's bytes) >= 1``); export peak memory no higher than after
-calibration (each rank's export peak over its high-water mark at the end of calibration, <= 1).
+``EP1 bytes / (EP x largest rank's bytes) >= 1``). Export peak memory over the high-water mark at the
+end of calibration is reported at this size, and (issue 12) checked <= 1.05 on a larger checkpoint whose
+every rank writes more than the shard writer keeps in memory (``_export_peak_past_spill``).
 Wall times at EP > 1 share 2 cores between the ranks: they show overheads, not speed-ups.
 """
 
@@ -36,6 +37,9 @@ from .common import Figure, PeakRSS, _status_kib, rss_now, tiny_checkpoint
 AREA = "ep"
 REPO = Path(__file__).resolve().parent.parent
 CALIB = {"sequences": 16, "seq_len": 64, "batch_size": 4}
+PAST_SPILL_SIZES = {"num_experts": 128, "moe_intermediate_size": 1024, "routed_expert_hidden_size": 1024,
+                    "num_hidden_layers": 6}
+PAST_SPILL_CALIB = {"sequences": 8, "seq_len": 32, "batch_size": 4}
 QUICK_CALIB = {"sequences": 4, "seq_len": 16, "batch_size": 2}
 
 
@@ -266,7 +270,9 @@ def run(ctx):
             ours={"label": "export peak RSS", "value": r["export_peak_rss"] / 2**20, "unit": "MiB"},
             reference={"label": "RSS high-water mark at the end of calibration",
                        "value": r["hwm_after_calibration"] / 2**20, "unit": "MiB"},
-            ratio=ratios[worst], target=1.0, target_text="<= 1", unit="MiB", higher_is_better=False,
+            ratio=ratios[worst], target=None,
+            target_text="report (was <= 1; the target is now measured past the writer's spill limit)",
+            unit="MiB", higher_is_better=False,
             details={"per_rank_ratio": ratios,
                      "export_peak_minus_rss_after_calibration_mib": [
                          (x["export_peak_rss"] - x["rss_after_calibration"]) / 2**20 for x in recs],
@@ -284,7 +290,50 @@ def run(ctx):
         ))
     extra = {"checkpoint": str(ckpt), "sizes": sizes, "calibration": calib, "per_rank": by_ep,
              "markdown": _markdown(by_ep, sizes, calib)}
+    if not ctx.quick:
+        past, records = _export_peak_past_spill(ctx)
+        figures += past
+        extra["past_spill_limit"] = records
     return figures, extra
+
+
+def _export_peak_past_spill(ctx) -> tuple[list[Figure], dict]:
+    """Export peak vs the peak after calibration where every rank writes more than the writer keeps in memory
+    (its spill limit): 128 experts of 1024x1024 in 5 MoE layers, ~1 GiB of NVFP4 experts in all, so even at
+    EP 4 a rank writes ~270 MiB > 256 MiB. Experts are packed (``--experts packed``): bf16 would hold
+    3.75 GiB of experts at EP 1, more than this shared machine spares."""
+    from modelopt_k3.export.writer import DEFAULT_SPILL_BYTES
+
+    ckpt = tiny_checkpoint(ctx.workdir, ctx.log, **PAST_SPILL_SIZES)
+    figures, records = [], {}
+    for ep in (1, 2, 4):
+        run = start(ep, ckpt, ctx.workdir, {**PAST_SPILL_CALIB, "experts": "packed"}, timeout=900,
+                    threads=ctx.threads, tag="-past-spill")
+        recs = finish(run)
+        ctx.log(f"ep {ep} past the spill limit: {time.perf_counter() - run['started']:.1f}s")
+        records[ep] = recs
+        ratios = [r["export_peak_rss"] / r["hwm_after_calibration"] for r in recs]
+        worst = max(range(len(recs)), key=lambda i: ratios[i])
+        r = recs[worst]
+        per_rank_output = r["export_total_bytes"] / ep  # the experts are ~99% of it, split evenly
+        figures.append(Figure(
+            name=f"ep_export_peak_past_spill/ep{ep}", area=AREA,
+            title=f"EP {ep}: export peak RSS vs peak after calibration, per-rank output past the spill limit",
+            ours={"label": "export peak RSS", "value": r["export_peak_rss"] / 2**20, "unit": "MiB"},
+            reference={"label": "RSS high-water mark at the end of calibration",
+                       "value": r["hwm_after_calibration"] / 2**20, "unit": "MiB"},
+            # A run whose ranks write less than the spill limit does not measure what this figure is about.
+            ratio=ratios[worst] if per_rank_output > DEFAULT_SPILL_BYTES else float("inf"),
+            target=1.05, target_text="<= 1.05", unit="MiB", higher_is_better=False,
+            details={"per_rank_ratio": ratios, "per_rank_output_mib": per_rank_output / 2**20,
+                     "spill_limit_mib": DEFAULT_SPILL_BYTES / 2**20,
+                     "export_peak_minus_rss_after_calibration_mib": [
+                         (x["export_peak_rss"] - x["rss_after_calibration"]) / 2**20 for x in recs],
+                     "bound": "export adds the writer's in-memory shard (up to its 256 MiB spill limit) and a "
+                              "16-expert cast to what the rank holds; the packed decode workspace is released "
+                              "first (export never runs the experts)"},
+        ))
+    return figures, records
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from .bench_ep import finish, start
-from .common import Figure, time_interleaved, tiny_checkpoint
+from .common import Figure, summary, time_interleaved, tiny_checkpoint
 
 AREA = "memory"
 SIZES = {"num_experts": 64, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "num_hidden_layers": 8}
@@ -94,8 +94,8 @@ def _run_figures(runs: dict, degrees: tuple[int, ...]) -> list[Figure]:
         decode = max(r["calibration_decode_s"] for r in packed)
         figures.append(Figure(
             name=f"packed_calibration_time/ep{ep}", area=AREA, title=f"EP {ep}: calibration wall time, packed / bf16",
-            ours={"label": "packed experts (decode per layer inside each forward)", "median": t_p},
-            reference={"label": "bf16 experts", "median": t_b},
+            ours={"label": "packed experts (decode per layer inside each forward)", **summary([t_p])},
+            reference={"label": "bf16 experts", **summary([t_b])},
             ratio=t_p / t_b, target=2.0, target_text="<= 2", higher_is_better=False,
             details={"decode_share_of_packed_calibration": decode / t_p if t_p else None,
                      "decode_s": decode, "decodes": max(r["decodes"] for r in packed)},
@@ -169,9 +169,8 @@ def _workspace_figure(ctx) -> Figure:
     return Figure(
         name="decode_workspace", area=AREA, title=f"packed decode into the workspace vs mxfp4_decode, {n} experts "
                                                   f"{2 * inter}x{hidden} + {hidden}x{inter}",
-        ours={"label": "PackedExperts decode into the shared workspace (both fused params)",
-              "median": statistics.median(times["ours"])},
-        reference={"label": "mxfp4_decode of the same bytes, allocating", "median": statistics.median(times["ref"])},
+        ours={"label": "PackedExperts decode into the shared workspace (both fused params)", **summary(times["ours"])},
+        reference={"label": "mxfp4_decode of the same bytes, allocating", **summary(times["ref"])},
         ratio=statistics.median(times["ref"]) / statistics.median(times["ours"]), ratio_range=(min(paired), max(paired)),
         target=1 / 1.3, target_text=">= 1/1.3 (within 1.3x)",
         details={"decoded_bytes": decoded, "ours_gbps": decoded / statistics.median(times["ours"]) / 1e9},

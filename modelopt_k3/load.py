@@ -28,7 +28,7 @@ from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
 from .dist.plan import DistributionPlan, decide_plan
-from .models.conversion import decode_op, run_converter, run_converter_fields
+from .models.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
 from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
 
@@ -170,18 +170,37 @@ def _fill_experts(
                 ids = local[start : start + EXPERTS_PER_READ]
                 tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
                 consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
+                if not is_packed(module) and decodes_after_layout(conv):
+                    _decode_into(conv, run_converter_fields(conv, tensors), destinations[None][start : start + len(ids)],
+                                 target)
+                    continue
                 converted = run_converter_fields(conv, tensors) if is_packed(module) else {None: run_converter(conv, tensors)}
                 for kind, value in converted.items():
                     rows = destinations[kind][start : start + len(ids)]
-                    if value.shape != rows.shape:
-                        raise LoadError(
-                            f"{target}: converted shape {list(value.shape)} != parameter rows {list(rows.shape)}"
-                        )
+                    _check_rows(target, value.shape, rows)
                     with torch.no_grad():
                         rows.copy_(value.to(rows.dtype))
             filled.add(target)
             progress.update(1)
     return consumed | foreign, filled
+
+
+def _check_rows(target: str, shape, rows: torch.Tensor) -> None:
+    if tuple(shape) != tuple(rows.shape):
+        raise LoadError(f"{target}: converted shape {list(shape)} != parameter rows {list(rows.shape)}")
+
+
+@torch.no_grad()
+def _decode_into(conv, fields: dict[str, torch.Tensor], rows: torch.Tensor, target: str) -> None:
+    """Decode a chain's rearranged (codes, scales) straight into parameter ``rows``: the chain's result
+    with no decoded intermediate (``decodes_after_layout``)."""
+    op = decode_op(conv)
+    codes, scales = fields[op.codes_field], fields[op.scales_field]
+    _check_rows(target, (*codes.shape[:-1], codes.shape[-1] * 2), rows)
+    if rows.is_contiguous():
+        op.decode(codes, scales, rows.dtype, out=rows)
+    else:
+        rows.copy_(op.decode(codes, scales, rows.dtype))
 
 
 def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -24,11 +25,10 @@ from ..numerics.mxfp4 import mxfp4_decode
 from .plan import _ModuleJob, _Out, _Plan
 from .report import ConvertStats
 from .source import _SourceFiles, _SrcTensor
-from .state import RECORD_VERSION, _record_path, _sha256, _write_json_atomic
+from .state import RECORD_VERSION, ShardDigest, _record_path, _write_json_atomic
 
 _ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 _COPY_CHUNK = 64 * 2**20
-_HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 
 
 class _ShardConverter:
@@ -137,9 +137,10 @@ def _write_shard(
     plan: _Plan, file: str, dst: Path, reader: _SourceFiles, pool: ThreadPoolExecutor | None,
     on_item: Callable[[], None],
 ) -> tuple[Path, dict]:
-    """Write source shard ``file`` into ``dst/.<file>.partial``; return it and its record (no sha256 yet).
+    """Write source shard ``file`` into ``dst/.<file>.partial``; return it and its record.
 
-    Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges.
+    Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges and adds their
+    sha256 to the shard's digest (``ShardDigest``), so the file is never read back to be hashed.
     """
     stats = ConvertStats(shards=1, bytes_in=plan.sizes[file])
     outputs: list[_Out] = []
@@ -156,9 +157,11 @@ def _write_shard(
     converter = _ShardConverter(plan, reader)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
+    digest = ShardDigest()
+
     def run(job: str | _ModuleJob) -> ConvertStats:
         if isinstance(job, str):
-            _copy_range(reader, plan.tensors[job], fd, offsets[job])
+            digest.add(offsets[job], job, _copy_range(reader, plan.tensors[job], fd, offsets[job]))
             done = ConvertStats()
             done.tensors["copied"] += 1
             return done
@@ -169,11 +172,14 @@ def _write_shard(
                 raise AssertionError(
                     f"{name}: produced {tensor.dtype} {list(tensor.shape)}, planned {want.dtype} {list(want.shape)}"
                 )
-            _pwrite_all(fd, _tensor_bytes(tensor), offsets[name])
+            data = _tensor_bytes(tensor)
+            digest.add(offsets[name], name, hashlib.sha256(data).digest())
+            _pwrite_all(fd, data, offsets[name])
         return done
 
     try:
         _pwrite_all(fd, header, 0)
+        digest.add(0, "", hashlib.sha256(header).digest())
         os.ftruncate(fd, total)
         if pool is None:
             for job in plan.jobs[file]:
@@ -197,7 +203,7 @@ def _write_shard(
         "version": RECORD_VERSION,
         "fingerprint": plan.fingerprint,
         "source": {"file": file, "size": plan.sizes[file]},
-        "output": {"file": file, "size": total, "sha256": None},
+        "output": {"file": file, "size": total, "digest": digest.hexdigest()},
         "tensors": sorted(expected),
         "tensor_bytes": sum(o.nbytes for o in outputs),
         "stats": stats.to_dict(),
@@ -206,14 +212,14 @@ def _write_shard(
 
 
 def _finish_shard(tmp: Path, dst: Path, record: dict) -> dict:
-    """fsync and hash the written shard, rename it into place, then save its completion record."""
+    """fsync the written shard, rename it into place, then save its completion record (its digest was
+    taken while writing)."""
     file = record["output"]["file"]
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    record["output"]["sha256"] = _sha256(tmp)
     os.replace(tmp, dst / file)
     dir_fd = os.open(dst, os.O_RDONLY)
     try:
@@ -224,26 +230,19 @@ def _finish_shard(tmp: Path, dst: Path, record: dict) -> dict:
     return record
 
 
-def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> None:
-    """Copy one tensor's bytes: in the kernel (``copy_file_range``) where it can, else pread/pwrite."""
+def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> bytes:
+    """Copy one tensor's bytes in 64 MiB chunks through one buffer, hashing them on the way; returns
+    their sha256 (the shard digest needs it, and hashing here spares reading the output back)."""
     src_fd = reader.fd(t.file)
+    h = hashlib.sha256()
+    buf = bytearray(min(_COPY_CHUNK, max(t.nbytes, 1)))
+    view = memoryview(buf)
     done = 0
-    if _HAS_COPY_FILE_RANGE:
-        try:
-            while done < t.nbytes:
-                n = os.copy_file_range(src_fd, out_fd, t.nbytes - done, t.offset + done, out_offset + done)
-                if n == 0:
-                    raise CheckpointError(
-                        f"{reader.src / t.file} is truncated: read stopped at byte {t.offset + done}"
-                    )
-                done += n
-            return
-        except OSError:  # EXDEV, ENOSYS, EINVAL on some filesystems: finish with plain reads
-            pass
     while done < t.nbytes:
-        n = min(_COPY_CHUNK, t.nbytes - done)
-        chunk = os.pread(src_fd, n, t.offset + done)
-        if not chunk:
+        n = os.preadv(src_fd, [view[: min(len(buf), t.nbytes - done)]], t.offset + done)
+        if n == 0:
             raise CheckpointError(f"{reader.src / t.file} is truncated: read stopped at byte {t.offset + done}")
-        _pwrite_all(out_fd, chunk, out_offset + done)
-        done += len(chunk)
+        h.update(view[:n])
+        _pwrite_all(out_fd, view[:n], out_offset + done)
+        done += n
+    return h.digest()

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import struct
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +30,8 @@ if TYPE_CHECKING:
 STATE_DIR = ".modelopt_k3_convert"
 COMPLETE_MARKER = ".modelopt_k3_complete"
 JOB_FILE = "job.json"
-RECORD_VERSION = 1
+# 2: the output digest is computed from the bytes as they are written (``ShardDigest``), not read back.
+RECORD_VERSION = 2
 # Written by finalize (or never copied): everything else in the source directory that is not a
 # safetensors shard (remote code, tokenizer, generation config) is copied as it is.
 _NOT_SIDE_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
@@ -54,14 +57,54 @@ def _record_path(dst: Path, file: str) -> Path:
     return dst / STATE_DIR / "shards" / f"{file}.json"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+class ShardDigest:
+    """The digest of a shard written out of order, from the bytes as they are written.
+
+    The shard is cut into its segments, the header and then every tensor's byte range (sorted by offset,
+    then name); the digest is sha256 over each segment's sha256, in that order. Writers add segments
+    from any thread in any order; nothing is read back. ``file_digest`` computes the same from a file.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, str, bytes]] = []
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, name: str, digest: bytes) -> None:
+        with self._lock:
+            self._parts.append((offset, name, digest))
+
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for _, _, digest in sorted(self._parts):
+            h.update(digest)
+        return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """``ShardDigest`` of a safetensors file on disk (used to verify a completed shard on resume)."""
+    digest = ShardDigest()
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+        (length,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(length)
+        digest.add(0, "", hashlib.sha256(struct.pack("<Q", length) + raw).digest())
+        start = 8 + length
+        for name, meta in json.loads(raw).items():
+            if name == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            h = hashlib.sha256()
+            f.seek(start + begin)
+            left = end - begin
+            while left:
+                n = f.readinto(view[: min(left, _HASH_CHUNK)])
+                if not n:
+                    return ""  # truncated: matches no record
+                h.update(view[:n])
+                left -= n
+            digest.add(start + begin, name, h.digest())
+    return digest.hexdigest()
 
 
 def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -> dict | None:
@@ -79,7 +122,7 @@ def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -
             return None
     except FileNotFoundError:
         return None
-    if verify_hash and _sha256(out) != rec["output"]["sha256"]:
+    if verify_hash and file_digest(out) != rec["output"]["digest"]:
         return None
     return rec
 

@@ -26,7 +26,7 @@ from ..checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
-from ..models.packed_experts import expert_weight_rows
+from ..models.packed_experts import expert_weight_rows, release_decode_workspaces
 from ..quant.modules import ExpertsQuantState
 from . import compressed_tensors_format as ct_format
 from .modelopt_format import (
@@ -167,6 +167,7 @@ def export_checkpoint(
     export_dir = Path(export_dir)
     modules = dict(model.named_modules())
     experts_modules = spec.experts_modules(model)
+    release_decode_workspaces(experts_modules.values())  # export never runs the experts: give it back first
     kv_scales = _kv_scales(model)
 
     with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:

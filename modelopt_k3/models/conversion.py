@@ -15,18 +15,34 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter
 
 
 class DecodeOp(ConversionOps):
     """A conversion op that decodes a block-scaled source format.
 
     ``codes_field`` / ``scales_field``: the checkpoint tensor suffixes of the packed codes and their
-    block scales (source patterns end with them).
+    block scales (source patterns end with them). ``decode`` turns (codes, scales) of any leading shape
+    into values, optionally into ``out``.
     """
 
     codes_field: str
     scales_field: str
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
+        raise NotImplementedError
+
+
+def decodes_after_layout(converter: WeightConverter) -> bool:
+    """True when the chain is a decode followed only by stacking and concatenation.
+
+    Those move whole rows (and, along the last dim, whole 32-element blocks with their scales), and the
+    decode maps every block on its own, so decoding the rearranged codes and scales gives exactly the
+    chain's result: the loader then decodes straight into the parameter, with no decoded intermediate.
+    """
+    op = decode_op(converter)
+    rest = converter.operations[1:]
+    return op is not None and converter.operations[0] is op and all(isinstance(o, (MergeModulelist, Concatenate)) for o in rest)
 
 
 def run_converter(converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]]) -> torch.Tensor:

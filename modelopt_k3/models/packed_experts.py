@@ -183,6 +183,12 @@ def to_packed(module: nn.Module, spec: ModelSpec, workspace: DecodeWorkspace) ->
     module.weight_transforms = {}
 
 
+def release_decode_workspaces(modules) -> None:
+    """Free the decode workspaces of these experts modules (the next forward allocates them again)."""
+    for workspace in {id(m.workspace): m.workspace for m in modules if is_packed(m)}.values():
+        workspace.release()
+
+
 def experts_device(module: nn.Module, spec: ModelSpec | None = None) -> torch.device:
     """Where a fused experts module's weights live (packed: its codes; else the spec's first fused param)."""
     if is_packed(module):

@@ -43,6 +43,9 @@ class Mxfp4Decompress(DecodeOp):
 
     codes_field, scales_field = PACKED_SUFFIX, SCALE_SUFFIX
 
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
+        return mxfp4_decode(codes, scales, dtype, out=out)
+
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         self.dtype = dtype
 
