@@ -353,8 +353,10 @@ def load_pretrained(
     model_cls, config = resolve_model_class(path, raw, trust_remote_code)
     text = getattr(config, "text_config", config)
     group = current_group()
+    dtype = dtype or _config_dtype(config)
     the_plan = decide_plan(
         plan,
+        dtype=dtype,
         spec=spec,
         num_experts=getattr(text, spec.num_experts_attr),
         rank=group.rank,
@@ -372,7 +374,6 @@ def load_pretrained(
         init_expert_groups(the_plan.world_size, the_plan.ep_degree, the_plan.rank)
     spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation))
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
-    dtype = dtype or _config_dtype(config)
     packed_source = any(decode_op(c) is not None for c in converters)
     the_plan = _decide_residency(experts, packed_source=packed_source, plan=the_plan, path=path, dtype=dtype,
                                  decode_chunk=decode_chunk)

@@ -217,8 +217,11 @@ def test_plan_decides_the_local_implementation(monkeypatch):
     cpu = decide_plan("expert_parallel", device=torch.device("cpu"), **kw)
     assert (cpu.experts_implementation, cpu.local_experts_implementation) == ("torch_a2a", "eager")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    gpu = decide_plan("expert_parallel", device=torch.device("cuda", 0), **kw)
+    gpu = decide_plan("expert_parallel", device=torch.device("cuda", 0), dtype=torch.bfloat16, **kw)
     assert gpu.local_experts_implementation == "grouped_mm"
+    # torch's grouped_mm kernel takes bf16 only: an fp32 load runs eager on the owner.
+    fp32 = decide_plan("expert_parallel", device=torch.device("cuda", 0), dtype=torch.float32, **kw)
+    assert fp32.local_experts_implementation == "eager"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert decide_plan("expert_parallel", device=torch.device("cuda", 0), **kw).local_experts_implementation == "eager"
     named = decide_plan("expert_parallel", device=torch.device("cpu"), experts_implementation="batched_mm", **kw)

@@ -95,15 +95,16 @@ class DistributionPlan:
         return dataclasses.replace(self, experts_residency=residency, decode_chunk=decode_chunk)
 
 
-def default_local_implementation(device: torch.device) -> str:
+def default_local_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
     """The implementation that runs a rank's own experts when the user names none.
 
-    grouped_mm on CUDA where transformers would use the kernel (compute capability >= 8.0 with
-    ``torch.nn.functional.grouped_mm``; transformers integrations/moe.py ``_can_use_grouped_mm``), else
-    eager. Never batched_mm: it gathers one weight matrix per (token, expert) pair, a calibration
-    batch's worth of expert matrices. On CPU grouped_mm runs a per-group loop, no faster than eager.
+    grouped_mm for bf16 weights on CUDA where transformers would use the kernel (compute capability
+    >= 8.0 with ``torch.nn.functional.grouped_mm``; transformers integrations/moe.py
+    ``_can_use_grouped_mm``; the kernel takes bf16 only, per torch's ``grouped_mm`` docs), else eager.
+    Never batched_mm: it gathers one weight matrix per (token, expert) pair, a calibration batch's worth
+    of expert matrices. On CPU grouped_mm runs a per-group loop, no faster than eager.
     """
-    if device.type == "cuda" and hasattr(torch.nn.functional, "grouped_mm"):
+    if device.type == "cuda" and hasattr(torch.nn.functional, "grouped_mm") and dtype in (None, torch.bfloat16):
         if torch.cuda.get_device_capability(device) >= (8, 0):
             return "grouped_mm"
     return "eager"
@@ -151,6 +152,7 @@ def decide_plan(
     experts_implementation: str | None = None,
     prepared: ExpertPlacement | None = None,
     dense: str = "replicated",
+    dtype: torch.dtype | None = None,
 ) -> DistributionPlan:
     if requested not in PLAN_KINDS:
         raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
@@ -181,7 +183,7 @@ def decide_plan(
         impl = "torch_a2a"
         # A named implementation runs the owner's experts; torch_a2a dispatches to them.
         local = experts_implementation if experts_implementation not in (None, impl) else None
-        local = local or default_local_implementation(device)
+        local = local or default_local_implementation(device, dtype)
         if dense == "fsdp2" and ep_degree != world_size:
             raise PlanError(
                 f"an FSDP2-sharded dense part shards over all {world_size} ranks; with replicated expert groups "
@@ -191,9 +193,9 @@ def decide_plan(
         if dense != "replicated":
             raise PlanError(f"dense={dense!r} applies to plan 'expert_parallel' (plan '{kind}' decides it itself)")
         ep_degree = 1
-        impl = experts_implementation or default_local_implementation(device)
+        impl = experts_implementation or default_local_implementation(device, dtype)
         # torch_a2a in one process dispatches to itself: the local implementation runs the experts.
-        local = impl if impl != "torch_a2a" else default_local_implementation(device)
+        local = impl if impl != "torch_a2a" else default_local_implementation(device, dtype)
         if spec.patches_process_wide and prepared is not None and prepared.ep_size > 1:
             raise PlanError(
                 f"this process already patched model_type {spec.model_type!r} for expert parallelism "

@@ -74,6 +74,9 @@ def check_logits(ckpt: Path, results: dict) -> None:
         assert next(models["bf16"].parameters()).device.type == DEVICE.type
         limit = 1e-5 if dtype == torch.float32 else 2e-2
         for impl in IMPLEMENTATIONS:
+            if impl == "grouped_mm" and DEVICE.type == "cuda" and dtype != torch.bfloat16:
+                results[f"logits_{name}_{impl}"] = "skipped: torch's grouped_mm kernel takes bf16 only"
+                continue
             for m in models.values():
                 m.config.text_config._experts_implementation = impl
             with torch.no_grad():
@@ -120,7 +123,7 @@ def _check_owner_implementation(ckpt: Path, ids, dtype, want, limit: float, resu
             ALL_EXPERTS_FUNCTIONS[impl] = real
     results[f"owner_local_implementation_{name}"] = local
     results[f"owner_calls_{name}"] = calls
-    want_impl = "grouped_mm" if DEVICE.type == "cuda" else "eager"
+    want_impl = "grouped_mm" if DEVICE.type == "cuda" and dtype == torch.bfloat16 else "eager"
     assert local == want_impl, f"the plan chose {local} for the owner, expected {want_impl}"
     assert calls.get("grouped_mm", 0) > 0 if want_impl == "grouped_mm" else not calls, calls
     rel = ((got - want).abs().max() / want.abs().max()).item()
