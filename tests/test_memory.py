@@ -99,6 +99,18 @@ def test_full_size_kimi_k3_fits_16_gpus_with_packed_experts_and_fsdp2_dense(full
     assert smallest_world(layout, "expert_parallel", "fsdp2", "bf16", shape, recipe, 141) > 16
 
 
+def test_planner_picks_a_decode_chunk_when_a_layer_does_not_fit(tiny_ckpt: Path) -> None:
+    layout, shape = read_layout(tiny_ckpt), RunShape(batch_size=2, calib_seq=32, device="cpu")
+    cfg = Configuration("whole", "replicated", "packed", 1)
+    layer, one = estimate(layout, cfg, shape), estimate(layout, cfg, shape, decode_chunk=1)
+    assert layer.decode_chunk is None and one.decode_chunk == 1 and one.workspace * 8 == layer.workspace
+    # A budget the whole layer misses at calibration (the stage the workspace lives in) and one expert meets.
+    budget = (layer.stages["calibration"] + one.stages["calibration"]) // 2
+    chosen = estimate(layout, cfg, shape, budget=budget)
+    assert chosen.decode_chunk is not None and 1 <= chosen.decode_chunk < 8
+    assert chosen.stages["calibration"] <= budget < layer.stages["calibration"]
+
+
 def test_check_fits_resolves_auto_and_refuses_with_numbers(tiny_ckpt: Path) -> None:
     kw = dict(plan="whole", world_size=1, batch_size=2, calib_seq=32, device="cpu")
     fits = {r: check_fits(tiny_ckpt, experts=r, **kw).peak for r in ("bf16", "packed")}

@@ -166,3 +166,18 @@ def test_residency_refusals(tiny_ckpt: Path) -> None:
                              decode_chunk=None).experts_residency == "bf16"
     with pytest.raises(PlanError, match="decode_chunk"):
         plan.with_residency("bf16", decode_chunk=4)
+
+
+def test_auto_is_packed_when_bf16_does_not_fit(tiny_ckpt: Path, monkeypatch) -> None:
+    """load_pretrained(experts="auto") asks the planner: a device between the two peaks gets packed."""
+    from modelopt_k3.load import _decide_residency
+    from modelopt_k3.memory import planner
+
+    plan = decide_plan("whole", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=1, device=torch.device("cpu"))
+    layout, shape = planner.read_layout(tiny_ckpt), planner.RunShape(device="cpu", dtype=torch.bfloat16)
+    peaks = {r: planner.estimate(layout, planner.Configuration("whole", "replicated", r, 1), shape).peak
+             for r in ("bf16", "packed")}
+    monkeypatch.setattr(planner, "device_budget", lambda *a: (peaks["bf16"] + peaks["packed"]) // 2)
+    chosen = _decide_residency("auto", packed_source=True, plan=plan, path=tiny_ckpt, dtype=torch.bfloat16,
+                               decode_chunk=None)
+    assert chosen.experts_residency == "packed" and chosen.decode_chunk is None  # a whole layer fits

@@ -364,7 +364,7 @@ def estimate(
     est.decode_chunk = chunk if (chunk is not None and chunk < e_local) else None
     if act:
         est.stages["calibration"] = forward
-    est.stages["export"] = base + est.workspace + est.export
+    est.stages["export"] = base + est.export  # export releases the decode workspace first
     return est
 
 
