@@ -52,8 +52,9 @@ __all__ = [
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-# Buffered bytes above which a shard's tensors go to its spill file (bounds export memory).
-DEFAULT_SPILL_BYTES = 256 * 2**20
+# Buffered bytes above which a shard's tensors go to its spill file (bounds export memory: what export
+# adds to a rank's peak after calibration; 64 MiB keeps it within 5% there, benchmarks/bench_ep.py).
+DEFAULT_SPILL_BYTES = 64 * 2**20
 _ST_DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..export.writer import DEFAULT_SPILL_BYTES
 from ..recipe import Recipe, load_recipe
 from .activations import ActivationModel
 from .layout import CheckpointLayout, ExpertGroup, TensorMeta, read_layout
@@ -44,7 +45,6 @@ HOST_RUNTIME_BYTES = int(0.5 * GiB)
 DEVICE_RUNTIME_BYTES = int(1.5 * GiB)
 EXPERTS_PER_READ = 16  # load.py: experts converted at a time
 EXPERTS_PER_CAST = 16  # export/model_export.py: experts cast at a time
-WRITER_SPILL_BYTES = 256 * 2**20  # export/writer.py DEFAULT_SPILL_BYTES
 F32 = 4
 PLANS: tuple[tuple[str, str], ...] = (
     ("whole", "replicated"),
@@ -320,7 +320,7 @@ def estimate(
     # This rank's output: its experts (NVFP4 is 4.5 bits a weight against MXFP4's 4.25) and its share of the rest.
     output = sum(local_e[g.module] * g.stored_bytes_per_expert for g in layout.experts) * 18 // 17
     output += sum(t.nbytes for t in layout.dense) // world
-    est.export = min(WRITER_SPILL_BYTES, output) + largest_tensor + max(cast, dense_q)
+    est.export = min(DEFAULT_SPILL_BYTES, output) + largest_tensor + max(cast, dense_q)
 
     # Load: 16 experts converted at a time (bf16: decoded twice, stacked and concatenated), or the
     # largest dense tensor read and cast.
