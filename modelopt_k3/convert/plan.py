@@ -13,13 +13,14 @@ from typing import NamedTuple
 import torch
 
 from .. import __version__
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, read_config
 from ..export.modelopt_format import (
     linear_layout,
 )
 from ..models.spec import ModelSpec, get_spec
 from ..numerics.constants import MXFP4_BLOCK
 from ..recipe import QuantFormat, Recipe, RecipeError
+from ..source_check import SourceLayout, check_experts
 from .source import _scan_source, _SrcTensor
 from .state import RECORD_VERSION
 
@@ -66,6 +67,7 @@ class _Plan:
     left_bf16: dict[str, str]
     dtype: torch.dtype
     fingerprint: str
+    source: SourceLayout  # what the shared source check found (load_pretrained runs the same one)
 
 
 def _model_dtype(raw: dict) -> torch.dtype:
@@ -138,13 +140,9 @@ def _fingerprint(recipe: Recipe, header_digest: str) -> str:
 def _build_plan(src: Path, recipe: Recipe) -> _Plan:
     files, tensors, sizes, header_digest = _scan_source(src)
     config_path = src / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{src} has no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+    raw = read_config(src)
     spec = get_spec(raw.get("model_type", ""))
+    source = check_experts(tensors, raw, spec)  # every routed expert the config asks for, as load_pretrained
     expert_re = re.compile(spec.expert_key_regex)
     dtype = _model_dtype(raw)
     if recipe.kv_cache is not None:
@@ -265,4 +263,5 @@ def _build_plan(src: Path, recipe: Recipe) -> _Plan:
         left_bf16=left_bf16,
         dtype=dtype,
         fingerprint=_fingerprint(recipe, header_digest),
+        source=source,
     )
