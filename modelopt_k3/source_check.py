@@ -90,12 +90,16 @@ def _want(kind: str, out_f: int, in_f: int) -> tuple[torch.dtype | None, tuple[i
 
 
 def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> SourceLayout:
-    """Check every routed-expert tensor the config asks for against the checkpoint's headers."""
-    layouts: dict[str, ExpertsLayout] = {}
-    if spec.expert_layout is not None:
-        layouts = {layout.module: layout for layout in spec.expert_layout(config)}
+    """Check every routed-expert tensor the config asks for against the checkpoint's headers.
+
+    A spec without ``expert_layout`` gets no check (only packedness is read off the names).
+    """
     key_re = re.compile(spec.expert_key_regex)
     expert_keys = {key for key in tensors if key_re.match(key)}
+    if spec.expert_layout is None:
+        packed = any(key_re.match(k)["tensor"] in (PACKED, SCALE) for k in expert_keys)
+        return SourceLayout(packed_experts=packed, expert_keys=frozenset(expert_keys))
+    layouts = {layout.module: layout for layout in spec.expert_layout(config)}
     unexpected: list[str] = []
     kinds: set[str] = set()
     stored: dict[str, set[int]] = {}

@@ -253,10 +253,16 @@ def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: in
     """Copy one tensor's bytes; return what in them is not a number (None: all are).
 
     Floating tensors pass through this process in chunks, each checked as it goes by (``nonfinite_count``
-    on bytes already in memory); other tensors move in the kernel (``copy_file_range``) where it can.
+    on bytes already in memory); other tensors cannot hold NaN and move in the kernel where it can.
     """
     if t.dtype.is_floating_point:
         return _copy_checked(reader, t, out_fd, out_offset)
+    _copy_unchecked(reader, t, out_fd, out_offset)
+    return None
+
+
+def _copy_unchecked(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> None:
+    """``copy_file_range`` where the filesystem allows, else pread/pwrite."""
     src_fd = reader.fd(t.file)
     done = 0
     if _HAS_COPY_FILE_RANGE:
@@ -268,14 +274,13 @@ def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: in
                         f"{reader.src / t.file} is truncated: read stopped at byte {t.offset + done}"
                     )
                 done += n
-            return None
+            return
         except OSError:  # EXDEV, ENOSYS, EINVAL on some filesystems: finish with plain reads
             pass
     while done < t.nbytes:
         chunk = _pread_chunk(reader, t, src_fd, done)
         _pwrite_all(out_fd, chunk, out_offset + done)
         done += len(chunk)
-    return None
 
 
 def _pread_chunk(reader: _SourceFiles, t: _SrcTensor, src_fd: int, done: int) -> bytes:
