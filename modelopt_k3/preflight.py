@@ -125,37 +125,18 @@ def _stale_temp_data(ctx: PreflightContext) -> None:
 
 @register_check("export format")
 def _export_format(ctx: PreflightContext) -> None:
-    """The recipe against the checkpoint's Linears (names from headers), and what the format can hold."""
-    from .convert.plan import _is_linear  # the converter's header-level notion of a Linear
+    """The recipe against the checkpoint's modules (the decision table, from headers), and what the
+    export format can hold."""
     from .export import compressed_tensors_format as ct_format
+    from .quant.decisions import decide
 
     spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
-    shapes = _linear_shapes(ctx.checkpoint, spec.expert_key_regex, _is_linear)
-    ctx.recipe.check_against(shapes)
+    with CheckpointReader(ctx.checkpoint) as reader:
+        table = decide(reader.inventory(), spec, ctx.recipe, None)  # shared-input groups do not matter here
     if ctx.args.export_format == "compressed-tensors":
-        algos = {fmt.algo for fmt in (ctx.recipe.resolve(name)[0] for name in shapes) if fmt is not None}
-        why = ct_format.unexpressible(algos, ctx.recipe.kv_cache)
+        why = ct_format.unexpressible(set(table.layer_algos().values()), ctx.recipe.kv_cache)
         if why is not None:
             raise PreflightError(f"--export_format compressed-tensors: {why}; use --export_format modelopt")
-
-
-def _linear_shapes(checkpoint: Path, expert_key_regex: str, is_linear: Callable) -> dict[str, tuple[int, int]]:
-    """Checkpoint module name -> (out, in) of every Linear (routed experts by their per-expert names)."""
-    import re
-
-    expert_re = re.compile(expert_key_regex)
-    parts: dict[str, dict] = {}
-    with CheckpointReader(checkpoint) as reader:
-        for key, meta in reader.headers().items():
-            m = expert_re.match(key)
-            module, part = (f"{m['module']}.{m['expert']}.{m['proj']}", m["tensor"]) if m else key.rsplit(".", 1)
-            parts.setdefault(module, {})[part] = meta
-    shapes = {}
-    for module, tensors in parts.items():
-        if is_linear(module, tensors):
-            weight = tensors.get("weight") or tensors["weight_packed"]
-            shapes[module] = (weight.shape[0], weight.shape[1] * (2 if "weight_packed" in tensors else 1))
-    return shapes
 
 
 @register_check("calibration data")

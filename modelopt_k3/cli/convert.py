@@ -1,6 +1,9 @@
 """``modelopt-k3-convert``: calibration-free streaming conversion of an MXFP4 checkpoint, shard by shard.
 
-    modelopt-k3-convert --src CKPT --dst OUT --recipe RECIPE [--rank R --world_size W] [--overwrite]
+    modelopt-k3-convert --src CKPT --dst OUT [--recipe RECIPE] [--trust_remote_code] [--rank R --world_size W]
+
+Without ``--recipe`` the routed experts become NVFP4 by the lossless cast and every other tensor stays
+as the source stores it (``models/moonshotai/Kimi-K3/nvfp4_experts``).
 
 Ranks split the source shards (shard ``i`` goes to rank ``i % W``); run one process per rank on any
 machines that share ``OUT``. Under ``torchrun`` the rank and world size come from its environment
@@ -21,6 +24,8 @@ from pathlib import Path
 
 from ._common import non_negative_int, positive_int, run_cli
 
+DEFAULT_RECIPE = "models/moonshotai/Kimi-K3/nvfp4_experts"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -30,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--src", type=Path, required=True, help="source checkpoint directory")
     p.add_argument("--dst", type=Path, required=True, help="output directory (written in place; resumable)")
-    p.add_argument("--recipe", required=True, help="YAML recipe path or name (needs no calibration)")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE,
+                   help=f"YAML recipe path or name (needs no calibration; default {DEFAULT_RECIPE})")
     p.add_argument("--rank", type=non_negative_int, default=None, help="this process's rank (default: $RANK or 0)")
     p.add_argument("--world_size", type=positive_int, default=None,
                    help="number of ranks (default: $WORLD_SIZE or 1)")
@@ -44,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finalize", action="store_true",
                    help="only finalize (index, configs, marker) an output whose shards are all complete")
     p.add_argument("--trust_remote_code", action="store_true",
-                   help="build the checkpoint's own model on the meta device (runs its code) and check every "
-                   "dense tensor against it, as hf_ptq does; without it only the routed experts are checked "
-                   "against config.json")
+                   help="run the checkpoint's own modeling code: build the model on the meta device to check every "
+                   "dense tensor against it, as hf_ptq does (without it only the routed experts are checked against "
+                   "config.json), and probe a tiny configuration for the Linears that read one input (needed by "
+                   "recipes that give dense Linears NVFP4)")
     p.add_argument("--allow_nonfinite_passthrough", action="store_true",
                    help="copy tensors with NaN/Inf that stay unquantized unchanged (with a warning) instead of refusing")
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
@@ -69,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
     world_size = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.finalize:
-        stats = finalize_conversion(args.src, args.dst, args.recipe)
+        stats = finalize_conversion(args.src, args.dst, args.recipe, trust_remote_code=args.trust_remote_code)
         print(f"modelopt_k3 convert: finalized {args.dst}")
         print("\n".join(stats.lines("  ")))
         return 0

@@ -89,6 +89,10 @@ def convert_checkpoint(
     foreign files in ``dst``, and rewrite this rank's shards. ``workers``: threads converting one
     shard's tensors (default ``min(4, cpu count)``; the output bytes do not depend on it); torch's
     intra-op thread count is set to 1 while they run and restored afterwards.
+    ``trust_remote_code``: run the checkpoint's own modeling code on a tiny configuration to find the
+    Linears that read one input (their NVFP4 global scales are shared; needed only by recipes that
+    give dense Linears NVFP4, refused clearly by those without it), and build the model on meta to
+    check every dense tensor against it.
 
     Before anything is written: ``dst`` must not overlap ``src``; the routed experts must match
     config.json (``source_check``, the check ``load_pretrained`` runs); with ``trust_remote_code``
@@ -125,7 +129,7 @@ def convert_checkpoint(
         def together(step: str, fn: Callable, *args, **kwargs):
             return fn(*args, **kwargs)
 
-    plan = together("plan", _build_plan, src, recipe)
+    plan = together("plan", _build_plan, src, recipe, trust_remote_code=trust_remote_code)
     if trust_remote_code:
         from ..load import check_against_model
 
@@ -234,7 +238,9 @@ def _convert_shards(
         warn_passthrough(report.stats.nonfinite_passthrough)
 
 
-def finalize_conversion(src: str | Path, dst: str | Path, recipe: Recipe | str | Path) -> ConvertStats:
+def finalize_conversion(
+    src: str | Path, dst: str | Path, recipe: Recipe | str | Path, *, trust_remote_code: bool = False
+) -> ConvertStats:
     """Write index, configs, side files and the completion marker once every shard is complete.
 
     Idempotent; ``convert_checkpoint`` calls it on its own when it finds every shard complete.
@@ -242,7 +248,7 @@ def finalize_conversion(src: str | Path, dst: str | Path, recipe: Recipe | str |
     """
     src, dst = Path(src).absolute(), Path(dst).absolute()
     recipe = _as_recipe(recipe)
-    plan = _build_plan(src, recipe)
+    plan = _build_plan(src, recipe, trust_remote_code=trust_remote_code)
     if not (dst / STATE_DIR / JOB_FILE).is_file():
         raise ConvertError(f"{dst} holds no modelopt_k3 conversion ({STATE_DIR}/{JOB_FILE} is missing)")
     for path, owner, record, _ in live_locks(dst / STATE_DIR / LOCK_DIR):

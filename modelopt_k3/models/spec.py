@@ -106,6 +106,9 @@ class ModelSpec:
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
     # config.json (parsed JSON, no remote code) -> every MoE layer's routed experts (``source_check``).
     expert_layout: Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]] | None = None
+    # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
+    # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
+    probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None
 
     def check_transformers(self) -> None:
         import transformers

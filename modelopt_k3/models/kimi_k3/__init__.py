@@ -8,6 +8,7 @@ from .experts import KimiK3Experts
 from .kv_cache import attach_kv_cache
 from .layout import expert_layout
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
+from .probe import probe_model
 from .shims import apply_import_shims
 
 KIMI_K3_SPEC = register_spec(
@@ -32,6 +33,7 @@ KIMI_K3_SPEC = register_spec(
         patches_process_wide=True,
         attach_kv_cache=attach_kv_cache,
         expert_layout=expert_layout,
+        probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
     ),
