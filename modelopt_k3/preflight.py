@@ -99,6 +99,16 @@ def _not_the_source(ctx: PreflightContext) -> None:
     refuse_overlap(ctx.checkpoint, ctx.export_path)
 
 
+@register_check("checkpoint matches config.json")
+def _checkpoint_matches_config(ctx: PreflightContext) -> None:
+    """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it."""
+    from .source_check import check_experts
+
+    raw = read_config(ctx.checkpoint)
+    with CheckpointReader(ctx.checkpoint) as reader:
+        check_experts(reader.headers(), raw, get_spec(raw.get("model_type", "")))
+
+
 @register_check("export path free")
 def _export_path_free(ctx: PreflightContext) -> None:
     path = ctx.export_path
