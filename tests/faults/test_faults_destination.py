@@ -161,6 +161,22 @@ def test_argument_ranges_are_checked_by_the_parser(flag, value, capsys) -> None:
     assert f"argument {flag}: {value} is out of range: must be >= 1" in capsys.readouterr().err
 
 
+def test_eval_kl_may_be_zero_but_not_negative(capsys) -> None:
+    from modelopt_k3.cli.hf_ptq import build_parser
+
+    assert build_parser().parse_args(["--eval_kl", "0"]).eval_kl == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--eval_kl", "-1"])
+    assert "argument --eval_kl: -1 is out of range: must be >= 0" in capsys.readouterr().err
+
+
+def test_debug_keeps_the_traceback(tiny_ckpt, tmp_path, run_tool) -> None:
+    argv = ["--pyt_ckpt_path", tiny_ckpt, "--trust_remote_code", "--export_path", tiny_ckpt, *SMALL]
+    rc, _, err = run_tool("ptq", [*argv, "--debug"])
+    assert rc == 2 and "Traceback (most recent call last)" in err and "DestinationError" in err
+    assert err.rstrip().splitlines()[-1].startswith("modelopt-k3-ptq: error: --export_path")
+
+
 def test_a_feature_adds_its_own_preflight_check(tiny_ckpt, tmp_path, run_tool, no_weight_reads) -> None:
     from modelopt_k3 import preflight
 
