@@ -43,7 +43,7 @@ def _text_config(tiny_ckpt: Path) -> dict:
 
 def _remote(path: Path) -> tuple[type, object]:
     raw = json.loads((path / "config.json").read_text())
-    KIMI_K3_SPEC.build()
+    KIMI_K3_SPEC.build(path)
     return resolve_model_class(path, raw, trust_remote_code=True)
 
 
