@@ -80,53 +80,63 @@ def _fit_a_log(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.T
     return value
 
 
-def load_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Build the checkpoint's own (unpatched) model class on the CPU and fill its persistent state from disk.
+def build_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The checkpoint's own (unpatched) model class, built for real on the CPU in ``dtype``.
 
-    Parameters take `dtype` except those the remote code creates in fp32 explicitly (as
-    from_pretrained would); non-persistent buffers keep their constructed values. Raises if any
-    persistent tensor is left unfilled or any checkpoint tensor is unused.
+    Tiny models only: building for real (no meta device) gives non-persistent buffers the values the
+    modules' own ``__init__`` computes. Parameters hold whatever the remote code initialises them to.
     """
     config, cls = load_reference_class(path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = cls(config)  # tiny: built for real, so buffers are what __init__ makes them
+        return cls(config)
     finally:
         torch.set_default_dtype(previous)
 
-    tensors = read_checkpoint(path)
-    scheme = _mxfp4_scheme(config)
+
+def fill_reference_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Copy ``tensors`` (checkpoint names, dense) into the model's persistent state; returns it in eval mode.
+
+    Raises if any persistent tensor is left unfilled or any given tensor has no place in the model.
+    """
     params = model.state_dict(keep_vars=True)  # persistent parameters and buffers only
     filled: set[str] = set()
     unexpected: list[str] = []
-
-    packed_prefixes = sorted({k[: -len(s)] for k in tensors for s in _PACKED_SUFFIXES if k.endswith(s)})
-    dense = {k: v for k, v in tensors.items() if not k.endswith(_PACKED_SUFFIXES)}
-    for prefix in packed_prefixes:
-        dense[f"{prefix}.weight"] = _decode_mxfp4(
-            tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"], scheme
-        )
-
     with torch.no_grad():
-        for key, value in dense.items():
+        for key, value in tensors.items():
             param = params.get(key)
             if param is None:
                 unexpected.append(key)
                 continue
             value = _fit_a_log(key, value, tuple(param.shape))
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}"
-                )
+                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
             param.copy_(value.to(param.dtype))
             filled.add(key)
     missing = sorted(set(params) - filled)
     if missing or unexpected:
-        raise ValueError(
-            f"reference load mismatch: missing={missing[:20]} unexpected={sorted(unexpected)[:20]}"
-        )
+        raise ValueError(f"reference load mismatch: missing={missing[:20]} unexpected={sorted(unexpected)[:20]}")
     return model.eval()
+
+
+def load_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Build the checkpoint's own (unpatched) model class on the CPU and fill its persistent state from disk.
+
+    Parameters take `dtype` except those the remote code creates in fp32 explicitly (as
+    from_pretrained would); non-persistent buffers keep their constructed values; MXFP4 experts are
+    decoded by compressed-tensors.
+    """
+    model = build_reference_model(path, dtype)
+    tensors = read_checkpoint(path)
+    scheme = _mxfp4_scheme(model.config)
+    dense = {k: v for k, v in tensors.items() if not k.endswith(_PACKED_SUFFIXES)}
+    packed_prefixes = sorted({k[: -len(s)] for k in tensors for s in _PACKED_SUFFIXES if k.endswith(s)})
+    for prefix in packed_prefixes:
+        dense[f"{prefix}.weight"] = _decode_mxfp4(
+            tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"], scheme
+        )
+    return fill_reference_model(model, dense)
 
 
 @torch.no_grad()
