@@ -139,17 +139,26 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
 
 
 def check_dense(
-    expected: Mapping[str, torch.Tensor], tensors: Mapping[str, TensorMeta], skip: Iterable[str] = ()
+    expected: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, TensorMeta],
+    skip: Iterable[str] = (),
+    converted: Mapping[str, str] | None = None,
 ) -> None:
     """Check the model's dense state (``expected``: name -> its tensor, e.g. on meta) against the checkpoint.
 
     ``skip``: names not read from their own key (fused experts, filled from the expert tensors); tensors
     of ``tensors`` already accounted for (the routed experts) must be left out of it by the caller.
+    ``converted``: names filled by a spec's dense converter from the stored key given (its shape is the
+    converter's to check, when it reads the value).
     """
-    skip = set(skip)
+    skip, converted = set(skip), dict(converted or {})
     missing, mismatched = [], []
     for name, t in expected.items():
         if name in skip:
+            continue
+        if name in converted:
+            if converted[name] not in tensors:
+                missing.append(converted[name])
             continue
         meta = tensors.get(name)
         if meta is None:
@@ -157,6 +166,7 @@ def check_dense(
         elif tuple(meta.shape) != tuple(t.shape) or meta.dtype.is_floating_point != t.dtype.is_floating_point:
             mismatched.append(f"{name} stored as {meta.dtype} {list(meta.shape)}, the model has {t.dtype} "
                               f"{list(t.shape)}")
-    unexpected = [name for name in tensors if name not in expected]
+    accounted = set(expected) | set(converted.values())
+    unexpected = [name for name in tensors if name not in accounted]
     _raise("the checkpoint does not match the model built from config.json", missing, mismatched, unexpected,
            " (unexpected: tensors the model has no place for)" if unexpected else "")
