@@ -2,14 +2,14 @@
 
 The loader never calls ``from_pretrained``: that would either gather everything (no expert
 parallelism on the plain path) or hand the MXFP4 experts to the compressed-tensors quantizer. It
-uses the same pieces instead: the checkpoint's own classes (``auto_map``), the converters the spec
-registered with transformers' conversion API, and lazy ``safe_open`` reads of exactly the tensors
-this rank owns.
+uses the same pieces instead: the checkpoint's own classes (``auto_map``), built with accelerate's
+``init_empty_weights(include_buffers=False)`` (parameters on meta, buffers computed for real), the
+converters the spec registered with transformers' conversion API, and lazy ``safe_open`` reads of
+exactly the persistent tensors this rank owns.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from contextlib import contextmanager
@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from .checkpoint import CheckpointError, CheckpointReader
+from .checkpoint import CheckpointReader, read_config
 from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
@@ -31,6 +32,8 @@ from .dist.plan import DistributionPlan, decide_plan
 from .models.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
 from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
+from .nonfinite import source_refusal, warn_passthrough
+from .source_check import SourceLayout, check_dense, check_experts
 
 EXPERTS_PER_READ = 16
 
@@ -51,6 +54,8 @@ class LoadInfo:
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
     bytes_read: int = 0
     keys_read: list[str] = field(default_factory=list)
+    # Source tensors with NaN/Inf (or NaN E8M0 scales) let through by allow_nonfinite_passthrough.
+    nonfinite: dict[str, str] = field(default_factory=dict)
     _source: CheckpointReader | None = field(default=None, repr=False)
 
     def source(self) -> CheckpointReader:
@@ -58,13 +63,6 @@ class LoadInfo:
         if self._source is None:
             self._source = CheckpointReader(self.checkpoint)
         return self._source
-
-
-def _read_raw_config(path: Path) -> dict:
-    cfg = path / "config.json"
-    if not cfg.exists():
-        raise CheckpointError(f"{path} has no config.json")
-    return json.loads(cfg.read_text())
 
 
 def resolve_model_class(path: Path, raw: dict, trust_remote_code: bool) -> tuple[type, object]:
@@ -171,10 +169,13 @@ def _fill_experts(
                 tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
                 consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
                 if not is_packed(module) and decodes_after_layout(conv):
-                    _decode_into(conv, run_converter_fields(conv, tensors), destinations[None][start : start + len(ids)],
-                                 target)
+                    fields = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
+                    _decode_into(conv, fields, destinations[None][start : start + len(ids)], target)
                     continue
-                converted = run_converter_fields(conv, tensors) if is_packed(module) else {None: run_converter(conv, tensors)}
+                if is_packed(module):
+                    converted = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
+                else:
+                    converted = {None: run_converter(conv, tensors, full_layer_name=target, model=model)}
                 for kind, value in converted.items():
                     rows = destinations[kind][start : start + len(ids)]
                     _check_rows(target, value.shape, rows)
@@ -230,34 +231,115 @@ def _names(keys: list[str] | set[str], limit: int = 12) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by name: what a checkpoint holds (non-persistent buffers never are)."""
+    state = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                state[f"{module_name}.{name}" if module_name else name] = buf
+    return state
+
+
+def _plan_dense_conversions(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[object, str, str]]:
+    """target name -> (converter, source pattern, source key) for the dense tensors a spec converter takes."""
+    plan: dict[str, tuple[object, str, str]] = {}
+    for key in reader.names():
+        for conv in converters:
+            target, pattern = conv.rename_source_key(key)
+            if pattern is not None:
+                plan[target] = (conv, pattern, key)
+                break
+    return plan
+
+
+def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model: nn.Module, conversion) -> tuple[torch.Tensor, str]:
+    """(this rank's part of the source value for ``name``, source key): rows of an FSDP2 shard only."""
+    sharded = tensor is not local_tensor(tensor)
+    rows = local_rows(tensor) if sharded else None
+    if conversion is not None:
+        conv, pattern, key = conversion
+        try:  # converters see the whole stored tensor (dense conversions are small, e.g. A_log)
+            value = run_converter(conv, {pattern: [reader.get(key)]}, full_layer_name=name, model=model)
+        except ValueError as e:
+            raise LoadError(str(e)) from None
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise LoadError(f"{name}: converted shape {list(value.shape)} != model shape {list(tensor.shape)}")
+        return (value[rows.start : rows.stop] if sharded else value), key
+    stored = reader.info(name)
+    if stored.shape != tuple(tensor.shape):
+        raise LoadError(f"{name}: checkpoint shape {list(stored.shape)} != model shape {list(tensor.shape)}")
+    return (reader.get_rows(name, rows.start, rows.stop) if sharded else reader.get(name)), name
+
+
 def _fill_dense(
     model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm
 ) -> set[str]:
+    """Copy every dense parameter and buffer from its checkpoint tensor (``check_dense`` has matched them)."""
     consumed: set[str] = set()
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    missing = []
-    for name, tensor in state.items():
+    conversions = _plan_dense_conversions(reader, info.spec.dense_converters)
+    for name, tensor in persistent_tensors(model).items():
         if name in skip:
             continue
-        if name not in reader:
-            missing.append(name)
-            continue
-        stored = reader.info(name)
-        info.source_dtypes[name] = stored.dtype
-        if stored.shape != tuple(tensor.shape):
-            raise LoadError(f"{name}: checkpoint shape {list(stored.shape)} != model shape {list(tensor.shape)}")
-        if tensor is not local_tensor(tensor):  # FSDP2 shard: read only this rank's rows
-            rows = local_rows(tensor)
-            src, tensor = reader.get_rows(name, rows.start, rows.stop), local_tensor(tensor)
-        else:
-            src = reader.get(name)
+        src, key = _read_dense(name, tensor, reader, model, conversions.get(name))
+        info.source_dtypes[name] = reader.info(key).dtype
         with torch.no_grad():
-            tensor.copy_(src.to(tensor.dtype))
-        consumed.add(name)
+            local_tensor(tensor).copy_(src.to(tensor.dtype))
+        consumed.add(key)
         progress.update(1)
-    if missing:
-        raise LoadError(f"tensors missing from checkpoint {reader.path}: {_names(missing)}")
     return consumed
+
+
+def _fused_expert_params(model: nn.Module, spec: ModelSpec) -> set[str]:
+    return {f"{name}.{p}" for name in spec.experts_modules(model) for p in spec.ep_sharded_params}
+
+
+def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
+    dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys}
+    converted = {name: key for name, (_, _, key) in _plan_dense_conversions(reader, spec.dense_converters).items()}
+    check_dense(persistent_tensors(model), dense, skip=_fused_expert_params(model, spec), converted=converted)
+
+
+def _build_on_meta(model_cls: type, config, dtype: torch.dtype, reader: CheckpointReader, spec: ModelSpec) -> nn.Module:
+    # Parameters on meta, buffers for real: non-persistent buffers get what the modules' own __init__
+    # computes (accelerate's helper; torch.device("meta") would leave them empty).
+    with _default_dtype(dtype), init_empty_weights(include_buffers=False):
+        model = model_cls(config)
+    _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
+    return model
+
+
+def check_against_model(path: str | Path, source: SourceLayout) -> None:
+    """Build the checkpoint's own model on the meta device and check every dense tensor's header against it.
+
+    What ``load_pretrained`` does before reading; the streaming converter calls it when asked to
+    (``trust_remote_code``: building the model runs the checkpoint's code). Prepares the spec with
+    the whole-model placement (a process-wide patch, as a load does).
+    """
+    path = Path(path)
+    raw = read_config(path)
+    spec = get_spec(raw.get("model_type", ""))
+    spec.check_transformers()
+    spec.build(path)
+    model_cls, config = resolve_model_class(path, raw, trust_remote_code=True)
+    spec.prepare(PrepareContext(model_cls, config, path, packed_experts=source.packed_experts))
+    with CheckpointReader(path) as reader:
+        model = _build_on_meta(model_cls, config, _config_dtype(config), reader, spec)
+        _check_against_model(model, spec, reader, source)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """``to_empty`` for the parameters built on meta; buffers built for real keep their values.
+
+    ``to_empty`` replaces every tensor, buffers included, with uninitialised memory; the real buffers
+    (non-persistent ones such as a sin-cos table, which no checkpoint holds) are copied back onto ``device``.
+    """
+    kept = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in kept:
+                buf.copy_(kept[name])
 
 
 def _keep_source_dtypes_on_meta(model: nn.Module, reader: CheckpointReader, spec: ModelSpec) -> None:
@@ -328,6 +410,7 @@ def load_pretrained(
     experts: str = "auto",
     decode_chunk: int | None = None,
     progress: bool = True,
+    allow_nonfinite_passthrough: bool = False,
 ) -> nn.Module:
     """Load a checkpoint with fused experts, sharded per the distribution plan.
 
@@ -336,7 +419,11 @@ def load_pretrained(
     ``fully_shard``; each rank reads only its rows, see ``dist/fsdp.py``). ``dtype`` defaults to the
     config's dtype. ``dense="fsdp2"`` with ``expert_parallel`` shards the dense part with FSDP2 too
     (experts stay expert-parallel). Every parameter is filled from the checkpoint or loading fails naming the tensors;
-    nothing is left initialised at random.
+    nothing is left initialised at random. Before any weight is read, the checkpoint's headers are checked
+    against config.json (``source_check``: the routed experts the config asks for) and against the model
+    built on meta (every dense tensor). A tensor holding NaN/Inf (or an E8M0 NaN scale) is refused, naming it
+    and the count, unless ``allow_nonfinite_passthrough`` (then ``quantize`` refuses to quantize it and the
+    export copies it unchanged; ``LoadInfo.nonfinite`` lists them).
 
     ``experts``: ``bf16`` holds the routed experts decoded; ``packed`` (MXFP4-sourced checkpoints) holds
     their source bytes and decodes them inside the experts forward (``models/packed_experts.py``), one
@@ -346,13 +433,21 @@ def load_pretrained(
     (under expert parallelism: what runs each owner's experts; the plan's default otherwise).
     """
     path = Path(path)
-    raw = _read_raw_config(path)
-    spec = get_spec(raw.get("model_type", ""))
-    spec.check_transformers()
-    spec.build()
-    model_cls, config = resolve_model_class(path, raw, trust_remote_code)
-    text = getattr(config, "text_config", config)
     group = current_group()
+
+    def open_source():
+        raw = read_config(path)
+        spec = get_spec(raw.get("model_type", ""))
+        spec.check_transformers()
+        reader = CheckpointReader(path)  # headers only, until a tensor is asked for
+        source = check_experts(reader.headers(), raw, spec)  # the converter runs the same check
+        spec.build(path)
+        model_cls, config = resolve_model_class(path, raw, trust_remote_code)
+        return spec, reader, source, model_cls, config
+
+    # Every rank refuses the same input here, before any collective: one agreed error, not one per rank.
+    spec, reader, source, model_cls, config = run_together("load: check the checkpoint", open_source, group=group)
+    text = getattr(config, "text_config", config)
     dtype = dtype or _config_dtype(config)
     the_plan = decide_plan(
         plan,
@@ -372,27 +467,26 @@ def load_pretrained(
 
         register_torch_a2a()
         init_expert_groups(the_plan.world_size, the_plan.ep_degree, the_plan.rank)
-    spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation))
+    spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation,
+                                packed_experts=source.packed_experts))
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
-    packed_source = any(decode_op(c) is not None for c in converters)
-    the_plan = _decide_residency(experts, packed_source=packed_source, plan=the_plan, path=path, dtype=dtype,
+    the_plan = _decide_residency(experts, packed_source=source.packed_experts, plan=the_plan, path=path, dtype=dtype,
                                  decode_chunk=decode_chunk)
 
-    with _default_dtype(dtype), torch.device("meta"):
-        model = model_cls(config)
+    model = _build_on_meta(model_cls, config, dtype, reader, spec)
+    run_together("load: check the checkpoint against the model", _check_against_model, model, spec, reader, source,
+                  group=group)
     if the_plan.experts_residency == "packed":
-        _pack_experts(model, spec)  # before sharding and to_empty: only the codes are ever allocated
-    reader = CheckpointReader(path)  # headers only, until a tensor is asked for
-    _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
+        _pack_experts(model, spec)  # before sharding and materializing: only the codes are ever allocated
     if the_plan.fsdp_sharded:
         shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
     set_experts_implementation(model, spec, the_plan)
-    model.to_empty(device=the_plan.device)
+    materialize(model, the_plan.device)
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan, model_cls=model_cls)
     def read_own_tensors() -> None:
         with reader:
             experts = spec.experts_modules(model)
-            total = len(dict(model.named_parameters())) + len(dict(model.named_buffers()))
+            total = len(persistent_tensors(model))
             with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
                 consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
                 unfilled = [
@@ -407,7 +501,11 @@ def load_pretrained(
             if unexpected:
                 raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
             info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-            info.packed_experts = packed_source
+            info.packed_experts = source.packed_experts
+            if reader.log.invalid and not allow_nonfinite_passthrough:
+                raise source_refusal(reader.log.invalid)
+            warn_passthrough(reader.log.invalid)
+            info.nonfinite = dict(reader.log.invalid)
 
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.

@@ -37,7 +37,12 @@ def _ep_logits(ckpt: str, ids: torch.Tensor, dense: str = "replicated"):
             for name, m in model.named_modules()
             if info.spec.is_experts_module(name, m)
         }
-        return logits, list(info.keys_read), info.bytes_read, experts, info.plan.kind
+        return logits, list(info.keys_read), info.bytes_read, experts, info.plan.kind, _buffers(model)
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer (all non-persistent in Kimi-K3): what the modules' __init__ built, kept through the load."""
+    return {name: buf.clone() for name, buf in model.named_buffers()}
 
 
 def _ep_ptq(argv: list[str], fail: str | None = None):
@@ -69,7 +74,7 @@ def _ep_ptq(argv: list[str], fail: str | None = None):
             raise RuntimeError("injected export failure on rank 1")
 
         writer.ShardWriter.add = failing_add
-    return hf_ptq.main(argv)
+    return hf_ptq.run(hf_ptq.build_parser().parse_args(argv))  # raises on failure
 
 
 # --------------------------------------------------------------------------- helpers
@@ -120,14 +125,15 @@ def single_logits(ep_ckpt):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_logits_equal_single_process_and_reads_are_local(ep_ckpt, single_logits, world):
-    ids, (ref_logits, ref_keys, ref_bytes, _, kind) = single_logits
-    assert kind == "whole"
+    ids, (ref_logits, ref_keys, ref_bytes, _, kind, ref_buffers) = single_logits
+    assert kind == "whole" and ref_buffers
     results = run_ranks(world, _ep_logits, str(ep_ckpt), ids, timeout=300, env=EP_ENV)
     assert [r.exitcode for r in results] == [0] * world, [r.traceback for r in results]
     expert_bytes = []
     for r in results:
-        logits, keys, nbytes, experts, kind = r.value
+        logits, keys, nbytes, experts, kind, buffers = r.value
         assert kind == "expert_parallel"
+        assert buffers.keys() == ref_buffers.keys() and all(torch.equal(buffers[n], ref_buffers[n]) for n in buffers)
         rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
         assert rel <= 1e-5, f"rank {r.rank}: relative logits error {rel:.3g}"
         assert len(keys) == len(set(keys)), "a tensor was read twice"
@@ -243,7 +249,8 @@ def test_rank_failure_fails_all_ranks_and_leaves_no_checkpoint(ep_ckpt, tmp_path
 
 
 def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
-    """Rank 1 lacks one of its experts' tensors: every rank stops at load, naming rank 1 and the key."""
+    """Rank 1's expert lacks a tensor: every rank refuses in the source check (headers only, before any
+    read: each rank sees every expert's header), naming the key; none waits for a timeout."""
     from conftest import copy_checkpoint
 
     key = "language_model.model.layers.2.block_sparse_moe.experts.12.w3.weight_packed"  # expert 12: rank 1 of 2
@@ -252,21 +259,22 @@ def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
     results = run_ranks(2, _ep_logits, str(broken), ids, timeout=120, env=EP_ENV)
     assert all(r.exitcode not in (0, None) for r in results), [(r.rank, r.exitcode) for r in results]
     for r in results:
-        assert "load checkpoint" in r.error and "rank 1" in r.error, r.error
+        assert "load: check the checkpoint" in r.error and "failed on ranks 0, 1" in r.error, r.error
         assert "experts.12.w3.weight_packed" in r.error, r.error
         assert r.wall_s < 60, f"rank {r.rank} took {r.wall_s:.0f}s: it waited for a timeout"
 
 
 def test_ep_with_fsdp2_dense_part(ep_ckpt, single_logits, single_export, tmp_path):
     """Experts expert-parallel, dense part FSDP2-sharded: same logits and export as one process."""
-    ids, (ref_logits, ref_keys, _, _, _) = single_logits
+    ids, (ref_logits, ref_keys, _, _, _, ref_buffers) = single_logits
     results = run_ranks(2, _ep_logits, str(ep_ckpt), ids, "fsdp2", timeout=300, env=EP_ENV)
     assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
     dense_keys = {k for k in ref_keys if not EXPERT_KEY_RE.match(k)}
     for r in results:
-        logits, keys, _, experts, kind = r.value
+        logits, keys, _, experts, kind, buffers = r.value
         rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
         assert kind == "expert_parallel" and rel <= 1e-5, f"rank {r.rank}: {rel:.3g}"
+        assert all(torch.equal(buffers[n], ref_buffers[n]) for n in ref_buffers)
         for key in keys:
             m = EXPERT_KEY_RE.match(key)
             if m is not None:

@@ -20,6 +20,7 @@ from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts, kimi_k3_conv
 from modelopt_k3.models.kimi_k3.experts import experts_implementations_available
 from modelopt_k3.models.kimi_k3.prepare import BLOCK_CLASS, find_block_module, unprepare
 from modelopt_k3.models.spec import ExpertPlacement, PrepareContext, SpecError
+from modelopt_k3.source_check import SourceMismatchError
 from modelopt_k3.testing.reference import read_checkpoint, reference_logits
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
@@ -43,7 +44,7 @@ def _text_config(tiny_ckpt: Path) -> dict:
 
 def _remote(path: Path) -> tuple[type, object]:
     raw = json.loads((path / "config.json").read_text())
-    KIMI_K3_SPEC.build()
+    KIMI_K3_SPEC.build(path)
     return resolve_model_class(path, raw, trust_remote_code=True)
 
 
@@ -233,25 +234,39 @@ def test_converter_chain_gives_fused_tensor(
 # ------------------------------------------------------------------------------------------------
 
 
-def test_missing_expert_key_is_refused(copy_ckpt) -> None:
+def _no_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any tensor bytes are read (the source check works from headers alone)."""
+
+    def no_reads(self, key, *args):
+        raise AssertionError(f"read {key} before refusing the checkpoint")
+
+    monkeypatch.setattr(CheckpointReader, "get", no_reads)
+    monkeypatch.setattr(CheckpointReader, "get_rows", no_reads)
+
+
+def test_missing_expert_key_is_refused(copy_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
     key = f"{LAYERS}.2.block_sparse_moe.experts.5.w3.weight_packed"
     path = copy_ckpt(drop=[key])
     assert key not in json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    other = f"{LAYERS}.1.block_sparse_moe.experts.0.w2.weight_scale"
+    path2 = copy_ckpt(drop=[other])
+    _no_reads(monkeypatch)
     model = None
-    with pytest.raises((LoadError, SpecError)) as err:
+    with pytest.raises(SourceMismatchError) as err:
         model = _load(path, dtype=torch.float32)
     assert model is None
-    assert key in str(err.value)
+    assert f"1 missing: {key}" in str(err.value)
     # Every expert of the layer: a missing projection in any slot names that slot.
-    key = f"{LAYERS}.1.block_sparse_moe.experts.0.w2.weight_scale"
-    with pytest.raises(LoadError, match=re.escape(key)):
-        _load(copy_ckpt(drop=[key]), dtype=torch.float32)
+    with pytest.raises(SourceMismatchError, match=re.escape(other)):
+        _load(path2, dtype=torch.float32)
 
 
-def test_missing_dense_key_is_refused(copy_ckpt) -> None:
+def test_missing_dense_key_is_refused(copy_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
     key = f"{LAYERS}.1.block_sparse_moe.shared_experts.up_proj.weight"
-    with pytest.raises(LoadError, match=re.escape(key)):
-        _load(copy_ckpt(drop=[key]), dtype=torch.float32)
+    path = copy_ckpt(drop=[key])
+    _no_reads(monkeypatch)
+    with pytest.raises(SourceMismatchError, match=rf"model built from config.json: 1 missing: {re.escape(key)}"):
+        _load(path, dtype=torch.float32)
 
 
 def test_index_naming_absent_tensor_is_refused(copy_ckpt) -> None:
@@ -268,13 +283,16 @@ def test_index_naming_absent_tensor_is_refused(copy_ckpt) -> None:
         pytest.param(lambda t: t.to(torch.bfloat16), id="unpacked-dtype"),
     ],
 )
-def test_packed_expert_with_wrong_dtype_or_shape_is_refused(copy_ckpt, tiny_ckpt: Path, change) -> None:
+def test_packed_expert_with_wrong_dtype_or_shape_is_refused(
+    copy_ckpt, tiny_ckpt: Path, change, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key = f"{LAYERS}.3.block_sparse_moe.experts.7.w2.weight_packed"
     original = read_checkpoint(tiny_ckpt)[key]
     bad = change(original)
     path = copy_ckpt(replace={key: bad})
     cfg = _text_config(tiny_ckpt)
-    with pytest.raises(SpecError) as err:
+    _no_reads(monkeypatch)
+    with pytest.raises(SourceMismatchError) as err:
         _load(path, dtype=torch.float32)
     msg = str(err.value)
     want = [cfg["routed_expert_hidden_size"], cfg["moe_intermediate_size"] // 2]
@@ -309,6 +327,70 @@ def test_dense_moe_tensors_load_byte_equal(loaded_bf16, tiny_ckpt: Path) -> None
             assert src.dtype == torch.float32 and got.dtype == torch.bfloat16, key
             assert torch.equal(got, src.to(got.dtype)), key
     assert all(params[k].dtype == torch.bfloat16 for k in checked if tensors[k].dtype == torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the real remote code needs: buffers built, not read; A_log's stored layout
+# ------------------------------------------------------------------------------------------------
+
+TIME_WEIGHT = "vision_tower.patch_embed.pos_emb.time_weight"
+
+
+def test_non_persistent_buffers_are_built_not_read(loaded_bf16, tiny_ckpt: Path, tiny_reference) -> None:
+    model, reads = loaded_bf16
+    info = model.modelopt_k3
+    assert TIME_WEIGHT not in read_checkpoint(tiny_ckpt) and TIME_WEIGHT not in info.keys_read
+    assert TIME_WEIGHT not in {k for k, _ in reads}
+    # What the module's own __init__ computes (the reference builds for real), cast with the tower to bf16.
+    want = tiny_reference.get_buffer(TIME_WEIGHT)
+    got = model.get_buffer(TIME_WEIGHT)
+    assert got.dtype == torch.bfloat16 and want.abs().sum() > 0
+    assert torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_materialize_keeps_buffers_built_for_real() -> None:
+    from accelerate import init_empty_weights
+
+    from modelopt_k3.load import materialize, persistent_tensors
+
+    class Module(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+            self.register_buffer("kept", torch.ones(2))
+
+    with init_empty_weights(include_buffers=False):
+        m = Module()
+    assert m.lin.weight.is_meta and not m.table.is_meta
+    materialize(m, "cpu")
+    assert not m.lin.weight.is_meta and torch.equal(m.table, torch.arange(4.0)) and torch.equal(m.kept, torch.ones(2))
+    assert set(persistent_tensors(m)) == {"lin.weight", "lin.bias", "kept"}
+
+
+def test_a_log_loads_from_the_zero_padded_layout(loaded_f32: torch.nn.Module, tiny_ckpt: Path) -> None:
+    tensors = read_checkpoint(tiny_ckpt)
+    a_logs = {n: p for n, p in loaded_f32.named_parameters() if n.endswith(".A_log")}
+    assert a_logs
+    for name, param in a_logs.items():
+        stored, heads = tensors[name], param.shape[0]
+        assert stored.dtype == param.dtype == torch.float32
+        assert stored.shape[0] > heads and torch.equal(param.detach(), stored[:heads]), name
+        assert loaded_f32.modelopt_k3.source_dtypes[name] == torch.float32
+
+
+@pytest.mark.parametrize("change", ["nonzero-tail", "too-short"])
+def test_a_log_layout_is_checked(copy_ckpt, tiny_ckpt: Path, change: str) -> None:
+    key = f"{LAYERS}.1.self_attn.A_log"
+    stored = read_checkpoint(tiny_ckpt)[key]
+    if change == "nonzero-tail":
+        bad, match = stored.clone(), f"{key}: .* entry {stored.shape[0] - 1} is 0.5"
+        bad[-1] = 0.5
+    else:
+        bad, match = stored[:1].clone(), rf"{key}: checkpoint shape \[1\] cannot hold"
+    with pytest.raises(LoadError, match=re.escape(key)) as err:
+        _load(copy_ckpt(replace={key: bad}))
+    assert re.search(match, str(err.value)), err.value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -417,6 +499,8 @@ def test_refuses_indivisible_ep_degree_before_reading(
 ) -> None:
     fake = RunGroup(rank=0, world_size=3, local_rank=0, backend="gloo", device=torch.device("cpu"))
     monkeypatch.setattr("modelopt_k3.load.current_group", lambda: fake)
+    # No process group behind the fake one: its steps run locally (as at world size 1).
+    monkeypatch.setattr("modelopt_k3.load.run_together", lambda step, fn, *a, group=None, **kw: fn(*a, **kw))
     monkeypatch.delenv("MODELOPT_K3_EP_DEGREE", raising=False)
 
     def no_reads(self, key):

@@ -125,6 +125,7 @@ def test_check_fits_resolves_auto_and_refuses_with_numbers(tiny_ckpt: Path) -> N
 def test_hf_ptq_refuses_before_loading(tiny_ckpt: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     import modelopt_k3.load as load
     from modelopt_k3.cli import hf_ptq
+    from modelopt_k3.cli._common import EXIT_REFUSED
 
     def must_not_load(*a, **k):
         raise AssertionError("hf_ptq loaded weights for a run that cannot fit")
@@ -132,8 +133,9 @@ def test_hf_ptq_refuses_before_loading(tiny_ckpt: Path, tmp_path: Path, monkeypa
     monkeypatch.setattr(load, "load_pretrained", must_not_load)
     code = hf_ptq.main(["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--gpu_mem_gib", "0.1",
                         "--export_path", str(tmp_path / "out"), "--no_progress"])
-    out = capsys.readouterr().out
-    assert code == 2 and "refused before loading" in out and "is available" in out, out
+    err = capsys.readouterr().err
+    assert code == EXIT_REFUSED and "modelopt-k3-ptq: error:" in err, err
+    assert "per rank at" in err and "is available: resident" in err and "runtime" in err, err
     assert not (tmp_path / "out").exists()
 
 

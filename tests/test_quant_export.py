@@ -32,7 +32,7 @@ from safetensors import safe_open
 import modelopt_k3
 from modelopt_k3 import export_checkpoint, load_pretrained, quantize
 from modelopt_k3.recipe import RecipeError, recipe_from_dict
-from modelopt_k3.testing.reference import load_reference_class
+from modelopt_k3.testing.reference import build_reference_model, fill_reference_model
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
 
@@ -247,13 +247,7 @@ def reference_from_export(rb: ReadBack, *, quantize_inputs: bool = True) -> torc
     """The export's own (unpatched) model class, filled with the reader's state dict; optionally
     with pre-hooks fake-quantizing every quantized Linear's input the way the export says."""
     unpatch_remote_code()
-    config, cls = load_reference_class(rb.path)
-    with torch.device("meta"):
-        model = cls(config)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        missing, unexpected = model.load_state_dict(rb.state_dict, strict=False)
-    assert not missing and not unexpected, (missing[:5], unexpected[:5])
+    model = fill_reference_model(build_reference_model(rb.path), rb.state_dict)
     assert any(isinstance(m, torch.nn.ModuleList) and n.endswith(".experts") for n, m in model.named_modules())
     if quantize_inputs:
         modules = dict(model.named_modules())
@@ -679,7 +673,8 @@ def reference_unquantized(rb: ReadBack) -> set[str]:
     unquantized, read off the reference model's own module types."""
     model = reference_from_export(rb, quantize_inputs=False)
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-    found = {n for n, m in model.named_modules() if type(m) in kinds}
+    # isinstance: the KDA short convolutions are fla's ShortConvolution, an nn.Conv1d subclass.
+    found = {n for n, m in model.named_modules() if isinstance(m, kinds)}
     routers = {f"{n}.gate" for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
     return (found | routers) - set(rb.algos)
 

@@ -45,9 +45,15 @@ def decodes_after_layout(converter: WeightConverter) -> bool:
     return op is not None and converter.operations[0] is op and all(isinstance(o, (MergeModulelist, Concatenate)) for o in rest)
 
 
-def run_converter(converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]]) -> torch.Tensor:
-    """Apply ``converter.operations`` to ``{source pattern: [tensor per expert, in expert order]}``."""
-    return _run_chain(converter.operations, converter.source_patterns, converter, tensors_by_pattern)
+def run_converter(
+    converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]], **context: Any
+) -> torch.Tensor:
+    """Apply ``converter.operations`` to ``{source pattern: [tensor per expert, in expert order]}``.
+
+    ``context`` is what transformers' loader passes every op besides the tensors (``full_layer_name``,
+    ``model``); ops that size their output from the target parameter read it from there.
+    """
+    return _run_chain(converter.operations, converter.source_patterns, converter, tensors_by_pattern, **context)
 
 
 def decode_op(converter: WeightConverter) -> DecodeOp | None:
@@ -59,7 +65,7 @@ def decode_op(converter: WeightConverter) -> DecodeOp | None:
 
 
 def run_converter_fields(
-    converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]]
+    converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]], **context: Any
 ) -> dict[str, torch.Tensor]:
     """The converter's chain without its ``DecodeOp``, run once per stored field.
 
@@ -72,14 +78,16 @@ def run_converter_fields(
     out = {}
     for field in (op.codes_field, op.scales_field):
         patterns = [p for p in converter.source_patterns if p.endswith(field)]
-        out[field] = _run_chain(rest, patterns, converter, {p: tensors_by_pattern[p] for p in patterns})
+        out[field] = _run_chain(rest, patterns, converter, {p: tensors_by_pattern[p] for p in patterns}, **context)
     return out
 
 
-def _run_chain(ops, source_patterns: list[str], converter: WeightConverter, tensors: dict[str, Any]) -> torch.Tensor:
+def _run_chain(ops, source_patterns: list[str], converter: WeightConverter, tensors: dict[str, Any],
+               **context: Any) -> torch.Tensor:
     current: dict[str, Any] = dict(tensors)
     for op in ops:
-        current = op.convert(current, source_patterns=source_patterns, target_patterns=converter.target_patterns)
+        current = op.convert(current, source_patterns=source_patterns, target_patterns=converter.target_patterns,
+                             **context)
     if len(current) != 1:
         raise ValueError(f"{converter} produced {len(current)} tensors, expected one")
     (result,) = current.values()

@@ -51,6 +51,16 @@ class ExpertProjection:
 
 
 @dataclass(frozen=True)
+class ExpertsLayout:
+    """The routed experts one MoE layer must store, as the config says (``ModelSpec.expert_layout``)."""
+
+    module: str  # checkpoint prefix of the layer's experts, e.g. "...layers.3.block_sparse_moe.experts"
+    num_experts: int
+    projections: Mapping[str, tuple[int, int]]  # checkpoint projection name -> (out, in) of its weight
+    source: str = ""  # the config fields these numbers come from (quoted in errors)
+
+
+@dataclass(frozen=True)
 class PrepareContext:
     """What ``ModelSpec.prepare`` gets: the checkpoint's own model class and where it came from."""
 
@@ -59,14 +69,17 @@ class PrepareContext:
     checkpoint: Path | None
     placement: ExpertPlacement = ExpertPlacement()
     experts_implementation: str = "eager"
+    # Whether the routed experts are stored MXFP4-packed, as the source check found (None: not checked yet).
+    packed_experts: bool | None = None
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     model_type: str
     min_transformers: str
-    # Import shims run before the remote code is imported; must not change anything the model computes.
-    build: Callable[[], None]
+    # Import shims, run with the checkpoint directory before its remote code is imported; must not change
+    # anything the model computes.
+    build: Callable[[Path], object]
     # Patches the checkpoint's own modeling code (fused experts); idempotent.
     prepare: Callable[[PrepareContext], None]
     # Regex (searched) matching the in-memory names of fused experts modules.
@@ -91,6 +104,9 @@ class ModelSpec:
     # Parameters (regex on in-memory names) kept in their checkpoint dtype instead of the load dtype,
     # where rounding would change behaviour (e.g. a routing bias that decides expert selection).
     keep_source_dtype: str | None = None
+    # Conversions of dense checkpoint tensors into the parameters the model declares (transformers
+    # ``WeightConverter``s, run by the loader on the whole source tensor), e.g. a zero-padded vector.
+    dense_converters: tuple[Any, ...] = ()
     # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
     # Memory planner (memory/planner.py): checkpoint keys of the FSDP2 units (the model's
@@ -98,6 +114,8 @@ class ModelSpec:
     # activation model of one calibration forward (``ActivationModel`` from text config, batch, seq, dtype bytes).
     fsdp_unit_key_regex: str | None = None
     activation_memory: Callable[..., Any] | None = None
+    # config.json (parsed JSON, no remote code) -> every MoE layer's routed experts (``source_check``).
+    expert_layout: Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]] | None = None
     # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
     # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
     probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None

@@ -31,15 +31,15 @@ from ..export.writer import _ST_DTYPE_NAMES
 from .tiny import (
     _F32_SUFFIXES,
     MXFP4_GROUP,
-    REMOTE_CODE_DIR,
     REMOTE_CODE_FILES,
     _build_meta_model,
     _ignore_list,
     _is_routed_expert,
     _resolve_sizes,
-    _text_config,
-    _vision_config,
+    _stored_shape,
+    checkpoint_config,
     mxfp4_quantization_config,
+    remote_code_source,
 )
 from .tokenizer import make_byte_tokenizer
 
@@ -89,8 +89,7 @@ def layout_tensors(sizes: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[st
     """(config.json, [(key, dtype, shape)] in checkpoint order, MXFP4 ignore list) for ``sizes``."""
     s = _resolve_sizes(sizes)
     experts = s["num_experts"]
-    text_cfg = _text_config(s)
-    config = _config(text_cfg, s)
+    config = checkpoint_config(s)
     # One routed expert per layer on meta; the router's [E, ...] tensors and the expert keys are widened below.
     meta_cfg = json.loads(json.dumps(config))
     meta_cfg["text_config"]["num_experts"] = 1
@@ -109,32 +108,10 @@ def layout_tensors(sizes: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[st
             continue
         if _ROUTER.search(name):
             shape = (experts, *shape[1:])
+        shape = _stored_shape(name, shape, s["linear_head_dim"])
         dtype = torch.float32 if name.endswith(_F32_SUFFIXES) else torch.bfloat16
         tensors.append((name, dtype, shape))
     return config, tensors, _ignore_list(module_types)
-
-
-def _config(text_cfg: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
-    from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, MEDIA_TOKEN_ID, PAD_TOKEN_ID
-
-    return {
-        "model_type": "kimi_k3",
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "auto_map": {
-            "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-            "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-        },
-        "text_config": text_cfg,
-        "vision_config": _vision_config(s),
-        "ignore_index": -100,
-        "media_placeholder_token_id": MEDIA_TOKEN_ID,
-        "pad_token_id": PAD_TOKEN_ID,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "tie_word_embeddings": False,
-        "dtype": "bfloat16",
-    }
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -199,7 +176,7 @@ def make_kimi_k3_layout(
     (path / "model.safetensors.index.json").write_text(json.dumps(index, separators=(",", ":")))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for fname in REMOTE_CODE_FILES:
-        shutil.copyfile(REMOTE_CODE_DIR / fname, path / fname)
+        (path / fname).write_text(remote_code_source(fname))
     make_byte_tokenizer(path, bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"],
                         pad_token_id=config["pad_token_id"], media_token_id=config["media_placeholder_token_id"],
                         vocab_size=config["text_config"]["vocab_size"])

@@ -222,10 +222,12 @@ def check_export(ckpt: Path, out: Path, results: dict) -> None:
     args = [sys.executable, str(REPO / "examples/hf_ptq.py"), "--pyt_ckpt_path", str(ckpt), "--trust_remote_code",
             "--qformat", "nvfp4", "--kv_cache_qformat", "fp8", "--calib_size", "8", "--batch_size", "2",
             "--calib_seq", "64", "--dtype", "float32", "--no_progress"]
-    device_env = {} if DEVICE.type == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
     runs = {}
+    # The CPU run needs our CPU fla-core path: with triton installed nothing is replaced unless forced.
+    cpu_env = {"CUDA_VISIBLE_DEVICES": "", "MODELOPT_K3_FLA_CPU": "1"}
+    device_env = {} if DEVICE.type == "cuda" else cpu_env
     for name, env, experts in (("device-bf16", device_env, "bf16"), ("device-packed", device_env, "packed"),
-                               ("cpu", {"CUDA_VISIBLE_DEVICES": ""}, "bf16")):
+                               ("cpu", cpu_env, "bf16")):
         t = time.perf_counter()
         subprocess.run([*args, "--experts", experts, "--export_path", str(out / name)], check=True,
                        env={**os.environ, **env})
