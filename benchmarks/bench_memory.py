@@ -13,7 +13,9 @@ Figures (each asserted against its target; the suite exits 1 on a miss):
 - peak RSS during calibration: the packed run's expert part / the bf16 run's expert part <= 0.5, where a
   run's expert part is its calibration peak minus the bf16 run's non-expert part (its calibration peak
   minus its expert bytes);
-- calibration wall time, packed / bf16 <= 2 (the decode share of the packed run is reported);
+- calibration wall time, packed / bf16 <= 2: calibration forwards of both residencies in one process,
+  interleaved repeats (the decode share of the packed side is reported; the pipeline runs' single
+  calibration times are reported too);
 - the memory planner against the measurement, every EP degree and residency: resident parameters within
   5%, peak RSS (largest of load, calibration, export) within 20%;
 - decode workspace throughput: a packed module's decode of 8 Kimi-K3-sized experts (gate_up 6144x3584,
@@ -93,14 +95,63 @@ def _run_figures(runs: dict, degrees: tuple[int, ...]) -> list[Figure]:
         t_b, t_p = max(r["calibration_s"] for r in bf16), max(r["calibration_s"] for r in packed)
         decode = max(r["calibration_decode_s"] for r in packed)
         figures.append(Figure(
-            name=f"packed_calibration_time/ep{ep}", area=AREA, title=f"EP {ep}: calibration wall time, packed / bf16",
+            name=f"packed_calibration_time/ep{ep}", area=AREA,
+            title=f"EP {ep}: calibration wall time in the pipeline runs, packed / bf16 (one run each)",
             ours={"label": "packed experts (decode per layer inside each forward)", **summary([t_p])},
             reference={"label": "bf16 experts", **summary([t_b])},
-            ratio=t_p / t_b, target=2.0, target_text="<= 2", higher_is_better=False,
+            ratio=t_p / t_b, target=None,
+            target_text="report (one sample per run; the interleaved figure below carries the <= 2 target)",
+            higher_is_better=False,
             details={"decode_share_of_packed_calibration": decode / t_p if t_p else None,
                      "decode_s": decode, "decodes": max(r["decodes"] for r in packed)},
         ))
     return figures
+
+
+def _calibration_time_figure(ctx, ckpt, calib: dict) -> Figure:
+    """Calibration forwards with packed vs bf16 experts, one process, interleaved repeats (robust to other
+    jobs on the machine, unlike one pipeline run each); the packed side's decode time is measured too."""
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.models import packed_experts
+
+    from .common import calibration_loop
+
+    models = {r: load_pretrained(ckpt, trust_remote_code=True, experts=r, progress=False) for r in RESIDENCIES}
+    loops = {r: calibration_loop(m, ckpt, **calib) for r, m in models.items()}
+    decode = {"s": 0.0}
+    real_decode = packed_experts.mxfp4_decode
+
+    def timed_decode(*a, **k):
+        t = time.perf_counter()
+        out = real_decode(*a, **k)
+        decode["s"] += time.perf_counter() - t
+        return out
+
+    packed_experts.mxfp4_decode = timed_decode
+    threads = torch.get_num_threads()
+    # One thread: both sides pay the same, and no OpenMP barrier waits on a core another job holds.
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            times = time_interleaved({"ours": lambda: loops["packed"](models["packed"]),
+                                      "ref": lambda: loops["bf16"](models["bf16"])}, max(3, ctx.repeats))
+    finally:
+        packed_experts.mxfp4_decode = real_decode
+        torch.set_num_threads(threads)
+    calls = max(3, ctx.repeats) + 1  # the warm-up call decodes too
+    paired = [r / o for o, r in zip(times["ours"], times["ref"])]
+    t_p, t_b = statistics.median(times["ours"]), statistics.median(times["ref"])
+    return Figure(
+        name="packed_calibration_time/interleaved", area=AREA,
+        title="calibration forwards, packed / bf16 experts (EP 1, interleaved repeats)",
+        ours={"label": "packed experts: decode into the workspace inside each MoE forward", **summary(times["ours"])},
+        reference={"label": "bf16 experts", **summary(times["ref"])},
+        ratio=t_p / t_b, ratio_range=(1 / max(paired), 1 / min(paired)), target=2.0, target_text="<= 2",
+        higher_is_better=False,
+        details={"decode_share_of_packed_calibration": decode["s"] / calls / t_p,
+                 "calibration": f"{calib['sequences']} x {calib['seq_len']} tokens, builtin text",
+                 "torch_threads": 1},
+    )
 
 
 def _planner_figures(ckpt, runs: dict, degrees: tuple[int, ...], calib: dict) -> list[Figure]:
@@ -210,6 +261,7 @@ def run(ctx):
     ckpt = tiny_checkpoint(ctx.workdir, ctx.log, **sizes)
     runs = _runs(ctx, ckpt, calib, degrees)
     figures = _run_figures(runs, degrees) + _planner_figures(ckpt, runs, degrees, calib)
+    figures.append(_calibration_time_figure(ctx, ckpt, calib))
     figures.append(_workspace_figure(ctx))
     extra = {"checkpoint": str(ckpt), "sizes": sizes, "calibration": calib,
              "per_rank": {f"ep{ep}-{r}": recs for (ep, r), recs in runs.items()}}
