@@ -320,8 +320,15 @@ def test_multi_rank_uncaught_failure_in_body_script(tmp_path):
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_spilled_shards_read_back_byte_equal(tmp_path):
-    """Past ``spill_bytes`` tensors go to a spill file; shards assembled from it read back exactly."""
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "buffered"])
+def test_spilled_shards_read_back_byte_equal(tmp_path, monkeypatch, kernel_copy):
+    """Past ``spill_bytes`` tensors go to a spill file; shards assembled from it read back exactly (spilled
+    bytes copied in the kernel, or through a buffer where the filesystem refuses)."""
+    if not kernel_copy:
+        def refuse(*a, **k):
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
     dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8]
     g = torch.Generator().manual_seed(0)
     tensors = {f"t{i}": (torch.randn(50, 24, generator=g) * 7).to(dtypes[i % 4]) for i in range(24)}

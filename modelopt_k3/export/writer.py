@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +173,38 @@ def _reraise(exc: BaseException) -> None:
 # --------------------------------------------------------------------------- shard writer
 
 
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _copy_into(src: Path, out_fd: int, out_offset: int, nbytes: int) -> None:
+    """Copy the first ``nbytes`` of ``src`` to ``out_fd`` at ``out_offset``: in the kernel where it can
+    (``copy_file_range``, no trip through user space), else through a buffer."""
+    in_fd = os.open(src, os.O_RDONLY)
+    try:
+        done = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < nbytes:
+                    n = os.copy_file_range(in_fd, out_fd, nbytes - done, done, out_offset + done)
+                    if n == 0:
+                        break
+                    done += n
+            except OSError:  # EXDEV, ENOSYS, EINVAL on some filesystems: finish through a buffer
+                pass
+        while done < nbytes:
+            chunk = os.pread(in_fd, min(64 * 2**20, nbytes - done), done)
+            if not chunk:
+                raise OSError(f"spill file {src} ended at byte {done} of {nbytes}")
+            _pwrite_all(out_fd, chunk, out_offset + done)
+            done += len(chunk)
+    finally:
+        os.close(in_fd)
+
+
 class ShardWriter:
     """Buffer tensors and write safetensors shards of at most ``max_shard_bytes`` each.
 
@@ -266,9 +298,13 @@ class ShardWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
         spill = self._spill_path()
-        with open(path, "wb") as out, open(spill, "rb") as data:
-            out.write(struct.pack("<Q", len(raw)) + raw)
-            shutil.copyfileobj(data, out, length=64 * 2**20)
+        head = struct.pack("<Q", len(raw)) + raw
+        out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(out_fd, head, 0)
+            _copy_into(spill, out_fd, len(head), offset)
+        finally:
+            os.close(out_fd)
         spill.unlink()
         self._spill_file, self._spilled = None, []
 
