@@ -10,7 +10,8 @@ Activations: the reader fake-quantizes a quantized Linear's input from the expor
 applied to the activation; FP8: per tensor), with pre-hooks on the reference model's Linears, routed
 experts' w1/w3/w2 included. Compared at fp32 tolerance (1e-4 of max |logit|): ``w4a16_nvfp4`` (no
 activation quantization) and the Kimi-K3 mirror recipe (expert W4A4 with input_scale 1.0). Calibrated
-W4A4 on every Linear (``presets/nvfp4``) is compared too, with a looser bound: should the fused and the
+W4A4 on every Linear (``ALL_LINEARS_W4A4``: the old ``presets/nvfp4``, attention included) is compared too,
+with a looser bound: should the fused and the
 per-expert arithmetic ever differ in the last fp32 bit, an activation on an E2M1 rounding threshold
 could round the other way (one step in one element). Measured on torch 2.13 CPU: 0 for all three
 (bit-identical logits). KV-cache fake quant is not reproduced: the compared runs have none.
@@ -349,9 +350,16 @@ def mirror(tiny_ckpt, tiny_reference, tmp_path_factory, held_out_ids) -> Run:
     return _api_run(tiny_ckpt, tmp_path_factory, held_out_ids, MIRROR, "mirror")
 
 
+# NVFP4 W4A4 on every Linear but units/default_disabled, attention included (presets/nvfp4 keeps attention
+# BF16 for the serving engines; the reader must still reproduce quantized attention).
+ALL_LINEARS_W4A4 = {"quant_cfg": [{"pattern": "*", "weights": "nvfp4", "inputs": "nvfp4"},
+                                  {"import": "units/default_disabled"}]}
+
+
 @pytest.fixture(scope="module")
 def w4a4(tiny_ckpt, tiny_reference, tmp_path_factory, held_out_ids, calib_loop) -> Run:
-    return _api_run(tiny_ckpt, tmp_path_factory, held_out_ids, "presets/nvfp4", "w4a4", calib_loop)
+    recipe = recipe_from_dict(ALL_LINEARS_W4A4, name="all_linears_w4a4")
+    return _api_run(tiny_ckpt, tmp_path_factory, held_out_ids, recipe, "w4a4", calib_loop)
 
 
 # =====================================================================================================

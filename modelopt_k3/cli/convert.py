@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads converting one shard's tensors (default: min(4, CPU count))")
     p.add_argument("--finalize", action="store_true",
                    help="only finalize (index, configs, marker) an output whose shards are all complete")
+    p.add_argument("--target_engines", default=None, metavar="ENGINES",
+                   help="comma-separated serving engines (vllm, sglang, trtllm) the output must load in as converted: "
+                        "a recipe one of them cannot serve is refused before anything is written, and the exit "
+                        "status is 1 when the final modelopt-k3-check finds one of them does not load it correctly")
     p.add_argument("--no_progress", action="store_true")
     return p
 
@@ -48,6 +52,7 @@ def _under_torchrun() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..check import EngineRefusal, check_recipe_for_engines, final_check, parse_engines
     from ..checkpoint import CheckpointError
     from ..convert import ConvertError, convert_checkpoint, finalize_conversion
     from ..dist.collectives import DistributedStepError
@@ -57,11 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     world_size = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     expected = (CheckpointError, ConvertError, RecipeError, FileExistsError, ValueError, DistributedStepError)
     try:
+        targets = parse_engines(args.target_engines) if args.target_engines is not None else ()
+        if targets:  # before anything is read or written: names and headers only
+            check_recipe_for_engines(args.src, args.recipe, targets)
         if args.finalize:
             stats = finalize_conversion(args.src, args.dst, args.recipe)
             print(f"modelopt_k3 convert: finalized {args.dst}")
             print("\n".join(stats.lines("  ")))
-            return 0
+            return final_check(args.dst, targets)
         kwargs = dict(
             rank=rank,
             world_size=world_size,
@@ -85,11 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
         else:
             report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
-    except expected as exc:
+    except (*expected, EngineRefusal) as exc:
         print(f"modelopt-k3-convert: error: {exc}", file=sys.stderr)
         return 2
     print(report.summary())
-    return 0
+    # The process that finalized the output checks it (the others' shards are part of it).
+    return final_check(args.dst, targets) if report.finalized else 0
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
     p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
                    help="modelopt (hf_quant_config.json; vLLM/TRT-LLM/SGLang) or compressed-tensors nvfp4-pack-quantized")
+    p.add_argument("--target_engines", default=None, metavar="ENGINES",
+                   help="comma-separated serving engines (vllm, sglang, trtllm) the export must load in as calibrated: "
+                        "a recipe one of them cannot serve is refused before any weight is read, and the exit "
+                        "status is 1 when the final modelopt-k3-check finds one of them does not load it correctly")
     p.add_argument("--max_shard_size_mb", type=int, default=5 * 1024)
     p.add_argument("--no_progress", action="store_true")
     return p
@@ -79,8 +83,23 @@ def _tiny_checkpoint(group) -> Path:
     return path
 
 
+def _target_engines(args: argparse.Namespace) -> tuple[str, ...]:
+    from ..check import parse_engines
+
+    if args.target_engines is None:
+        return ()
+    if args.export_format != "modelopt":
+        raise ValueError("--target_engines replays the engines' ModelOpt loaders; it needs --export_format modelopt")
+    return parse_engines(args.target_engines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        targets = _target_engines(args)
+    except ValueError as exc:
+        print(f"modelopt-k3-ptq: error: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     from .. import export_checkpoint, load_pretrained, quantize
@@ -106,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
             overrides["calibrate_all_experts"] = True
         recipe = load_recipe(recipe_name, overrides=overrides or None)
         export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
+        if targets:  # before any weight is read: names and headers only
+            from ..check import EngineRefusal, check_recipe_for_engines
+
+            try:
+                check_recipe_for_engines(ckpt, recipe, targets)
+            except EngineRefusal as exc:
+                if main_rank:
+                    print(f"modelopt-k3-ptq: error: {exc}", file=sys.stderr)
+                return 2
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
         model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype,
@@ -138,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                                 max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
         t_export = time.perf_counter()
         say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
-    return 0
+        if not main_rank:
+            return 0
+        if args.export_format != "modelopt":
+            say("[modelopt_k3] modelopt-k3-check replays ModelOpt-format loading only; not run on this export")
+            return 0
+        from ..check import final_check
+
+        return final_check(out, targets, say=say)
 
 
 if __name__ == "__main__":
