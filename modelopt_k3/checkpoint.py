@@ -115,6 +115,10 @@ class CheckpointReader:
     def __contains__(self, key: str) -> bool:
         return key in self._infos
 
+    def inventory(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of every tensor, by name: what the decision table is built from."""
+        return {key: (info.dtype, info.shape) for key, info in self._infos.items()}
+
     def info(self, key: str) -> TensorInfo:
         try:
             return self._infos[key]

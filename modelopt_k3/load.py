@@ -45,6 +45,7 @@ class LoadInfo:
     checkpoint: Path
     spec: ModelSpec
     plan: DistributionPlan
+    model_cls: type | None = None  # the checkpoint's own class (before any FSDP2 wrapping)
     source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
     bytes_read: int = 0
@@ -301,7 +302,7 @@ def load_pretrained(
     set_experts_implementation(model, spec, the_plan.experts_implementation)
     model.to_empty(device=the_plan.device)
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
-    info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan)
+    info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan, model_cls=model_cls)
     def read_own_tensors() -> None:
         with reader:
             experts = spec.experts_modules(model)

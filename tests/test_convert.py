@@ -244,9 +244,9 @@ def test_b_proj_gets_a_partial_edge_block(converted, ckpt: Path):
     w = src[f"{name}.weight"]
     assert w.shape == (2, 128)  # [num_heads, hidden]: 2 rows of a 128-row block
     assert mine[f"{name}.weight"].dtype == torch.float8_e4m3fn and mine[f"{name}.weight"].shape == w.shape
-    assert mine[f"{name}.weight_scale"].shape == (1, 1)
+    assert mine[f"{name}.weight_scale"].shape == (1, 1, 1, 1)  # ModelOpt's [out_blk, 1, in_blk, 1]
     q, s = fp8_quantize_blockwise(w)
-    assert _same_bytes(mine[f"{name}.weight"], q) and _same_bytes(mine[f"{name}.weight_scale"], s)
+    assert _same_bytes(mine[f"{name}.weight"], q) and _same_bytes(mine[f"{name}.weight_scale"], s[:, None, :, None])
     assert mine[f"{name}.weight_scale"].item() == pytest.approx(w.float().abs().max().item() / 448, rel=1e-6)
 
 
@@ -260,7 +260,9 @@ def test_experts_left_bf16_are_decoded(ckpt: Path, tmp_path: Path):
     assert _same_bytes(mine[f"{key}.weight"], mxfp4_decode(src[f"{key}.weight_packed"], src[f"{key}.weight_scale"]))
     assert not any(k.endswith((".weight_packed", ".weight_scale_2")) for k in mine)
     excluded = _json(out / "hf_quant_config.json")["quantization"]["exclude_modules"]
-    assert "language_model.model.layers.1.block_sparse_moe.experts.*.w1" in excluded
+    import fnmatch  # ModelOpt's prefix wildcards cover every expert left BF16
+
+    assert any(fnmatch.fnmatchcase("language_model.model.layers.1.block_sparse_moe.experts.3.w1", p) for p in excluded)
 
 
 def test_untouched_tensors_are_copied_byte_for_byte(converted, ckpt: Path):
@@ -463,3 +465,106 @@ def test_cli(converted, ckpt: Path, tmp_path: Path, capsys, monkeypatch):
     assert _files(out) == _files(converted[0])
     assert cli_main(argv) == 2
     assert "complete conversion" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- shared-input groups, default recipe
+
+
+def _model_path_export(ckpt: Path, recipe, out: Path) -> Path:
+    from conftest import unpatch_remote_code
+
+    from modelopt_k3 import export_checkpoint, load_pretrained, quantize
+
+    try:
+        model = load_pretrained(ckpt, trust_remote_code=True, progress=False)
+        quantize(model, recipe, None, verbose=False)
+        export_checkpoint(model, out, progress=False)
+    finally:
+        unpatch_remote_code()
+    return out
+
+
+# Dense NVFP4 W4A4 with constant input amaxes, one of a group's members lower: the group takes the max.
+CONSTANT_W4A4 = {
+    "quant_cfg": [
+        {"pattern": "*", "weights": "nvfp4", "inputs": "nvfp4", "input_amax": 2688.0},
+        {"pattern": "*.self_attn.q_proj", "weights": "nvfp4", "inputs": "nvfp4", "input_amax": 1344.0},
+        {"import": "units/default_disabled"},
+    ]
+}
+
+
+def test_dense_nvfp4_groups_need_trust_remote_code_and_equal_the_model_path(ckpt: Path, tmp_path: Path):
+    """Recipes that give dense Linears NVFP4 need the checkpoint's groups (a probe of its own code): refused
+    without trust_remote_code; with it, the shared-input groups share weight_scale_2 and the max constant
+    input_scale, byte for byte as the model path exports them."""
+    from modelopt_k3.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(CONSTANT_W4A4, name="constant_w4a4")
+    with pytest.raises(RecipeError, match="trust_remote_code"):
+        convert_checkpoint(ckpt, tmp_path / "refused", recipe)
+    assert not (tmp_path / "refused" / COMPLETE_MARKER).exists()
+    out = tmp_path / "groups"
+    convert_checkpoint(ckpt, out, recipe, trust_remote_code=True)
+    mine = _read_all(out)
+    theirs = _read_all(_model_path_export(ckpt, recipe, tmp_path / "model_path"))
+    assert _differing(mine, theirs) == []
+    for name in ("config.json", "hf_quant_config.json"):
+        assert _json(out / name) == _json(tmp_path / "model_path" / name), name
+    kda = "language_model.model.layers.0.self_attn"
+    members = [f"{kda}.{p}" for p in ("b_proj", "f_a_proj", "g_proj", "k_proj", "q_proj", "v_proj")]
+    for key in ("weight_scale_2", "input_scale"):
+        assert len({mine[f"{m}.{key}"].item() for m in members}) == 1, key
+    assert mine[f"{kda}.q_proj.input_scale"].item() == 1.0  # its own 1344 / 2688 = 0.5 lost to the group's max
+    assert mine[f"{kda}.o_proj.input_scale"].item() == 1.0
+    src = _read_all(ckpt)
+    amax = max(src[f"{m}.weight"].float().abs().amax() for m in members)
+    assert mine[f"{kda}.q_proj.weight_scale_2"].item() == (amax / 2688.0).item()
+
+
+def test_default_recipe_is_calibration_free_nvfp4_experts(ckpt: Path, tmp_path: Path, capsys, monkeypatch):
+    """No --recipe: routed experts NVFP4 by the lossless cast with input_scale 1.0, every other tensor as the
+    source stores it; the model path writes the same bytes with the same recipe."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "default"
+    assert cli_main(["--src", str(ckpt), "--dst", str(out), "--no_progress"]) == 0
+    assert "models/moonshotai/Kimi-K3/nvfp4_experts" in capsys.readouterr().out
+    src, mine = _read_all(ckpt), _read_all(out)
+    experts = _experts(mine)
+    assert len(experts) == 72 and all(mine[f"{m}.input_scale"].item() == 1.0 for m in experts)
+    for key, value in src.items():
+        if ".block_sparse_moe.experts." not in key:
+            assert _same_bytes(mine[key], value), key
+    assert not [k for k in mine if k.endswith(".weight_scale") and ".experts." not in k]
+    theirs = _model_path_export(ckpt, "models/moonshotai/Kimi-K3/nvfp4_experts", tmp_path / "model_path")
+    assert _differing(mine, _read_all(theirs)) == []
+    assert _json(out / "hf_quant_config.json") == _json(theirs / "hf_quant_config.json")
+    assert _json(out / "hf_quant_config.json")["quantization"]["quant_algo"] == "NVFP4"
+
+
+def test_fp8_pb_wo_equals_modelopt_0_47(tmp_path: Path):
+    """The mirror recipe's 128x128 block FP8 on a tiny Kimi-K3 with multi-block attention weights equals, bit
+    for bit, what nvidia-modelopt 0.47.0 exports (tests/data/modelopt_0_47_golden.json). ModelOpt writes the
+    scale of a one-block weight as a 0-d tensor (its amax has one element); we keep the 4-D shape there."""
+    import hashlib
+
+    golden = json.loads((Path(__file__).parent / "data" / "modelopt_0_47_golden.json").read_text())["fp8_pb_wo"]
+    src = make_tiny_kimi_k3(tmp_path / "ckpt", seed=0, hidden_size=256, linear_head_dim=96, linear_num_heads=3,
+                            q_lora_rank=192)
+    out = tmp_path / "out"
+    convert_checkpoint(src, out, MIRROR)
+    mine = _read_all(out)
+
+    def sha(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+    multi_block = 0
+    for module, want in golden.items():
+        w, s = mine[f"{module}.weight"], mine[f"{module}.weight_scale"]
+        blocks = (-(-w.shape[0] // 128), 1, -(-w.shape[1] // 128), 1)
+        assert tuple(s.shape) == blocks, module
+        assert want["weight_scale_shape"] == (list(blocks) if s.numel() > 1 else []), module
+        multi_block += s.numel() > 1
+        assert (sha(w), sha(s)) == (want["weight"], want["weight_scale"]), module
+    assert len(golden) == 30 and multi_block == 29

@@ -17,7 +17,7 @@ import pytest
 import torch
 from engine_emulation import (
     edit_export,
-    modelopt_style_excludes,
+    modelopt_k3_converter_layers,
     quantized_modules,
     set_exclude,
     vllm_reading,
@@ -46,7 +46,7 @@ from modelopt_k3.check import (
 from modelopt_k3.cli import check as check_cli
 from modelopt_k3.cli import convert as convert_cli
 from modelopt_k3.cli import hf_ptq
-from modelopt_k3.export.modelopt_format import nvfp4_weight_tensors
+from modelopt_k3.export.modelopt_format import nvfp4_weight_tensors, summarize_exclusions
 from modelopt_k3.recipe import load_recipe, recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
 
@@ -85,12 +85,13 @@ def experts_only(tiny_ckpt: Path, tokenizer, held_out_ids, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def good(experts_only, tmp_path_factory) -> Path:
-    """The experts-only export with ModelOpt's prefix-wildcard exclude patterns (what the engines need
-    to leave the fused attention parameters BF16; today's exporter writes exact names)."""
+    """The experts-only export, its exclude list rewritten from the exact names of its BF16 Linears as
+    ModelOpt summarizes them (prefix wildcards: what the engines need to leave the fused attention
+    parameters BF16), so the good case is built here whatever the exporter writes."""
     src, _ = experts_only
     quantized = quantized_modules(src)
     return edit_export(src, tmp_path_factory.mktemp("good") / "export",
-                       quant=lambda hf, cfg: set_exclude(hf, cfg, modelopt_style_excludes(hf["exclude_modules"], quantized)))
+                       quant=lambda hf, cfg: set_exclude(hf, cfg, summarize_exclusions(_exact_excludes(src), quantized)))
 
 
 def verdicts(report) -> dict[str, str]:
@@ -151,7 +152,7 @@ def _with_mlp0(good: Path, dst: Path, tiny_ckpt: Path, *, shared: bool) -> Path:
 
     base = [m for m in _exact_excludes(good) if m not in src_excluded]
     return edit_export(good, dst, add=tensors, quant=lambda hf, cfg: set_exclude(
-        hf, cfg, modelopt_style_excludes(base, quantized)))
+        hf, cfg, summarize_exclusions(base, quantized)))
 
 
 def _exact_excludes(export: Path) -> list[str]:
@@ -204,7 +205,7 @@ def _fp8_pb_with_scale_rank(src: Path, dst: Path, rank: int) -> Path:
         add[key] = s.reshape(nr, 1, nc, 1) if rank == 4 else s.reshape(nr, nc)
     quantized = {k.rpartition(".")[0] for k in scales}
     return edit_export(src, dst, add=add, quant=lambda hf, cfg: set_exclude(
-        hf, cfg, modelopt_style_excludes(hf["exclude_modules"], quantized)))
+        hf, cfg, summarize_exclusions(_exact_excludes(src), quantized)))
 
 
 def test_fp8_pb_wo_needs_modelopts_4d_block_scale(mlp0_fp8_pb: Path, tmp_path):
@@ -258,7 +259,7 @@ def test_layers_an_engines_k3_class_cannot_take_quantized(good: Path, tiny_ckpt:
         quantized = quantized_modules(good) | {module}
         base = [m for m in _exact_excludes(good) if m != module]
         return edit_export(good, dst, add=nvfp4(module), quant=lambda hf, cfg: set_exclude(
-            hf, cfg, modelopt_style_excludes(base, quantized)))
+            hf, cfg, summarize_exclusions(base, quantized)))
 
     latent = f"{LM}.layers.1.block_sparse_moe.routed_expert_down_proj"
     report = check_export(export_with(latent, tmp_path / "latent"), ("vllm", "sglang"))
@@ -293,6 +294,26 @@ def test_trtllm_reads_the_mxfp4_source_and_nvfp4_experts_only_when_declared(tiny
     assert check_export(declared, ("trtllm",)).results["trtllm"].verdict == LOADS
 
 
+def test_the_mirror_spelled_as_modelopts_k3_converter_loads_in_trtllm(tiny_ckpt: Path, tmp_path):
+    """The mirror recipe's layout is what TensorRT-LLM's K3 loader is written for, once quantized_layers
+    names the experts banks as ModelOpt's own K3 converter does; vLLM and SGLang still build FP8_PB_WO
+    layers unquantized (their MIXED_PRECISION configs dispatch only FP8/NVFP4(/W4A16_NVFP4))."""
+    from modelopt_k3 import convert_checkpoint
+
+    mirror = convert_checkpoint(tiny_ckpt, tmp_path / "mirror", "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention",
+                                progress=False).dst
+    trt = check_export(mirror, ("trtllm",)).results["trtllm"]
+    assert trt.verdict == REFUSES and "no <prefix>layers.{i}.block_sparse_moe.experts entry" in trt.refusals[0].reason
+
+    def respell(hf, cfg):
+        hf["quantized_layers"] = cfg["quantized_layers"] = modelopt_k3_converter_layers(hf["quantized_layers"])
+
+    report = check_export(edit_export(mirror, tmp_path / "respelled", quant=respell), ("vllm", "sglang", "trtllm"))
+    assert verdicts(report) == {"vllm": REFUSES, "sglang": REFUSES, "trtllm": LOADS}
+    assert "does not dispatch" in report.results["vllm"].refusals[0].reason  # FP8_PB_WO f_b_proj
+    assert "directly as BF16" in report.results["sglang"].refusals[0].reason  # KDA b/f_a/f_b_proj
+
+
 def test_producer_name_matters_only_on_sglangs_hf_quant_config_fallback(good: Path, tmp_path):
     """config.json's quantization_config is read first; without it SGLang reads hf_quant_config.json only
     when producer.name is "modelopt"."""
@@ -300,12 +321,17 @@ def test_producer_name_matters_only_on_sglangs_hf_quant_config_fallback(good: Pa
     config = json.loads((export / "config.json").read_text())
     del config["quantization_config"]
     (export / "config.json").write_text(json.dumps(config))
-    sglang = check_export(export, ("sglang",)).results["sglang"]
-    assert sglang.verdict == REFUSES and "producer.name is 'modelopt'" in sglang.refusals[0].reason
     hf = json.loads((export / "hf_quant_config.json").read_text())
-    hf["producer"]["name"] = "modelopt"
+    for name, verdict in (("modelopt_k3", REFUSES), ("modelopt", LOADS)):
+        hf["producer"]["name"] = name
+        (export / "hf_quant_config.json").write_text(json.dumps(hf))
+        sglang = check_export(export, ("sglang",)).results["sglang"]
+        assert sglang.verdict == verdict, sglang.headline()
+    assert check_export(export, ("vllm",)).results["vllm"].verdict == LOADS  # vLLM does not look
+    hf["producer"]["name"] = "modelopt_k3"
     (export / "hf_quant_config.json").write_text(json.dumps(hf))
-    assert check_export(export, ("sglang",)).results["sglang"].verdict == LOADS
+    sglang = check_export(export, ("sglang",)).results["sglang"]
+    assert "producer.name is 'modelopt'" in sglang.refusals[0].reason
 
 
 # ----------------------------------------------------------------------------- up front, from names only

@@ -69,3 +69,31 @@ def test_mixed_formats_are_refused(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match="modelopt"):
         export_checkpoint(model, tmp_path / "x", format="compressed-tensors", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_shared_input_groups_share_global_scales(tiny_ckpt, tmp_path):
+    """Dense NVFP4 in the compressed-tensors layout: the Linears that read one input (KDA q/k/v/f_a/b/g,
+    MLA q_a/kv_a/g, gate/up) store one weight_global_scale, the reciprocal of the group's max amax / 2688,
+    and compressed-tensors' decoder reads the codes back under it."""
+    model = load_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32, progress=False)
+    quantize(model, "presets/w4a16_nvfp4", None, verbose=False)
+    out = tmp_path / "ct"
+    export_checkpoint(model, out, format="compressed-tensors", progress=False)
+    scheme = QuantizationConfig.model_validate(
+        json.loads((out / "config.json").read_text())["quantization_config"]).config_groups["group_0"]
+    groups = {
+        "language_model.model.layers.1.self_attn": ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj"),
+        "language_model.model.layers.3.self_attn": ("q_a_proj", "kv_a_proj_with_mqa", "g_proj"),
+        "language_model.model.layers.0.mlp": ("gate_proj", "up_proj"),
+        "language_model.model.layers.2.block_sparse_moe.shared_experts": ("gate_proj", "up_proj"),
+    }
+    for parent, projs in groups.items():
+        members = {p: _tensors(out, f"{parent}.{p}") for p in projs}
+        src = {p: _tensors(tiny_ckpt, f"{parent}.{p}")["weight"].float() for p in projs}
+        scales = {m["weight_global_scale"].item() for m in members.values()}
+        assert len(scales) == 1, parent
+        amax = max(w.abs().amax() for w in src.values())
+        assert scales.pop() == (1.0 / (amax / 2688.0)).item(), parent
+        for p, tensors in members.items():  # decoded under the shared scale: within one E2M1 step of the source
+            decoded = NVFP4PackedCompressor.decompress(dict(tensors), scheme)["weight"].float()
+            assert (decoded - src[p]).abs().max() <= src[p].abs().max() / 6 * 2, (parent, p)

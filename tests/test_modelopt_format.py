@@ -30,23 +30,36 @@ def test_unknown_format_refused():
 
 
 def test_hf_quant_config_single_and_mixed():
-    single = hf_quant_config({"a.q_proj": "NVFP4", "b.q_proj": "NVFP4"}, kv_cache="fp8", exclude_modules=["lm_head"])
+    """ModelOpt 0.47's fields and order (get_quant_config / convert_hf_quant_config_format)."""
+    single = hf_quant_config({"a.q_proj": "NVFP4", "b.q_proj": "NVFP4"}, kv_cache="fp8",
+                             unquantized=["lm_head", "b.k_proj", "c.x.y"], recipe="r")
+    assert single["producer"] == {"name": "modelopt", "version": "0.47.0"}
+    assert single["modelopt_k3"]["recipe"] == "r"
     q = single["quantization"]
-    assert q["quant_algo"] == "NVFP4" and q["group_size"] == 16 and q["kv_cache_quant_algo"] == "FP8"
-    assert "quantized_layers" not in q and q["exclude_modules"] == ["lm_head"]
+    assert q == {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
+                 "exclude_modules": ["b.k_proj", "c*", "lm_head"]}
+    assert list(q) == ["quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"]
     cfg = config_quantization_config(single)
-    assert cfg["quant_method"] == "modelopt" and cfg["ignore"] == ["lm_head"]
-    assert cfg["config_groups"]["group_0"]["weights"] == {"num_bits": 4, "type": "float", "group_size": 16}
-    assert cfg["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "dynamic": False}
-
-    mixed = hf_quant_config({"e.w1": "NVFP4", "a.q_proj": "FP8_PB_WO"}, kv_cache=None, exclude_modules=[])
-    q = mixed["quantization"]
-    assert q["quant_algo"] == "MIXED_PRECISION" and q["kv_cache_quant_algo"] is None
-    assert q["quantized_layers"] == {
-        "a.q_proj": {"quant_algo": "FP8_PB_WO", "block_size": [128, 128]},
-        "e.w1": {"quant_algo": "NVFP4", "group_size": 16},
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    assert cfg == {
+        "config_groups": {"group_0": {"input_activations": fp4, "weights": fp4, "targets": ["Linear"]}},
+        "ignore": ["b.k_proj", "c*", "lm_head"], "quant_algo": "NVFP4",
+        "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+        "producer": {"name": "modelopt", "version": "0.47.0"}, "quant_method": "modelopt",
     }
-    assert len(config_quantization_config(mixed)["config_groups"]) == 2
+
+    mixed = hf_quant_config({"e.w1": "NVFP4", "a.q_proj": "FP8_PB_WO", "a.k_proj": "FP8_PB_WO"}, kv_cache=None,
+                            unquantized=["lm_head"])
+    q = mixed["quantization"]
+    assert q == {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": {
+        "a.k_proj": {"quant_algo": "FP8_PB_WO"}, "a.q_proj": {"quant_algo": "FP8_PB_WO"},
+        "e.w1": {"quant_algo": "NVFP4", "group_size": 16}}}
+    cfg = config_quantization_config(mixed)
+    assert cfg["quant_method"] == "modelopt_mixed" and cfg["ignore"] == [] and "kv_cache_scheme" not in cfg
+    assert cfg["config_groups"] == {
+        "group_0": {"quant_algo": "FP8_PB_WO", "targets": ["a.k_proj", "a.q_proj"]},
+        "group_1": {"input_activations": fp4, "weights": fp4, "targets": ["e.w1"]},
+    }
 
 
 def test_nvfp4_weight_scale_2_is_the_given_scalar():

@@ -205,9 +205,10 @@ def check_and_decode(prefix: str, algo: str, t: dict[str, torch.Tensor]) -> torc
     if algo == "FP8_PB_WO":
         out, n = w.shape
         assert w.dtype == E4M3 and s.dtype == torch.float32, prefix
-        assert tuple(s.shape) == (math.ceil(out / 128), math.ceil(n / 128)), (prefix, tuple(s.shape))
+        # ModelOpt 0.47's (and vLLM's ModelOptFp8PbWoLinearMethod's) shape: [out_blk, 1, in_blk, 1].
+        assert tuple(s.shape) == (math.ceil(out / 128), 1, math.ceil(n / 128), 1), (prefix, tuple(s.shape))
         assert not has_input, prefix
-        return decode_fp8_block(w, s)
+        return decode_fp8_block(w, s[:, 0, :, 0])
     raise AssertionError(f"{prefix}: unknown quant_algo {algo}")
 
 
@@ -222,7 +223,7 @@ def read_export(path: Path) -> ReadBack:
     else:
         algos = dict.fromkeys(quantized, q["quant_algo"])
     assert set(algos) == quantized, sorted(set(algos) ^ quantized)[:10]
-    assert not quantized & set(q["exclude_modules"])
+    assert not quantized & set(q.get("exclude_modules", []))
     state: dict[str, torch.Tensor] = {}
     input_scales: dict[str, tuple[str, torch.Tensor]] = {}
     for key, value in tensors.items():
@@ -527,16 +528,99 @@ def test_nvfp4_experts_are_lossless_cast_of_mxfp4_source(w4a16: Run, source, tin
     assert n == 3 * 8 * 3
 
 
-def test_dense_nvfp4_bit_exact(w4a16: Run, source) -> None:
-    """Dense Linears: the export equals FORMATS.md's NVFP4 rules applied to the source BF16 weight."""
+@pytest.fixture(scope="module")
+def reference_groups(tiny_reference, held_out_ids) -> list[tuple[str, ...]]:
+    """Linears of the reference model that receive the identical input tensor (forward pre-hooks, as
+    ModelOpt's collect_shared_input_modules does), routed experts aside: written here, independently."""
+    readers: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args, n=n: readers.setdefault(id(args[0]), (args[0], []))[1].append(n))
+        for n, m in tiny_reference.named_modules()
+        if type(m) is torch.nn.Linear and not EXPERT_RE.match(n)
+    ]
+    try:
+        logits_of(tiny_reference, held_out_ids[:1, :8])
+    finally:
+        for h in handles:
+            h.remove()
+    return sorted({tuple(sorted(set(names))) for _, names in readers.values() if len(set(names)) > 1})
+
+
+def test_reference_groups_are_the_fused_projections(reference_groups) -> None:
+    """What serving engines fuse: KDA q/k/v/f_a/b/g, MLA q_a + kv_a + g, dense and shared-expert gate/up
+    (not routed_expert_down_proj: it reads a view of the shared experts' input)."""
+    kinds = {tuple(n.rpartition(".")[2] for n in g) for g in reference_groups}
+    assert kinds == {("b_proj", "f_a_proj", "g_proj", "k_proj", "q_proj", "v_proj"),
+                     ("g_proj", "kv_a_proj_with_mqa", "q_a_proj"), ("gate_proj", "up_proj")}
+    assert len(reference_groups) == 3 + 1 + 1 + 3  # 3 KDA layers, 1 MLA, 1 dense MLP, 3 shared experts
+
+
+def group_of(module: str, groups: list[tuple[str, ...]], quantized) -> tuple[str, ...]:
+    """The quantized members of ``module``'s shared-input group (only quantized members count)."""
+    members = next((g for g in groups if module in g), (module,))
+    return tuple(m for m in members if m in quantized)
+
+
+def test_shared_input_groups_share_scales(w4a4: Run, w4a16: Run, cli_nvfp4: ReadBack, reference_groups, source) -> None:
+    """Every shared-input group has one weight_scale_2 (the max of its weights' amax / 2688) and one
+    input_scale, read straight from the exports."""
+    # presets/nvfp4 (the CLI run) keeps attention BF16 for the serving engines: its 4 attention groups
+    # (3 KDA, 1 MLA) have no quantized member.
+    for rb, expected in ((w4a4.rb, 8), (w4a16.rb, 8), (cli_nvfp4, 4)):
+        t, checked = rb.tensors, 0
+        for group in reference_groups:
+            if not any(m in rb.algos for m in group):
+                continue
+            members = group_of(group[0], reference_groups, rb.algos)
+            assert len(members) == len(group), (group, members)
+            for key in ("weight_scale_2", "input_scale"):
+                values = {bytes(bytes_of(t[f"{m}.{key}"]).tolist()) for m in members if f"{m}.{key}" in t}
+                assert len(values) <= 1, f"{members} export {len(values)} different {key}"
+            amax = max(source[f"{m}.weight"].float().abs().amax() for m in members)
+            assert t[f"{members[0]}.weight_scale_2"].item() == (amax / 2688.0).item(), members
+            checked += 1
+        assert checked == expected and len(reference_groups) == 8
+
+
+def test_dense_nvfp4_bit_exact(w4a16: Run, source, reference_groups) -> None:
+    """Dense Linears: FORMATS.md's NVFP4 rules applied to the source BF16 weight, under the global scale
+    of the Linear's shared-input group (its max amax / 2688; block scales recomputed against it)."""
     t = w4a16.rb.tensors
     dense = [m for m in w4a16.rb.algos if not EXPERT_RE.match(m)]
     assert any(".shared_experts." in m for m in dense) and any(m.endswith("self_attn.b_proj") for m in dense)
+    grouped = 0
     for module in dense:
-        packed, scale, gs = quantize_nvfp4(source[f"{module}.weight"])
+        members = group_of(module, reference_groups, w4a16.rb.algos)
+        gs = max(source[f"{m}.weight"].float().abs().amax() for m in members) / (FP4_MAX * E4M3_MAX)
+        grouped += len(members) > 1
+        packed, scale, _ = quantize_nvfp4(source[f"{module}.weight"], gs)
         assert t[f"{module}.weight_scale_2"].item() == gs.item(), module
         assert torch.equal(bytes_of(t[f"{module}.weight_scale"]), bytes_of(scale)), module
         assert torch.equal(t[f"{module}.weight"], packed), module
+    assert grouped == 3 * 6 + 3 + 2 + 3 * 2
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(bytes_of(t).numpy().tobytes()).hexdigest()[:16]
+
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "modelopt_0_47_golden.json").read_text())
+
+
+def test_dense_nvfp4_equals_modelopt_0_47(w4a16: Run) -> None:
+    """The NVFP4 tensors of every BF16-sourced Linear equal, bit for bit, what nvidia-modelopt 0.47.0's own
+    export writes for the same weights (its group-unified global scales included; tests/data says how the
+    golden file was made)."""
+    golden = GOLDEN["w4a16_nvfp4"]
+    t = w4a16.rb.tensors
+    assert set(golden) == {m for m in w4a16.rb.algos if not EXPERT_RE.match(m)}
+    for module, want in golden.items():
+        got = {"weight": _sha(t[f"{module}.weight"]), "weight_scale": _sha(t[f"{module}.weight_scale"]),
+               "weight_scale_shape": list(t[f"{module}.weight_scale"].shape),
+               "weight_scale_2": t[f"{module}.weight_scale_2"].item().hex()}
+        assert got == want, module
 
 
 def test_fp8_pb_bit_exact_with_partial_blocks(mirror: Run, source) -> None:
@@ -551,13 +635,13 @@ def test_fp8_pb_bit_exact_with_partial_blocks(mirror: Run, source) -> None:
         padded = torch.nn.functional.pad(w, (0, nc * 128 - n, 0, nr * 128 - out))
         amax = padded.view(nr, 128, nc, 128).abs().amax(dim=(1, 3))
         scale = amax / 448.0
-        assert torch.equal(t[f"{module}.weight_scale"], scale), module
+        assert torch.equal(t[f"{module}.weight_scale"], scale[:, None, :, None]), module
         q = (w / block_broadcast(scale, (out, n))).clamp(-448, 448).to(E4M3)
         assert torch.equal(bytes_of(t[f"{module}.weight"]), bytes_of(q)), module
         rel = (mirror.rb.state_dict[f"{module}.weight"] - w).abs().max() / w.abs().max()
         assert rel <= 2.0**-4, (module, rel)  # E4M3: 3 mantissa bits
     b_proj = next(m for m in fp8 if m.endswith(".b_proj"))
-    assert t[f"{b_proj}.weight"].shape[0] < 128 and t[f"{b_proj}.weight_scale"].shape == (1, 1)
+    assert t[f"{b_proj}.weight"].shape[0] < 128 and t[f"{b_proj}.weight_scale"].shape == (1, 1, 1, 1)
 
 
 # =====================================================================================================
@@ -602,34 +686,52 @@ def text_config(tiny_ckpt: Path) -> dict:
     return json.loads((tiny_ckpt / "config.json").read_text())["text_config"]
 
 
-def reference_linears(rb: ReadBack) -> set[str]:
+def reference_unquantized(rb: ReadBack) -> set[str]:
+    """Modules ModelOpt gives a quantizer (Linear, Embedding, Conv, MoE router) that the export left
+    unquantized, read off the reference model's own module types."""
     model = reference_from_export(rb, quantize_inputs=False)
-    return {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    found = {n for n, m in model.named_modules() if type(m) in kinds}
+    routers = {f"{n}.gate" for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
+    return (found | routers) - set(rb.algos)
+
+
+def check_exclusions(patterns: list[str], unquantized: set[str], quantized: set[str]) -> None:
+    """ModelOpt's exclude_modules: wildcards covering every unquantized module and no quantized one."""
+    import fnmatch
+
+    for p in patterns:
+        assert not [q for q in quantized if fnmatch.fnmatchcase(q, p)], f"{p} matches quantized modules"
+    assert all(any(fnmatch.fnmatchcase(u, p) for p in patterns) for u in unquantized)
+    assert "vision_tower*" in patterns and len(patterns) < len(unquantized)  # summarized, as ModelOpt does
+
+
+MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # engines' fallback parsers check the name
 
 
 def check_configs(rb: ReadBack, tiny_ckpt: Path, *, quant_algo: str, kv: bool, recipe: str) -> None:
-    """hf_quant_config.json and config.json's quantization_config per FORMATS.md."""
+    """hf_quant_config.json and config.json's quantization_config: ModelOpt 0.47's fields, FORMATS.md's values."""
     hf = rb.hf_quant
-    assert hf["producer"]["name"] == "modelopt_k3" and hf["producer"]["version"] == modelopt_k3.__version__
-    assert hf["producer"].get("recipe") == recipe
+    assert hf["producer"] == MODELOPT_PRODUCER
+    assert hf["modelopt_k3"] == {"name": "modelopt_k3", "version": modelopt_k3.__version__, "recipe": recipe}
     q = hf["quantization"]
     assert q["quant_algo"] == quant_algo
     assert q["kv_cache_quant_algo"] == ("FP8" if kv else None)
-    # Excluded = every Linear of the model (module types from the reference model) not quantized.
-    assert q["exclude_modules"] == sorted(reference_linears(rb) - set(rb.algos))
     if quant_algo == "MIXED_PRECISION":
-        assert "group_size" not in q
+        assert list(q) == ["quant_algo", "kv_cache_quant_algo", "quantized_layers"]  # no exclude_modules
         assert set(q["quantized_layers"]) == set(rb.algos)
         for module, entry in q["quantized_layers"].items():
             if entry["quant_algo"] == "NVFP4":
                 assert entry == {"quant_algo": "NVFP4", "group_size": 16}, module
             else:
-                assert entry["quant_algo"] == "FP8_PB_WO" and entry.get("block_size") == [128, 128], module
+                assert entry == {"quant_algo": "FP8_PB_WO"}, module
     else:
-        assert "quantized_layers" not in q
         assert set(rb.algos.values()) == {quant_algo}
+        fields = ["quant_algo", "kv_cache_quant_algo"] + (["group_size"] if "NVFP4" in quant_algo else [])
+        assert list(q) == [*fields, "exclude_modules"]
         if "NVFP4" in quant_algo:
             assert q["group_size"] == 16
+        check_exclusions(q["exclude_modules"], reference_unquantized(rb), set(rb.algos))
 
     cfg = rb.config
     src = json.loads((tiny_ckpt / "config.json").read_text())
@@ -645,24 +747,28 @@ def check_configs(rb: ReadBack, tiny_ckpt: Path, *, quant_algo: str, kv: bool, r
 
     assert without_qc(cfg) == without_qc(src)
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == quant_algo
-    assert qc["producer"] == hf["producer"] and qc["ignore"] == q["exclude_modules"]
+    mixed = quant_algo == "MIXED_PRECISION"
+    assert qc["quant_method"] == ("modelopt_mixed" if mixed else "modelopt") and qc["quant_algo"] == quant_algo
+    assert qc["producer"] == MODELOPT_PRODUCER and qc["ignore"] == q.get("exclude_modules", [])
     if kv:
-        assert qc["kv_cache_scheme"]["num_bits"] == 8 and qc["kv_cache_scheme"]["type"] == "float"
+        assert qc["kv_cache_scheme"] == {"dynamic": False, "num_bits": 8, "type": "float"}
     else:
-        assert qc["kv_cache_scheme"] is None
+        assert "kv_cache_scheme" not in qc
     groups = list(qc["config_groups"].values())
-    nvfp4_w = {"num_bits": 4, "type": "float", "group_size": 16}
+    nvfp4_w = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
     if quant_algo == "NVFP4":
-        assert groups[0]["weights"] == nvfp4_w and groups[0]["input_activations"] == nvfp4_w
+        assert groups == [{"input_activations": nvfp4_w, "weights": nvfp4_w, "targets": ["Linear"]}]
     elif quant_algo == "W4A16_NVFP4":
-        assert groups[0]["weights"] == nvfp4_w and groups[0]["input_activations"] is None
-    elif quant_algo == "MIXED_PRECISION":
+        assert groups == [{"weights": nvfp4_w, "targets": ["Linear"]}]
+    elif mixed:
         assert qc["quantized_layers"] == q["quantized_layers"]
-        assert any(g["weights"] == nvfp4_w and g["input_activations"] == nvfp4_w for g in groups)
-        assert any(g["weights"]["num_bits"] == 8 and g["input_activations"] is None for g in groups)
+        assert sorted(t for g in groups for t in g["targets"]) == sorted(rb.algos)
+        assert {"input_activations": nvfp4_w, "weights": nvfp4_w} in [{k: v for k, v in g.items() if k != "targets"}
+                                                                        for g in groups]
+        assert any(g.get("quant_algo") == "FP8_PB_WO" for g in groups)
     else:  # FP8
-        assert groups[0]["weights"]["num_bits"] == 8 and groups[0]["input_activations"]["num_bits"] == 8
+        fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+        assert groups == [{"input_activations": fp8, "weights": fp8, "targets": ["Linear"]}]
 
     # The export loads with trust_remote_code; remote code, tokenizer and side files copied unchanged.
     from transformers import AutoConfig
@@ -670,7 +776,7 @@ def check_configs(rb: ReadBack, tiny_ckpt: Path, *, quant_algo: str, kv: bool, r
     loaded = AutoConfig.from_pretrained(str(rb.path), trust_remote_code=True)
     loaded_qc = loaded.quantization_config
     loaded_qc = loaded_qc if isinstance(loaded_qc, dict) else loaded_qc.to_dict()
-    assert loaded_qc["quant_method"] == "modelopt"
+    assert loaded_qc["quant_method"] == qc["quant_method"]
     side = {p.name for p in tiny_ckpt.iterdir() if p.suffix != ".safetensors" and p.name not in (INDEX, "config.json")}
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json"} <= side
     for name in side:
@@ -686,7 +792,8 @@ def check_kv_scales(rb: ReadBack, tiny_ckpt: Path, present: bool) -> None:
     mla = {i - 1 for i in text["linear_attn_config"]["full_attn_layers"]}
     assert mla and len(mla) < text["num_hidden_layers"]
     for i in range(text["num_hidden_layers"]):
-        k, v = (f"language_model.model.layers.{i}.self_attn.{s}" for s in ("k_scale", "v_scale"))
+        # ModelOpt's names, the ones vLLM's maybe_remap_kv_scale_name moves onto its attention layer.
+        k, v = (f"language_model.model.layers.{i}.self_attn.{s}" for s in ("k_proj.k_scale", "v_proj.v_scale"))
         if present and i in mla:
             kt, vt = rb.tensors[k], rb.tensors[v]
             assert kt.dtype == vt.dtype == torch.float32 and kt.shape == vt.shape == ()
@@ -817,7 +924,7 @@ def test_kv_cache_scales_are_mla_latent_amax(tiny_ckpt, tiny_reference, tmp_path
             h.remove()
     assert amax
     for name, value in amax.items():
-        got = rb.tensors[f"{name}.k_scale"]
+        got = rb.tensors[f"{name}.k_proj.k_scale"]
         assert got.item() == pytest.approx((value / 448.0).item(), rel=1e-6), name
 
 

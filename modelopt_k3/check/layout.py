@@ -21,6 +21,7 @@ import torch
 from ..checkpoint import CheckpointError, CheckpointReader
 from ..export.modelopt_format import config_quantization_config, hf_quant_config, linear_layout
 from ..models.spec import get_spec
+from ..quant.decisions import decide
 from ..recipe import Recipe
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -175,8 +176,9 @@ def _planned_tensors(linear: Linear, fmt) -> dict[str, TensorMeta]:
 def planned_layout(checkpoint: str | Path, recipe: Recipe, *, kv_scale_names: Iterable[str] = ()) -> Layout:
     """What exporting ``checkpoint`` with ``recipe`` writes, from names and headers only.
 
-    Each Linear of the source gets the recipe's format (the per-expert names of routed experts,
-    as the exporter writes them); the configs are built by the exporters' own functions.
+    The decision table (``quant.decisions.decide``, which the exporters themselves follow) gives each
+    module its format and the unquantized modules; tensors and configs are declared by the exporters'
+    own functions. Shared-input groups change scale values, not names, so they are not needed here.
     ``kv_scale_names``: the KV-cache scale tensors the model's spec writes (when the recipe asks).
     """
     path = Path(checkpoint)
@@ -185,23 +187,20 @@ def planned_layout(checkpoint: str | Path, recipe: Recipe, *, kv_scale_names: It
         raise CheckpointError(f"{path} has no config.json")
     with CheckpointReader(path) as reader:
         metas = {k: TensorMeta(reader.info(k).dtype, reader.info(k).shape) for k in reader.names()}
-    expert_re = re.compile(get_spec(str(config.get("model_type", ""))).expert_key_regex)
+    table = decide({k: (m.dtype, m.shape) for k, m in metas.items()}, get_spec(str(config.get("model_type", ""))),
+                   recipe, None)
+    source = _group_linears(metas)
     linears: dict[str, Linear] = {}
-    layer_algos: dict[str, str] = {}
-    left_bf16: set[str] = set()
-    for name, linear in sorted(_group_linears(metas).items()):
-        fmt, _ = recipe.resolve(name)
-        linears[name] = Linear(name, _planned_tensors(linear, fmt))
-        if fmt is not None:
-            layer_algos[name] = fmt.algo
+    for d in table.decisions.values():
+        if d.kind not in ("linear", "experts"):
             continue
-        # The exporters list an unquantized routed-expert projection once per layer, as module.*.proj.
-        m = expert_re.match(f"{name}.weight")
-        left_bf16.add(f"{m['module']}.*.{m['proj']}" if m else name)
+        for name in d.module_names():
+            linears[name] = Linear(name, _planned_tensors(source[name], d.format))
     kv = {name: TensorMeta(torch.float32, ()) for name in kv_scale_names} if recipe.kv_cache else {}
     quant = hf = None
+    layer_algos = table.layer_algos()
     if layer_algos:
-        hf = hf_quant_config(layer_algos, kv_cache=recipe.kv_cache, exclude_modules=sorted(left_bf16),
+        hf = hf_quant_config(layer_algos, kv_cache=recipe.kv_cache, unquantized=table.unquantized_modules(),
                              recipe=recipe.name)
         quant = config_quantization_config(hf)
     tensors = {f"{n}.{p}": m for n, lin in linears.items() for p, m in lin.tensors.items()}

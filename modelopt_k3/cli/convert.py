@@ -1,6 +1,9 @@
 """``modelopt-k3-convert``: calibration-free streaming conversion of an MXFP4 checkpoint, shard by shard.
 
-    modelopt-k3-convert --src CKPT --dst OUT --recipe RECIPE [--rank R --world_size W] [--overwrite]
+    modelopt-k3-convert --src CKPT --dst OUT [--recipe RECIPE] [--trust_remote_code] [--rank R --world_size W]
+
+Without ``--recipe`` the routed experts become NVFP4 by the lossless cast and every other tensor stays
+as the source stores it (``models/moonshotai/Kimi-K3/nvfp4_experts``).
 
 Ranks split the source shards (shard ``i`` goes to rank ``i % W``); run one process per rank on any
 machines that share ``OUT``. Under ``torchrun`` the rank and world size come from its environment
@@ -17,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+DEFAULT_RECIPE = "models/moonshotai/Kimi-K3/nvfp4_experts"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -26,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--src", type=Path, required=True, help="source checkpoint directory")
     p.add_argument("--dst", type=Path, required=True, help="output directory (written in place; resumable)")
-    p.add_argument("--recipe", required=True, help="YAML recipe path or name (needs no calibration)")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE,
+                   help=f"YAML recipe path or name (needs no calibration; default {DEFAULT_RECIPE})")
+    p.add_argument("--trust_remote_code", action="store_true",
+                   help="run the checkpoint's own modeling code (on a tiny configuration) to find the Linears that "
+                        "read one input; needed only by recipes that give dense Linears NVFP4")
     p.add_argument("--rank", type=int, default=None, help="this process's rank (default: $RANK or 0)")
     p.add_argument("--world_size", type=int, default=None, help="number of ranks (default: $WORLD_SIZE or 1)")
     p.add_argument("--overwrite", action="store_true",
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if targets:  # before anything is read or written: names and headers only
             check_recipe_for_engines(args.src, args.recipe, targets)
         if args.finalize:
-            stats = finalize_conversion(args.src, args.dst, args.recipe)
+            stats = finalize_conversion(args.src, args.dst, args.recipe, trust_remote_code=args.trust_remote_code)
             print(f"modelopt_k3 convert: finalized {args.dst}")
             print("\n".join(stats.lines("  ")))
             return final_check(args.dst, targets)
@@ -77,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             verify=not args.no_verify,
             workers=args.workers,
+            trust_remote_code=args.trust_remote_code,
             progress=not args.no_progress and sys.stderr.isatty(),
         )
         if _under_torchrun():

@@ -4,13 +4,19 @@
 safetensors headers, decides every tensor by its checkpoint name through the recipe, and then
 streams one source shard at a time into one output shard of the same file name:
 
+- what each module becomes is the decision table's (``quant/decisions.py``), the same table the
+  model path's ``quantize`` builds from the same checkpoint: formats, and the shared-input groups
+  whose NVFP4 global scales are shared (found by a probe forward of the checkpoint's own classes on
+  a tiny configuration: ``trust_remote_code=True``, needed only when a recipe gives dense Linears
+  NVFP4). Without ``--recipe`` the CLI converts with ``models/moonshotai/Kimi-K3/nvfp4_experts``;
 - routed experts (``<experts>.{e}.w{1,2,3}.weight_packed/weight_scale`` pairs, one module each)
   with an NVFP4 format: the lossless MXFP4 -> NVFP4 cast (``numerics.mxfp4_to_nvfp4``); blocks that
   cannot carry over are requantized and counted; ``input_scale`` is the recipe's constant
   ``input_amax / (6 * 448)``;
-- Linears the recipe gives ``fp8_pb``: 128x128 block FP8, weight only. A dimension that is not a
-  multiple of 128 (KDA ``b_proj`` ``[num_heads, D]``) gets a partial edge block with its own
-  amax-derived scale (``numerics.fp8``), so ``weight_scale`` is ``[ceil(out/128), ceil(in/128)]``;
+- dense Linears with a calibration-free format (weight-only, or a constant ``input_amax``, the max
+  over a shared-input group); ``fp8_pb`` is 128x128 block FP8, weight only. A dimension that is not
+  a multiple of 128 (KDA ``b_proj`` ``[num_heads, D]``) gets a partial edge block with its own
+  amax-derived scale (``numerics.fp8``); ``weight_scale`` is ``[ceil(out/128), 1, ceil(in/128), 1]``;
 - every other tensor is copied byte for byte (same name, dtype and bytes).
 
 The tensors and configs equal, byte for byte, what the model path (``load_pretrained`` ->
@@ -27,11 +33,11 @@ Decisions:
 - **Module tensors split across shards.** A module's output tensors go to the shard holding its
   main tensor (``weight_packed`` or ``weight``); its other source tensors are read from wherever
   they are.
-- **Which 2-D weights are Linears** is decided from the checkpoint alone (the model is not built):
-  a module whose tensors are a 2-D float ``weight`` and optionally ``bias``, or an MXFP4
-  ``weight_packed``/``weight_scale`` pair, and whose name is not an embedding's. Modules with other
-  tensors (the router's ``e_score_correction_bias``) are not Linears. This reproduces the model
-  path's ``type(module) is nn.Linear`` for Kimi-K3 (tested against it).
+- **Which 2-D weights are Linears** is decided from the checkpoint alone (the model is not built,
+  ``quant/decisions.py``): a module whose tensors are a 2-D float ``weight`` and optionally
+  ``bias``, and whose name is not an embedding's. Modules with other tensors (the router's
+  ``e_score_correction_bias``) are not Linears. The model path builds the same table and checks it
+  against the model's own ``type(module) is nn.Linear`` set (refusing on a difference).
 - **Output layout.** The header is written first (output shapes are known from the source headers),
   tensors follow sorted by element size then production order (so every tensor is aligned), each
   written in place as it is produced: memory holds a few modules (one per worker thread), not a

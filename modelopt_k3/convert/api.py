@@ -70,6 +70,7 @@ def convert_checkpoint(
     verify: bool = True,
     workers: int | None = None,
     progress: bool = False,
+    trust_remote_code: bool = False,
 ) -> ConvertReport:
     """Convert ``src`` into the ModelOpt checkpoint ``dst`` per ``recipe``, shard by shard.
 
@@ -79,6 +80,9 @@ def convert_checkpoint(
     foreign files in ``dst``, and rewrite this rank's shards. ``workers``: threads converting one
     shard's tensors (default ``min(4, cpu count)``; the output bytes do not depend on it); torch's
     intra-op thread count is set to 1 while they run and restored afterwards.
+    ``trust_remote_code``: run the checkpoint's own modeling code on a tiny configuration to find the
+    Linears that read one input (their NVFP4 global scales are shared); needed only by recipes that
+    give dense Linears NVFP4, refused clearly by those without it.
 
     When ``torch.distributed`` is initialised the ranks meet in collectives and rank 0 finalizes;
     otherwise the rank that finds every shard complete when it finishes finalizes. Raises
@@ -107,7 +111,7 @@ def convert_checkpoint(
         def together(step: str, fn: Callable, *args, **kwargs):
             return fn(*args, **kwargs)
 
-    plan = together("plan", _build_plan, src, recipe)
+    plan = together("plan", _build_plan, src, recipe, trust_remote_code=trust_remote_code)
     report = ConvertReport(src, dst, recipe.name, rank, world_size, len(plan.files))
     if group is None or rank == 0:
         together("prepare output", _prepare_dst, dst, plan, recipe, overwrite=overwrite)
@@ -181,7 +185,9 @@ def convert_checkpoint(
     return report
 
 
-def finalize_conversion(src: str | Path, dst: str | Path, recipe: Recipe | str | Path) -> ConvertStats:
+def finalize_conversion(
+    src: str | Path, dst: str | Path, recipe: Recipe | str | Path, *, trust_remote_code: bool = False
+) -> ConvertStats:
     """Write index, configs, side files and the completion marker once every shard is complete.
 
     Idempotent; ``convert_checkpoint`` calls it on its own when it finds every shard complete.
@@ -189,7 +195,7 @@ def finalize_conversion(src: str | Path, dst: str | Path, recipe: Recipe | str |
     """
     src, dst = Path(src).absolute(), Path(dst).absolute()
     recipe = _as_recipe(recipe)
-    plan = _build_plan(src, recipe)
+    plan = _build_plan(src, recipe, trust_remote_code=trust_remote_code)
     if not (dst / STATE_DIR / JOB_FILE).is_file():
         raise ConvertError(f"{dst} holds no modelopt_k3 conversion ({STATE_DIR}/{JOB_FILE} is missing)")
     return _finalize(plan, dst, recipe)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -19,11 +18,12 @@ from ..export.modelopt_format import (
 )
 from ..models.spec import ModelSpec, get_spec
 from ..numerics.constants import MXFP4_BLOCK
+from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
+from ..quant.shared_inputs import discover_shared_inputs
 from ..recipe import QuantFormat, Recipe, RecipeError
 from .source import _scan_source, _SrcTensor
 from .state import RECORD_VERSION
 
-_EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings)$")
 _PACKED, _SCALE = "weight_packed", "weight_scale"
 
 
@@ -48,6 +48,7 @@ class _ModuleJob:
     sources: tuple[str, ...]  # weight_packed + weight_scale, or weight
     shape: tuple[int, int]  # (out, in) of the logical weight
     group: tuple[str, ...]  # modules sharing weight_scale_2 (itself included)
+    input_amax: float | None = None  # constant input amax (its group's max), when inputs are quantized
 
     @property
     def outputs(self) -> tuple[_Out, ...]:
@@ -62,8 +63,7 @@ class _Plan:
     tensors: dict[str, _SrcTensor]
     jobs: dict[str, list[str | _ModuleJob]]  # file -> copy keys and module jobs, in source order
     modules: dict[str, _ModuleJob]
-    layer_algos: dict[str, str]
-    left_bf16: dict[str, str]
+    table: DecisionTable
     dtype: torch.dtype
     fingerprint: str
 
@@ -104,38 +104,49 @@ def _outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -> tupl
     return tuple(_Out(f"{name}.{suffix}", dtype, shp) for suffix, dtype, shp in layout)
 
 
-def _is_linear(module: str, parts: dict[str, _SrcTensor]) -> bool:
-    if _EMBEDDING_RE.search(module):
-        return False
-    if set(parts) == {_PACKED, _SCALE}:
-        return True
-    weight = parts.get("weight")
-    return (
-        weight is not None
-        and len(weight.shape) == 2
-        and weight.dtype.is_floating_point
-        and set(parts) <= {"weight", "bias"}
-    )
-
-
-def _reason(entry) -> str:
-    if entry is None:
-        return "no recipe entry matches"
-    return entry.reason or f"disabled by {entry.source}"
-
-
-def _fingerprint(recipe: Recipe, header_digest: str) -> str:
+def _fingerprint(recipe: Recipe, header_digest: str, table: DecisionTable) -> str:
     body = {
         "record_version": RECORD_VERSION,
         "modelopt_k3": __version__,
         "recipe": recipe.name,
         "recipe_entries": recipe.to_dict(),
         "source_headers": header_digest,
+        "shared_input_groups": sorted(table.groups),  # they change the bytes of grouped modules
     }
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _build_plan(src: Path, recipe: Recipe) -> _Plan:
+def _shared_input_rules(src: Path, raw: dict, spec: ModelSpec, trust_remote_code: bool):
+    """A provider of the checkpoint's shared-input rules (a probe of its own code, run only when the
+    recipe needs them), or None without trust_remote_code."""
+    if not trust_remote_code or spec.probe_model is None:
+        return None
+
+    def probe():
+        from ..load import resolve_model_class
+
+        spec.build()
+        model_cls, config = resolve_model_class(src, raw, trust_remote_code=True)
+        return discover_shared_inputs(spec, model_cls, config)
+
+    return probe
+
+
+def _expert_jobs(d: Decision, spec: ModelSpec, tensors: dict[str, _SrcTensor]) -> list[_ModuleJob]:
+    module, _, proj = d.name.rpartition(".*.")
+    partners = next((g for g in spec.shared_scale_groups if proj in g), (proj,))
+    kind = "decode" if d.format is None else "nvfp4_cast" if d.packed and d.format.weights == "nvfp4" else "quant"
+    jobs = []
+    for e in d.experts:
+        name = f"{module}.{e}.{proj}"
+        parts = (_PACKED, _SCALE) if d.packed else ("weight",)
+        group = tuple(f"{module}.{e}.{p}" for p in partners if f"{module}.{e}.{p}.{parts[0]}" in tensors)
+        amax = d.format.input_amax if d.format is not None else None
+        jobs.append(_ModuleJob(name, kind, d.format, tuple(f"{name}.{t}" for t in parts), d.shape, group, amax))
+    return jobs
+
+
+def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -> _Plan:
     files, tensors, sizes, header_digest = _scan_source(src)
     config_path = src / "config.json"
     if not config_path.is_file():
@@ -145,108 +156,41 @@ def _build_plan(src: Path, recipe: Recipe) -> _Plan:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
     spec = get_spec(raw.get("model_type", ""))
-    expert_re = re.compile(spec.expert_key_regex)
     dtype = _model_dtype(raw)
     if recipe.kv_cache is not None:
         raise RecipeError(
             f"recipe {recipe.name} quantizes the KV cache ({recipe.kv_cache}), which needs calibration data; "
             "the calibration-free converter cannot produce k_scale/v_scale (use hf_ptq)"
         )
-
-    # module -> tensor part -> source tensor; experts keyed by their per-expert Linear name.
-    modules: dict[str, dict[str, _SrcTensor]] = {}
-    expert_of: dict[str, tuple[str, int, str]] = {}  # module -> (experts module, expert id, projection)
-    for key, t in tensors.items():
-        m = expert_re.match(key)
-        if m is not None:
-            name = f"{m['module']}.{m['expert']}.{m['proj']}"
-            expert_of[name] = (m["module"], int(m["expert"]), m["proj"])
-            part = m["tensor"]
-        else:
-            name, _, part = key.rpartition(".")
-        modules.setdefault(name, {})[part] = t
-    if any(_PACKED in parts for parts in modules.values()):
+    if any(key.endswith(f".{_PACKED}") for key in tensors):
         _check_source_scheme(raw, spec, config_path)
+    inventory = {key: (t.dtype, t.shape) for key, t in tensors.items()}
+    try:
+        table = decide(inventory, spec, recipe, _shared_input_rules(src, raw, spec, trust_remote_code))
+    except InventoryError as e:
+        raise CheckpointError(f"{src}: {e}") from None
 
-    jobs_by_anchor: dict[str, _ModuleJob] = {}
     plan_modules: dict[str, _ModuleJob] = {}
-    layer_algos: dict[str, str] = {}
-    left_bf16: dict[str, str] = {}
-    shapes: dict[str, tuple[int, int]] = {}
     needs_calib: list[str] = []
-    expert_formats: dict[tuple[str, str], set[QuantFormat | None]] = {}
-    for name, parts in modules.items():
-        is_expert = name in expert_of
-        if not (is_expert or _is_linear(name, parts)):
-            continue
-        packed = _PACKED in parts
-        if is_expert and set(parts) not in ({_PACKED, _SCALE}, {"weight"}):
-            raise CheckpointError(f"routed expert {name} has tensors {sorted(parts)}; expected "
-                                  f"{_PACKED}+{_SCALE} (MXFP4) or weight")
-        if packed:
-            p, s = parts[_PACKED], parts[_SCALE]
-            shape = (p.shape[0], p.shape[1] * 2)
-            if p.dtype != torch.uint8 or s.dtype != torch.uint8 or s.shape != (shape[0], shape[1] // MXFP4_BLOCK):
-                raise CheckpointError(
-                    f"{src / p.file}: {name} is not MXFP4-packed: {_PACKED} {p.dtype} {list(p.shape)}, "
-                    f"{_SCALE} {s.dtype} {list(s.shape)}"
-                )
-            sources = (p.key, s.key)
-        else:
-            shape = tuple(parts["weight"].shape)
-            sources = (parts["weight"].key,)
-        shapes[name] = shape
-        fmt, entry = recipe.resolve(name)
-        if is_expert:
-            experts_module, _, proj = expert_of[name]
-            expert_formats.setdefault((experts_module, proj), set()).add(fmt)
-        if fmt is None:
-            if is_expert:
-                left_bf16[f"{expert_of[name][0]}.*.{expert_of[name][2]}"] = _reason(entry)
-            else:
-                left_bf16[name] = _reason(entry)
-            if not packed:
-                continue  # a plain Linear left as it is: its tensors are copied
-            kind = "decode"
-        else:
-            if fmt.needs_calibration:
-                needs_calib.append(f"{name} ({fmt.algo}, pattern {entry.pattern!r} from {entry.source})")
-                continue
-            layer_algos[name] = fmt.algo
-            kind = "nvfp4_cast" if packed and fmt.weights == "nvfp4" else "quant"
-        group = (name,)
-        if is_expert:
-            experts_module, e, proj = expert_of[name]
-            for members in spec.shared_scale_groups:
-                if proj in members:
-                    group = tuple(f"{experts_module}.{e}.{p}" for p in members if f"{experts_module}.{e}.{p}" in modules)
-        job = _ModuleJob(name, kind, fmt, sources, shape, group)
-        plan_modules[name] = job
-        jobs_by_anchor[sources[0]] = job
-
+    for name, d in table.decisions.items():
+        if d.kind == "experts" and (d.quantized or d.packed):
+            plan_modules.update((job.name, job) for job in _expert_jobs(d, spec, tensors))
+        elif d.kind == "linear" and d.quantized:
+            group = table.groups.get(d.group, (name,))
+            plan_modules[name] = _ModuleJob(
+                name, "quant", d.format, (f"{name}.weight",), d.shape, group, table.group_input_amax(name)
+            )
+        if d.quantized and table.group_input_amax(name) is None and d.format.inputs is not None:
+            needs_calib.append(f"{name} ({d.format.algo})")
     if needs_calib:
         raise RecipeError(
             f"recipe {recipe.name} needs calibration data for {len(needs_calib)} module(s), e.g. "
             f"{'; '.join(needs_calib[:3])}: the calibration-free converter needs a constant input_amax "
             "(or weight-only formats); use hf_ptq to calibrate"
         )
-    for (experts_module, proj), fmts in expert_formats.items():
-        if len(fmts) > 1:
-            raise RecipeError(
-                f"recipe {recipe.name}: the experts of {experts_module} get different formats for {proj} "
-                f"({sorted(str(f) if f else 'bf16' for f in fmts)}); all experts of one layer must share one format"
-            )
-    for job in plan_modules.values():
-        if len(job.group) == 1:
-            continue
-        fmts = {str(plan_modules[m].fmt) if m in plan_modules and plan_modules[m].fmt else "bf16" for m in job.group}
-        if len(fmts) > 1:
-            raise RecipeError(
-                f"recipe {recipe.name}: {', '.join(job.group)} share one weight_scale_2/input_scale "
-                f"(one fused kernel) and must get the same format, got {sorted(fmts)}"
-            )
-    recipe.check_against(shapes)
+    table.check_groups_known()
 
+    jobs_by_anchor = {job.sources[0]: job for job in plan_modules.values()}
     consumed = {k for job in plan_modules.values() for k in job.sources}
     jobs: dict[str, list[str | _ModuleJob]] = {f: [] for f in files}
     for key, t in sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
@@ -261,8 +205,7 @@ def _build_plan(src: Path, recipe: Recipe) -> _Plan:
         tensors=tensors,
         jobs=jobs,
         modules=plan_modules,
-        layer_algos=layer_algos,
-        left_bf16=left_bf16,
+        table=table,
         dtype=dtype,
-        fingerprint=_fingerprint(recipe, header_digest),
+        fingerprint=_fingerprint(recipe, header_digest, table),
     )

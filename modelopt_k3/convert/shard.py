@@ -94,7 +94,7 @@ class _ShardConverter:
             out = {f"{job.name}.{k}": v for k, v in weight_tensors(fmt.weights, weight, scale).items()}
         if fmt.inputs is not None:
             # As the model path's constant-amax input quantizer: an fp32 amax buffer -> its scale.
-            amax = torch.full((), fmt.input_amax, dtype=torch.float32)
+            amax = torch.full((), job.input_amax, dtype=torch.float32)
             scale = nvn.nvfp4_global_scale(amax) if fmt.inputs == "nvfp4" else fp8n.fp8_scale(amax)
             out[f"{job.name}.input_scale"] = input_scale_tensor(scale)
         return out, stats

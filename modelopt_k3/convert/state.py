@@ -147,7 +147,8 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
     write_index(dst, [weight_map], total_bytes, rename=False)
 
     hf_quant = hf_quant_config(
-        plan.layer_algos, kv_cache=recipe.kv_cache, exclude_modules=sorted(plan.left_bf16), recipe=recipe.name
+        plan.table.layer_algos(), kv_cache=recipe.kv_cache, unquantized=plan.table.unquantized_modules(),
+        recipe=recipe.name,
     )
     config = strip_source_quantization(json.loads((plan.src / "config.json").read_text()))
     config["quantization_config"] = config_quantization_config(hf_quant)

@@ -44,14 +44,21 @@ FORMATS = {"modelopt": lambda tensors: tensors, "compressed-tensors": ct_format.
 _NOT_COPIED = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
 
 
-def _dense_items(model: nn.Module, qplan, reader: CheckpointReader, expert_key_re: re.Pattern) -> list[tuple[str, str]]:
-    """Sorted work items ("quant", module) / ("copy", source key) for everything but routed experts."""
+def _kv_scales(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Exported KV-cache scale key -> (attention module, the scale's name under it)."""
+    return {
+        f"{name}.{key}": (module, key)
+        for name, module in model.named_modules()
+        for key in getattr(module, "kv_scale_names", ())
+    }
+
+
+def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_keys) -> list[tuple[str, str]]:
+    """Sorted work items ("quant", module) / ("copy", source key) / ("kv", key) for all but routed experts."""
     items = [("quant", name) for name in qplan.dense]
     owned = {f"{name}.weight" for name in qplan.dense}
     items += [("copy", key) for key in reader.names() if key not in owned and not expert_key_re.match(key)]
-    for name, module in model.named_modules():
-        for key in getattr(module, "kv_scale_names", ()):
-            items.append(("kv", f"{name}.{key}"))
+    items += [("kv", key) for key in kv_keys]
     return sorted(items, key=lambda it: it[1])
 
 
@@ -105,16 +112,6 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             yield prefix, tensors, True
 
 
-def _layer_algos(model: nn.Module, qplan) -> dict[str, str]:
-    algos = {name: fmt.algo for name, fmt in qplan.dense.items()}
-    for name, projs in qplan.experts.items():
-        experts = model.get_submodule(name)
-        for e in range(experts.num_global_experts):
-            for proj, fmt in projs.items():
-                algos[f"{name}.{e}.{proj}"] = fmt.algo
-    return algos
-
-
 def _copy_side_files(src: Path, dst: Path) -> None:
     for path in sorted(src.iterdir()):
         if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(".safetensors"):
@@ -148,7 +145,7 @@ def export_checkpoint(
     qplan = getattr(model, "modelopt_k3_quant", None)
     if info is None or qplan is None:
         raise ValueError("export_checkpoint expects a model from load_pretrained that went through quantize")
-    layer_algos = _layer_algos(model, qplan)
+    layer_algos = qplan.table.layer_algos()
     if format == "compressed-tensors":
         algos = set(layer_algos.values())
         if len(algos) != 1 or not ct_format.supported_algo(next(iter(algos))) or qplan.recipe.kv_cache:
@@ -163,6 +160,7 @@ def export_checkpoint(
     export_dir = Path(export_dir)
     modules = dict(model.named_modules())
     experts_modules = spec.experts_modules(model)
+    kv_scales = _kv_scales(model)
 
     with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:
 
@@ -170,7 +168,7 @@ def export_checkpoint(
             with CheckpointReader(info.checkpoint) as reader, ShardWriter(
                 tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
             ) as writer:
-                items = _dense_items(model, qplan, reader, expert_key_re)
+                items = _dense_items(qplan, reader, expert_key_re, kv_scales)
                 n_experts = sum(m.num_experts for m in experts_modules.values()) if plan.writes_experts else 0
                 n_mine = len(items[group.rank :: group.world_size])
                 bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
@@ -186,8 +184,8 @@ def export_checkpoint(
                         if kind == "copy":
                             writer.add(name, reader.get(name))
                         elif kind == "kv":
-                            module_name, _, key = name.rpartition(".")
-                            writer.add(name, modules[module_name].kv_scale(key))
+                            attention, key = kv_scales[name]
+                            writer.add(name, attention.kv_scale(key))
                         else:
                             for key, tensor in layout(_quant_linear_tensors(modules[name], weight)).items():
                                 writer.add(f"{name}.{key}", tensor)
@@ -214,14 +212,14 @@ def export_checkpoint(
             if not group.is_main:
                 return
             write_index(tmp, maps, total)
-            exclude = sorted(qplan.left_bf16)
+            unquantized = qplan.table.unquantized_modules()
             if format == "modelopt":
                 hf_quant = hf_quant_config(
-                    layer_algos, kv_cache=qplan.recipe.kv_cache, exclude_modules=exclude, recipe=qplan.recipe.name
+                    layer_algos, kv_cache=qplan.recipe.kv_cache, unquantized=unquantized, recipe=qplan.recipe.name
                 )
                 _write_configs(info.checkpoint, tmp, config_quantization_config(hf_quant), hf_quant)
             else:
-                qcfg = ct_format.quantization_config(next(iter(layer_algos.values())), exclude)
+                qcfg = ct_format.quantization_config(next(iter(layer_algos.values())), unquantized)
                 _write_configs(info.checkpoint, tmp, qcfg, None)
             _copy_side_files(info.checkpoint, tmp)
 

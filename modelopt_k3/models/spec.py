@@ -92,6 +92,9 @@ class ModelSpec:
     keep_source_dtype: str | None = None
     # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
+    # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
+    # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
+    probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None
 
     def check_transformers(self) -> None:
         import transformers

@@ -10,8 +10,9 @@ Decisions:
   block the scale 1.0.
 - Blocks: a dimension that is not a multiple of 128 gets a smaller edge block (rows
   ``128*(R-1):out`` or columns ``128*(C-1):in``) whose scale is that partial block's amax / 448,
-  so ``weight_scale`` is ``[ceil(out/128), ceil(in/128)]`` for every shape (vLLM's block-FP8
-  loaders index scales by ``i // 128`` and accept this layout). Nothing is left unquantized.
+  so the block scales are ``[ceil(out/128), ceil(in/128)]`` for every shape (the ModelOpt export
+  stores them as ``[ceil(out/128), 1, ceil(in/128), 1]``, export/modelopt_format.py). Nothing is
+  left unquantized.
 - NaN stays NaN (E4M3 NaN); ±inf clamps to ±448.
 """
 

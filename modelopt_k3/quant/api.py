@@ -17,18 +17,22 @@ from torch import nn
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
 from ..models.spec import ModelSpec
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
-from .calibrate import calibrate, enable_calibrate_all_experts
+from .calibrate import calibrate, enable_calibrate_all_experts, share_group_amax
+from .decisions import DecisionTable, decide
 from .modules import attach_experts, attach_linear
 from .mxfp4_source import Mxfp4ExpertSource
+from .shared_inputs import discover_shared_inputs
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class QuantPlan:
-    """What quantize decided, per checkpoint module name; read by the summary and the exporter."""
+    """What quantize decided, per checkpoint module name (views of the decision table); read by the
+    summary and the exporter."""
 
     recipe: Recipe
+    table: DecisionTable
     dense: dict[str, QuantFormat] = field(default_factory=dict)
     # experts module name -> projection name -> format (same for every expert of the module)
     experts: dict[str, dict[str, QuantFormat]] = field(default_factory=dict)
@@ -44,66 +48,38 @@ class QuantPlan:
         lines += [f"  {algo:<34} {n:>6} modules" for algo, n in sorted(counts.items())]
         lines.append(f"  {'BF16 (left unquantized)':<34} {len(self.left_bf16):>6} modules")
         lines += [f"    {n:>6}  {reason}" for reason, n in reasons.most_common()]
+        if self.table.groups:
+            lines.append(f"  {len(self.table.groups)} shared-input groups share weight_scale_2/input_scale")
         return "\n".join(lines)
 
 
-def _expert_names(module_name: str, experts: nn.Module, spec: ModelSpec) -> dict[str, list[tuple[str, tuple[int, int]]]]:
-    """projection -> [(checkpoint name, (out, in))] for the local experts of one fused module."""
-    out: dict[str, list[tuple[str, tuple[int, int]]]] = {}
-    for proj in spec.expert_projections:
-        param = getattr(experts, proj.fused_param)
-        rows = param.shape[1] // proj.n_chunks
-        shape = (rows, param.shape[2])
-        out[proj.name] = [
-            (f"{module_name}.{experts.expert_offset + e}.{proj.name}", shape) for e in range(experts.num_experts)
-        ]
-    return out
-
-
-def _reason(entry) -> str:
-    if entry is None:
-        return "no recipe entry matches"
-    return entry.reason or f"disabled by {entry.source}"
+def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec) -> None:
+    """The table classifies the checkpoint's tensors; the model's own Linears must be the same set."""
+    linears = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+    table_linears = set(table.of_kind("linear"))
+    experts = set(spec.experts_modules(model))
+    table_experts = {name.rpartition(".*.")[0] for name in table.of_kind("experts")}
+    if linears != table_linears or experts != table_experts:
+        diff = sorted((linears ^ table_linears) | (experts ^ table_experts))
+        raise RuntimeError(f"the checkpoint's Linears and the model's disagree on {len(diff)} module(s), e.g. {diff[:5]}")
 
 
 def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> QuantPlan:
-    plan = QuantPlan(recipe)
-    shapes: dict[str, tuple[int, int]] = {}
-    experts_modules = spec.experts_modules(model)
-    for name, module in model.named_modules():
-        if name in experts_modules:
-            per_proj = _expert_names(name, module, spec)
-            projs: dict[str, QuantFormat] = {}
-            for proj, names in per_proj.items():
-                resolved = {recipe.resolve(n)[0] for n, _ in names}
-                if len(resolved) > 1:
-                    raise RecipeError(
-                        f"recipe {recipe.name}: the experts of {name} get different formats for {proj} "
-                        f"({sorted(map(str, resolved))}); all experts of one layer must share one format"
-                    )
-                fmt = resolved.pop()
-                shapes.update(dict(names))
-                if fmt is not None and fmt.enabled:
-                    projs[proj] = fmt
-                else:
-                    plan.left_bf16[f"{name}.*.{proj}"] = _reason(recipe.resolve(names[0][0])[1])
-            for group in spec.shared_scale_groups:
-                fmts = {str(projs.get(p)) for p in group}
-                if len(fmts) > 1:
-                    raise RecipeError(
-                        f"recipe {recipe.name}: {name} projections {group} share one weight_scale_2/input_scale "
-                        f"(one fused kernel) and must get the same format, got {sorted(fmts)}"
-                    )
-            if projs:
-                plan.experts[name] = projs
-        elif type(module) is nn.Linear:
-            shapes[name] = (module.out_features, module.in_features)
-            fmt, entry = recipe.resolve(name)
-            if fmt is not None and fmt.enabled:
-                plan.dense[name] = fmt
-            else:
-                plan.left_bf16[name] = _reason(entry)
-    recipe.check_against(shapes)
+    info = model.modelopt_k3
+    # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
+    rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.probe_model else None
+    table = decide(info.source().inventory(), spec, recipe, rules)
+    table.check_groups_known()
+    _check_modules_match(model, table, spec)
+    plan = QuantPlan(recipe, table)
+    for name, d in table.decisions.items():
+        if d.kind == "linear" and d.quantized:
+            plan.dense[name] = d.format
+        elif d.kind == "experts" and d.quantized:
+            module, _, proj = name.rpartition(".*.")
+            plan.experts.setdefault(module, {})[proj] = d.format
+        elif d.kind in ("linear", "experts"):
+            plan.left_bf16[name] = d.reason
     return plan
 
 
@@ -160,6 +136,7 @@ def quantize(
     if recipe.calibrate_all_experts:
         enable_calibrate_all_experts(model)
     calibrate(model, forward_loop)
+    share_group_amax(model, qplan.table.groups)
     model.modelopt_k3_quant = qplan
     if verbose and info.plan.rank == 0:
         print(qplan.summary())

@@ -98,3 +98,20 @@ def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None
             + ", ".join(missing[:10])
         )
     set_mode(model, "quant")
+
+
+@torch.no_grad()
+def share_group_amax(model: nn.Module, groups: dict[str, tuple[str, ...]]) -> None:
+    """Every shared-input group takes its max weight amax and max input amax (ModelOpt's
+    ``preprocess_linear_fusion``), so its members export one ``weight_scale_2`` and one ``input_scale``
+    and the fake-quant forward uses them. Amax is already the same on every rank (weights are full,
+    inputs were max-reduced), so this needs no collective."""
+    modules = dict(model.named_modules())
+    for members in groups.values():
+        linears = [modules[m] for m in members]
+        for role in ("weight_quantizer", "input_quantizer"):
+            quantizers = [getattr(m, role) for m in linears if getattr(m, role) is not None]
+            if quantizers:
+                shared = torch.stack([q.amax.reshape(()) for q in quantizers]).amax()
+                for q in quantizers:
+                    q.amax.copy_(shared.to(q.amax.device))

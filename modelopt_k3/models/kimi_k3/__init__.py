@@ -7,6 +7,7 @@ from .converters import EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import attach_kv_cache
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
+from .probe import probe_model
 from .shims import apply_import_shims
 
 KIMI_K3_SPEC = register_spec(
@@ -30,6 +31,7 @@ KIMI_K3_SPEC = register_spec(
         source_formats=SUPPORTED_SOURCE_FORMATS,
         patches_process_wide=True,
         attach_kv_cache=attach_kv_cache,
+        probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
     ),

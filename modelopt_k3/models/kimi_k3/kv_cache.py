@@ -3,7 +3,10 @@
 What an MLA server caches is the compressed latent, not per-head K and V: the normalised
 ``kv_a_layernorm(c)`` (kv_lora_rank) and the shared ``k_rot`` (qk_rope_head_dim) slice of
 ``kv_a_proj_with_mqa``'s output. Both live in one cache entry with one scale, so we observe one amax
-over both and export it as ``self_attn.k_scale`` and ``self_attn.v_scale`` (``amax / 448``, equal).
+over both and export it as ``self_attn.k_proj.k_scale`` and ``self_attn.v_proj.v_scale`` (``amax / 448``,
+equal): the names ModelOpt gives its ``k_bmm_quantizer``/``v_bmm_quantizer`` scales (checked by running
+nvidia-modelopt 0.47.0's export on the tiny Kimi-K3) and the ones vLLM's ``maybe_remap_kv_scale_name``
+moves onto its attention layer (MLA has no ``k_proj`` module; the name is a convention).
 KDA layers keep a recurrent state, not a KV cache; they get no scales.
 """
 
@@ -15,7 +18,7 @@ from torch import nn
 from ...quant.quantizer import TensorQuantizer
 
 MLA_CLASS = "KimiMLAAttention"
-KV_SCALE_NAMES = ("k_scale", "v_scale")
+KV_SCALE_NAMES = ("k_proj.k_scale", "v_proj.v_scale")
 
 
 def _rope_slice_hook(quantizer: TensorQuantizer, kv_lora_rank: int):

@@ -1,0 +1,279 @@
+"""The decision table: per checkpoint module name, its format, its shared-input group, or why it stays.
+
+Built once from the checkpoint's tensor inventory (names, dtypes, shapes: safetensors headers), the
+model spec, the recipe and the shared-input rules (``quant/shared_inputs.py``). ``quantize``/export
+and the streaming converter both read it; neither re-derives a recipe decision or a group.
+
+Kinds of modules (decided from the tensors alone, so the converter needs no model):
+
+- ``experts``: routed experts (``spec.expert_key_regex``), one decision per experts module and
+  projection (``<module>.*.<proj>``): every expert of a layer gets one format;
+- ``linear``: a 2-D float ``weight`` (and optionally ``bias``) whose name is not an embedding's;
+- ``embedding``, ``router``, ``conv`` (a 3- to 5-D float ``weight``): never quantized here, but
+  ModelOpt gives them quantizers, so it lists them among the unquantized modules (``exclude_modules``). A router is ModelOpt's structural one: ``gate``/``router``/
+  ``shared_expert_gate`` with a ``weight`` next to an ``experts`` container (nvidia-modelopt 0.47.0
+  ``modelopt/torch/export/quant_utils.py`` ``_get_unquantized_moe_router_names``).
+
+Shared-input groups (ModelOpt 0.47 ``_fuse_shared_input_modules`` -> ``preprocess_linear_fusion``):
+only quantized members count; members must have one format (ModelOpt asserts "Modules have
+different quantization formats"; it skips the check only when its first-hooked member is FP8, an
+order accident we do not reproduce: every mixed group is refused); the group shares the max weight
+amax and the max input amax when its weights are NVFP4 (``shares_group_scales``). ModelOpt skips
+per-tensor FP8 groups (engines requantize those to the max scale themselves) and its fusion is a
+no-op for 128x128 block FP8 (one amax per block), so neither shares anything here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..models.spec import ModelSpec
+from ..numerics.constants import MXFP4_BLOCK
+from ..recipe import QuantFormat, Recipe, RecipeEntry, RecipeError
+from .shared_inputs import SharedInputRule, apply_rules
+
+Kind = Literal["linear", "experts", "embedding", "router", "conv"]
+# (dtype, shape) of every checkpoint tensor, by key.
+Inventory = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+PACKED, SCALE = "weight_packed", "weight_scale"
+_EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings)$")
+_ROUTER_ATTRS = ("gate", "router", "shared_expert_gate")
+
+
+class InventoryError(ValueError):
+    """The checkpoint's tensors contradict the spec (a routed expert stored in an unknown form)."""
+
+
+def shares_group_scales(fmt: QuantFormat) -> bool:
+    """Whether a shared-input group of this format shares weight_scale_2 and input_scale (NVFP4)."""
+    return fmt.weights == "nvfp4"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one module of the checkpoint."""
+
+    name: str  # checkpoint module name; routed experts: "<experts module>.*.<projection>"
+    kind: Kind
+    shape: tuple[int, ...]  # (out, in) of the logical weight
+    format: QuantFormat | None  # None: stays as the source stores it
+    reason: str | None = None  # why it stays (None when quantized)
+    group: str | None = None  # the shared-input group whose scales it shares (group id), or None
+    packed: bool = False  # stored MXFP4-packed (routed experts)
+    experts: tuple[int, ...] = ()  # expert ids present in the checkpoint (kind "experts")
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not None
+
+    def module_names(self) -> list[str]:
+        """The checkpoint Linears this decision covers (one per expert for routed experts)."""
+        if self.kind != "experts":
+            return [self.name]
+        module, _, proj = self.name.rpartition(".*.")
+        return [f"{module}.{e}.{proj}" for e in self.experts]
+
+
+@dataclass(frozen=True)
+class DecisionTable:
+    recipe: Recipe
+    decisions: dict[str, Decision]
+    # group id (its members joined by "+") -> members sharing weight_scale_2 and input_scale
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    rules: tuple[SharedInputRule, ...] | None = None  # the shared-input rules used (None: not needed or not known)
+
+    def of_kind(self, kind: Kind) -> dict[str, Decision]:
+        return {n: d for n, d in self.decisions.items() if d.kind == kind}
+
+    def quantized(self) -> dict[str, Decision]:
+        return {n: d for n, d in self.decisions.items() if d.quantized}
+
+    def experts(self, module: str) -> dict[str, Decision]:
+        """projection -> decision, for one experts module."""
+        head = f"{module}.*."
+        return {n[len(head) :]: d for n, d in self.decisions.items() if d.kind == "experts" and n.startswith(head)}
+
+    def layer_algos(self) -> dict[str, str]:
+        """Every quantized checkpoint Linear (per expert) -> ModelOpt quant_algo."""
+        return {m: d.format.algo for d in self.quantized().values() for m in d.module_names()}
+
+    def unquantized_modules(self) -> list[str]:
+        """Checkpoint modules ModelOpt gives a quantizer but that stay unquantized (per expert)."""
+        return sorted(m for d in self.decisions.values() if not d.quantized for m in d.module_names())
+
+    def check_groups_known(self) -> None:
+        """Refuse a table whose dense NVFP4 Linears may share scales with groups that are unknown."""
+        need = [n for n, d in self.of_kind("linear").items() if d.quantized and shares_group_scales(d.format)]
+        if need and self.rules is None:
+            raise RecipeError(
+                f"recipe {self.recipe.name} gives {len(need)} dense Linear(s) NVFP4 (e.g. {need[0]}); Linears that "
+                "read the same input must share their global scales, and which ones do is read from the checkpoint's "
+                "own modeling code: allow it with trust_remote_code (CLI: --trust_remote_code)"
+            )
+
+    def group_input_amax(self, name: str) -> float | None:
+        """The constant input amax a module's inputs get: the max over its group (None: calibrated)."""
+        d = self.decisions[name]
+        members = self.groups.get(d.group, (name,)) if d.group else (name,)
+        amaxes = [self.decisions[m].format.input_amax for m in members]
+        return None if any(a is None for a in amaxes) else max(amaxes)
+
+
+def reason_for(entry: RecipeEntry | None) -> str:
+    if entry is None:
+        return "no recipe entry matches"
+    return entry.reason or f"disabled by {entry.source}"
+
+
+# --------------------------------------------------------------------------- the checkpoint's modules
+
+
+def _modules(inventory: Inventory, spec: ModelSpec):
+    """(dense module -> {part: (dtype, shape)}, (experts module, proj) -> {expert: {part: ...}})."""
+    expert_re = re.compile(spec.expert_key_regex)
+    dense: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
+    experts: dict[tuple[str, str], dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]]] = {}
+    for key, info in inventory.items():
+        m = expert_re.match(key)
+        if m is not None:
+            experts.setdefault((m["module"], m["proj"]), {}).setdefault(int(m["expert"]), {})[m["tensor"]] = info
+        else:
+            module, _, part = key.rpartition(".")
+            dense.setdefault(module, {})[part] = info
+    return dense, experts
+
+
+def _is_linear(name: str, parts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> bool:
+    weight = parts.get("weight")
+    return (
+        weight is not None
+        and not _EMBEDDING_RE.search(name)
+        and len(weight[1]) == 2
+        and weight[0].is_floating_point
+        and set(parts) <= {"weight", "bias"}
+    )
+
+
+def _is_conv(parts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> bool:
+    weight = parts.get("weight")
+    return weight is not None and 3 <= len(weight[1]) <= 5 and weight[0].is_floating_point and set(parts) <= {"weight", "bias"}
+
+
+def _expert_shape(name: str, parts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[tuple[int, int], bool]:
+    if set(parts) == {PACKED, SCALE}:
+        (pd, ps), (sd, ss) = parts[PACKED], parts[SCALE]
+        shape = (ps[0], ps[1] * 2)
+        if pd != torch.uint8 or sd != torch.uint8 or ss != (shape[0], shape[1] // MXFP4_BLOCK):
+            raise InventoryError(f"{name} is not MXFP4-packed: {PACKED} {pd} {list(ps)}, {SCALE} {sd} {list(ss)}")
+        return shape, True
+    if set(parts) == {"weight"}:
+        return tuple(parts["weight"][1]), False
+    raise InventoryError(f"routed expert {name} has tensors {sorted(parts)}; expected {PACKED}+{SCALE} (MXFP4) or weight")
+
+
+def _expert_decisions(recipe: Recipe, spec: ModelSpec, experts: dict) -> dict[str, Decision]:
+    out: dict[str, Decision] = {}
+    for (module, proj), by_expert in sorted(experts.items()):
+        ids = tuple(sorted(by_expert))
+        shapes = {_expert_shape(f"{module}.{e}.{proj}", by_expert[e]) for e in ids}
+        if len(shapes) > 1:
+            raise InventoryError(f"the experts of {module}.*.{proj} are stored in different shapes/forms: {sorted(shapes)}")
+        (shape, packed), = shapes
+        resolved = {recipe.resolve(f"{module}.{e}.{proj}") for e in ids}
+        formats = {fmt for fmt, _ in resolved}
+        if len(formats) > 1:
+            raise RecipeError(
+                f"recipe {recipe.name}: the experts of {module} get different formats for {proj} "
+                f"({sorted(str(f) if f else 'bf16' for f in formats)}); all experts of one layer must share one format"
+            )
+        fmt, entry = recipe.resolve(f"{module}.{ids[0]}.{proj}")
+        out[f"{module}.*.{proj}"] = Decision(
+            f"{module}.*.{proj}", "experts", shape, fmt, None if fmt else reason_for(entry), packed=packed, experts=ids
+        )
+    for name in {n.rpartition(".*.")[0] for n in out}:
+        for group in spec.shared_scale_groups:
+            fmts = {str(out[f"{name}.*.{p}"].format) for p in group if f"{name}.*.{p}" in out}
+            if len(fmts) > 1:
+                raise RecipeError(
+                    f"recipe {recipe.name}: {name} projections {group} share one weight_scale_2/input_scale "
+                    f"(one fused kernel) and must get the same format, got {sorted(fmts)}"
+                )
+    return out
+
+
+def _routers(dense_names: Iterable[str], experts_modules: set[str]) -> set[str]:
+    owners = {m.rpartition(".")[0] for m in experts_modules}
+    return {n for n in dense_names if n.rpartition(".")[2] in _ROUTER_ATTRS and n.rpartition(".")[0] in owners}
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def _needs_groups(decisions: Mapping[str, Decision]) -> bool:
+    return any(d.kind == "linear" and d.quantized and shares_group_scales(d.format) for d in decisions.values())
+
+
+def _shared_groups(
+    recipe: Recipe, decisions: dict[str, Decision], rules: tuple[SharedInputRule, ...] | None
+) -> dict[str, tuple[str, ...]]:
+    if rules is None:
+        return {}
+    linears = [n for n, d in decisions.items() if d.kind == "linear"]
+    groups: dict[str, tuple[str, ...]] = {}
+    for readers in apply_rules(rules, linears):  # the structure: every Linear reading the input
+        members = tuple(m for m in readers if decisions[m].quantized)  # only quantized members count
+        if len(members) < 2:
+            continue
+        formats = {decisions[m].format.algo for m in members}  # constant input amaxes may differ: max taken
+        if len(formats) > 1:
+            raise RecipeError(
+                f"recipe {recipe.name}: {', '.join(members)} read the same input (a serving engine fuses them) and "
+                f"must get one format, got {sorted(formats)}; give them one format or leave some BF16"
+            )
+        if shares_group_scales(decisions[members[0]].format):
+            groups["+".join(members)] = members
+    return groups
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def decide(
+    inventory: Inventory,
+    spec: ModelSpec,
+    recipe: Recipe,
+    rules: tuple[SharedInputRule, ...] | Callable[[], tuple[SharedInputRule, ...] | None] | None,
+) -> DecisionTable:
+    """The decision table of a checkpoint for ``recipe``. ``rules``: its shared-input rules, a callable
+    giving them (called only when a dense Linear gets NVFP4, the only format whose groups share scales,
+    so recipes without one never run the probe), or None when they are unknown
+    (``check_groups_known`` then refuses dense NVFP4 Linears)."""
+    dense_parts, expert_parts = _modules(inventory, spec)
+    decisions = _expert_decisions(recipe, spec, expert_parts)
+    experts_modules = {name.rpartition(".*.")[0] for name in decisions}
+    for name in sorted(dense_parts):
+        parts = dense_parts[name]
+        if _is_linear(name, parts):
+            fmt, entry = recipe.resolve(name)
+            decisions[name] = Decision(name, "linear", parts["weight"][1], fmt, None if fmt else reason_for(entry))
+        elif _EMBEDDING_RE.search(name) and "weight" in parts:
+            decisions[name] = Decision(name, "embedding", parts["weight"][1], None, "embedding")
+        elif _is_conv(parts):
+            decisions[name] = Decision(name, "conv", parts["weight"][1], None, "convolution")
+    for name in _routers(dense_parts, experts_modules) - set(decisions):
+        decisions[name] = Decision(name, "router", dense_parts[name]["weight"][1], None, "router")
+    recipe.check_against({m: d.shape for d in decisions.values() if d.kind in ("linear", "experts")
+                          for m in d.module_names()})
+    if callable(rules):
+        rules = rules() if _needs_groups(decisions) else None
+    groups = _shared_groups(recipe, decisions, rules)
+    for gid, members in groups.items():
+        for m in members:
+            decisions[m] = Decision(m, "linear", decisions[m].shape, decisions[m].format, group=gid)
+    return DecisionTable(recipe, dict(sorted(decisions.items())), groups, rules)

@@ -1,0 +1,185 @@
+"""Prove that two revisions export the same checkpoints: every tensor's bytes and every JSON file.
+
+A refactor must leave every export byte-identical (issue 11). This script checks out two
+revisions as temporary git worktrees, runs the same matrix of exports with each on ONE tiny
+Kimi-K3 checkpoint (generated once, by the first revision), and compares the results::
+
+    python scripts/export_identity.py --base main            # main vs the working tree
+    python scripts/export_identity.py --base A --head B      # two revisions
+    python scripts/export_identity.py --only nvfp4 ep2_nvfp4 # a subset of the matrix
+
+The matrix: every preset (one process), the Kimi-K3 mirror recipe, the KV-cache variant, both
+export formats, EP 1/2/4, EP 2 with an FSDP2 dense part, the fsdp2 plan and the streaming
+converter. A configuration a revision does not support (its CLI refuses a flag) is reported as
+such, not as a difference. Exit code 0 only if every configuration both revisions ran is identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parents[1]
+MIRROR = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    ranks: int  # 0: the streaming converter, one process
+    args: tuple[str, ...]
+
+
+MATRIX = (
+    Config("nvfp4", 1, ("--qformat", "nvfp4")),
+    Config("nvfp4_experts_only", 1, ("--qformat", "nvfp4_experts_only")),
+    Config("w4a16_nvfp4", 1, ("--qformat", "w4a16_nvfp4")),
+    Config("fp8", 1, ("--qformat", "fp8")),
+    Config("nvfp4_kv_fp8", 1, ("--qformat", "nvfp4", "--kv_cache_qformat", "fp8")),
+    Config("mirror", 1, ("--recipe", MIRROR)),
+    Config("nvfp4_ct", 1, ("--qformat", "nvfp4", "--export_format", "compressed-tensors")),
+    Config("w4a16_nvfp4_ct", 1, ("--qformat", "w4a16_nvfp4", "--export_format", "compressed-tensors")),
+    Config("ep2_nvfp4", 2, ("--qformat", "nvfp4")),
+    Config("ep4_nvfp4", 4, ("--qformat", "nvfp4")),
+    Config("ep2_dense_fsdp2", 2, ("--qformat", "nvfp4", "--dense", "fsdp2")),
+    Config("fsdp2_nvfp4", 2, ("--qformat", "nvfp4", "--plan", "fsdp2")),
+    Config("convert_mirror", 0, ("--recipe", MIRROR)),
+)
+
+
+def _git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _checkout(rev: str | None, root: Path) -> Path:
+    """A worktree of ``rev``; None means the working tree itself (uncommitted changes included)."""
+    if rev is None:
+        return REPO
+    path = root / f"rev-{_git('rev-parse', '--short', rev)}"
+    if not path.exists():
+        _git("worktree", "add", "--detach", str(path), rev)
+    return path
+
+
+def _env(tree: Path, scratch: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "HF_MODULES_CACHE": str(scratch / "hf_modules"),
+        "MODELOPT_K3_CACHE": str(scratch / "cache"),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _make_checkpoint(tree: Path, scratch: Path) -> Path:
+    ckpt = scratch / "tiny_kimi_k3"
+    if not ckpt.exists():
+        code = f"from modelopt_k3.testing import make_tiny_kimi_k3; make_tiny_kimi_k3({str(ckpt)!r}, seed=0)"
+        subprocess.run([sys.executable, "-c", code], env=_env(tree, scratch), check=True)
+    return ckpt
+
+
+def _run(tree: Path, scratch: Path, ckpt: Path, cfg: Config, out: Path, port: int) -> tuple[bool, str]:
+    if cfg.ranks == 0:
+        cmd = [sys.executable, "-m", "modelopt_k3.cli.convert", "--src", str(ckpt), "--dst", str(out), *cfg.args]
+    else:
+        launcher = [sys.executable]
+        if cfg.ranks > 1:
+            launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(cfg.ranks), "--master_port", str(port)]
+        cmd = [*launcher, str(tree / "examples/hf_ptq.py"), "--pyt_ckpt_path", str(ckpt), "--trust_remote_code",
+               "--export_path", str(out), "--no_progress", *cfg.args]
+    proc = subprocess.run(cmd, env=_env(tree, scratch), cwd=scratch, capture_output=True, text=True, timeout=1800)
+    return proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def _tensor_bytes(t) -> bytes:
+    import torch
+
+    head = f"{t.dtype}{list(t.shape)}".encode()
+    return head + (t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _read_tensors(export: Path) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for shard in sorted(export.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                out[key] = _tensor_bytes(f.get_tensor(key))
+    return out
+
+
+def compare(a: Path, b: Path) -> list[str]:
+    """Differences between two export directories: tensors by name and bytes, JSON by value, other files by bytes."""
+    diffs: list[str] = []
+    ta, tb = _read_tensors(a), _read_tensors(b)
+    for key in sorted(set(ta) | set(tb)):
+        if key not in ta or key not in tb:
+            diffs.append(f"tensor {key}: only in {'base' if key in ta else 'head'}")
+        elif ta[key] != tb[key]:
+            diffs.append(f"tensor {key}: bytes differ")
+    files_a = {p.name for p in a.iterdir() if p.is_file() and not p.name.endswith(".safetensors")}
+    files_b = {p.name for p in b.iterdir() if p.is_file() and not p.name.endswith(".safetensors")}
+    for name in sorted(files_a ^ files_b):
+        diffs.append(f"file {name}: only in {'base' if name in files_a else 'head'}")
+    for name in sorted(files_a & files_b):
+        if name == "model.safetensors.index.json":
+            # Which shard holds a tensor may change with the writer; the tensors themselves are compared above.
+            wa = json.loads((a / name).read_text())["weight_map"]
+            wb = json.loads((b / name).read_text())["weight_map"]
+            if set(wa) != set(wb):
+                diffs.append(f"file {name}: different key sets")
+        elif name.endswith(".json"):
+            if json.loads((a / name).read_text()) != json.loads((b / name).read_text()):
+                diffs.append(f"file {name}: JSON differs")
+        elif (a / name).read_bytes() != (b / name).read_bytes():
+            diffs.append(f"file {name}: bytes differ")
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="main", help="revision to compare against (default: main)")
+    p.add_argument("--head", default=None, help="revision to check (default: the working tree)")
+    p.add_argument("--only", nargs="*", default=None, help=f"configurations to run: {[c.name for c in MATRIX]}")
+    p.add_argument("--scratch", type=Path, default=None, help="keep worktrees and exports here")
+    args = p.parse_args(argv)
+    configs = [c for c in MATRIX if args.only is None or c.name in args.only]
+    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="export-identity-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    base_tree, head_tree = _checkout(args.base, scratch), _checkout(args.head, scratch)
+    ckpt = _make_checkpoint(base_tree, scratch)
+    failures = 0
+    for i, cfg in enumerate(configs):
+        results = {}
+        for side, tree in (("base", base_tree), ("head", head_tree)):
+            out = scratch / side / cfg.name
+            shutil.rmtree(out, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            results[side] = (_run(tree, scratch, ckpt, cfg, out, 29600 + i), out)
+        (ok_a, log_a), out_a = results["base"]
+        (ok_b, log_b), out_b = results["head"]
+        if not ok_a or not ok_b:
+            failures += not ok_b  # a configuration the base cannot run is not the head's fault
+            which = "base" if not ok_a else "head"
+            print(f"{cfg.name:<20} {which} FAILED\n{(log_a if not ok_a else log_b)}")
+            continue
+        diffs = compare(out_a, out_b)
+        failures += bool(diffs)
+        print(f"{cfg.name:<20} {'identical' if not diffs else f'{len(diffs)} difference(s)'}")
+        for line in diffs[:20]:
+            print(f"    {line}")
+    print(f"scratch: {scratch}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
