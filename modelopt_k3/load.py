@@ -2,9 +2,10 @@
 
 The loader never calls ``from_pretrained``: that would either gather everything (no expert
 parallelism on the plain path) or hand the MXFP4 experts to the compressed-tensors quantizer. It
-uses the same pieces instead: the checkpoint's own classes (``auto_map``), the converters the spec
-registered with transformers' conversion API, and lazy ``safe_open`` reads of exactly the tensors
-this rank owns.
+uses the same pieces instead: the checkpoint's own classes (``auto_map``), built with accelerate's
+``init_empty_weights(include_buffers=False)`` (parameters on meta, buffers computed for real), the
+converters the spec registered with transformers' conversion API, and lazy ``safe_open`` reads of
+exactly the persistent tensors this rank owns.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig
@@ -168,7 +170,7 @@ def _fill_experts(
                 ids = local[start : start + EXPERTS_PER_READ]
                 tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
                 consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
-                fused = run_converter(conv, tensors)
+                fused = run_converter(conv, tensors, full_layer_name=target, model=model)
                 rows = param[start : start + len(ids)]
                 if fused.shape != rows.shape:
                     raise LoadError(f"{target}: converted shape {list(fused.shape)} != parameter rows {list(rows.shape)}")
@@ -194,34 +196,83 @@ def _names(keys: list[str] | set[str], limit: int = 12) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by name: what a checkpoint holds (non-persistent buffers never are)."""
+    state = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                state[f"{module_name}.{name}" if module_name else name] = buf
+    return state
+
+
+def _plan_dense_conversions(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[object, str, str]]:
+    """target name -> (converter, source pattern, source key) for the dense tensors a spec converter takes."""
+    plan: dict[str, tuple[object, str, str]] = {}
+    for key in reader.names():
+        for conv in converters:
+            target, pattern = conv.rename_source_key(key)
+            if pattern is not None:
+                plan[target] = (conv, pattern, key)
+                break
+    return plan
+
+
+def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model: nn.Module, conversion) -> tuple[torch.Tensor, str]:
+    """(this rank's part of the source value for ``name``, source key): rows of an FSDP2 shard only."""
+    sharded = tensor is not local_tensor(tensor)
+    rows = local_rows(tensor) if sharded else None
+    if conversion is not None:
+        conv, pattern, key = conversion
+        try:  # converters see the whole stored tensor (dense conversions are small, e.g. A_log)
+            value = run_converter(conv, {pattern: [reader.get(key)]}, full_layer_name=name, model=model)
+        except ValueError as e:
+            raise LoadError(str(e)) from None
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise LoadError(f"{name}: converted shape {list(value.shape)} != model shape {list(tensor.shape)}")
+        return (value[rows.start : rows.stop] if sharded else value), key
+    stored = reader.info(name)
+    if stored.shape != tuple(tensor.shape):
+        raise LoadError(f"{name}: checkpoint shape {list(stored.shape)} != model shape {list(tensor.shape)}")
+    return (reader.get_rows(name, rows.start, rows.stop) if sharded else reader.get(name)), name
+
+
 def _fill_dense(
     model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm
 ) -> set[str]:
     consumed: set[str] = set()
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    conversions = _plan_dense_conversions(reader, info.spec.dense_converters)
     missing = []
-    for name, tensor in state.items():
+    for name, tensor in persistent_tensors(model).items():
         if name in skip:
             continue
-        if name not in reader:
+        conversion = conversions.get(name)
+        if conversion is None and name not in reader:
             missing.append(name)
             continue
-        stored = reader.info(name)
-        info.source_dtypes[name] = stored.dtype
-        if stored.shape != tuple(tensor.shape):
-            raise LoadError(f"{name}: checkpoint shape {list(stored.shape)} != model shape {list(tensor.shape)}")
-        if tensor is not local_tensor(tensor):  # FSDP2 shard: read only this rank's rows
-            rows = local_rows(tensor)
-            src, tensor = reader.get_rows(name, rows.start, rows.stop), local_tensor(tensor)
-        else:
-            src = reader.get(name)
+        src, key = _read_dense(name, tensor, reader, model, conversion)
+        info.source_dtypes[name] = reader.info(key).dtype
         with torch.no_grad():
-            tensor.copy_(src.to(tensor.dtype))
-        consumed.add(name)
+            local_tensor(tensor).copy_(src.to(tensor.dtype))
+        consumed.add(key)
         progress.update(1)
     if missing:
         raise LoadError(f"tensors missing from checkpoint {reader.path}: {_names(missing)}")
     return consumed
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """``to_empty`` for the parameters built on meta; buffers built for real keep their values.
+
+    ``to_empty`` replaces every tensor, buffers included, with uninitialised memory; the real buffers
+    (non-persistent ones such as a sin-cos table, which no checkpoint holds) are copied back onto ``device``.
+    """
+    kept = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in kept:
+                buf.copy_(kept[name])
 
 
 def _keep_source_dtypes_on_meta(model: nn.Module, reader: CheckpointReader, spec: ModelSpec) -> None:
@@ -269,7 +320,7 @@ def load_pretrained(
     raw = _read_raw_config(path)
     spec = get_spec(raw.get("model_type", ""))
     spec.check_transformers()
-    spec.build()
+    spec.build(path)
     model_cls, config = resolve_model_class(path, raw, trust_remote_code)
     text = getattr(config, "text_config", config)
     group = current_group()
@@ -293,20 +344,22 @@ def load_pretrained(
     spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation))
 
     dtype = dtype or _config_dtype(config)
-    with _default_dtype(dtype), torch.device("meta"):
+    # Parameters on meta, buffers for real: non-persistent buffers get what the modules' own __init__
+    # computes (accelerate's helper; torch.device("meta") would leave them empty).
+    with _default_dtype(dtype), init_empty_weights(include_buffers=False):
         model = model_cls(config)
     reader = CheckpointReader(path)  # headers only, until a tensor is asked for
     _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
     if the_plan.fsdp_sharded:
         shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
     set_experts_implementation(model, spec, the_plan.experts_implementation)
-    model.to_empty(device=the_plan.device)
+    materialize(model, the_plan.device)
     converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan, model_cls=model_cls)
     def read_own_tensors() -> None:
         with reader:
             experts = spec.experts_modules(model)
-            total = len(dict(model.named_parameters())) + len(dict(model.named_buffers()))
+            total = len(persistent_tensors(model))
             with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
                 consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
                 unfilled = [

@@ -186,6 +186,17 @@ def test_equals_model_path(converted, model_export: Path):
         assert (out / name).read_bytes() == (model_export / name).read_bytes(), name
 
 
+def test_a_log_keeps_the_source_bytes(converted, model_export: Path, ckpt: Path):
+    """A_log is declared [num_heads] but stored [head_dim] zero-padded: both paths write the stored bytes."""
+    src = _read_all(ckpt)
+    keys = [k for k in src if k.endswith(".A_log")]
+    assert keys and all(src[k].shape[0] > 2 for k in keys)
+    for out in (converted[0], model_export):
+        got = _read_all(out)
+        for key in keys:
+            assert got[key].dtype == src[key].dtype and _same_bytes(got[key], src[key]), (out, key)
+
+
 # --------------------------------------------------------------------------- numerics of the output
 
 

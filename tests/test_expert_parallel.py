@@ -37,7 +37,12 @@ def _ep_logits(ckpt: str, ids: torch.Tensor, dense: str = "replicated"):
             for name, m in model.named_modules()
             if info.spec.is_experts_module(name, m)
         }
-        return logits, list(info.keys_read), info.bytes_read, experts, info.plan.kind
+        return logits, list(info.keys_read), info.bytes_read, experts, info.plan.kind, _buffers(model)
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer (all non-persistent in Kimi-K3): what the modules' __init__ built, kept through the load."""
+    return {name: buf.clone() for name, buf in model.named_buffers()}
 
 
 def _ep_ptq(argv: list[str], fail: str | None = None):
@@ -120,14 +125,15 @@ def single_logits(ep_ckpt):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_logits_equal_single_process_and_reads_are_local(ep_ckpt, single_logits, world):
-    ids, (ref_logits, ref_keys, ref_bytes, _, kind) = single_logits
-    assert kind == "whole"
+    ids, (ref_logits, ref_keys, ref_bytes, _, kind, ref_buffers) = single_logits
+    assert kind == "whole" and ref_buffers
     results = run_ranks(world, _ep_logits, str(ep_ckpt), ids, timeout=300, env=EP_ENV)
     assert [r.exitcode for r in results] == [0] * world, [r.traceback for r in results]
     expert_bytes = []
     for r in results:
-        logits, keys, nbytes, experts, kind = r.value
+        logits, keys, nbytes, experts, kind, buffers = r.value
         assert kind == "expert_parallel"
+        assert buffers.keys() == ref_buffers.keys() and all(torch.equal(buffers[n], ref_buffers[n]) for n in buffers)
         rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
         assert rel <= 1e-5, f"rank {r.rank}: relative logits error {rel:.3g}"
         assert len(keys) == len(set(keys)), "a tensor was read twice"
@@ -190,14 +196,15 @@ def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
 
 def test_ep_with_fsdp2_dense_part(ep_ckpt, single_logits, tmp_path):
     """Experts expert-parallel, dense part FSDP2-sharded: same logits and export as one process."""
-    ids, (ref_logits, ref_keys, _, _, _) = single_logits
+    ids, (ref_logits, ref_keys, _, _, _, ref_buffers) = single_logits
     results = run_ranks(2, _ep_logits, str(ep_ckpt), ids, "fsdp2", timeout=300, env=EP_ENV)
     assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
     dense_keys = {k for k in ref_keys if not EXPERT_KEY_RE.match(k)}
     for r in results:
-        logits, keys, _, experts, kind = r.value
+        logits, keys, _, experts, kind, buffers = r.value
         rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
         assert kind == "expert_parallel" and rel <= 1e-5, f"rank {r.rank}: {rel:.3g}"
+        assert all(torch.equal(buffers[n], ref_buffers[n]) for n in ref_buffers)
         for key in keys:
             m = EXPERT_KEY_RE.match(key)
             if m is not None:

@@ -43,7 +43,7 @@ def _text_config(tiny_ckpt: Path) -> dict:
 
 def _remote(path: Path) -> tuple[type, object]:
     raw = json.loads((path / "config.json").read_text())
-    KIMI_K3_SPEC.build()
+    KIMI_K3_SPEC.build(path)
     return resolve_model_class(path, raw, trust_remote_code=True)
 
 
@@ -309,6 +309,70 @@ def test_dense_moe_tensors_load_byte_equal(loaded_bf16, tiny_ckpt: Path) -> None
             assert src.dtype == torch.float32 and got.dtype == torch.bfloat16, key
             assert torch.equal(got, src.to(got.dtype)), key
     assert all(params[k].dtype == torch.bfloat16 for k in checked if tensors[k].dtype == torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the real remote code needs: buffers built, not read; A_log's stored layout
+# ------------------------------------------------------------------------------------------------
+
+TIME_WEIGHT = "vision_tower.patch_embed.pos_emb.time_weight"
+
+
+def test_non_persistent_buffers_are_built_not_read(loaded_bf16, tiny_ckpt: Path, tiny_reference) -> None:
+    model, reads = loaded_bf16
+    info = model.modelopt_k3
+    assert TIME_WEIGHT not in read_checkpoint(tiny_ckpt) and TIME_WEIGHT not in info.keys_read
+    assert TIME_WEIGHT not in {k for k, _ in reads}
+    # What the module's own __init__ computes (the reference builds for real), cast with the tower to bf16.
+    want = tiny_reference.get_buffer(TIME_WEIGHT)
+    got = model.get_buffer(TIME_WEIGHT)
+    assert got.dtype == torch.bfloat16 and want.abs().sum() > 0
+    assert torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_materialize_keeps_buffers_built_for_real() -> None:
+    from accelerate import init_empty_weights
+
+    from modelopt_k3.load import materialize, persistent_tensors
+
+    class Module(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+            self.register_buffer("kept", torch.ones(2))
+
+    with init_empty_weights(include_buffers=False):
+        m = Module()
+    assert m.lin.weight.is_meta and not m.table.is_meta
+    materialize(m, "cpu")
+    assert not m.lin.weight.is_meta and torch.equal(m.table, torch.arange(4.0)) and torch.equal(m.kept, torch.ones(2))
+    assert set(persistent_tensors(m)) == {"lin.weight", "lin.bias", "kept"}
+
+
+def test_a_log_loads_from_the_zero_padded_layout(loaded_f32: torch.nn.Module, tiny_ckpt: Path) -> None:
+    tensors = read_checkpoint(tiny_ckpt)
+    a_logs = {n: p for n, p in loaded_f32.named_parameters() if n.endswith(".A_log")}
+    assert a_logs
+    for name, param in a_logs.items():
+        stored, heads = tensors[name], param.shape[0]
+        assert stored.dtype == param.dtype == torch.float32
+        assert stored.shape[0] > heads and torch.equal(param.detach(), stored[:heads]), name
+        assert loaded_f32.modelopt_k3.source_dtypes[name] == torch.float32
+
+
+@pytest.mark.parametrize("change", ["nonzero-tail", "too-short"])
+def test_a_log_layout_is_checked(copy_ckpt, tiny_ckpt: Path, change: str) -> None:
+    key = f"{LAYERS}.1.self_attn.A_log"
+    stored = read_checkpoint(tiny_ckpt)[key]
+    if change == "nonzero-tail":
+        bad, match = stored.clone(), f"{key}: .* entry {stored.shape[0] - 1} is 0.5"
+        bad[-1] = 0.5
+    else:
+        bad, match = stored[:1].clone(), rf"{key}: checkpoint shape \[1\] cannot hold"
+    with pytest.raises(LoadError, match=re.escape(key)) as err:
+        _load(copy_ckpt(replace={key: bad}))
+    assert re.search(match, str(err.value)), err.value
 
 
 # ------------------------------------------------------------------------------------------------

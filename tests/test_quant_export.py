@@ -33,7 +33,7 @@ from safetensors import safe_open
 import modelopt_k3
 from modelopt_k3 import export_checkpoint, load_pretrained, quantize
 from modelopt_k3.recipe import RecipeError, recipe_from_dict
-from modelopt_k3.testing.reference import load_reference_class
+from modelopt_k3.testing.reference import build_reference_model, fill_reference_model
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
 
@@ -248,13 +248,7 @@ def reference_from_export(rb: ReadBack, *, quantize_inputs: bool = True) -> torc
     """The export's own (unpatched) model class, filled with the reader's state dict; optionally
     with pre-hooks fake-quantizing every quantized Linear's input the way the export says."""
     unpatch_remote_code()
-    config, cls = load_reference_class(rb.path)
-    with torch.device("meta"):
-        model = cls(config)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        missing, unexpected = model.load_state_dict(rb.state_dict, strict=False)
-    assert not missing and not unexpected, (missing[:5], unexpected[:5])
+    model = fill_reference_model(build_reference_model(rb.path), rb.state_dict)
     assert any(isinstance(m, torch.nn.ModuleList) and n.endswith(".experts") for n, m in model.named_modules())
     if quantize_inputs:
         modules = dict(model.named_modules())

@@ -12,12 +12,18 @@ import torch
 from transformers.core_model_loading import WeightConverter
 
 
-def run_converter(converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]]) -> torch.Tensor:
-    """Apply ``converter.operations`` to ``{source pattern: [tensor per expert, in expert order]}``."""
+def run_converter(
+    converter: WeightConverter, tensors_by_pattern: dict[str, list[torch.Tensor]], **context: Any
+) -> torch.Tensor:
+    """Apply ``converter.operations`` to ``{source pattern: [tensor per expert, in expert order]}``.
+
+    ``context`` is what transformers' loader passes every op besides the tensors (``full_layer_name``,
+    ``model``); ops that size their output from the target parameter read it from there.
+    """
     current: dict[str, Any] = dict(tensors_by_pattern)
     for op in converter.operations:
         current = op.convert(
-            current, source_patterns=converter.source_patterns, target_patterns=converter.target_patterns
+            current, source_patterns=converter.source_patterns, target_patterns=converter.target_patterns, **context
         )
     if len(current) != 1:
         raise ValueError(f"{converter} produced {len(current)} tensors, expected one")

@@ -65,8 +65,9 @@ class PrepareContext:
 class ModelSpec:
     model_type: str
     min_transformers: str
-    # Import shims run before the remote code is imported; must not change anything the model computes.
-    build: Callable[[], None]
+    # Import shims, run with the checkpoint directory before its remote code is imported; must not change
+    # anything the model computes.
+    build: Callable[[Path], object]
     # Patches the checkpoint's own modeling code (fused experts); idempotent.
     prepare: Callable[[PrepareContext], None]
     # Regex (searched) matching the in-memory names of fused experts modules.
@@ -90,6 +91,9 @@ class ModelSpec:
     # Parameters (regex on in-memory names) kept in their checkpoint dtype instead of the load dtype,
     # where rounding would change behaviour (e.g. a routing bias that decides expert selection).
     keep_source_dtype: str | None = None
+    # Conversions of dense checkpoint tensors into the parameters the model declares (transformers
+    # ``WeightConverter``s, run by the loader on the whole source tensor), e.g. a zero-padded vector.
+    dense_converters: tuple[Any, ...] = ()
     # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
     # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix

@@ -1,91 +1,84 @@
-"""Manual device check: the stand-in's CUDA path (fla-core kernels) against its CPU reference math.
+"""Manual device check: our CPU implementations of the fla-core names against fla's Triton kernels on CUDA.
 
 Run on a CUDA machine with triton + fla-core: `python -m modelopt_k3.testing.cuda_check`.
-Prints the max differences and exits non-zero when one is out of tolerance.
+The remote code (real or stand-in) calls `ShortConvolution`, `FusedRMSNormGated`, `chunk_kda` and
+`fused_recurrent_kda` exactly as below; on CPU our `models/kimi_k3/fla_cpu.py` stands in for them. This
+runs both on the same inputs and prints the max differences, and also runs the tiny stand-in model on
+CUDA in fp32 and bf16. Exits non-zero when one is out of tolerance.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from modelopt_k3.testing import make_tiny_kimi_k3
-from modelopt_k3.testing.reference import load_reference_model, reference_logits
+from modelopt_k3.models.kimi_k3 import fla_cpu
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float().cpu() - b.float().cpu()).abs().max().item()
 
 
-def _kda_layer_checks(model: torch.nn.Module, failures: list[str]) -> None:
-    """Each KDA layer on its own (chunked, padded, prefill + one recurrent step), CPU vs CUDA."""
-    mkl = sys.modules[type(model.language_model).__module__]
-    gen = torch.Generator().manual_seed(0)
-    for idx, layer in enumerate(model.language_model.model.layers):
-        attn = layer.self_attn
-        if type(attn).__name__ != "KimiDeltaAttention":
-            continue
-        h = torch.randn(2, 80, attn.hidden_size, generator=gen)
-        with torch.no_grad():
-            cpu = attn(h)
-            attn.cuda()
-            gpu = attn(h.cuda())
-            mask = torch.ones(2, 80, dtype=torch.long)
-            mask[1, :7] = 0
-            gpu_pad = attn(h.cuda(), attention_mask=mask.cuda())
-            cache = mkl.KimiDynamicCache(model.config.text_config)
-            attn(h[:, :-1].cuda(), cache_params=cache)
-            gpu_step = attn(h[:, -1:].cuda(), cache_params=cache)
-            attn.cpu()
-            cpu_pad = attn(h, attention_mask=mask)
-        diffs = {
-            "chunk": _max_diff(cpu, gpu),
-            "padded": _max_diff(cpu_pad, gpu_pad),
-            "decode": _max_diff(cpu[:, -1:], gpu_step),
-        }
-        print(f"layer {idx} KDA fp32 |cpu-cuda| {diffs}  (|out| max {cpu.abs().max().item():.3f})")
-        failures += [f"layer {idx} {k} {v:.2e}" for k, v in diffs.items() if v > 2e-2]
+def _op_checks(failures: list[str]) -> None:
+    """Each fla name on CUDA (Triton) vs our CPU implementation, fp32, with the remote code's arguments."""
+    from fla.modules import FusedRMSNormGated, ShortConvolution
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K = 2, 80, 2, 32
+    x = torch.randn(B, T, H * K, generator=g)
+    conv, cpu_conv = ShortConvolution(H * K, 4, activation="silu").cuda(), fla_cpu.ShortConvolution(H * K, 4)
+    cpu_conv.load_state_dict(conv.state_dict())
+    diffs = {"short_conv": _max_diff(conv(x=x.cuda())[0], cpu_conv(x=x)[0])}
+    norm, cpu_norm = FusedRMSNormGated(K, eps=1e-5, activation="sigmoid").cuda(), fla_cpu.FusedRMSNormGated(K, eps=1e-5, activation="sigmoid")
+    o, gate = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    diffs["rms_norm_gated"] = _max_diff(norm(o.cuda(), gate.cuda()), cpu_norm(o, gate))
+    inputs = {
+        "q": torch.randn(B, T, H, K, generator=g), "k": torch.randn(B, T, H, K, generator=g),
+        "v": torch.randn(B, T, H, K, generator=g), "g": torch.randn(B, T, H, K, generator=g),
+        "beta": torch.randn(B, T, H, generator=g), "A_log": torch.rand(H, generator=g) * 2,
+        "dt_bias": 0.3 * torch.randn(H * K, generator=g),
+    }  # fmt: skip
+    flags = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, transpose_state_layout=True)  # fmt: skip
+    cuda_in = {n: t.cuda() for n, t in inputs.items()}
+    o_gpu, s_gpu = chunk_kda(**cuda_in, safe_gate=True, **flags)
+    o_cpu, s_cpu = fla_cpu.chunk_kda(**inputs, safe_gate=True, **flags)
+    diffs["chunk_kda_o"], diffs["chunk_kda_state"] = _max_diff(o_gpu, o_cpu), _max_diff(s_gpu, s_cpu)
+    step = {n: (t[:, :1] if t.dim() > 1 else t) for n, t in inputs.items()}
+    o_gpu, _ = fused_recurrent_kda(**{n: t.cuda() for n, t in step.items()}, initial_state=s_gpu, **flags)
+    o_cpu, _ = fla_cpu.fused_recurrent_kda(**step, initial_state=s_cpu, **flags)
+    diffs["fused_recurrent_kda_o"] = _max_diff(o_gpu, o_cpu)
+    print(f"fla kernels (CUDA) vs our CPU implementations, fp32 |diff|: {diffs}")
+    failures += [f"{k} {v:.2e}" for k, v in diffs.items() if v > 2e-3]
 
 
-def _decode_mxfp4_fallback(packed: torch.Tensor, scale: torch.Tensor, scheme: object) -> torch.Tensor:
-    """FORMATS.md rule; only used when compressed-tensors is not installed on the device machine."""
-    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
-    return (e2m1[codes] * torch.exp2(scale.float() - 127).repeat_interleave(32, dim=1)).to(torch.bfloat16)
+def _model_checks(failures: list[str]) -> None:
+    from modelopt_k3.testing import make_tiny_kimi_k3
+    from modelopt_k3.testing.reference import load_reference_model, reference_logits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_kimi_k3(Path(tmp) / "ckpt")
+        ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+        fp32 = reference_logits(load_reference_model(path).cuda(), ids)
+        bf16 = reference_logits(load_reference_model(path, dtype=torch.bfloat16).cuda(), ids)
+        cos = torch.nn.functional.cosine_similarity(bf16.float().flatten(), fp32.flatten(), dim=0)
+        print(f"stand-in on CUDA: bf16 vs fp32 finite={bool(bf16.isfinite().all())} cosine={cos:.4f}")
+        if not bool(bf16.isfinite().all()) or cos < 0.9:
+            failures.append(f"bf16 cosine {cos:.4f}")
 
 
 def main() -> int:
-    print("torch", torch.__version__, "cuda", torch.cuda.is_available())
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        from modelopt_k3.testing import reference
-
-        print("compressed-tensors missing: using the FORMATS.md decoder and a stub scheme")
-        reference._decode_mxfp4 = _decode_mxfp4_fallback
-        reference._mxfp4_scheme = lambda config: None
-    if not torch.cuda.is_available():
-        print("no CUDA device; nothing to check")
+    print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "triton", fla_cpu.triton_available())
+    if not torch.cuda.is_available() or not fla_cpu.triton_available():
+        print("no CUDA device or no triton; nothing to check")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     failures: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_kimi_k3(Path(tmp) / "ckpt")
-        model = load_reference_model(path)
-        _kda_layer_checks(model, failures)
-        ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-        cpu = reference_logits(model, ids)
-        gpu = reference_logits(model.cuda(), ids.cuda())
-        print(f"full model fp32 |cpu-cuda| {_max_diff(cpu, gpu):.3e} (|logits| max {cpu.abs().max():.2f})")
-        model_bf16 = load_reference_model(path, dtype=torch.bfloat16).cuda()
-        bf16 = reference_logits(model_bf16, ids.cuda())
-        cos = torch.nn.functional.cosine_similarity(bf16.float().cpu().flatten(), cpu.flatten(), dim=0)
-        print(f"full model bf16 cuda vs fp32 cpu: finite={bool(bf16.isfinite().all())} cosine={cos:.4f}")
-        if not bool(bf16.isfinite().all()) or cos < 0.9:
-            failures.append(f"bf16 cosine {cos:.4f}")
+    _op_checks(failures)
+    _model_checks(failures)
     print("FAILURES:" if failures else "OK", failures)
     return 1 if failures else 0
 

@@ -1,9 +1,12 @@
-"""Independent reference loader for tiny stand-in checkpoints.
+"""Independent reference loader for tiny stand-in checkpoints (and the real remote code on them).
 
 It shares nothing with the project's own loader: the model class comes from the checkpoint's
-remote code through transformers' dynamic-module machinery, the MXFP4 experts are decoded with
-compressed-tensors' own decompressor, and every parameter is filled straight from the safetensors
-files. Tests compare the project's loader against this baseline.
+remote code through transformers' dynamic-module machinery, the model is built for real on the CPU
+(so non-persistent buffers hold what the modules' own ``__init__`` computes), the MXFP4 experts are
+decoded with compressed-tensors' own decompressor, and every persistent tensor is filled straight from
+the safetensors files. The only project code it uses is what makes the remote code import and construct
+here at all: the fla-core CPU path and the transformers compatibility shims (``models/kimi_k3/shims.py``),
+neither of which changes what the model computes. Tests compare the project's loader against this baseline.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ _PACKED_SUFFIXES = (".weight_packed", ".weight_scale")
 
 
 def load_reference_class(path: str | Path, auto_class: str = "AutoModelForCausalLM") -> tuple[Any, type]:
-    """(config, unpatched model class) for a checkpoint dir, via its own remote code."""
+    """(config, model class without our MoE patch) for a checkpoint dir, via its own remote code."""
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
+    from modelopt_k3.models.kimi_k3.shims import apply_class_shims, apply_import_shims
+
+    apply_import_shims(path)
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
     cls = get_class_from_dynamic_module(config.auto_map[auto_class], str(path))
+    apply_class_shims(cls)
     return config, cls
 
 
@@ -65,55 +72,71 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Build the checkpoint's own (unpatched) model class and fill every parameter from disk.
+def _fit_a_log(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Kimi's ``A_log``: declared ``[num_heads]``, stored ``[head_dim]`` with zeros past ``num_heads``."""
+    n = shape[0] if len(shape) == 1 else -1
+    if key.endswith(".A_log") and value.ndim == 1 and value.shape[0] > n > 0 and not value[n:].any():
+        return value[:n]
+    return value
 
-    Parameters take `dtype` except those the remote code creates in fp32 explicitly (as
-    from_pretrained would). Raises if any parameter is left unfilled or any tensor is unused.
+
+def build_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The checkpoint's own (unpatched) model class, built for real on the CPU in ``dtype``.
+
+    Tiny models only: building for real (no meta device) gives non-persistent buffers the values the
+    modules' own ``__init__`` computes. Parameters hold whatever the remote code initialises them to.
     """
     config, cls = load_reference_class(path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
-            model = cls(config)
+        return cls(config)
     finally:
         torch.set_default_dtype(previous)
-    model.to_empty(device="cpu")
-    if any(True for _ in model.buffers()):
-        raise AssertionError("reference loader expects a model without buffers")
 
-    tensors = read_checkpoint(path)
-    scheme = _mxfp4_scheme(config)
-    params = dict(model.named_parameters())
+
+def fill_reference_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Copy ``tensors`` (checkpoint names, dense) into the model's persistent state; returns it in eval mode.
+
+    Raises if any persistent tensor is left unfilled or any given tensor has no place in the model.
+    """
+    params = model.state_dict(keep_vars=True)  # persistent parameters and buffers only
     filled: set[str] = set()
     unexpected: list[str] = []
-
-    packed_prefixes = sorted({k[: -len(s)] for k in tensors for s in _PACKED_SUFFIXES if k.endswith(s)})
-    dense = {k: v for k, v in tensors.items() if not k.endswith(_PACKED_SUFFIXES)}
-    for prefix in packed_prefixes:
-        dense[f"{prefix}.weight"] = _decode_mxfp4(
-            tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"], scheme
-        )
-
     with torch.no_grad():
-        for key, value in dense.items():
+        for key, value in tensors.items():
             param = params.get(key)
             if param is None:
                 unexpected.append(key)
                 continue
+            value = _fit_a_log(key, value, tuple(param.shape))
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}"
-                )
+                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
             param.copy_(value.to(param.dtype))
             filled.add(key)
     missing = sorted(set(params) - filled)
     if missing or unexpected:
-        raise ValueError(
-            f"reference load mismatch: missing={missing[:20]} unexpected={sorted(unexpected)[:20]}"
-        )
+        raise ValueError(f"reference load mismatch: missing={missing[:20]} unexpected={sorted(unexpected)[:20]}")
     return model.eval()
+
+
+def load_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Build the checkpoint's own (unpatched) model class on the CPU and fill its persistent state from disk.
+
+    Parameters take `dtype` except those the remote code creates in fp32 explicitly (as
+    from_pretrained would); non-persistent buffers keep their constructed values; MXFP4 experts are
+    decoded by compressed-tensors.
+    """
+    model = build_reference_model(path, dtype)
+    tensors = read_checkpoint(path)
+    scheme = _mxfp4_scheme(model.config)
+    dense = {k: v for k, v in tensors.items() if not k.endswith(_PACKED_SUFFIXES)}
+    packed_prefixes = sorted({k[: -len(s)] for k in tensors for s in _PACKED_SUFFIXES if k.endswith(s)})
+    for prefix in packed_prefixes:
+        dense[f"{prefix}.weight"] = _decode_mxfp4(
+            tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"], scheme
+        )
+    return fill_reference_model(model, dense)
 
 
 @torch.no_grad()

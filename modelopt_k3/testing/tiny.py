@@ -3,7 +3,13 @@
 The directory looks like the real one: config.json with auto_map and the real-style MXFP4
 quantization_config inside text_config, the remote code, a tokenizer, sharded safetensors with an
 index, routed experts stored only as MXFP4 `weight_packed`/`weight_scale`, F32 tensors where the
-real checkpoint has them. Weights are deterministic in `seed` and in each tensor's name.
+real checkpoint has them, and `A_log` stored `[head_dim]` zero-padded although the code declares
+`[num_heads]`. Weights are deterministic in `seed` and in each tensor's name.
+
+The remote code comes in two variants (`remote_code=`): "hub" (default), the transformers-4-era API calls
+the hub's files make, which break on transformers 5.x without our shims; and "transformers5", the same
+code with llm-compressor's compatibility edits (the calls rewritten for transformers 5). The default is
+what a user downloads from the hub.
 """
 
 from __future__ import annotations
@@ -24,6 +30,62 @@ from modelopt_k3.testing.tokenizer import make_byte_tokenizer
 
 REMOTE_CODE_DIR = Path(__file__).parent / "remote_code"
 REMOTE_CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_linear.py", "modeling_kimi_k3.py")
+
+# "transformers5" variant: (file, hub line(s), rewritten line(s)), each applied exactly once. These are the
+# edits llm-compressor's vendored copy lists in its header for transformers 5 compatibility.
+TRANSFORMERS5_EDITS: tuple[tuple[str, str, str], ...] = (
+    (
+        "modeling_kimi_linear.py",
+        "from transformers.utils.generic import OutputRecorder, check_model_inputs\n",
+        "from transformers.utils.generic import check_model_inputs\n"
+        "from transformers.utils.output_capturing import OutputRecorder\n",
+    ),
+    (
+        "modeling_kimi_linear.py",
+        "    def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:\n"
+        '        """(kv_length, kv_offset) for the mask; the 4.x protocol passes the cache_position tensor."""\n'
+        "        query_length = cache_position.shape[0]\n",
+        "    def get_query_offset(self, layer_idx: int = 0) -> int:\n"
+        "        return self.get_seq_length(layer_idx)\n\n"
+        "    def get_mask_sizes(self, cache_position: int | torch.Tensor, layer_idx: int) -> tuple[int, int]:\n"
+        '        """(kv_length, kv_offset) for the mask; transformers 5 passes the query length as an int."""\n'
+        "        query_length = cache_position if isinstance(cache_position, int) else cache_position.shape[0]\n",
+    ),
+    (
+        "modeling_kimi_linear.py",
+        "        # As the hub's file: whatever was asked for, use flash_attention_2.\n"
+        '        if getattr(config, "_attn_implementation", None) is not None:\n'
+        '            if config._attn_implementation != "flash_attention_2":\n'
+        '                logger.warning_once(f"Ignoring the provided attention implementation {config._attn_implementation}")\n'
+        '                config._attn_implementation = "flash_attention_2"\n',
+        "        # flash_attention_2 only where flash-attn is installed.\n"
+        "        from transformers.utils import is_flash_attn_2_available\n\n"
+        '        requested = getattr(config, "_attn_implementation", None)\n'
+        '        if requested not in (None, "flash_attention_2") or not is_flash_attn_2_available():\n'
+        '            config._attn_implementation = requested if requested not in (None, "flash_attention_2") else "eager"\n'
+        "        else:\n"
+        '            config._attn_implementation = "flash_attention_2"\n',
+    ),
+    (
+        "modeling_kimi_linear.py",
+        "            input_embeds=inputs_embeds,\n"
+        "            attention_mask=attention_mask,\n"
+        "            cache_position=cache_position,\n",
+        "            inputs_embeds=inputs_embeds,\n"
+        "            attention_mask=attention_mask,\n",
+    ),
+    (
+        "modeling_kimi_linear.py",
+        '    _tied_weights_keys = ["lm_head.weight"]\n',
+        '    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}\n',
+    ),
+    (
+        "modeling_kimi_k3.py",
+        "    def tie_weights(self):\n        return self.language_model.tie_weights()\n",
+        "    def tie_weights(self, **kwargs):\n        return self.language_model.tie_weights(**kwargs)\n",
+    ),
+)
+REMOTE_CODE_VARIANTS = ("hub", "transformers5")
 
 # Special tokens follow the 256 byte tokens of the tokenizer.
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, MEDIA_TOKEN_ID = 256, 257, 258, 259
@@ -158,15 +220,24 @@ def _vision_config(s: dict[str, Any]) -> dict[str, Any]:
         "init_pos_emb_height": s["init_pos_emb_height"],
         "init_pos_emb_width": s["init_pos_emb_width"],
         "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed",
         "vt_num_attention_heads": s["vt_num_attention_heads"],
         "vt_num_hidden_layers": s["vt_num_hidden_layers"],
         "vt_hidden_size": s["vt_hidden_size"],
         "vt_intermediate_size": s["vt_intermediate_size"],
         "qkv_hidden_size": s["qkv_hidden_size"],
         "norm_type": "rmsnorm",
+        "attn_bias": False,
+        "patch_embed_proj_bias": False,
+        "mlp_type": "mlp2",
+        "linear_bias": False,
+        "activation_func": "gelu_pytorch_tanh",
+        "pos_emb_interpolation_mode": "bilinear",
         "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool",
         "mm_projector_type": "patchmergerv2",
         "mm_hidden_size": s["mm_hidden_size"],
+        "projector_hidden_act": "gelu",
         "text_hidden_size": s["hidden_size"],
         "projector_ln_eps": 1e-5,
         "_attn_implementation": "eager",
@@ -192,9 +263,18 @@ def _ignore_list(module_types: dict[str, str]) -> list[str]:
 
 
 def _build_meta_model(config_dict: dict[str, Any]) -> tuple[Any, dict[str, str]]:
-    """Instantiate the stand-in remote code on the meta device: parameter names/shapes come from it."""
+    """Instantiate the stand-in remote code on the meta device: parameter names/shapes come from it.
+
+    The stand-in imports fla-core's kernels and makes the hub's transformers-4-era calls, so it needs the
+    same import and class shims here as when a checkpoint is loaded.
+    """
+    from modelopt_k3.models.kimi_k3.shims import apply_class_shims, apply_import_shims
+
+    apply_import_shims(REMOTE_CODE_DIR)
     from modelopt_k3.testing.remote_code.configuration_kimi_k3 import KimiK3Config
     from modelopt_k3.testing.remote_code.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    apply_class_shims(KimiK3ForConditionalGeneration)
 
     cfg = copy.deepcopy(config_dict)
     for key in ("model_type", "architectures", "auto_map", "transformers_version"):
@@ -210,10 +290,15 @@ def _tensor_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
+def _stored_shape(name: str, shape: tuple[int, ...], linear_head_dim: int) -> tuple[int, ...]:
+    """The shape the real checkpoint stores: ``A_log`` as ``[head_dim]`` although declared ``[num_heads]``."""
+    return (linear_head_dim,) if name.endswith(".A_log") else shape
+
+
 def _dense_value(name: str, shape: tuple[int, ...], gen: torch.Generator, num_kda_heads: int) -> torch.Tensor:
     """A numerically sane fp32 value for a dense parameter (later cast to BF16/F32)."""
     if name.endswith(".A_log"):
-        # [dk]; only the first num_heads entries are read; the rest are zero as in the real checkpoint.
+        # [head_dim]; the code reads the first num_heads entries; the rest are zero as in the real checkpoint.
         value = torch.zeros(shape)
         value[:num_kda_heads] = torch.empty(num_kda_heads).uniform_(1.0, 16.0, generator=gen).log()
         return value
@@ -252,11 +337,16 @@ def _mxfp4_expert_weight(
     return {"weight_packed": packed, "weight_scale": scale}
 
 
-def _checkpoint_tensors(model: Any, seed: int, num_kda_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, tensor) in module-tree order; routed experts as weight_packed/weight_scale pairs."""
+def _checkpoint_tensors(
+    model: Any, seed: int, num_kda_heads: int, linear_head_dim: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) in module-tree order; routed experts as weight_packed/weight_scale pairs.
+
+    Parameters only: the model's buffers are all non-persistent (never in a checkpoint).
+    """
     for name, param in model.named_parameters():
         gen = _tensor_generator(seed, name)
-        shape = tuple(param.shape)
+        shape = _stored_shape(name, tuple(param.shape), linear_head_dim)
         if _is_routed_expert(name):
             if not name.endswith(".weight"):
                 raise AssertionError(f"unexpected routed-expert parameter {name}")
@@ -296,6 +386,19 @@ def _write_shards(
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
+def remote_code_source(fname: str, variant: str = "hub") -> str:
+    """The text of one remote-code file in the given variant (see TRANSFORMERS5_EDITS)."""
+    text = (REMOTE_CODE_DIR / fname).read_text()
+    if variant == "hub":
+        return text
+    for target, old, new in TRANSFORMERS5_EDITS:
+        if target == fname:
+            if text.count(old) != 1:
+                raise AssertionError(f"{fname}: the transformers5 edit does not match exactly once: {old!r}")
+            text = text.replace(old, new)
+    return text
+
+
 def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
     unknown = set(sizes) - set(TINY_DEFAULTS)
     if unknown:
@@ -312,6 +415,8 @@ def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
         s["full_attn_layers"] = [n]
     elif "full_attn_layers" not in sizes:
         s["full_attn_layers"] = [i for i in range(1, n + 1) if i not in s["kda_layers"]]
+    if s["linear_num_heads"] > s["linear_head_dim"]:
+        raise ValueError("linear_num_heads must be <= linear_head_dim: A_log is stored with head_dim entries")
     for key in ("routed_expert_hidden_size", "moe_intermediate_size", "hidden_size"):
         if s[key] is not None and s[key] % MXFP4_GROUP:
             raise ValueError(f"{key}={s[key]} must be a multiple of {MXFP4_GROUP} (MXFP4 group size)")
@@ -324,13 +429,17 @@ def make_tiny_kimi_k3(
     seed: int = 0,
     overwrite: bool = False,
     max_shard_size: int | None = None,
+    remote_code: str = "hub",
     **sizes: Any,
 ) -> Path:
     """Write a tiny Kimi-K3 stand-in checkpoint into `path` and return it.
 
     `sizes` overrides TINY_DEFAULTS (e.g. num_experts=64, num_hidden_layers=6). The same seed and
     sizes give byte-identical files. `max_shard_size` is in bytes (default: about 3 shards).
+    `remote_code` picks the remote-code variant: "hub" (default) or "transformers5" (module docstring).
     """
+    if remote_code not in REMOTE_CODE_VARIANTS:
+        raise ValueError(f"remote_code={remote_code!r}; choose one of {list(REMOTE_CODE_VARIANTS)}")
     path = Path(path)
     if path.exists() and any(path.iterdir()):
         if not overwrite:
@@ -361,7 +470,7 @@ def make_tiny_kimi_k3(
     model, module_types = _build_meta_model(config)
     text_cfg["quantization_config"] = mxfp4_quantization_config(_ignore_list(module_types))
 
-    tensors = list(_checkpoint_tensors(model, seed, s["linear_num_heads"]))
+    tensors = list(_checkpoint_tensors(model, seed, s["linear_num_heads"], s["linear_head_dim"]))
     index = _write_shards(tensors, path, max_shard_size)
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -372,7 +481,7 @@ def make_tiny_kimi_k3(
     }
     (path / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     for fname in REMOTE_CODE_FILES:
-        shutil.copyfile(REMOTE_CODE_DIR / fname, path / fname)
+        (path / fname).write_text(remote_code_source(fname, remote_code))
     make_byte_tokenizer(
         path,
         bos_token_id=BOS_TOKEN_ID,

@@ -87,7 +87,8 @@ def check_export(ckpt: Path, out: Path, results: dict) -> None:
             "--qformat", "nvfp4", "--kv_cache_qformat", "fp8", "--calib_size", "8", "--batch_size", "2",
             "--calib_seq", "64", "--dtype", "float32", "--no_progress"]
     runs = {}
-    for name, env in (("cuda", {}), ("cpu", {"CUDA_VISIBLE_DEVICES": ""})):
+    # The CPU run needs our CPU fla-core path: with triton installed nothing is replaced unless forced.
+    for name, env in (("cuda", {}), ("cpu", {"CUDA_VISIBLE_DEVICES": "", "MODELOPT_K3_FLA_CPU": "1"})):
         t = time.perf_counter()
         subprocess.run([*args, "--export_path", str(out / name)], check=True, env={**os.environ, **env})
         runs[name] = time.perf_counter() - t

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..spec import ExpertProjection, ModelSpec, register_spec
-from .converters import EXPERT_KEY_RE, kimi_k3_converters
+from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import attach_kv_cache
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
@@ -34,6 +34,8 @@ KIMI_K3_SPEC = register_spec(
         probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
+        # A_log: declared [num_heads], stored [head_dim] zero-padded in the real checkpoint.
+        dense_converters=(A_LOG_CONVERTER,),
     ),
     overwrite=True,
 )

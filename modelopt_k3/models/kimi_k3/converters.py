@@ -1,4 +1,4 @@
-"""Checkpoint converters: per-expert ``w1/w3/w2`` -> fused ``gate_up_proj`` / ``down_proj``.
+"""Checkpoint converters: per-expert ``w1/w3/w2`` -> fused ``gate_up_proj`` / ``down_proj``, and ``A_log``.
 
 They are transformers ``WeightConverter`` objects (the library's conversion API): source patterns,
 a target, and a chain of ``ConversionOps``. The chain for MXFP4-packed experts is
@@ -8,6 +8,11 @@ are stored plain (``.weight``) use the same chain minus the decode.
 
 Patterns are anchored on ``.block_sparse_moe.experts.<int>.`` so ``shared_experts`` and the latent
 ``routed_expert_*`` projections can never match.
+
+``A_LOG_CONVERTER`` is a dense conversion: the KDA layers declare ``A_log`` as ``[num_heads]`` while the
+real checkpoint stores F32 ``[head_dim]`` with every entry past ``num_heads`` zero (kimi_k3_reference.md
+section 8; the fused kernels read only ``A_log[h]``). It keeps the leading ``num_heads`` entries after
+checking that the dropped ones are zero, and refuses the tensor otherwise.
 """
 
 from __future__ import annotations
@@ -64,6 +69,49 @@ class Mxfp4Decompress(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         raise NotImplementedError("modelopt_k3 exports through its own writer, never by reversing the load")
+
+
+class DropZeroTail(ConversionOps):
+    """A 1-D tensor stored longer than its parameter: keep the leading entries, refuse unless the rest are 0.
+
+    The parameter's length comes from ``model.get_parameter(full_layer_name)`` (transformers passes both to
+    every op). Returned under the target pattern.
+    """
+
+    @torch.no_grad()
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        *,
+        full_layer_name: str,
+        model: torch.nn.Module,
+        **kwargs,
+    ) -> dict[str, torch.Tensor]:
+        ((_, value),) = input_dict.items()
+        stored = value[0] if isinstance(value, list) else value
+        length = model.get_parameter(full_layer_name).shape[0]
+        if stored.ndim != 1 or stored.shape[0] < length:
+            raise ValueError(
+                f"{full_layer_name}: checkpoint shape {list(stored.shape)} cannot hold the model's [{length}]"
+            )
+        if stored[length:].any():
+            bad = int(stored[length:].ne(0).nonzero()[0]) + length
+            raise ValueError(
+                f"{full_layer_name}: the checkpoint stores {stored.shape[0]} entries and the model reads {length}; "
+                f"the dropped entries must be zero, but entry {bad} is {stored[bad].item()!r}"
+            )
+        return {target_patterns[0]: stored[:length]}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        raise NotImplementedError("modelopt_k3 exports unquantized tensors as the source's own bytes")
+
+
+A_LOG_CONVERTER = WeightConverter(
+    source_patterns=r"self_attn.A_log", target_patterns=r"self_attn.A_log", operations=[DropZeroTail()]
+)
 
 
 def kimi_k3_converters(*, packed: bool, dtype: torch.dtype = torch.bfloat16) -> list[WeightConverter]:

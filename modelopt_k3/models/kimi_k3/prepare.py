@@ -20,6 +20,7 @@ from ...checkpoint import CheckpointReader
 from ..spec import ExpertPlacement, PrepareContext, SpecError
 from .converters import EXPERT_KEY_RE, PACKED_SUFFIX, SCALE_SUFFIX, kimi_k3_converters
 from .experts import KimiK3Experts
+from .shims import apply_class_shims
 
 BLOCK_CLASS = "KimiSparseMoeBlock"
 EXPERT_CLASS = "KimiBlockSparseMLP"
@@ -166,6 +167,7 @@ def prepare(ctx: PrepareContext) -> None:
         raise SpecError("routed experts are stored MXFP4-packed but the config has no quantization_config")
     ctx.placement.local_range(text_config.num_experts)  # refuse an indivisible EP degree early
 
+    apply_class_shims(ctx.model_cls)  # the hub's transformers-4-era calls, where this transformers needs them
     current = getattr(module, BLOCK_CLASS)
     original = getattr(current, "_modelopt_k3_original", current)
     if not getattr(current, _PATCH_FLAG, False) or current._modelopt_k3_placement != ctx.placement:

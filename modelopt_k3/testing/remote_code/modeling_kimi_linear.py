@@ -1,44 +1,77 @@
 # Stand-in for the Kimi-K3 checkpoint's own language-model code (tiny test checkpoints).
-# Same class names, module tree, parameter names/shapes and forward math as the real remote code
-# (see docs/kimi_k3_reference.md); written for this project, simplified where it does not matter
-# (no flash-attention, no output recording, a minimal cache).
+# Written for this project from kimi_k3_reference.md and the public behaviour of the real remote code:
+# same class names, constructor signatures, attribute names, module tree, parameter names and shapes,
+# forward math, and the same outside dependencies -- fla-core's kernels imported at module load (no
+# triton, no import), and the transformers API calls the hub's files make. This default ("hub") file
+# calls the transformers-4-era APIs the hub ships with (they break on transformers 5.x); the tiny
+# generator's `remote_code="transformers5"` variant rewrites those lines the way llm-compressor's
+# vendored copy does. The vision tower exists with the real key names and a non-persistent buffer, but
+# only text-only forwards are implemented.
 # This file ships inside generated checkpoints: it must not import modelopt_k3.
-# On CPU the KDA layers run a plain torch reference; with CUDA they call fla-core's kernels,
-# imported lazily so that CPU-only installs (no triton) never import fla.
 from __future__ import annotations
 
-import inspect
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
+from fla.modules import FusedRMSNormGated, ShortConvolution
+from fla.ops.kda import chunk_kda, fused_recurrent_kda
+from fla.ops.utils.index import prepare_cu_seqlens_from_mask, prepare_lens_from_mask
+from fla.utils import tensor_cache
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.generic import OutputRecorder, check_model_inputs
 
 from .configuration_kimi_k3 import KimiLinearConfig
 
+logger = logging.get_logger(__name__)
+
 # ----------------------------------------------------------------------------------------------
-# Small building blocks
+# Activations, norms, MLPs
 # ----------------------------------------------------------------------------------------------
 
 
 class SituAndMul(nn.Module):
     """x = [g | u] -> beta*tanh(g/beta)*sigmoid(g) * (beta_lin*tanh(u/beta_lin) | u), in fp32."""
 
-    def __init__(self, beta: float | None = 1.0, linear_beta: float | None = None) -> None:
+    def __init__(self, beta: float = 1.0, linear_beta: float | None = None) -> None:
         super().__init__()
-        self.beta = float(beta) if beta else 1.0
-        self.linear_beta = float(linear_beta) if linear_beta else None
+        self.beta = beta
+        self.linear_beta = linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = x.float().chunk(2, dim=-1)
-        act = self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g)
+        half = x.shape[-1] // 2
+        gate, up = x[..., :half].float(), x[..., half:].float()
+        act = self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate)
         if self.linear_beta is not None:
-            u = self.linear_beta * torch.tanh(u / self.linear_beta)
-        return (act * u).to(x.dtype)
+            up = self.linear_beta * torch.tanh(up / self.linear_beta)
+        return (act * up).to(x.dtype)
+
+
+# As upstream: registered globally, but ACT2FN["situ"] is SituAndMul() with beta=1 and no linear clamp,
+# so the modules below build their own from the config.
+ACT2FN["situ"] = SituAndMul
+
+
+def _situ_params(config: KimiLinearConfig) -> tuple[float, float | None]:
+    return config.activation_situ_beta or 1.0, config.activation_situ_linear_beta
+
+
+def _make_act(config: KimiLinearConfig) -> nn.Module:
+    if config.hidden_act == "situ":
+        beta, linear_beta = _situ_params(config)
+        return SituAndMul(beta=beta, linear_beta=linear_beta)
+    return ACT2FN[config.hidden_act]
 
 
 class KimiRMSNorm(nn.Module):
@@ -48,73 +81,37 @@ class KimiRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
+        dtype = hidden_states.dtype
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         # Multiply after casting back: an fp32 weight promotes a bf16 input to fp32 (as upstream).
-        return self.weight * x.to(input_dtype)
+        return self.weight * x.to(dtype)
 
 
-class KimiGatedRMSNorm(nn.Module):
-    """Weights-compatible CPU stand-in for fla's FusedRMSNormGated(dk, eps, activation="sigmoid")."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.activation = "sigmoid"
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from fla.modules.norm.fused_norm_gate import rms_norm_gated
-
-            return rms_norm_gated(x, gate, self.weight, None, activation="sigmoid", eps=self.eps)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * torch.sigmoid(gate.float())).to(x.dtype)
-
-
-def _output_with_cache(cls: type, cache: Any, **fields: Any) -> Any:
-    """transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; support both."""
-    name = "cache" if "cache" in getattr(cls, "__dataclass_fields__", {}) else "past_key_values"
-    return cls(**fields, **{name: cache})
-
-
-def _cache_of(output: Any) -> Any:
-    return getattr(output, "cache", None) if hasattr(output, "cache") else output.past_key_values
-
-
-# As upstream: "situ" is registered globally, but ACT2FN["situ"] is SituAndMul() with beta=1 and no
-# linear clamp, so the modules below never use it.
-if "situ" not in ACT2FN:
-    ACT2FN["situ"] = SituAndMul
-
-
-def _make_act(config: KimiLinearConfig) -> nn.Module:
-    if config.hidden_act == "situ":
-        # Never ACT2FN["situ"]: it would ignore the configured betas.
-        return SituAndMul(config.activation_situ_beta, config.activation_situ_linear_beta)
-    return ACT2FN[config.hidden_act]
+ALL_LAYERNORM_LAYERS.append(KimiRMSNorm)
 
 
 class KimiBlockSparseMLP(nn.Module):
-    """One routed expert: w1 (gate) [I, Dl], w3 (up) [I, Dl], w2 (down) [Dl, I]."""
+    """One routed expert: w1 (gate) [I, D], w3 (up) [I, D], w2 (down) [D, I]."""
 
-    def __init__(self, config: KimiLinearConfig, hidden_dim: int, ffn_dim: int) -> None:
+    def __init__(
+        self, config: KimiLinearConfig, hidden_size: int | None = None, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        self.hidden_dim = hidden_dim
-        self.ffn_dim = ffn_dim
-        self.w1 = nn.Linear(hidden_dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(hidden_dim, ffn_dim, bias=False)
-        self.is_situ = config.hidden_act == "situ"
+        self.config = config
+        self.ffn_dim = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.hidden_dim = config.hidden_size if hidden_size is None else hidden_size
+        self.w1 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
+        self.w2 = nn.Linear(self.ffn_dim, self.hidden_dim, bias=False)
+        self.w3 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
         self.act_fn = _make_act(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_situ:
-            return self.w2(self.act_fn(torch.cat([self.w1(x), self.w3(x)], dim=-1)))
-        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.config.hidden_act == "situ":
+            h = self.act_fn(torch.cat([self.w1(hidden_states), self.w3(hidden_states)], dim=-1))
+        else:
+            h = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        return self.w2(h)
 
 
 class KimiMLP(nn.Module):
@@ -124,39 +121,41 @@ class KimiMLP(nn.Module):
         self, config: KimiLinearConfig, hidden_size: int | None = None, intermediate_size: int | None = None
     ) -> None:
         super().__init__()
+        self.config = config
         self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
         self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
-        self.is_situ = config.hidden_act == "situ"
         self.act_fn = _make_act(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_situ:
+        if self.config.hidden_act == "situ":
             return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 # ----------------------------------------------------------------------------------------------
-# Cache (minimal; use_cache=False avoids it entirely)
+# Cache (not a transformers Cache, as upstream)
 # ----------------------------------------------------------------------------------------------
 
 
 class KimiDynamicCache:
-    """Per-layer MLA key/value cache and KDA conv/recurrent states. Not a transformers Cache."""
+    """Per-layer MLA key/value cache and KDA conv/recurrent states."""
 
     is_compileable = False
 
     def __init__(self, config: KimiLinearConfig) -> None:
+        self.config = config
         n = config.num_hidden_layers
         self.layer_types = ["linear_attention" if config.is_kda_layer(i) else "full_attention" for i in range(n)]
-        self.transformer_layers = [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        self.transformer_layers = [i for i in range(n) if self.layer_types[i] == "full_attention"]
+        linear = [i for i in range(n) if self.layer_types[i] == "linear_attention"]
+        self.last_linear_layer = linear[-1] if linear else -1
         self.conv_states: list[Any] = [None] * n
         self.recurrent_states: list[Any] = [None] * n
         self.key_cache: list[Any] = [None] * n
         self.value_cache: list[Any] = [None] * n
-        self._seen_tokens = 0
 
     def __len__(self) -> int:
         return len(self.layer_types)
@@ -165,38 +164,55 @@ class KimiDynamicCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.key_cache[layer_idx] is None:
-            self.key_cache[layer_idx] = key_states
-            self.value_cache[layer_idx] = value_states
+            self.key_cache[layer_idx], self.value_cache[layer_idx] = key_states, value_states
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=2)
             self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=2)
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
-        # Falls back to the first MLA layer (KDA layers keep no per-token state), as upstream.
-        if layer_idx is None or self.layer_types[layer_idx] != "full_attention":
-            if not self.transformer_layers:
-                return self._seen_tokens
+        # KDA layers keep no per-token state: fall back to the first MLA layer, as upstream.
+        if layer_idx not in self.transformer_layers:
             layer_idx = self.transformer_layers[0]
-        if self.key_cache[layer_idx] is None:
+        if len(self.key_cache) <= layer_idx or self.key_cache[layer_idx] is None:
             return 0
         return self.key_cache[layer_idx].shape[-2]
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length(layer_idx)
-
-    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
-        q_len = query_length if isinstance(query_length, int) else int(query_length.shape[0])
-        return q_len + self.get_seq_length(layer_idx), 0
+    def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) for the mask; the 4.x protocol passes the cache_position tensor."""
+        query_length = cache_position.shape[0]
+        return query_length + self.get_seq_length(layer_idx), 0
 
     @property
     def has_previous_state(self) -> bool:
-        return any(s is not None for s in self.conv_states)
+        return self.last_linear_layer != -1 and self.conv_states[self.last_linear_layer] is not None
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention
+# Multi-head latent attention (no RoPE)
 # ----------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with an additive mask; scores in the query dtype, softmax in fp32."""
+    groups = module.num_key_value_groups
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 class KimiMLAAttention(nn.Module):
@@ -210,177 +226,141 @@ class KimiMLAAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.attention_dropout = getattr(config, "attention_dropout", 0.0)
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
         self.q_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.use_nope = config.mla_use_nope
         self.scaling = self.q_head_dim**-0.5
-        self.use_output_gate = config.mla_use_output_gate
-        self.rotary_emb = None  # no RoPE anywhere in Kimi-K3
-        self.is_causal = True
+        if not self.use_nope:
+            raise ValueError("Kimi MLA needs mla_use_nope=True (no RoPE)")
 
-        if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.q_head_dim, bias=False)
-        else:
+        if self.q_lora_rank is not None:
             self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = KimiRMSNorm(self.q_lora_rank, eps=1e-6)
+            self.q_a_layernorm = KimiRMSNorm(self.q_lora_rank)  # eps 1e-6, not rms_norm_eps
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.q_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.q_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = KimiRMSNorm(self.kv_lora_rank, eps=1e-6)
+        self.kv_a_layernorm = KimiRMSNorm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=False)
+        self.is_causal = True
+        self.use_output_gate = getattr(config, "mla_use_output_gate", False)
         if self.use_output_gate:
             self.g_proj = nn.Linear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
+        self.rotary_emb = None  # no RoPE anywhere in Kimi-K3
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: KimiDynamicCache | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """attention_mask: additive float mask [B, 1, T, S] (the model builds it), or None for causal."""
-        bsz, q_len, _ = hidden_states.shape
-        h, nope, rope, vd = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-
+        bsz, seq = hidden_states.shape[:-1]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(bsz, q_len, h, self.q_head_dim).transpose(1, 2)
-
-        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
-        c, k_rot = compressed_kv.split([self.kv_lora_rank, rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(bsz, q_len, h, nope + vd).transpose(1, 2)
-        k_nope, value_states = kv.split([nope, vd], dim=-1)
+        q = q.view(bsz, seq, -1, self.q_head_dim).transpose(1, 2)
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(bsz, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, value_states = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # The rope part of K is one vector shared by every head; no rotation is applied.
-        k_rot = k_rot.view(bsz, 1, q_len, rope).expand(bsz, h, q_len, rope)
+        k_rot = k_rot.view(bsz, 1, seq, self.qk_rope_head_dim).expand(*k_nope.shape[:-1], -1)
+        query_states = q
         key_states = torch.cat([k_nope, k_rot], dim=-1)
-
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-        kv_len = key_states.shape[-2]
-        scores = torch.matmul(q.float(), key_states.float().transpose(-1, -2)) * self.scaling
-        if attention_mask is None:
-            past = kv_len - q_len
-            causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(diagonal=past)
-            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask[..., :kv_len].float()
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value_states.dtype)
-        out = torch.matmul(probs, value_states)  # [B, H, T, v]
-        out = out.transpose(1, 2).reshape(bsz, q_len, h * vd)
+        flash = self.config._attn_implementation == "flash_attention_2"
+        if flash and self.q_head_dim != self.v_head_dim:
+            value_states = F.pad(value_states, [0, self.q_head_dim - self.v_head_dim])
+        attention: Callable = eager_attention_forward
+        if self.config._attn_implementation != "eager":
+            attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, _ = attention(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        if flash and self.q_head_dim != self.v_head_dim:
+            out = out[:, :, :, : self.v_head_dim]
+        out = out.reshape(bsz, seq, -1).contiguous()
         if self.use_output_gate:
-            out = out * torch.sigmoid(self.g_proj(hidden_states))
+            out = out * self.g_proj(hidden_states).sigmoid()
         return self.o_proj(out)
 
 
-def _causal_depthwise_conv_silu(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """y[t, c] = silu(sum_j w[c, 0, j] * x[t-W+1+j, c]), zero (or `state`) left-padding, in fp32.
-
-    x: [B, T, C]; weight: [C, 1, W]; state: [B, C, W] (last W inputs, fla's layout) or None.
-    Returns y in x's dtype and the new state.
-    """
-    width = weight.shape[-1]
-    xt = x.float().transpose(1, 2)  # [B, C, T]
-    if state is None:
-        prefix = xt.new_zeros(xt.shape[0], xt.shape[1], width - 1)
-    else:
-        prefix = state[..., 1:].float()
-    xp = torch.cat([prefix, xt], dim=-1)
-    y = F.conv1d(xp, weight.float(), groups=xt.shape[1])  # [B, C, T]
-    new_state = xp[..., -width:].to(x.dtype)
-    return F.silu(y).transpose(1, 2).to(x.dtype), new_state
+# ----------------------------------------------------------------------------------------------
+# Kimi delta attention (fla-core kernels)
+# ----------------------------------------------------------------------------------------------
 
 
-def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
-    """Log-decay a [.., H, K] from the raw gate g [.., H, K]; only A_log[:H] is used."""
-    num_heads, head_dim = g.shape[-2], g.shape[-1]
-    z = g.float() + dt_bias.float().view(num_heads, head_dim)
-    a_scale = A_log[:num_heads].float().exp().view(num_heads, 1)
-    if lower_bound is not None:
-        return lower_bound * torch.sigmoid(a_scale * z)
-    return -a_scale * F.softplus(z)
+@tensor_cache
+def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(indices of kept tokens, cu_seqlens, longest sequence) for a [B, T] 0/1 mask."""
+    lens = prepare_lens_from_mask(attention_mask)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    return indices, prepare_cu_seqlens_from_mask(attention_mask), int(lens.max().item())
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def kda_recurrence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: float,
-    initial_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token delta rule with per-channel decay, fp32.
-
-    q, k: [B, T, H, K] (already L2-normalised); v: [B, T, H, V]; a: [B, T, H, K] log-decay;
-    b: [B, T, H] (after sigmoid). S: [B, H, K, V].
-      S <- diag(exp(a_t)) S;  S <- S + b_t k_t (v_t - S^T k_t)^T;  o_t = scale * S^T q_t
-    """
-    bsz, seq, heads, kd = q.shape
-    vd = v.shape[-1]
-    q, k, v, a, b = (t.float() for t in (q, k, v, a, b))
-    S = q.new_zeros(bsz, heads, kd, vd) if initial_state is None else initial_state.float().clone()
-    out = q.new_empty(bsz, seq, heads, vd)
-    for t in range(seq):
-        k_t = k[:, t]
-        S = S * a[:, t].exp().unsqueeze(-1)
-        delta = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S)
-        S = S + torch.einsum("bhk,bhv->bhkv", b[:, t].unsqueeze(-1) * k_t, delta)
-        out[:, t] = scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S)
-    return out, S
+def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch_size: int, seq_len: int) -> torch.Tensor:
+    out = hidden_states.new_zeros(batch_size * seq_len, *hidden_states.shape[1:])
+    out[indices] = hidden_states
+    return out.view(batch_size, seq_len, *hidden_states.shape[1:])
 
 
 class KimiDeltaAttention(nn.Module):
-    """Kimi delta attention (KDA): gated delta rule with per-channel decay and short convolutions."""
+    """Gated delta rule with per-channel decay and short convolutions (fla's chunk/fused_recurrent KDA)."""
 
     def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
         self.config = config
+        self.mode = "chunk"
         self.layer_idx = layer_idx
         self.hidden_size = config.hidden_size
         lac = config.linear_attn_config
-        self.num_heads = lac["num_heads"]
-        self.head_dim = lac["head_dim"]
         self.conv_size = lac["short_conv_kernel_size"]
-        self.lower_bound = lac.get("gate_lower_bound")
-        self.use_full_rank_gate = lac.get("use_full_rank_gate", False)
-        projection_size = self.num_heads * self.head_dim
-        if self.num_heads > self.head_dim:
-            raise ValueError("A_log is stored with head_dim entries (as the real checkpoint); need num_heads <= head_dim")
+        self.head_dim = lac["head_dim"]
+        self.num_heads = lac["num_heads"]
+        self.head_k_dim = self.head_dim
+        self.num_k_heads = self.num_heads
+        projection_k_size = self.head_k_dim * self.num_k_heads
+        projection_size = self.head_dim * self.num_heads
 
-        self.q_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
+        self.q_proj = nn.Linear(self.hidden_size, projection_k_size, bias=False)
+        self.k_proj = nn.Linear(self.hidden_size, projection_k_size, bias=False)
         self.v_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
-        # Depthwise causal convolutions, weight [P, 1, W] (fla ShortConvolution layout), SiLU.
-        self.q_conv1d = nn.Conv1d(projection_size, projection_size, self.conv_size, groups=projection_size, bias=False)
-        self.k_conv1d = nn.Conv1d(projection_size, projection_size, self.conv_size, groups=projection_size, bias=False)
-        self.v_conv1d = nn.Conv1d(projection_size, projection_size, self.conv_size, groups=projection_size, bias=False)
-        # The real checkpoint stores A_log as F32 [head_dim]; only the first num_heads entries are read.
-        self.A_log = nn.Parameter(torch.zeros(self.head_dim, dtype=torch.float32))
+        self.q_conv1d = ShortConvolution(hidden_size=projection_k_size, kernel_size=self.conv_size, activation="silu")
+        self.k_conv1d = ShortConvolution(hidden_size=projection_k_size, kernel_size=self.conv_size, activation="silu")
+        self.v_conv1d = ShortConvolution(hidden_size=projection_size, kernel_size=self.conv_size, activation="silu")
+        # Declared [num_heads]; the real checkpoint stores F32 [head_dim] with zeros past num_heads.
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_heads, dtype=torch.float32).uniform_(1, 16)))
         self.f_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
-        self.dt_bias = nn.Parameter(torch.zeros(projection_size, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(projection_size, dtype=torch.float32))
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        self.use_full_rank_gate = lac.get("use_full_rank_gate", False)
+        self.gate_lower_bound = lac.get("gate_lower_bound", None)
         if self.use_full_rank_gate:
             self.g_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
         else:
             self.g_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
             self.g_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
-        self.o_norm = KimiGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_norm = FusedRMSNormGated(self.head_dim, eps=config.rms_norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(projection_size, self.hidden_size, bias=False)
 
     def forward(
@@ -391,104 +371,63 @@ class KimiDeltaAttention(nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         """attention_mask: 2-D padding mask [B, T] (1 = keep) or None."""
-        bsz, seq, _ = hidden_states.shape
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be a 0-1 matrix of shape [batch_size, seq_len]")
+        use_cache = cache_params is not None
+        bsz, q_len, _ = hidden_states.shape
+        mode = "fused_recurrent" if use_cache and q_len == 1 else self.mode
 
-        # Padding: drop padded tokens, run each sequence on its own, scatter back (zeros at pads).
-        # (Upstream unpads to cu_seqlens; the result is the same. The cache is not updated here.)
-        if attention_mask is not None and not bool(attention_mask.all()):
-            keep = attention_mask.bool()
-            out = hidden_states.new_zeros(bsz, seq, self.hidden_size)
-            for i in range(bsz):
-                if keep[i].any():
-                    out[i, keep[i]] = self._forward_dense(hidden_states[i : i + 1, keep[i]], None)[0]
-            return out
-        return self._forward_dense(hidden_states, cache_params)
+        cu_seqlens = kwargs.get("cu_seqlens")
+        indices = None
+        if attention_mask is not None:  # unpad: one packed row, sequences delimited by cu_seqlens
+            indices, cu_seqlens, _ = get_unpad_data(attention_mask[:, -q_len:])
+            hidden_states = rearrange(hidden_states, "b s ... -> (b s) ...")[indices].unsqueeze(0)
 
-    def _forward_dense(self, hidden_states: torch.Tensor, cache: KimiDynamicCache | None) -> torch.Tensor:
-        bsz, seq, _ = hidden_states.shape
-        heads, dk = self.num_heads, self.head_dim
-        conv_state = recurrent_state = None
-        if cache is not None and cache.conv_states[self.layer_idx] is not None:
-            conv_state = cache.conv_states[self.layer_idx]
-            recurrent_state = cache.recurrent_states[self.layer_idx]
+        conv_q = conv_k = conv_v = recurrent_state = None
+        if cache_params is not None:
+            if cache_params.conv_states[self.layer_idx] is not None:
+                conv_q, conv_k, conv_v = cache_params.conv_states[self.layer_idx]
+            recurrent_state = cache_params.recurrent_states[self.layer_idx]
 
-        qkv = []
-        new_conv = []
-        for idx, (proj, conv) in enumerate(
-            ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
-        ):
-            y, st = self._short_conv(proj(hidden_states), conv.weight, None if conv_state is None else conv_state[idx])
-            qkv.append(y.view(bsz, seq, heads, dk))
-            new_conv.append(st)
-        q, k, v = qkv
-        g = self.f_b_proj(self.f_a_proj(hidden_states)).view(bsz, seq, heads, dk)
+        q, conv_q = self.q_conv1d(x=self.q_proj(hidden_states), cache=conv_q, output_final_state=use_cache, cu_seqlens=cu_seqlens)
+        k, conv_k = self.k_conv1d(x=self.k_proj(hidden_states), cache=conv_k, output_final_state=use_cache, cu_seqlens=cu_seqlens)
+        v, conv_v = self.v_conv1d(x=self.v_proj(hidden_states), cache=conv_v, output_final_state=use_cache, cu_seqlens=cu_seqlens)
+        g = rearrange(self.f_b_proj(self.f_a_proj(hidden_states)), "... (h d) -> ... h d", d=self.head_dim)
         beta = self.b_proj(hidden_states).float()
+        q, k = (rearrange(t, "... (h d) -> ... h d", d=self.head_k_dim) for t in (q, k))
+        v = rearrange(v, "... (h d) -> ... h d", d=self.head_dim)
 
-        if hidden_states.is_cuda:
-            o, final_state = self._kda_cuda(q, k, v, g, beta, recurrent_state, use_recurrent=cache is not None and seq == 1)
-        else:
-            a = kda_gate(g, self.A_log, self.dt_bias, self.lower_bound)
-            # The cache stores the state as [V, K] (fla's transpose_state_layout); the math uses [K, V].
-            init = None if recurrent_state is None else recurrent_state.transpose(-1, -2)
-            o, final_state = kda_recurrence(l2norm(q), l2norm(k), v, a, torch.sigmoid(beta), dk**-0.5, init)
-            o = o.to(q.dtype)
-            final_state = final_state.transpose(-1, -2).contiguous()
-
-        if cache is not None:
-            cache.conv_states[self.layer_idx] = new_conv
-            cache.recurrent_states[self.layer_idx] = final_state
-
-        if self.use_full_rank_gate:
-            gate = self.g_proj(hidden_states)
-        else:
-            gate = self.g_b_proj(self.g_a_proj(hidden_states))
-        o = self.o_norm(o, gate.view(bsz, seq, heads, dk))
-        return self.o_proj(o.reshape(bsz, seq, heads * dk))
-
-    @staticmethod
-    def _short_conv(
-        x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda and state is None:
-            from fla.modules.causal_conv1d.ops import causal_conv1d
-
-            width = weight.shape[-1]
-            y, _ = causal_conv1d(x=x, weight=weight.squeeze(1), bias=None, activation="silu")
-            xt = x.transpose(1, 2)
-            st = F.pad(xt, (max(width - xt.shape[-1], 0), 0))[..., -width:]
-            return y, st.contiguous()
-        return _causal_depthwise_conv_silu(x, weight, state)
-
-    def _kda_cuda(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor | None,
-        use_recurrent: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
-
-        kw: dict[str, Any] = dict(
+        kernel_kwargs: dict[str, Any] = dict(
+            q=q,
+            k=k,
+            v=v,
             g=g,
             beta=beta,
             A_log=self.A_log,
             dt_bias=self.dt_bias,
-            initial_state=None if state is None else state.float(),
+            initial_state=recurrent_state,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
-            lower_bound=self.lower_bound,
+            lower_bound=self.gate_lower_bound,
+            transpose_state_layout=True,
+            cu_seqlens=cu_seqlens,
         )
-        # The cache keeps the state as [V, K]; fla 0.6 renamed `transpose_state_layout` to `state_v_first`.
-        layout_kw = "state_v_first" if "state_v_first" in inspect.signature(chunk_kda).parameters else None
-        kw[layout_kw or "transpose_state_layout"] = True
-        if use_recurrent:
-            return fused_recurrent_kda(q, k, v, **kw)
-        return chunk_kda(q, k, v, safe_gate=self.lower_bound is not None, **kw)
+        if mode == "chunk":
+            o, recurrent_state = chunk_kda(safe_gate=self.gate_lower_bound is not None, **kernel_kwargs)
+        else:
+            o, recurrent_state = fused_recurrent_kda(**kernel_kwargs)
+        if cache_params is not None:
+            cache_params.recurrent_states[self.layer_idx] = recurrent_state
+            cache_params.conv_states[self.layer_idx] = (conv_q, conv_k, conv_v)
+
+        gate = self.g_proj(hidden_states) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(hidden_states))
+        o = self.o_norm(o, rearrange(gate, "... (h d) -> ... h d", d=self.head_dim))
+        o = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+        if attention_mask is not None:
+            o = pad_input(o.squeeze(0), indices, bsz, q_len)
+        return o
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,36 +445,40 @@ class KimiMoEGate(nn.Module):
         self.num_experts = config.num_experts
         self.routed_scaling_factor = config.routed_scaling_factor
         self.moe_router_activation_func = config.moe_router_activation_func
+        self.num_expert_group = getattr(config, "num_expert_group", 1)
+        self.topk_group = getattr(config, "topk_group", 1)
         self.moe_renormalize = config.moe_renormalize
-        self.n_group = config.num_expert_group
-        self.topk_group = config.topk_group
         self.gating_dim = config.hidden_size
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.gating_dim))
         self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        bsz, seq_len, dim = hidden_states.shape  # 3-D input only, as upstream
-        h = hidden_states.view(-1, dim)
-        logits = F.linear(h.float(), self.weight.float())
+        assert not self.training  # inference only, as upstream
+        bsz, seq_len, dim = hidden_states.shape  # 3-D input only
+        n = bsz * seq_len
+        logits = F.linear(hidden_states.view(-1, dim).float(), self.weight.float())
         if self.moe_router_activation_func == "sigmoid":
             scores = logits.sigmoid()
         else:
-            scores = logits.softmax(dim=-1)
-        # The correction bias only affects which experts are picked, not their weights.
-        choice = scores + self.e_score_correction_bias.float().unsqueeze(0)
-        if self.n_group > 1 and self.n_group > self.topk_group:
-            n = choice.shape[0]
-            group_scores = choice.view(n, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            scores = logits.softmax(dim=1)
+        # The correction bias only decides which experts are picked, not their weights.
+        choice = scores + self.e_score_correction_bias.unsqueeze(0)
+        if self.num_expert_group > 1 and self.num_expert_group > self.topk_group:
+            groups = self.num_expert_group
+            group_scores = choice.view(n, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
             group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-            score_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, self.num_experts // self.n_group).reshape(n, -1)
-            choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+            keep = group_mask.unsqueeze(-1).expand(n, groups, self.num_experts // groups).reshape(n, -1)
+            choice = choice.masked_fill(~keep.bool(), float("-inf"))
         topk_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         topk_weight = scores.gather(1, topk_idx)
         if self.top_k > 1 and self.moe_renormalize:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        topk_weight = topk_weight * self.routed_scaling_factor
-        return topk_idx, topk_weight
+        return topk_idx, topk_weight * self.routed_scaling_factor
 
 
 class KimiSparseMoeBlock(nn.Module):
@@ -548,29 +491,26 @@ class KimiSparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_token
         self.moe_renormalize = config.moe_renormalize
-        self.use_latent_moe = config.routed_expert_hidden_size is not None
-        self.latent_moe_use_norm = bool(config.latent_moe_use_norm) and self.use_latent_moe
+        self.use_latent_moe = getattr(config, "routed_expert_hidden_size", None) is not None
         self.moe_hidden_size = config.routed_expert_hidden_size if self.use_latent_moe else config.hidden_size
+        self.latent_moe_use_norm = getattr(config, "latent_moe_use_norm", False)
         self.ep_size = 1
-        self.ep_rank = 0
         self.experts_per_rank = config.num_experts
-
+        self.ep_rank = 0
         self.experts = nn.ModuleList(
-            [
-                KimiBlockSparseMLP(config, self.moe_hidden_size, config.moe_intermediate_size)
-                for _ in range(self.num_experts)
-            ]
+            KimiBlockSparseMLP(config, hidden_size=self.moe_hidden_size, intermediate_size=config.moe_intermediate_size)
+            for _ in range(config.num_experts)
         )
         self.gate = KimiMoEGate(config)
-        if self.use_latent_moe:
-            self.routed_expert_down_proj = nn.Linear(self.hidden_dim, self.moe_hidden_size, bias=False)
-            self.routed_expert_up_proj = nn.Linear(self.moe_hidden_size, self.hidden_dim, bias=False)
-            if self.latent_moe_use_norm:
-                self.routed_expert_norm = KimiRMSNorm(self.moe_hidden_size, eps=config.rms_norm_eps)
         if config.num_shared_experts is not None:
             self.shared_experts = KimiMLP(
-                config, intermediate_size=config.moe_intermediate_size * config.num_shared_experts
+                config=config, intermediate_size=config.moe_intermediate_size * config.num_shared_experts
             )
+        if self.use_latent_moe:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, self.moe_hidden_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(self.moe_hidden_size, config.hidden_size, bias=False)
+            if self.latent_moe_use_norm:
+                self.routed_expert_norm = KimiRMSNorm(self.moe_hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         identity = hidden_states
@@ -579,40 +519,48 @@ class KimiSparseMoeBlock(nn.Module):
         x = hidden_states.view(-1, hidden_states.shape[-1])
         if self.use_latent_moe:
             x = self.routed_expert_down_proj(x)
-        y = self.moe_infer(x, topk_idx, topk_weight)
-        if self.latent_moe_use_norm:
-            y = self.routed_expert_norm(y)
+        if not self.training:
+            y = self.moe_infer(x, topk_idx, topk_weight)
+        else:
+            y = self.moe_train(x, topk_idx, topk_weight)
         if self.use_latent_moe:
+            if self.latent_moe_use_norm:
+                y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         y = y.view(*orig_shape)
-        if getattr(self, "shared_experts", None) is not None:
-            y = y + self.shared_experts(identity)  # shared experts see the un-projected h
+        if self.config.num_shared_experts is not None:
+            y = y + self.shared_experts(identity)  # the shared experts see the un-projected h
+        return y
+
+    def moe_train(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """Per-expert masked dispatch with gradients; accumulates in x's dtype."""
+        y = torch.zeros_like(x)
+        with torch.no_grad():
+            routed = F.one_hot(topk_ids, self.num_experts).permute(2, 1, 0)  # [E, k, N]
+        for expert_idx, expert in enumerate(self.experts):
+            slot, token = torch.where(routed[expert_idx])
+            out = expert(x[token]) * topk_weight[token, slot, None]
+            y.index_add_(0, token, out.to(y.dtype))
         return y
 
     @torch.no_grad()
     def moe_infer(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """x [N, Dl], topk_ids [N, k], topk_weight [N, k] fp32 -> [N, Dl] in x's dtype."""
-        num_tokens, k = topk_ids.shape
-        counts = torch.zeros(num_tokens, self.experts_per_rank * self.ep_size, dtype=torch.long, device=x.device)
-        counts.scatter_(1, topk_ids, 1)
-        tokens_per_expert = counts.sum(dim=0).cpu().tolist()  # host sync, as upstream
+        """x [N, D], topk_ids [N, k], topk_weight [N, k] fp32 -> [N, D] in x's dtype."""
+        counts = topk_ids.new_zeros(topk_ids.shape[0], len(self.experts)).scatter_(1, topk_ids, 1).sum(dim=0)
         order = topk_ids.view(-1).argsort()
-        sorted_tokens = x[order // k]
-
-        outputs = []
-        start = 0
-        for i, n in enumerate(tokens_per_expert):
-            if n == 0:
+        sorted_tokens = x[order // topk_ids.shape[1]]
+        outputs, start = [], 0
+        for i, count in enumerate(counts.cpu().tolist()):  # host sync, as upstream
+            if count == 0:
                 continue
             expert = self.experts[i + self.ep_rank * self.experts_per_rank]
-            outputs.append(expert(sorted_tokens[start : start + n]))
-            start += n
-        outs = torch.cat(outputs, dim=0) if outputs else sorted_tokens.new_empty(0, x.shape[-1])
-
+            outputs.append(expert(sorted_tokens[start : start + count]))
+            start += count
+        outs = torch.cat(outputs, dim=0) if outputs else sorted_tokens.new_empty(0)
         unsorted = torch.empty_like(outs)
         unsorted[order] = outs
         # Combine in fp32 (the routing weights' dtype), then cast back.
-        combined = unsorted.view(num_tokens, k, -1).to(topk_weight.dtype) * topk_weight.unsqueeze(-1)
+        combined = unsorted.view(*topk_ids.shape, -1).to(topk_weight.dtype) * topk_weight.unsqueeze(-1)
         return combined.sum(dim=1).to(unsorted.dtype)
 
 
@@ -621,98 +569,127 @@ class KimiSparseMoeBlock(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-def _apply_attn_res(
-    partial: torch.Tensor, residuals: torch.Tensor, proj: nn.Linear, norm: KimiRMSNorm
-) -> torch.Tensor:
-    """Softmax-over-depth mix of [R_1..R_n, p]. partial [N, D]; residuals [N, n, D] -> [N, D].
+def _apply_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, proj: nn.Linear, norm: KimiRMSNorm) -> torch.Tensor:
+    """Softmax-over-depth mix of [R_1..R_n, p]. prefix_sum [N, D]; block_residual [N, n, D] -> [N, D].
 
     Scores: s_i = sum_d rmsnorm(V_i)_d * norm.weight_d * proj.weight_d (proj's forward is never called).
     """
-    values = torch.cat([residuals, partial.unsqueeze(1)], dim=1)
-    v = values.float()
-    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    query = norm.weight.float() * proj.weight.float().view(-1)
-    scores = (normed * query).sum(-1)  # [N, n+1]
-    probs = scores.softmax(dim=-1)
-    return (probs.unsqueeze(-1) * v).sum(dim=1).to(values.dtype)
-
-
-def _attn_res_pre_update(
-    partial: torch.Tensor, residuals: torch.Tensor, proj: nn.Linear, norm: KimiRMSNorm, is_block_start: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1 of an AttnRes layer: attention input x, and R with P appended at a block start."""
-    if residuals.shape[1] > 0:
-        x = _apply_attn_res(partial, residuals, proj, norm)
-    else:
-        x = partial
-    if is_block_start:
-        residuals = torch.cat([residuals, partial.unsqueeze(1)], dim=1)
-    return x, residuals
+    v = torch.cat([block_residual, prefix_sum.unsqueeze(1)], dim=1)
+    vf = v.float()
+    normed = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    scores = (normed * (norm.weight.float() * proj.weight.squeeze(0).float())).sum(-1)
+    return torch.matmul(scores.softmax(-1).unsqueeze(1), vf).squeeze(1).to(v.dtype)
 
 
 class KimiDecoderLayer(nn.Module):
     def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
+        self.hidden_size = config.hidden_size
         self.config = config
         self.layer_idx = layer_idx
-        self.hidden_size = config.hidden_size
-        self.is_linear_attn = config.is_kda_layer(layer_idx)
-        if self.is_linear_attn:
-            self.self_attn = KimiDeltaAttention(config, layer_idx)
+        if config.is_kda_layer(layer_idx):
+            self.is_linear_attn = True
+            self.self_attn = KimiDeltaAttention(config=config, layer_idx=layer_idx)
+        elif config.is_mla:
+            self.is_linear_attn = False
+            self.self_attn = KimiMLAAttention(config=config, layer_idx=layer_idx)
         else:
-            self.self_attn = KimiMLAAttention(config, layer_idx)
-        if config.is_moe and layer_idx >= config.first_k_dense_replace and layer_idx % config.moe_layer_freq == 0:
+            raise NotImplementedError("every Kimi layer is KDA or MLA")
+        moe_layer = layer_idx >= config.first_k_dense_replace and layer_idx % getattr(config, "moe_layer_freq", 1) == 0
+        if config.num_experts is not None and moe_layer:
             self.block_sparse_moe = KimiSparseMoeBlock(config)
         else:
             self.mlp = KimiMLP(config)
         self.input_layernorm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attn_res_block_size = config.attn_res_block_size
-        if self.attn_res_block_size is not None:
+        self.use_attn_residuals = getattr(config, "attn_res_block_size", None) is not None
+        if self.use_attn_residuals:
+            self.attn_res_block_size = config.attn_res_block_size
             self.self_attention_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.self_attention_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
             self.mlp_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.self_attention_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
             self.mlp_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def _attn(self, x: torch.Tensor, mla_mask: Any, kda_mask: Any, cache: Any) -> torch.Tensor:
+    def _attention(self, hidden_states, attention_mask, position_ids, past_key_values, output_attentions, use_cache, **kwargs):
         if self.is_linear_attn:
-            return self.self_attn(x, attention_mask=kda_mask, cache_params=cache)
-        return self.self_attn(x, attention_mask=mla_mask, past_key_values=cache)
+            return self.self_attn(
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                cache_params=past_key_values,
+                output_attentions=output_attentions,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        return self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
+            use_cache=use_cache,
+            **kwargs,
+        )
 
-    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "block_sparse_moe"):
-            return self.block_sparse_moe(x)
-        return self.mlp(x)
+            return self.block_sparse_moe(hidden_states)
+        return self.mlp(hidden_states)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        residuals: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        linear_attention_mask: torch.Tensor | None = None,
-        past_key_values: KimiDynamicCache | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        output_attentions: bool | None = False,
+        use_cache: bool | None = False,
+        block_residual: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With AttnRes: hidden_states is the partial sum P, returns (P, R). Without: returns h."""
-        if self.attn_res_block_size is None:
-            h = hidden_states
-            h = h + self._attn(self.input_layernorm(h), attention_mask, linear_attention_mask, past_key_values)
-            return h + self._ffn(self.post_attention_layernorm(h))
+        """With AttnRes: hidden_states is the running block sum, returns (it, block_residual). Without: h."""
+        if self.use_attn_residuals:
+            return self._forward_attn_residual(
+                hidden_states, attention_mask, position_ids, past_key_values, output_attentions, use_cache,
+                block_residual, **kwargs,
+            )  # fmt: skip
+        residual = hidden_states
+        hidden_states = self._attention(
+            self.input_layernorm(hidden_states), attention_mask, position_ids, past_key_values, output_attentions,
+            use_cache, **kwargs,
+        )  # fmt: skip
+        hidden_states = residual + hidden_states
+        return hidden_states + self._ffn(self.post_attention_layernorm(hidden_states))
 
+    def _forward_attn_residual(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        past_key_values: Any,
+        output_attentions: bool | None,
+        use_cache: bool | None,
+        block_residual: torch.Tensor,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         bsz, seq, dim = hidden_states.shape
-        is_start = self.layer_idx % self.attn_res_block_size == 0
-        partial = hidden_states.reshape(-1, dim)
-        x, residuals = _attn_res_pre_update(
-            partial, residuals, self.self_attention_res_proj, self.self_attention_res_norm, is_start
-        )
-        a = self._attn(
-            self.input_layernorm(x.view(bsz, seq, dim)), attention_mask, linear_attention_mask, past_key_values
-        ).reshape(-1, dim)
-        partial = a if is_start else partial + a
-        x2 = _apply_attn_res(partial, residuals, self.mlp_res_proj, self.mlp_res_norm)
-        m = self._ffn(self.post_attention_layernorm(x2.view(bsz, seq, dim))).reshape(-1, dim)
-        partial = partial + m
-        return partial.view(bsz, seq, dim), residuals
+        prefix_sum = hidden_states
+        is_block_start = self.layer_idx % self.attn_res_block_size == 0
+        if block_residual.shape[1] > 0:
+            hidden_states = _apply_attn_res(
+                prefix_sum.view(-1, dim), block_residual, self.self_attention_res_proj, self.self_attention_res_norm
+            ).view(bsz, seq, dim)
+        if is_block_start:
+            block_residual = torch.cat([block_residual, prefix_sum.view(-1, dim).unsqueeze(1)], dim=1)
+        hidden_states = self._attention(
+            self.input_layernorm(hidden_states), attention_mask, position_ids, past_key_values, output_attentions,
+            use_cache, **kwargs,
+        )  # fmt: skip
+        prefix_sum = hidden_states if is_block_start else prefix_sum + hidden_states
+        hidden_states = _apply_attn_res(
+            prefix_sum.view(-1, dim), block_residual, self.mlp_res_proj, self.mlp_res_norm
+        ).view(bsz, seq, dim)
+        prefix_sum = prefix_sum + self._ffn(self.post_attention_layernorm(hidden_states))
+        return prefix_sum, block_residual
 
 
 # ----------------------------------------------------------------------------------------------
@@ -723,46 +700,27 @@ class KimiDecoderLayer(nn.Module):
 class KimiPreTrainedModel(PreTrainedModel):
     config_class = KimiLinearConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["KimiDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
-    _supports_flash_attn = False
-    _supports_sdpa = False
-    _can_record_outputs: dict[str, Any] = {}
+    _skip_keys_device_placement = "past_key_values"
+    _supports_flash_attn_2 = True
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(KimiBlockSparseMLP, index=1),
+        "hidden_states": KimiDecoderLayer,
+        "attentions": KimiMLAAttention,
+    }
+    _is_stateful = True
 
-    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # Only used when building on a real device; tests overwrite every weight from the checkpoint.
-        super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, KimiMoEGate):
-            nn.init.normal_(module.weight, std=std)
-            nn.init.zeros_(module.e_score_correction_bias)
-        elif isinstance(module, KimiDeltaAttention):
-            module.A_log.zero_()
-            module.A_log[: module.num_heads] = torch.log(
-                torch.linspace(1.0, 16.0, module.num_heads, device=module.A_log.device)
-            )
-            nn.init.zeros_(module.dt_bias)
-        elif isinstance(module, (KimiRMSNorm, KimiGatedRMSNorm)):
-            nn.init.ones_(module.weight)
-
-
-def _build_masks(
-    attention_mask: torch.Tensor | None, bsz: int, q_len: int, past: int, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Additive [B, 1, T, past+T] causal+padding mask for MLA, and the 2-D mask for KDA (None if unneeded)."""
-    has_padding = attention_mask is not None and not bool(attention_mask.all())
-    if not has_padding:
-        return None, None  # MLA builds its own causal mask
-    kv_len = past + q_len
-    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=past)
-    keep = causal[None, None] & attention_mask[:, None, None, -kv_len:].bool()
-    mla_mask = torch.zeros(bsz, 1, q_len, kv_len, dtype=torch.float32, device=device)
-    # finfo.min rather than -inf: fully masked rows (padding queries) stay finite.
-    mla_mask = mla_mask.masked_fill(~keep, torch.finfo(torch.float32).min)
-    kda_mask = attention_mask[:, -q_len:] if past == 0 else None
-    return mla_mask, kda_mask
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
 
 
 class KimiLinearModel(KimiPreTrainedModel):
@@ -771,71 +729,99 @@ class KimiLinearModel(KimiPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if config.attn_res_block_size is not None:
+        self.use_attn_residuals = getattr(config, "attn_res_block_size", None) is not None
+        if self.use_attn_residuals:
             self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        # As the hub's file: whatever was asked for, use flash_attention_2.
+        if getattr(config, "_attn_implementation", None) is not None:
+            if config._attn_implementation != "flash_attention_2":
+                logger.warning_once(f"Ignoring the provided attention implementation {config._attn_implementation}")
+                config._attn_implementation = "flash_attention_2"
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed_tokens
+    def _update_linear_attn_mask(self, attention_mask: torch.Tensor | None, cache_position: torch.Tensor) -> torch.Tensor | None:
+        """KDA layers need the 2-D mask only for a prefill with padding."""
+        if cache_position[0] > 0 or (attention_mask is not None and torch.all(attention_mask == 1)):
+            return None
+        return attention_mask
 
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.embed_tokens = value
-
+    @check_model_inputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,  # unused: no RoPE
-        past_key_values: KimiDynamicCache | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         cache_position: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if (input_ids is None) and (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
-            past_key_values = KimiDynamicCache(self.config)
-        if not use_cache:
-            past_key_values = None
+            past_key_values = KimiDynamicCache(config=self.config)
+        if cache_position is None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache_position = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
+        if position_ids is None:
+            position_ids = cache_position.unsqueeze(0)
 
-        bsz, seq, dim = inputs_embeds.shape
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        mla_mask, kda_mask = _build_masks(attention_mask, bsz, seq, past, inputs_embeds.device)
+        causal_mask = create_causal_mask(
+            config=self.config,
+            input_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache_position=cache_position,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        linear_attn_mask = self._update_linear_attn_mask(attention_mask, cache_position)
 
-        hidden = inputs_embeds
-        residuals = hidden.new_zeros(bsz * seq, 0, dim) if self.config.attn_res_block_size is not None else None
+        hidden_states = inputs_embeds
+        block_residual = None
+        if self.use_attn_residuals:
+            block_residual = hidden_states.new_zeros(hidden_states.shape[0] * hidden_states.shape[1], 0, hidden_states.shape[2])
         for layer in self.layers:
-            out = layer(
-                hidden,
-                residuals=residuals,
-                attention_mask=mla_mask,
-                linear_attention_mask=kda_mask,
-                past_key_values=past_key_values,
-            )
-            if residuals is None:
-                hidden = out
+            layer_mask = linear_attn_mask if layer.is_linear_attn else causal_mask
+            if self.use_attn_residuals:
+                hidden_states, block_residual = layer(
+                    hidden_states,
+                    attention_mask=layer_mask,
+                    past_key_values=past_key_values,
+                    cache_position=cache_position,
+                    block_residual=block_residual,
+                    **kwargs,
+                )
             else:
-                hidden, residuals = out
-        if residuals is not None:
-            hidden = _apply_attn_res(
-                hidden.reshape(-1, dim), residuals, self.output_attn_res_proj, self.output_attn_res_norm
+                hidden_states = layer(
+                    hidden_states,
+                    attention_mask=layer_mask,
+                    past_key_values=past_key_values,
+                    cache_position=cache_position,
+                    **kwargs,
+                )
+        if self.use_attn_residuals:
+            bsz, seq, dim = hidden_states.shape
+            hidden_states = _apply_attn_res(
+                hidden_states.view(-1, dim), block_residual, self.output_attn_res_proj, self.output_attn_res_norm
             ).view(bsz, seq, dim)
-        hidden = self.norm(hidden)
-        if past_key_values is not None:
-            past_key_values._seen_tokens += seq
-        return _output_with_cache(BaseModelOutputWithPast, past_key_values, last_hidden_state=hidden)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 class KimiLinearForCausalLM(KimiPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tied_weights_keys = ["lm_head.weight"]
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
 
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__(config)
@@ -862,41 +848,49 @@ class KimiLinearForCausalLM(KimiPreTrainedModel, GenerationMixin):
     def set_decoder(self, decoder: nn.Module) -> None:
         self.model = decoder
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: KimiDynamicCache | None = None,
+        past_key_values: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        generation_mode: bool | None = None,
         return_dict: bool | None = None,
         cache_position: torch.LongTensor | None = None,
-        logits_to_keep: int = 0,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast | tuple:
+    ) -> CausalLMOutputWithPast:
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = self.config.use_return_dict if return_dict is None else return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
-            cache_position=cache_position,
             use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=return_dict,
+            cache_position=cache_position,
         )
-        hidden = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
+        hidden = outputs[0]
+        if generation_mode:
+            hidden = hidden[:, -1:]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
-            )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        if not return_dict:
-            return tuple(x for x in (loss, logits, _cache_of(outputs)) if x is not None)
-        return _output_with_cache(CausalLMOutputWithPast, _cache_of(outputs), loss=loss, logits=logits)
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
