@@ -23,7 +23,7 @@ MLA = ("g_proj", "kv_a_proj_with_mqa", "q_a_proj")
 
 @pytest.fixture(scope="module")
 def rules(tiny_ckpt: Path) -> tuple[SharedInputRule, ...]:
-    SPEC.build()
+    SPEC.build(tiny_ckpt)
     model_cls, config = resolve_model_class(tiny_ckpt, _read_raw_config(tiny_ckpt), trust_remote_code=True)
     return discover_shared_inputs(SPEC, model_cls, config)
 

@@ -685,7 +685,8 @@ def reference_unquantized(rb: ReadBack) -> set[str]:
     unquantized, read off the reference model's own module types."""
     model = reference_from_export(rb, quantize_inputs=False)
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-    found = {n for n, m in model.named_modules() if type(m) in kinds}
+    # isinstance: the KDA short convolutions are fla's ShortConvolution, an nn.Conv1d subclass.
+    found = {n for n, m in model.named_modules() if isinstance(m, kinds)}
     routers = {f"{n}.gate" for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
     return (found | routers) - set(rb.algos)
 

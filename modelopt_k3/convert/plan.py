@@ -125,7 +125,7 @@ def _shared_input_rules(src: Path, raw: dict, spec: ModelSpec, trust_remote_code
     def probe():
         from ..load import resolve_model_class
 
-        spec.build()
+        spec.build(src)
         model_cls, config = resolve_model_class(src, raw, trust_remote_code=True)
         return discover_shared_inputs(spec, model_cls, config)
 
