@@ -2,7 +2,9 @@
 
 Only headers are parsed up front; tensor bytes are read on request through ``safe_open`` (which
 memory-maps and reads just the requested tensor). Every read is recorded (key and bytes) so tests
-and benchmarks can prove that an expert-parallel rank never touches another rank's experts.
+and benchmarks can prove that an expert-parallel rank never touches another rank's experts, and
+every tensor read is checked for values that are not numbers (``nonfinite.invalid_values``: one
+reduction over the bytes just read), recorded in ``log.invalid`` for the caller to act on.
 Only safetensors is ever read: no pickle.
 """
 
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from safetensors import safe_open
@@ -40,6 +43,17 @@ class TensorInfo:
     nbytes: int
 
 
+def read_config(path: Path) -> dict:
+    """A checkpoint directory's ``config.json``, parsed (no remote code runs); errors name the file."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{path} has no config.json; is it a checkpoint directory?")
+    try:
+        return json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config} is not valid JSON: {e}") from None
+
+
 def read_header(path: Path) -> dict:
     """The JSON header of one safetensors file (no tensor bytes are read)."""
     try:
@@ -57,13 +71,25 @@ def read_header(path: Path) -> dict:
 class ReadLog:
     keys: list[str] = field(default_factory=list)
     bytes: int = 0
+    invalid: dict[str, str] = field(default_factory=dict)  # key -> what is not a number in it
+
+    def record(self, key: str, tensor: torch.Tensor, nbytes: int, check_values: bool) -> None:
+        self.keys.append(key)
+        self.bytes += nbytes
+        if check_values:
+            from .nonfinite import invalid_values
+
+            found = invalid_values(key, tensor)
+            if found is not None:
+                self.invalid[key] = found
 
 
 class CheckpointReader:
     """Key -> tensor access over ``model.safetensors.index.json`` (or a single ``model.safetensors``)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, check_values: bool = True) -> None:
         self.path = Path(path)
+        self.check_values = check_values
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         self.log = ReadLog()
@@ -86,7 +112,8 @@ class CheckpointReader:
                 begin, end = meta["data_offsets"]
                 if data_start + end > size:
                     raise CheckpointError(
-                        f"{self.path / file}: tensor {key} ends at byte {data_start + end} but the file has {size}"
+                        f"{self.path / file} is truncated: tensor {key} ends at byte {data_start + end} but the "
+                        f"file has {size} bytes"
                     )
                 dtype = _ST_DTYPES.get(meta["dtype"])
                 if dtype is None:
@@ -112,6 +139,10 @@ class CheckpointReader:
         """Every tensor name in the checkpoint (header order, shard by shard)."""
         return iter(self._infos)
 
+    def headers(self) -> Mapping[str, TensorInfo]:
+        """Every tensor's header entry by name (read-only; no tensor bytes are read)."""
+        return MappingProxyType(self._infos)
+
     def __contains__(self, key: str) -> bool:
         return key in self._infos
 
@@ -133,8 +164,7 @@ class CheckpointReader:
     def get(self, key: str) -> torch.Tensor:
         info = self.info(key)
         tensor = self._handle(info.file).get_tensor(key)
-        self.log.keys.append(key)
-        self.log.bytes += info.nbytes
+        self.log.record(key, tensor, info.nbytes, self.check_values)
         return tensor
 
     def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
@@ -143,7 +173,6 @@ class CheckpointReader:
         if not info.shape or not 0 <= start <= stop <= info.shape[0]:
             raise CheckpointError(f"tensor {key!r} of shape {list(info.shape)} has no rows [{start}, {stop})")
         tensor = self._handle(info.file).get_slice(key)[start:stop]
-        self.log.keys.append(key)
-        self.log.bytes += info.nbytes // info.shape[0] * (stop - start) if stop > start else 0
+        self.log.record(key, tensor, info.nbytes // info.shape[0] * (stop - start), self.check_values)
         return tensor
 

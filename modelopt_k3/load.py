@@ -10,7 +10,6 @@ exactly the persistent tensors this rank owns.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from contextlib import contextmanager
@@ -25,13 +24,15 @@ from transformers import AutoConfig
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from .checkpoint import CheckpointError, CheckpointReader
+from .checkpoint import CheckpointReader, read_config
 from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
 from .dist.plan import DistributionPlan, decide_plan
 from .models.conversion import run_converter
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
+from .nonfinite import source_refusal, warn_passthrough
+from .source_check import SourceLayout, check_dense, check_experts
 
 EXPERTS_PER_READ = 16
 
@@ -52,6 +53,8 @@ class LoadInfo:
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
     bytes_read: int = 0
     keys_read: list[str] = field(default_factory=list)
+    # Source tensors with NaN/Inf (or NaN E8M0 scales) let through by allow_nonfinite_passthrough.
+    nonfinite: dict[str, str] = field(default_factory=dict)
     _source: CheckpointReader | None = field(default=None, repr=False)
 
     def source(self) -> CheckpointReader:
@@ -59,13 +62,6 @@ class LoadInfo:
         if self._source is None:
             self._source = CheckpointReader(self.checkpoint)
         return self._source
-
-
-def _read_raw_config(path: Path) -> dict:
-    cfg = path / "config.json"
-    if not cfg.exists():
-        raise CheckpointError(f"{path} has no config.json")
-    return json.loads(cfg.read_text())
 
 
 def resolve_model_class(path: Path, raw: dict, trust_remote_code: bool) -> tuple[type, object]:
@@ -240,25 +236,57 @@ def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model
 def _fill_dense(
     model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm
 ) -> set[str]:
+    """Copy every dense parameter and buffer from its checkpoint tensor (``check_dense`` has matched them)."""
     consumed: set[str] = set()
     conversions = _plan_dense_conversions(reader, info.spec.dense_converters)
-    missing = []
     for name, tensor in persistent_tensors(model).items():
         if name in skip:
             continue
-        conversion = conversions.get(name)
-        if conversion is None and name not in reader:
-            missing.append(name)
-            continue
-        src, key = _read_dense(name, tensor, reader, model, conversion)
+        src, key = _read_dense(name, tensor, reader, model, conversions.get(name))
         info.source_dtypes[name] = reader.info(key).dtype
         with torch.no_grad():
             local_tensor(tensor).copy_(src.to(tensor.dtype))
         consumed.add(key)
         progress.update(1)
-    if missing:
-        raise LoadError(f"tensors missing from checkpoint {reader.path}: {_names(missing)}")
     return consumed
+
+
+def _fused_expert_params(model: nn.Module, spec: ModelSpec) -> set[str]:
+    return {f"{name}.{p}" for name in spec.experts_modules(model) for p in spec.ep_sharded_params}
+
+
+def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
+    dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys}
+    converted = {name: key for name, (_, _, key) in _plan_dense_conversions(reader, spec.dense_converters).items()}
+    check_dense(persistent_tensors(model), dense, skip=_fused_expert_params(model, spec), converted=converted)
+
+
+def _build_on_meta(model_cls: type, config, dtype: torch.dtype, reader: CheckpointReader, spec: ModelSpec) -> nn.Module:
+    # Parameters on meta, buffers for real: non-persistent buffers get what the modules' own __init__
+    # computes (accelerate's helper; torch.device("meta") would leave them empty).
+    with _default_dtype(dtype), init_empty_weights(include_buffers=False):
+        model = model_cls(config)
+    _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
+    return model
+
+
+def check_against_model(path: str | Path, source: SourceLayout) -> None:
+    """Build the checkpoint's own model on the meta device and check every dense tensor's header against it.
+
+    What ``load_pretrained`` does before reading; the streaming converter calls it when asked to
+    (``trust_remote_code``: building the model runs the checkpoint's code). Prepares the spec with
+    the whole-model placement (a process-wide patch, as a load does).
+    """
+    path = Path(path)
+    raw = read_config(path)
+    spec = get_spec(raw.get("model_type", ""))
+    spec.check_transformers()
+    spec.build(path)
+    model_cls, config = resolve_model_class(path, raw, trust_remote_code=True)
+    spec.prepare(PrepareContext(model_cls, config, path, packed_experts=source.packed_experts))
+    with CheckpointReader(path) as reader:
+        model = _build_on_meta(model_cls, config, _config_dtype(config), reader, spec)
+        _check_against_model(model, spec, reader, source)
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
@@ -306,6 +334,7 @@ def load_pretrained(
     ep_degree: int | None = None,
     dense: str = "replicated",
     progress: bool = True,
+    allow_nonfinite_passthrough: bool = False,
 ) -> nn.Module:
     """Load a checkpoint with fused experts, sharded per the distribution plan.
 
@@ -314,16 +343,28 @@ def load_pretrained(
     ``fully_shard``; each rank reads only its rows, see ``dist/fsdp.py``). ``dtype`` defaults to the
     config's dtype. ``dense="fsdp2"`` with ``expert_parallel`` shards the dense part with FSDP2 too
     (experts stay expert-parallel). Every parameter is filled from the checkpoint or loading fails naming the tensors;
-    nothing is left initialised at random.
+    nothing is left initialised at random. Before any weight is read, the checkpoint's headers are checked
+    against config.json (``source_check``: the routed experts the config asks for) and against the model
+    built on meta (every dense tensor). A tensor holding NaN/Inf (or an E8M0 NaN scale) is refused, naming it
+    and the count, unless ``allow_nonfinite_passthrough`` (then ``quantize`` refuses to quantize it and the
+    export copies it unchanged; ``LoadInfo.nonfinite`` lists them).
     """
     path = Path(path)
-    raw = _read_raw_config(path)
-    spec = get_spec(raw.get("model_type", ""))
-    spec.check_transformers()
-    spec.build(path)
-    model_cls, config = resolve_model_class(path, raw, trust_remote_code)
-    text = getattr(config, "text_config", config)
     group = current_group()
+
+    def open_source():
+        raw = read_config(path)
+        spec = get_spec(raw.get("model_type", ""))
+        spec.check_transformers()
+        reader = CheckpointReader(path)  # headers only, until a tensor is asked for
+        source = check_experts(reader.headers(), raw, spec)  # the converter runs the same check
+        spec.build(path)
+        model_cls, config = resolve_model_class(path, raw, trust_remote_code)
+        return spec, reader, source, model_cls, config
+
+    # Every rank refuses the same input here, before any collective: one agreed error, not one per rank.
+    spec, reader, source, model_cls, config = run_together("load: check the checkpoint", open_source, group=group)
+    text = getattr(config, "text_config", config)
     the_plan = decide_plan(
         plan,
         spec=spec,
@@ -341,15 +382,12 @@ def load_pretrained(
 
         register_torch_a2a()
         init_expert_groups(the_plan.world_size, the_plan.ep_degree, the_plan.rank)
-    spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation))
+    spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation,
+                                packed_experts=source.packed_experts))
 
-    dtype = dtype or _config_dtype(config)
-    # Parameters on meta, buffers for real: non-persistent buffers get what the modules' own __init__
-    # computes (accelerate's helper; torch.device("meta") would leave them empty).
-    with _default_dtype(dtype), init_empty_weights(include_buffers=False):
-        model = model_cls(config)
-    reader = CheckpointReader(path)  # headers only, until a tensor is asked for
-    _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
+    model = _build_on_meta(model_cls, config, dtype or _config_dtype(config), reader, spec)
+    run_together("load: check the checkpoint against the model", _check_against_model, model, spec, reader, source,
+                  group=group)
     if the_plan.fsdp_sharded:
         shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
     set_experts_implementation(model, spec, the_plan.experts_implementation)
@@ -372,8 +410,11 @@ def load_pretrained(
             if unexpected:
                 raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
             info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-            key_re = re.compile(spec.expert_key_regex)
-            info.packed_experts = any(k.endswith(".weight_packed") and key_re.match(k) for k in reader.names())
+            info.packed_experts = source.packed_experts
+            if reader.log.invalid and not allow_nonfinite_passthrough:
+                raise source_refusal(reader.log.invalid)
+            warn_passthrough(reader.log.invalid)
+            info.nonfinite = dict(reader.log.invalid)
 
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.

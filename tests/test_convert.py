@@ -323,7 +323,10 @@ def test_crash_then_resume(converted, ckpt: Path, recipe, tmp_path: Path, monkey
     monkeypatch.setattr(conv._ShardConverter, "tensors", original)
 
     assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX).exists()
-    assert (out / f".{crash_file}.partial").exists() and not (out / crash_file).exists()
+    # A failure removes the shard it was writing; a kill -9 leaves it, which a rerun must overwrite.
+    assert not (out / f".{crash_file}.partial").exists() and not (out / crash_file).exists()
+    (out / f".{crash_file}.partial").write_bytes(b"left by a killed run")
+    assert not list((out / STATE_DIR / "locks").iterdir())  # released on the way out
     done = {f: (out / f).stat() for f in files[:4]}
     assert all((out / STATE_DIR / "shards" / f"{f}.json").exists() for f in done)
 
@@ -351,13 +354,27 @@ def test_resume_redoes_a_shard_whose_file_changed(converted, ckpt: Path, recipe,
     assert _files(out) == _files(converted[0])
 
 
-def test_complete_output_is_refused_without_overwrite(converted, ckpt: Path, recipe, tmp_path: Path):
+def test_complete_output_is_nothing_to_do_or_refused_for_another_job(converted, ckpt: Path, recipe, tmp_path: Path):
     out = tmp_path / "again"
     convert_checkpoint(ckpt, out, recipe)
-    with pytest.raises(FileExistsError, match="complete conversion"):
-        convert_checkpoint(ckpt, out, recipe)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = convert_checkpoint(ckpt, out, recipe)  # same job: nothing to do, nothing touched
+    assert again.nothing_to_do and again.complete and not again.converted and "nothing to do" in again.summary()
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    with pytest.raises(FileExistsError, match="complete conversion of another job"):
+        convert_checkpoint(ckpt, out, load_recipe(MIRROR, overrides={"name": "another recipe"}))
     report = convert_checkpoint(ckpt, out, recipe, overwrite=True)
     assert report.complete and len(report.converted) == report.shards_total
+    assert _files(out) == _files(converted[0])
+
+
+def test_a_marker_that_no_longer_matches_the_files_is_not_complete(converted, ckpt: Path, recipe, tmp_path: Path):
+    out = tmp_path / "shrunk"
+    convert_checkpoint(ckpt, out, recipe)
+    victim = sorted(set(_weight_map(ckpt).values()))[2]
+    os.truncate(out / victim, (out / victim).stat().st_size - 8)
+    report = convert_checkpoint(ckpt, out, recipe)
+    assert not report.nothing_to_do and report.converted == [victim] and report.complete
     assert _files(out) == _files(converted[0])
 
 
@@ -474,8 +491,11 @@ def test_cli(converted, ckpt: Path, tmp_path: Path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "finalized by this call" in text and "18432 lossless" in text
     assert _files(out) == _files(converted[0])
-    assert cli_main(argv) == 2
-    assert "complete conversion" in capsys.readouterr().err
+    assert cli_main(argv) == 0  # the same command again: nothing to do
+    assert "nothing to do" in capsys.readouterr().out
+    assert cli_main(argv + ["--recipe", "presets/nvfp4"]) == 2  # refused: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "modelopt-k3-convert: error:" in err and "Traceback" not in err
 
 
 # --------------------------------------------------------------------------- shared-input groups, default recipe

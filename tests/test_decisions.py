@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_k3.checkpoint import CheckpointReader
+from modelopt_k3.checkpoint import CheckpointReader, read_config
 from modelopt_k3.export.modelopt_format import hf_quant_config, summarize_exclusions
-from modelopt_k3.load import _read_raw_config, resolve_model_class
+from modelopt_k3.load import resolve_model_class
 from modelopt_k3.models.spec import get_spec
 from modelopt_k3.quant.decisions import decide
 from modelopt_k3.quant.shared_inputs import SharedInputRule, apply_rules, discover_shared_inputs
@@ -24,7 +24,7 @@ MLA = ("g_proj", "kv_a_proj_with_mqa", "q_a_proj")
 @pytest.fixture(scope="module")
 def rules(tiny_ckpt: Path) -> tuple[SharedInputRule, ...]:
     SPEC.build(tiny_ckpt)
-    model_cls, config = resolve_model_class(tiny_ckpt, _read_raw_config(tiny_ckpt), trust_remote_code=True)
+    model_cls, config = resolve_model_class(tiny_ckpt, read_config(tiny_ckpt), trust_remote_code=True)
     return discover_shared_inputs(SPEC, model_cls, config)
 
 

@@ -74,7 +74,7 @@ def _ep_ptq(argv: list[str], fail: str | None = None):
             raise RuntimeError("injected export failure on rank 1")
 
         writer.ShardWriter.add = failing_add
-    return hf_ptq.main(argv)
+    return hf_ptq.run(hf_ptq.build_parser().parse_args(argv))  # raises on failure
 
 
 # --------------------------------------------------------------------------- helpers
@@ -180,7 +180,8 @@ def test_rank_failure_fails_all_ranks_and_leaves_no_checkpoint(ep_ckpt, tmp_path
 
 
 def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
-    """Rank 1 lacks one of its experts' tensors: every rank stops at load, naming rank 1 and the key."""
+    """Rank 1's expert lacks a tensor: every rank refuses in the source check (headers only, before any
+    read: each rank sees every expert's header), naming the key; none waits for a timeout."""
     from conftest import copy_checkpoint
 
     key = "language_model.model.layers.2.block_sparse_moe.experts.12.w3.weight_packed"  # expert 12: rank 1 of 2
@@ -189,7 +190,7 @@ def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
     results = run_ranks(2, _ep_logits, str(broken), ids, timeout=120, env=EP_ENV)
     assert all(r.exitcode not in (0, None) for r in results), [(r.rank, r.exitcode) for r in results]
     for r in results:
-        assert "load checkpoint" in r.error and "rank 1" in r.error, r.error
+        assert "load: check the checkpoint" in r.error and "failed on ranks 0, 1" in r.error, r.error
         assert "experts.12.w3.weight_packed" in r.error, r.error
         assert r.wall_s < 60, f"rank {r.rank} took {r.wall_s:.0f}s: it waited for a timeout"
 

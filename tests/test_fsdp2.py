@@ -53,7 +53,7 @@ def _quantized_logits(ckpt: str, ids: torch.Tensor, plan: str):
 def _ptq(argv: list[str]):
     from modelopt_k3.cli import hf_ptq
 
-    return hf_ptq.main(argv)
+    return hf_ptq.run(hf_ptq.build_parser().parse_args(argv))  # raises on failure
 
 
 def _refusals(cases: list[tuple[str, dict]]):

@@ -20,6 +20,7 @@ from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts, kimi_k3_conv
 from modelopt_k3.models.kimi_k3.experts import experts_implementations_available
 from modelopt_k3.models.kimi_k3.prepare import BLOCK_CLASS, find_block_module, unprepare
 from modelopt_k3.models.spec import ExpertPlacement, PrepareContext, SpecError
+from modelopt_k3.source_check import SourceMismatchError
 from modelopt_k3.testing.reference import read_checkpoint, reference_logits
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
@@ -233,25 +234,39 @@ def test_converter_chain_gives_fused_tensor(
 # ------------------------------------------------------------------------------------------------
 
 
-def test_missing_expert_key_is_refused(copy_ckpt) -> None:
+def _no_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any tensor bytes are read (the source check works from headers alone)."""
+
+    def no_reads(self, key, *args):
+        raise AssertionError(f"read {key} before refusing the checkpoint")
+
+    monkeypatch.setattr(CheckpointReader, "get", no_reads)
+    monkeypatch.setattr(CheckpointReader, "get_rows", no_reads)
+
+
+def test_missing_expert_key_is_refused(copy_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
     key = f"{LAYERS}.2.block_sparse_moe.experts.5.w3.weight_packed"
     path = copy_ckpt(drop=[key])
     assert key not in json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    other = f"{LAYERS}.1.block_sparse_moe.experts.0.w2.weight_scale"
+    path2 = copy_ckpt(drop=[other])
+    _no_reads(monkeypatch)
     model = None
-    with pytest.raises((LoadError, SpecError)) as err:
+    with pytest.raises(SourceMismatchError) as err:
         model = _load(path, dtype=torch.float32)
     assert model is None
-    assert key in str(err.value)
+    assert f"1 missing: {key}" in str(err.value)
     # Every expert of the layer: a missing projection in any slot names that slot.
-    key = f"{LAYERS}.1.block_sparse_moe.experts.0.w2.weight_scale"
-    with pytest.raises(LoadError, match=re.escape(key)):
-        _load(copy_ckpt(drop=[key]), dtype=torch.float32)
+    with pytest.raises(SourceMismatchError, match=re.escape(other)):
+        _load(path2, dtype=torch.float32)
 
 
-def test_missing_dense_key_is_refused(copy_ckpt) -> None:
+def test_missing_dense_key_is_refused(copy_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
     key = f"{LAYERS}.1.block_sparse_moe.shared_experts.up_proj.weight"
-    with pytest.raises(LoadError, match=re.escape(key)):
-        _load(copy_ckpt(drop=[key]), dtype=torch.float32)
+    path = copy_ckpt(drop=[key])
+    _no_reads(monkeypatch)
+    with pytest.raises(SourceMismatchError, match=rf"model built from config.json: 1 missing: {re.escape(key)}"):
+        _load(path, dtype=torch.float32)
 
 
 def test_index_naming_absent_tensor_is_refused(copy_ckpt) -> None:
@@ -268,13 +283,16 @@ def test_index_naming_absent_tensor_is_refused(copy_ckpt) -> None:
         pytest.param(lambda t: t.to(torch.bfloat16), id="unpacked-dtype"),
     ],
 )
-def test_packed_expert_with_wrong_dtype_or_shape_is_refused(copy_ckpt, tiny_ckpt: Path, change) -> None:
+def test_packed_expert_with_wrong_dtype_or_shape_is_refused(
+    copy_ckpt, tiny_ckpt: Path, change, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key = f"{LAYERS}.3.block_sparse_moe.experts.7.w2.weight_packed"
     original = read_checkpoint(tiny_ckpt)[key]
     bad = change(original)
     path = copy_ckpt(replace={key: bad})
     cfg = _text_config(tiny_ckpt)
-    with pytest.raises(SpecError) as err:
+    _no_reads(monkeypatch)
+    with pytest.raises(SourceMismatchError) as err:
         _load(path, dtype=torch.float32)
     msg = str(err.value)
     want = [cfg["routed_expert_hidden_size"], cfg["moe_intermediate_size"] // 2]
@@ -481,6 +499,8 @@ def test_refuses_indivisible_ep_degree_before_reading(
 ) -> None:
     fake = RunGroup(rank=0, world_size=3, local_rank=0, backend="gloo", device=torch.device("cpu"))
     monkeypatch.setattr("modelopt_k3.load.current_group", lambda: fake)
+    # No process group behind the fake one: its steps run locally (as at world size 1).
+    monkeypatch.setattr("modelopt_k3.load.run_together", lambda step, fn, *a, group=None, **kw: fn(*a, **kw))
     monkeypatch.delenv("MODELOPT_K3_EP_DEGREE", raising=False)
 
     def no_reads(self, key):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checkpoint import read_config
+from ..preflight import PreflightContext, PreflightError, register_check
 from ..recipe import Recipe, load_recipe
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
 from .layout import Layout, planned_layout, scan_export
@@ -64,7 +66,7 @@ def check_recipe_for_engines(checkpoint: str | Path, recipe: Recipe | str, engin
     if isinstance(recipe, str):
         recipe = load_recipe(recipe)
     names = parse_engines(engines)
-    layout = planned_layout(checkpoint, recipe, kv_scale_names=kv_scale_names(_config(checkpoint)))
+    layout = planned_layout(checkpoint, recipe, kv_scale_names=kv_scale_names(read_config(checkpoint)))
     report = check_layout(layout, names, numerics=False)
     if report.ok:
         return
@@ -91,7 +93,15 @@ def final_check(export_dir: str | Path, target_engines=(), *, say=print) -> int:
     return 1 if failed else 0
 
 
-def _config(checkpoint: str | Path) -> dict:
-    import json
-
-    return json.loads((Path(checkpoint) / "config.json").read_text())
+@register_check("serving engines", after="export format")
+def _serving_engines(ctx: PreflightContext) -> None:
+    """hf_ptq's ``--target_engines``: the recipe against each named engine's Kimi-K3 rules (names only)."""
+    engines = getattr(ctx.args, "target_engines", None)
+    if not engines:
+        return
+    if getattr(ctx.args, "export_format", "modelopt") != "modelopt":
+        raise PreflightError("--target_engines replays the engines' ModelOpt loaders; it needs --export_format modelopt")
+    try:
+        check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines)
+    except EngineRefusal as e:
+        raise PreflightError(str(e)) from None

@@ -3,6 +3,13 @@
 Flags follow ModelOpt's ``examples/llm_ptq/hf_ptq.py`` where they overlap, so existing command lines
 keep working. Without ``--pyt_ckpt_path`` the embedded tiny Kimi-K3 stand-in is generated into a cache
 directory and used (its remote code is this project's own, so it needs no ``--trust_remote_code``).
+
+Before any weight is read a preflight (``modelopt_k3/preflight.py``) refuses what would fail later:
+an export path over the source or not writable or taken, a recipe the export format cannot express, a
+recipe a ``--target_engines`` engine cannot serve, a missing dataset; argument ranges are checked by the
+parser. Refusals print one line per group of ranks and exit 2 on every rank (``--debug`` keeps the
+traceback); SIGTERM removes the export's temporary data. After the export, ``modelopt-k3-check``'s table
+is printed; the exit status is 1 when a ``--target_engines`` engine would not serve the export as calibrated.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+from ._common import non_negative_int, positive_int, run_cli
 
 QFORMAT_PRESETS = {
     "nvfp4": "presets/nvfp4",
@@ -33,21 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qformat", default="nvfp4", help=f"preset: {', '.join(QFORMAT_PRESETS)} (ignored with --recipe)")
     p.add_argument("--recipe", default=None, help="YAML recipe path or name (overrides --qformat)")
     p.add_argument("--kv_cache_qformat", default="none", choices=["none", "fp8"])
-    p.add_argument("--calib_size", type=int, default=32, help="number of calibration sequences (all ranks together)")
-    p.add_argument("--batch_size", type=int, default=4)
-    p.add_argument("--calib_seq", type=int, default=128, help="tokens per calibration sequence")
+    p.add_argument("--calib_size", type=positive_int, default=32,
+                   help="number of calibration sequences (all ranks together)")
+    p.add_argument("--batch_size", type=positive_int, default=4)
+    p.add_argument("--calib_seq", type=positive_int, default=128, help="tokens per calibration sequence")
     p.add_argument("--dataset", default="builtin", help="local .txt/.jsonl, a datasets name, or 'builtin'")
     p.add_argument("--export_path", type=Path, default=None, help="output directory (default: ./<ckpt>-<format>)")
     p.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modeling code")
     p.add_argument("--calibrate_all_experts", action="store_true",
                    help="during calibration every expert sees every token (routing output unchanged)")
-    p.add_argument("--eval_kl", type=int, default=0, metavar="N",
+    p.add_argument("--eval_kl", type=non_negative_int, default=0, metavar="N",
                    help="after calibration, report KL(original || quantized) on N held-out sequences (0: skip)")
     p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel", "fsdp2"],
                    help="auto: expert_parallel under torchrun, else whole; fsdp2: dense and experts FSDP2-sharded")
     p.add_argument("--dense", default="replicated", choices=["replicated", "fsdp2"],
                    help="expert_parallel: keep the dense part on every rank, or shard it with FSDP2")
-    p.add_argument("--ep_degree", type=int, default=None,
+    p.add_argument("--ep_degree", type=positive_int, default=None,
                    help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
@@ -57,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated serving engines (vllm, sglang, trtllm) the export must load in as calibrated: "
                         "a recipe one of them cannot serve is refused before any weight is read, and the exit "
                         "status is 1 when the final modelopt-k3-check finds one of them does not load it correctly")
-    p.add_argument("--max_shard_size_mb", type=int, default=5 * 1024)
+    p.add_argument("--max_shard_size_mb", type=positive_int, default=5 * 1024)
+    p.add_argument("--allow_nonfinite_passthrough", action="store_true",
+                   help="copy source tensors with NaN/Inf that stay unquantized unchanged (with a warning) instead "
+                   "of refusing; a quantized one is always refused")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
     return p
 
@@ -83,30 +97,40 @@ def _tiny_checkpoint(group) -> Path:
     return path
 
 
-def _target_engines(args: argparse.Namespace) -> tuple[str, ...]:
-    from ..check import parse_engines
-
-    if args.target_engines is None:
-        return ()
-    if args.export_format != "modelopt":
-        raise ValueError("--target_engines replays the engines' ModelOpt loaders; it needs --export_format modelopt")
-    return parse_engines(args.target_engines)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        targets = _target_engines(args)
-    except ValueError as exc:
-        print(f"modelopt-k3-ptq: error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli("modelopt-k3-ptq", lambda: run(args), debug=args.debug)
+
+
+def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
+    """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``)."""
+    from .. import check  # noqa: F401  registers the "serving engines" check (--target_engines)
+    from ..preflight import PreflightContext, run_preflight
+    from ..recipe import load_recipe
+
+    recipe_name = args.recipe or QFORMAT_PRESETS.get(args.qformat, args.qformat)
+    overrides = {}
+    if args.kv_cache_qformat != "none":
+        overrides["kv_cache"] = args.kv_cache_qformat
+    if args.calibrate_all_experts:
+        overrides["calibrate_all_experts"] = True
+    recipe = load_recipe(recipe_name, overrides=overrides or None)
+    export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
+    ctx = PreflightContext(args, ckpt, trust, export_path, recipe, rank=group.rank, world_size=group.world_size)
+    seconds = run_preflight(ctx)
+    ctx.notes.append(f"preflight passed in {seconds:.2f}s")
+    return ctx
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole job for parsed ``args``; raises on failure (``main`` turns that into a line and an exit code)."""
     import torch
 
     from .. import export_checkpoint, load_pretrained, quantize
-    from ..data import load_texts, make_forward_loop, pack_sequences, rank_batches
+    from ..data import make_forward_loop, pack_sequences, rank_batches
+    from ..dist.collectives import run_together
     from ..dist.group import run_group
     from ..quant.evaluate import kl_to_unquantized
-    from ..recipe import load_recipe
 
     with run_group() as group:
         main_rank = group.is_main
@@ -117,37 +141,30 @@ def main(argv: list[str] | None = None) -> int:
         trust = args.trust_remote_code
         if ckpt is None:
             ckpt, trust = _tiny_checkpoint(group), True
-        recipe_name = args.recipe or QFORMAT_PRESETS.get(args.qformat, args.qformat)
-        overrides = {}
-        if args.kv_cache_qformat != "none":
-            overrides["kv_cache"] = args.kv_cache_qformat
-        if args.calibrate_all_experts:
-            overrides["calibrate_all_experts"] = True
-        recipe = load_recipe(recipe_name, overrides=overrides or None)
-        export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
-        if targets:  # before any weight is read: names and headers only
-            from ..check import EngineRefusal, check_recipe_for_engines
+        # One agreed step: a refusal prints once for all ranks, and nothing has been read yet.
+        ctx = run_together("preflight", _preflight, args, group, ckpt, trust, group=group)
+        for note in ctx.notes:
+            say(f"[modelopt_k3] {note}")
+        recipe, export_path = ctx.recipe, ctx.export_path
 
-            try:
-                check_recipe_for_engines(ckpt, recipe, targets)
-            except EngineRefusal as exc:
-                if main_rank:
-                    print(f"modelopt-k3-ptq: error: {exc}", file=sys.stderr)
-                return 2
+        def calibration_sequences() -> torch.Tensor:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+            return pack_sequences(tokenizer, ctx.texts, num_sequences=args.calib_size + args.eval_kl,
+                                  seq_len=args.calib_seq)
+
+        packed = run_together("calibration data", calibration_sequences, group=group)
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
         model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype,
-                                ep_degree=args.ep_degree, dense=args.dense, progress=progress)
+                                ep_degree=args.ep_degree, dense=args.dense, progress=progress,
+                                allow_nonfinite_passthrough=args.allow_nonfinite_passthrough)
         info = model.modelopt_k3
         t_load = time.perf_counter()
         say(f"[modelopt_k3] loaded {ckpt} ({info.plan.describe()}), read {info.bytes_read / 2**20:.1f} MiB "
             f"on rank {group.rank} in {t_load - t0:.1f}s")
 
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-        packed = pack_sequences(tokenizer, load_texts(args.dataset), num_sequences=args.calib_size + args.eval_kl,
-                                seq_len=args.calib_seq)
         # Held-out sequences come after the calibration ones in the token stream.
         sequences, held_out = packed[: args.calib_size], packed[args.calib_size :]
         batches = rank_batches(sequences, batch_size=args.batch_size, rank=group.rank, world_size=group.world_size)
@@ -171,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.export_format != "modelopt":
             say("[modelopt_k3] modelopt-k3-check replays ModelOpt-format loading only; not run on this export")
             return 0
-        from ..check import final_check
+        from ..check import final_check, parse_engines
 
-        return final_check(out, targets, say=say)
+        return final_check(out, parse_engines(args.target_engines) if args.target_engines else (), say=say)
 
 
 if __name__ == "__main__":

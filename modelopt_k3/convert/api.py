@@ -12,8 +12,11 @@ from pathlib import Path
 
 import torch
 
+from ..nonfinite import warn_passthrough
+from ..paths import refuse_overlap
 from ..recipe import Recipe, load_recipe
-from .plan import _build_plan
+from .lock import LOCK_DIR, RankLock, acquire_rank_lock, live_locks
+from .plan import _build_plan, _Plan
 from .report import ConvertReport, ConvertStats
 from .shard import _finish_shard, _write_shard
 from .source import _SourceFiles
@@ -22,6 +25,7 @@ from .state import (
     JOB_FILE,
     STATE_DIR,
     ConvertError,
+    _check_dst,
     _finalize,
     _load_record,
     _prepare_dst,
@@ -58,6 +62,10 @@ def _complete_stats(dst: Path, fingerprint: str) -> ConvertStats | None:
     return ConvertStats.from_dict(marker["stats"]) if marker.get("fingerprint") == fingerprint else None
 
 
+_DENSE_UNCHECKED = ("dense tensors were checked against their headers only: the model was not built "
+                    "(trust_remote_code / --trust_remote_code builds it on meta and checks each one, as hf_ptq does)")
+
+
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -71,6 +79,7 @@ def convert_checkpoint(
     workers: int | None = None,
     progress: bool = False,
     trust_remote_code: bool = False,
+    allow_nonfinite_passthrough: bool = False,
 ) -> ConvertReport:
     """Convert ``src`` into the ModelOpt checkpoint ``dst`` per ``recipe``, shard by shard.
 
@@ -81,14 +90,24 @@ def convert_checkpoint(
     shard's tensors (default ``min(4, cpu count)``; the output bytes do not depend on it); torch's
     intra-op thread count is set to 1 while they run and restored afterwards.
     ``trust_remote_code``: run the checkpoint's own modeling code on a tiny configuration to find the
-    Linears that read one input (their NVFP4 global scales are shared); needed only by recipes that
-    give dense Linears NVFP4, refused clearly by those without it.
+    Linears that read one input (their NVFP4 global scales are shared; needed only by recipes that
+    give dense Linears NVFP4, refused clearly by those without it), and build the model on meta to
+    check every dense tensor against it.
+
+    Before anything is written: ``dst`` must not overlap ``src``; the routed experts must match
+    config.json (``source_check``, the check ``load_pretrained`` runs); with ``trust_remote_code``
+    the model is built on meta and every dense tensor is checked against it too. ``dst`` holding
+    this job's complete output is nothing to do (``report.nothing_to_do``). Each rank holds a lock on
+    ``dst`` while it works (``convert/lock.py``): a second run on the same destination is refused,
+    naming the holder. Source values that are not numbers refuse the shard that reads them
+    (``allow_nonfinite_passthrough``: copied tensors pass unchanged, with a warning in the report).
 
     When ``torch.distributed`` is initialised the ranks meet in collectives and rank 0 finalizes;
     otherwise the rank that finds every shard complete when it finishes finalizes. Raises
     ``CheckpointError`` (naming the file) for a missing, truncated or inconsistent source shard,
+    ``SourceMismatchError`` for tensors that disagree with the config, ``NonFiniteError`` for NaN/Inf,
     ``RecipeError`` for a recipe that needs calibration, ``FileExistsError``/``ConvertError`` for an
-    output directory it must not write into.
+    output directory it must not write into, ``DestinationError`` for one that overlaps the source.
     """
     t0 = time.perf_counter()
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
@@ -97,8 +116,7 @@ def convert_checkpoint(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     src, dst = Path(src).absolute(), Path(dst).absolute()
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"the output directory must differ from the source checkpoint ({src})")
+    refuse_overlap(src, dst, flag="the output directory (--dst)")
     recipe = _as_recipe(recipe)
     group = _process_group(rank, world_size)
     if group is not None:
@@ -112,12 +130,62 @@ def convert_checkpoint(
             return fn(*args, **kwargs)
 
     plan = together("plan", _build_plan, src, recipe, trust_remote_code=trust_remote_code)
-    report = ConvertReport(src, dst, recipe.name, rank, world_size, len(plan.files))
-    if group is None or rank == 0:
-        together("prepare output", _prepare_dst, dst, plan, recipe, overwrite=overwrite)
-    else:
-        together("prepare output", lambda: None)
+    if trust_remote_code:
+        from ..load import check_against_model
 
+        together("check the checkpoint against the model", check_against_model, src, plan.source)
+    report = ConvertReport(src, dst, recipe.name, rank, world_size, len(plan.files))
+    done = together("check output", _check_dst, dst, plan, overwrite=overwrite)
+    if done is not None:
+        report.total, report.complete, report.nothing_to_do = done, True, True
+        report.wall_s = time.perf_counter() - t0
+        return report
+    if not trust_remote_code:
+        report.notes.append(_DENSE_UNCHECKED)
+
+    locks: list[RankLock] = []
+
+    def lock_mine() -> None:
+        locks.append(acquire_rank_lock(dst, dst / STATE_DIR, rank=rank, world_size=world_size,
+                                       fingerprint=plan.fingerprint, notes=report.notes))
+
+    try:
+        together("lock output", lock_mine)
+        if group is None or rank == 0:
+            together("prepare output", _prepare_dst, dst, plan, recipe)
+        else:
+            together("prepare output", lambda: None)
+        _convert_shards(plan, dst, report, together, resume=resume, overwrite=overwrite, verify=verify,
+                        workers=workers, progress=progress, allow_nonfinite_passthrough=allow_nonfinite_passthrough)
+
+        def finalize_if_ready() -> None:
+            if group is not None and rank != 0:
+                return
+            pending = [f for f in plan.files if _load_record(dst, f, plan.fingerprint, verify_hash=False) is None]
+            report.pending = pending
+            if pending:
+                return
+            report.total = _finalize(plan, dst, recipe)
+            report.complete = report.finalized = True
+
+        together("finalize", finalize_if_ready)
+    finally:
+        for lock in locks:
+            lock.release()
+    if not report.complete:
+        total = _complete_stats(dst, plan.fingerprint)  # another rank (or process) finished it
+        if total is not None:
+            report.total, report.complete, report.pending = total, True, []
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+def _convert_shards(
+    plan: _Plan, dst: Path, report: ConvertReport, together: Callable, *, resume: bool, overwrite: bool,
+    verify: bool, workers: int, progress: bool, allow_nonfinite_passthrough: bool,
+) -> None:
+    """Convert this rank's shards (skipping complete ones when resuming), all ranks together."""
+    rank, world_size, src = report.rank, report.world_size, plan.src
     mine = plan.files[rank::world_size]
 
     def convert_mine() -> None:
@@ -145,7 +213,8 @@ def convert_checkpoint(
                         bar.update(len(plan.jobs[file]))
                         continue
                 _record_path(dst, file).unlink(missing_ok=True)
-                tmp, rec = _write_shard(plan, file, dst, reader, pool, lambda: bar.update(1))
+                tmp, rec = _write_shard(plan, file, dst, reader, pool, lambda: bar.update(1),
+                                        allow_nonfinite_passthrough=allow_nonfinite_passthrough)
                 collect()
                 pending.append((file, finisher.submit(_finish_shard, tmp, dst, rec)))
             collect()
@@ -165,24 +234,8 @@ def convert_checkpoint(
         together("convert shards", convert_mine)
     finally:
         torch.set_num_threads(torch_threads)
-
-    def finalize_if_ready() -> None:
-        if group is not None and rank != 0:
-            return
-        pending = [f for f in plan.files if _load_record(dst, f, plan.fingerprint, verify_hash=False) is None]
-        report.pending = pending
-        if pending:
-            return
-        report.total = _finalize(plan, dst, recipe)
-        report.complete = report.finalized = True
-
-    together("finalize", finalize_if_ready)
-    if not report.complete:
-        total = _complete_stats(dst, plan.fingerprint)  # another rank (or process) finished it
-        if total is not None:
-            report.total, report.complete, report.pending = total, True, []
-    report.wall_s = time.perf_counter() - t0
-    return report
+    if report.stats.nonfinite_passthrough:
+        warn_passthrough(report.stats.nonfinite_passthrough)
 
 
 def finalize_conversion(
@@ -198,6 +251,10 @@ def finalize_conversion(
     plan = _build_plan(src, recipe, trust_remote_code=trust_remote_code)
     if not (dst / STATE_DIR / JOB_FILE).is_file():
         raise ConvertError(f"{dst} holds no modelopt_k3 conversion ({STATE_DIR}/{JOB_FILE} is missing)")
+    for path, owner, record, _ in live_locks(dst / STATE_DIR / LOCK_DIR):
+        if record.get("fingerprint") != plan.fingerprint:
+            raise ConvertError(f"{dst} is being written by another conversion ({owner.describe()}); "
+                               f"wait for it to end, or remove {path} if that run is dead")
     return _finalize(plan, dst, recipe)
 
 

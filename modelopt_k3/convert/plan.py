@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .. import __version__
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, read_config
 from ..export.modelopt_format import (
     linear_layout,
 )
@@ -21,6 +21,7 @@ from ..numerics.constants import MXFP4_BLOCK
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import discover_shared_inputs
 from ..recipe import QuantFormat, Recipe, RecipeError
+from ..source_check import SourceLayout, check_experts
 from .source import _scan_source, _SrcTensor
 from .state import RECORD_VERSION
 
@@ -66,6 +67,7 @@ class _Plan:
     table: DecisionTable
     dtype: torch.dtype
     fingerprint: str
+    source: SourceLayout  # what the shared source check found (load_pretrained runs the same one)
 
 
 def _model_dtype(raw: dict) -> torch.dtype:
@@ -149,13 +151,9 @@ def _expert_jobs(d: Decision, spec: ModelSpec, tensors: dict[str, _SrcTensor]) -
 def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -> _Plan:
     files, tensors, sizes, header_digest = _scan_source(src)
     config_path = src / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{src} has no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+    raw = read_config(src)
     spec = get_spec(raw.get("model_type", ""))
+    source = check_experts(tensors, raw, spec)  # every routed expert the config asks for, as load_pretrained
     dtype = _model_dtype(raw)
     if recipe.kv_cache is not None:
         raise RecipeError(
@@ -208,4 +206,5 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
         table=table,
         dtype=dtype,
         fingerprint=_fingerprint(recipe, header_digest, table),
+        source=source,
     )

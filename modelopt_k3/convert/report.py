@@ -20,6 +20,8 @@ class ConvertStats:
     bytes_out: int = 0
     expert_blocks_lossless: int = 0
     expert_blocks_requantized: int = 0
+    # Copied tensors with NaN/Inf let through unchanged (--allow_nonfinite_passthrough): name -> what.
+    nonfinite_passthrough: dict[str, str] = field(default_factory=dict)
 
     def add(self, other: ConvertStats) -> None:
         self.shards += other.shards
@@ -29,6 +31,7 @@ class ConvertStats:
         self.bytes_out += other.bytes_out
         self.expert_blocks_lossless += other.expert_blocks_lossless
         self.expert_blocks_requantized += other.expert_blocks_requantized
+        self.nonfinite_passthrough.update(other.nonfinite_passthrough)
 
     def to_dict(self) -> dict:
         return {
@@ -39,6 +42,7 @@ class ConvertStats:
             "bytes_out": self.bytes_out,
             "expert_blocks_lossless": self.expert_blocks_lossless,
             "expert_blocks_requantized": self.expert_blocks_requantized,
+            "nonfinite_passthrough": dict(sorted(self.nonfinite_passthrough.items())),
         }
 
     @classmethod
@@ -51,6 +55,7 @@ class ConvertStats:
             bytes_out=int(d["bytes_out"]),
             expert_blocks_lossless=int(d["expert_blocks_lossless"]),
             expert_blocks_requantized=int(d["expert_blocks_requantized"]),
+            nonfinite_passthrough=dict(d.get("nonfinite_passthrough", {})),
         )
 
     def lines(self, indent: str = "  ") -> list[str]:
@@ -65,6 +70,10 @@ class ConvertStats:
                 f"carried over), {self.expert_blocks_requantized} requantized"
             )
         out.append(f"{indent}bytes: {_mib(self.bytes_in)} in, {_mib(self.bytes_out)} out ({self.shards} shards)")
+        if self.nonfinite_passthrough:
+            from ..nonfinite import describe
+
+            out.append(f"{indent}WARNING: copied unchanged with non-finite values: {describe(self.nonfinite_passthrough)}")
         return out
 
 
@@ -86,11 +95,19 @@ class ConvertReport:
     total: ConvertStats | None = None
     complete: bool = False
     finalized: bool = False
+    nothing_to_do: bool = False  # dst already held this job's complete output
+    notes: list[str] = field(default_factory=list)  # what was checked, recovered or left alone
     wall_s: float = 0.0
 
     def summary(self) -> str:
+        head = f"modelopt_k3 convert: {self.src} -> {self.dst} (recipe {self.recipe}), rank {self.rank} of {self.world_size}"
+        if self.nothing_to_do:
+            return "\n".join([head, *(f"  {n}" for n in self.notes),
+                              "  output already complete (same source and recipe): nothing to do; --overwrite "
+                              "converts again"])
         lines = [
-            f"modelopt_k3 convert: {self.src} -> {self.dst} (recipe {self.recipe}), rank {self.rank} of {self.world_size}",
+            head,
+            *(f"  {n}" for n in self.notes),
             f"  shards: {self.shards_total} in the checkpoint; this rank converted {len(self.converted)}, "
             f"found {len(self.skipped)} already complete",
         ]

@@ -16,14 +16,16 @@ from ..export.modelopt_format import (
     input_scale_tensor,
     weight_tensors,
 )
+from ..nonfinite import invalid_values, source_refusal
 from ..numerics import fp8 as fp8n
 from ..numerics import nvfp4 as nvn
 from ..numerics.constants import NVFP4_BLOCK
 from ..numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
+from ..numerics.finite import nonfinite_count
 from ..numerics.mxfp4 import mxfp4_decode
 from .plan import _ModuleJob, _Out, _Plan
 from .report import ConvertStats
-from .source import _SourceFiles, _SrcTensor
+from .source import _pread_into, _SourceFiles, _SrcTensor
 from .state import RECORD_VERSION, _record_path, _sha256, _write_json_atomic
 
 _ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
@@ -32,18 +34,31 @@ _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 
 
 class _ShardConverter:
-    """Produces the output tensors of one module job (with a per-shard cache of shared scales)."""
+    """Produces the output tensors of one module job (with a per-shard cache of shared scales).
+
+    Every source tensor it reads (its own and its scale-sharing partners') is checked for values that
+    are not numbers; ``invalid`` collects them (name -> what): a job's output is then garbage, so the
+    shard is refused (``_write_shard``).
+    """
 
     def __init__(self, plan: _Plan, reader: _SourceFiles):
         self.plan = plan
         self.reader = reader
         self._group_scale: dict[tuple[str, ...], torch.Tensor] = {}
+        self.invalid: dict[str, str] = {}
+
+    def _read(self, key: str) -> torch.Tensor:
+        tensor = self.reader.read(key)
+        found = invalid_values(key, tensor)
+        if found is not None:
+            self.invalid[key] = found
+        return tensor
 
     def _weight(self, job: _ModuleJob) -> torch.Tensor:
         """The logical weight in the model's dtype (MXFP4 decoded exactly, as the model path loads it)."""
         if len(job.sources) == 2:
-            return mxfp4_decode(self.reader.read(job.sources[0]), self.reader.read(job.sources[1]), dtype=self.plan.dtype)
-        return self.reader.read(job.sources[0]).to(self.plan.dtype)
+            return mxfp4_decode(self._read(job.sources[0]), self._read(job.sources[1]), dtype=self.plan.dtype)
+        return self._read(job.sources[0]).to(self.plan.dtype)
 
     def _shared_scale(self, job: _ModuleJob, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``weight_scale_2`` (NVFP4) or ``weight_scale`` (FP8) shared by ``job.group``.
@@ -55,7 +70,7 @@ class _ShardConverter:
             return self._group_scale[job.group]
         members = [self.plan.modules[m] for m in job.group]
         if job.kind == "nvfp4_cast":
-            scale = shared_global_scale_for(*(self.reader.read(m.sources[1]) for m in members))
+            scale = shared_global_scale_for(*(self._read(m.sources[1]) for m in members))
         else:
             amaxes = [
                 (weight if m is job and weight is not None else self._weight(m)).float().abs().amax() for m in members
@@ -77,9 +92,7 @@ class _ShardConverter:
         stats.tensors[fmt.algo] += n_src
         stats.modules[fmt.algo] += 1
         if job.kind == "nvfp4_cast":
-            q, n_req = mxfp4_to_nvfp4(
-                self.reader.read(job.sources[0]), self.reader.read(job.sources[1]), self._shared_scale(job)
-            )
+            q, n_req = mxfp4_to_nvfp4(self._read(job.sources[0]), self._read(job.sources[1]), self._shared_scale(job))
             blocks = job.shape[0] * job.shape[1] // NVFP4_BLOCK
             stats.expert_blocks_requantized += n_req
             stats.expert_blocks_lossless += blocks - n_req
@@ -135,11 +148,14 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 def _write_shard(
     plan: _Plan, file: str, dst: Path, reader: _SourceFiles, pool: ThreadPoolExecutor | None,
-    on_item: Callable[[], None],
+    on_item: Callable[[], None], *, allow_nonfinite_passthrough: bool = False,
 ) -> tuple[Path, dict]:
     """Write source shard ``file`` into ``dst/.<file>.partial``; return it and its record (no sha256 yet).
 
-    Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges.
+    Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges. Source
+    values that are not numbers refuse the shard (``NonFiniteError`` naming every such tensor it
+    read), except in copied tensors with ``allow_nonfinite_passthrough`` (recorded in its stats).
+    On any failure the partial file is removed: a rerun rewrites the whole shard anyway.
     """
     stats = ConvertStats(shards=1, bytes_in=plan.sizes[file])
     outputs: list[_Out] = []
@@ -154,12 +170,15 @@ def _write_shard(
     expected = {o.name: o for o in outputs}
     tmp = dst / f".{file}.partial"
     converter = _ShardConverter(plan, reader)
+    copied_invalid: dict[str, str] = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def run(job: str | _ModuleJob) -> ConvertStats:
         if isinstance(job, str):
-            _copy_range(reader, plan.tensors[job], fd, offsets[job])
             done = ConvertStats()
+            found = _copy_range(reader, plan.tensors[job], fd, offsets[job])
+            if found is not None:
+                (done.nonfinite_passthrough if allow_nonfinite_passthrough else copied_invalid)[job] = found
             done.tensors["copied"] += 1
             return done
         out, done = converter.tensors(job)
@@ -190,8 +209,14 @@ def _write_shard(
                     fut.cancel()
                 wait(futures)  # no job may still write once fd is closed
                 raise
-    finally:
+        invalid = {**converter.invalid, **copied_invalid}
+        if invalid:
+            raise source_refusal(invalid, passthrough_possible=not converter.invalid)
+    except BaseException:
         os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
     stats.bytes_out = total
     record = {
         "version": RECORD_VERSION,
@@ -224,8 +249,20 @@ def _finish_shard(tmp: Path, dst: Path, record: dict) -> dict:
     return record
 
 
-def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> None:
-    """Copy one tensor's bytes: in the kernel (``copy_file_range``) where it can, else pread/pwrite."""
+def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> str | None:
+    """Copy one tensor's bytes; return what in them is not a number (None: all are).
+
+    Floating tensors pass through this process in chunks, each checked as it goes by (``nonfinite_count``
+    on bytes already in memory); other tensors cannot hold NaN and move in the kernel where it can.
+    """
+    if t.dtype.is_floating_point:
+        return _copy_checked(reader, t, out_fd, out_offset)
+    _copy_unchecked(reader, t, out_fd, out_offset)
+    return None
+
+
+def _copy_unchecked(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> None:
+    """``copy_file_range`` where the filesystem allows, else pread/pwrite."""
     src_fd = reader.fd(t.file)
     done = 0
     if _HAS_COPY_FILE_RANGE:
@@ -241,9 +278,27 @@ def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: in
         except OSError:  # EXDEV, ENOSYS, EINVAL on some filesystems: finish with plain reads
             pass
     while done < t.nbytes:
-        n = min(_COPY_CHUNK, t.nbytes - done)
-        chunk = os.pread(src_fd, n, t.offset + done)
-        if not chunk:
-            raise CheckpointError(f"{reader.src / t.file} is truncated: read stopped at byte {t.offset + done}")
+        chunk = _pread_chunk(reader, t, src_fd, done)
         _pwrite_all(out_fd, chunk, out_offset + done)
         done += len(chunk)
+
+
+def _pread_chunk(reader: _SourceFiles, t: _SrcTensor, src_fd: int, done: int) -> bytes:
+    chunk = os.pread(src_fd, min(_COPY_CHUNK, t.nbytes - done), t.offset + done)
+    if not chunk:
+        raise CheckpointError(f"{reader.src / t.file} is truncated: read stopped at byte {t.offset + done}")
+    return chunk
+
+
+def _copy_checked(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> str | None:
+    src_fd = reader.fd(t.file)
+    buf = torch.empty(min(_COPY_CHUNK, t.nbytes), dtype=torch.uint8)  # chunks hold whole elements
+    view = memoryview(buf.numpy())
+    bad = done = 0
+    while done < t.nbytes:
+        n = min(len(view), t.nbytes - done)
+        _pread_into(src_fd, view[:n], t.offset + done, reader.src / t.file)
+        bad += nonfinite_count(buf[:n].view(t.dtype))
+        _pwrite_all(out_fd, view[:n], out_offset + done)
+        done += n
+    return f"{bad} NaN/Inf value{'s' if bad != 1 else ''}" if bad else None

@@ -84,28 +84,67 @@ def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -
     return rec
 
 
-def _prepare_dst(dst: Path, plan: _Plan, recipe: Recipe, *, overwrite: bool) -> None:
-    """Create or adopt ``dst``; refuse a complete output, another job's output or foreign files.
+def _complete_marker(dst: Path) -> dict | None:
+    try:
+        return json.loads((dst / COMPLETE_MARKER).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
-    Only idempotent steps, so that independent ranks may all run it.
+
+def _marker_matches_disk(dst: Path, marker: dict) -> bool:
+    """Every shard the marker lists is on disk with the recorded size (sizes only: a no-op stays cheap)."""
+    try:
+        return all((dst / f).stat().st_size == out["size"] for f, out in marker["shards"].items())
+    except (OSError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _check_dst(dst: Path, plan: _Plan, *, overwrite: bool) -> ConvertStats | None:
+    """Refuse a destination this job must not write into; read-only, so every rank may run it.
+
+    Returns the totals when ``dst`` already holds this job's complete output (nothing to do).
     """
-    state = dst / STATE_DIR
     if dst.exists() and not dst.is_dir():
         raise ConvertError(f"output path {dst} exists and is not a directory")
-    marker = dst / COMPLETE_MARKER
-    if marker.exists():
-        if not overwrite:
+    marker = _complete_marker(dst)
+    if marker is not None and not overwrite:
+        if marker.get("fingerprint") == plan.fingerprint and _marker_matches_disk(dst, marker):
+            return ConvertStats.from_dict(marker["stats"])
+        if marker.get("fingerprint") != plan.fingerprint:
             raise FileExistsError(
-                f"{dst} already holds a complete conversion ({COMPLETE_MARKER}); pass overwrite=True "
-                "(--overwrite) to convert again, or choose another output directory"
+                f"{dst} already holds a complete conversion of another job (source {marker.get('src')}, recipe "
+                f"{marker.get('recipe')}); pass overwrite=True (--overwrite) to replace it, or choose another "
+                "output directory"
             )
-        marker.unlink(missing_ok=True)
-        (dst / INDEX_NAME).unlink(missing_ok=True)
-    elif dst.is_dir() and not state.is_dir() and any(dst.iterdir()) and not overwrite:
+    state = dst / STATE_DIR
+    if marker is None and dst.is_dir() and not state.is_dir() and any(dst.iterdir()) and not overwrite:
         raise FileExistsError(
             f"output directory {dst} is not empty and holds no modelopt_k3 conversion; pass overwrite=True "
             "(--overwrite) to write into it anyway, or choose another output directory"
         )
+    try:
+        old = json.loads((state / JOB_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        old = None
+    if old is not None and old.get("fingerprint") != plan.fingerprint and not overwrite:
+        raise ConvertError(
+            f"{dst} holds a partial conversion of another job (source {old.get('src')}, recipe "
+            f"{old.get('recipe')}); pass overwrite=True (--overwrite) to replace it, or choose another output directory"
+        )
+    return None
+
+
+def _prepare_dst(dst: Path, plan: _Plan, recipe: Recipe) -> None:
+    """Adopt ``dst`` for this job (after ``_check_dst`` and under the rank locks).
+
+    A marker that no longer describes the files (a shard changed since) or that ``overwrite`` replaces
+    is removed first, so the directory never claims to be complete while it is rewritten. Only
+    idempotent steps, so that independent ranks may all run it.
+    """
+    state = dst / STATE_DIR
+    if (dst / COMPLETE_MARKER).exists():
+        (dst / COMPLETE_MARKER).unlink(missing_ok=True)
+        (dst / INDEX_NAME).unlink(missing_ok=True)
     (state / "shards").mkdir(parents=True, exist_ok=True)
     job = {
         "fingerprint": plan.fingerprint,
@@ -118,13 +157,17 @@ def _prepare_dst(dst: Path, plan: _Plan, recipe: Recipe, *, overwrite: bool) -> 
         old = json.loads(job_path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         old = None
-    if old is not None and old.get("fingerprint") != plan.fingerprint and not overwrite:
-        raise ConvertError(
-            f"{dst} holds a partial conversion of another job (source {old.get('src')}, recipe "
-            f"{old.get('recipe')}); pass overwrite=True (--overwrite) to replace it, or choose another output directory"
-        )
     if old != job:
         _write_json_atomic(job_path, job)
+
+
+def _fsync(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _copy_file_atomic(src: Path, dst: Path) -> None:
@@ -164,6 +207,8 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
             path.unlink(missing_ok=True)
     for path in dst.glob(".*.safetensors.partial"):
         path.unlink(missing_ok=True)
+    # The marker must never be on disk before what it describes: index, configs and side files first.
+    _fsync([*(p for p in dst.iterdir() if p.is_file() and not p.name.endswith(".safetensors")), dst])
 
     total = ConvertStats()
     for rec in records.values():

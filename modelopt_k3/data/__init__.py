@@ -53,7 +53,10 @@ def load_texts(dataset: str | None) -> list[str]:
     if dataset in (None, BUILTIN):
         return _read_txt(BUILTIN_PATH)
     path = Path(dataset)
-    if path.suffix in (".txt", ".jsonl", ".json") or path.exists():
+    # An absolute or ./ ~/ path is a local file, never a hub name (no network lookup for a typo).
+    local = path.is_absolute() or dataset.startswith((".", "~"))
+    path = path.expanduser()
+    if local or path.suffix in (".txt", ".jsonl", ".json") or path.exists():
         if not path.is_file():
             raise DataError(f"calibration file {path} does not exist")
         texts = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_txt(path)

@@ -19,6 +19,14 @@ def supported_algo(algo: str) -> bool:
     return algo in _PRESETS
 
 
+def unexpressible(algos: set[str], kv_cache: str | None) -> str | None:
+    """Why this format cannot hold a model with these quantization algorithms, or None if it can."""
+    if len(algos) == 1 and supported_algo(next(iter(algos))) and kv_cache is None:
+        return None
+    return (f"format 'compressed-tensors' writes one NVFP4 scheme ({' or '.join(_PRESETS)}) without KV-cache "
+            f"scales; this recipe gives {sorted(algos)} (kv_cache={kv_cache})")
+
+
 def rename_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ModelOpt NVFP4 tensors of one Linear -> compressed-tensors names and scale conventions."""
     out = {"weight_packed": tensors["weight"], "weight_scale": tensors["weight_scale"]}

@@ -26,6 +26,7 @@ from ..checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows, local_tensor
 from ..dist.group import current_group
+from ..paths import refuse_overlap
 from ..quant.modules import ExpertsQuantState
 from . import compressed_tensors_format as ct_format
 from .modelopt_format import (
@@ -145,14 +146,12 @@ def export_checkpoint(
     qplan = getattr(model, "modelopt_k3_quant", None)
     if info is None or qplan is None:
         raise ValueError("export_checkpoint expects a model from load_pretrained that went through quantize")
+    refuse_overlap(info.checkpoint, Path(export_dir), flag="export_dir")  # the copies read the source to the end
     layer_algos = qplan.table.layer_algos()
     if format == "compressed-tensors":
-        algos = set(layer_algos.values())
-        if len(algos) != 1 or not ct_format.supported_algo(next(iter(algos))) or qplan.recipe.kv_cache:
-            raise ValueError(
-                f"format 'compressed-tensors' writes one NVFP4 scheme without KV-cache scales; this model has "
-                f"{sorted(algos)} (kv_cache={qplan.recipe.kv_cache}). Use format='modelopt' for it."
-            )
+        why = ct_format.unexpressible(set(layer_algos.values()), qplan.recipe.kv_cache)
+        if why is not None:
+            raise ValueError(f"{why}. Use format='modelopt' for it.")
     layout = FORMATS[format]
     group = current_group()
     spec, plan = info.spec, info.plan

@@ -26,7 +26,6 @@ import contextlib
 import json
 import shutil
 import struct
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from modelopt_k3.dist.collectives import (
     run_together,
 )
 from modelopt_k3.dist.group import RunGroup, current_group
+from modelopt_k3.export.staging import StagingDir, remove_tree, sweep_stale
 
 __all__ = [
     "INDEX_FILE",
@@ -76,20 +76,14 @@ def _refuse_existing(export_dir: Path) -> None:
         )
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink(missing_ok=True)
-
-
-def _make_tmp_dir(export_dir: Path, overwrite: bool) -> str:
+def _make_tmp_dir(export_dir: Path, overwrite: bool) -> StagingDir:
+    sweep_stale(export_dir)  # what dead runs left next to this export path
     if not overwrite:
         _refuse_existing(export_dir)
     export_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = export_dir.parent / f".{export_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    return str(tmp)
+    staging = StagingDir(export_dir, "tmp")
+    staging.mkdir()
+    return staging
 
 
 def _check_visible(tmp: Path) -> None:
@@ -100,25 +94,27 @@ def _check_visible(tmp: Path) -> None:
         )
 
 
-def _publish(tmp: Path, export_dir: Path, overwrite: bool) -> None:
-    """Rank 0: move ``tmp`` to ``export_dir``; an old directory is moved aside first, then deleted."""
-    aside: Path | None = None
+def _publish(staging: StagingDir, export_dir: Path, overwrite: bool) -> None:
+    """Rank 0: move the staging dir to ``export_dir``; an old directory is moved aside first, then deleted."""
+    aside: StagingDir | None = None
     if export_dir.exists() or export_dir.is_symlink():
         if _is_nonempty(export_dir):
             if not overwrite:
                 _refuse_existing(export_dir)  # appeared while we were writing
-            aside = export_dir.parent / f".{export_dir.name}.old-{uuid.uuid4().hex[:12]}"
-            export_dir.rename(aside)
+            aside = StagingDir(export_dir, "old").claim()
+            export_dir.rename(aside.path)
         else:
             export_dir.rmdir()  # empty directory: rename() onto it is not portable
     try:
-        tmp.rename(export_dir)
+        staging.path.rename(export_dir)
     except BaseException:
         if aside is not None:
-            aside.rename(export_dir)  # put the old checkpoint back
+            aside.path.rename(export_dir)  # put the old checkpoint back
+            aside.release()
         raise
+    staging.release()
     if aside is not None:
-        _remove(aside)
+        aside.discard()
 
 
 @contextlib.contextmanager
@@ -127,51 +123,46 @@ def atomic_output_dir(
 ) -> Iterator[Path]:
     """Yield one temporary sibling of ``export_dir`` that all ranks write into.
 
-    ``export_dir`` appears, complete, only if the block succeeded on every rank; otherwise
-    every rank raises and rank 0 deletes the temporary directory. An existing non-empty
-    ``export_dir`` is refused unless ``overwrite=True``, in which case it is replaced only
+    ``export_dir`` appears, complete, only if the block succeeded on every rank; otherwise every
+    rank raises and the temporary directory is deleted (by rank 0; by every rank on SIGTERM or
+    another ``BaseException``, since rank 0 may be the one that died). Temporary directories that
+    dead runs left next to ``export_dir`` are removed first (``staging.sweep_stale``). An existing
+    non-empty ``export_dir`` is refused unless ``overwrite=True``, in which case it is replaced only
     once the new one is complete. Must be entered on every rank.
     """
     g = group if group is not None else current_group()
     export_dir = Path(export_dir).absolute()
 
-    made = run_together(
+    staging = run_together(
         "create export dir", lambda: _make_tmp_dir(export_dir, overwrite) if g.is_main else None, group=g
     )
-    tmp = Path(broadcast_object(made, src=0, group=g))
+    tmp = Path(broadcast_object(None if staging is None else str(staging.path), src=0, group=g))
+    published = False
+    interrupted = False
     try:
         run_together("check export dir is shared", _check_visible, tmp, group=g)
-    except BaseException:
-        if g.is_main:
-            _remove(tmp)
-        raise
-
-    try:
-        yield tmp
-    except Exception as exc:
         try:
+            yield tmp
+        except Exception as exc:
             if g.world_size > 1 and not isinstance(exc, DistributedStepError):
                 # Peers are unaware; meet them at the agreement they are heading for.
                 run_together("write export dir", _reraise, exc, group=g)
-        finally:
-            if g.is_main:
-                _remove(tmp)
-        raise
-    except BaseException:  # KeyboardInterrupt etc.: no collective, clean up what we can
-        if g.is_main:
-            _remove(tmp)
-        raise
-
-    try:
+            raise
         run_together("write export dir", lambda: None, group=g)
         # The agreement above is the barrier before the rename; this one's is the barrier after.
         run_together(
-            "publish export dir", lambda: _publish(tmp, export_dir, overwrite) if g.is_main else None, group=g
+            "publish export dir", lambda: _publish(staging, export_dir, overwrite) if g.is_main else None, group=g
         )
-    except BaseException:
-        if g.is_main:
-            _remove(tmp)
+        published = True
+    except BaseException as exc:
+        interrupted = not isinstance(exc, Exception)  # SIGTERM (as SystemExit), KeyboardInterrupt, ...
         raise
+    finally:
+        if not published:
+            if staging is not None:
+                staging.discard()
+            elif interrupted:
+                remove_tree(tmp)  # rank 0 may be the rank that was killed
 
 
 def _reraise(exc: BaseException) -> None:

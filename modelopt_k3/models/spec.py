@@ -51,6 +51,16 @@ class ExpertProjection:
 
 
 @dataclass(frozen=True)
+class ExpertsLayout:
+    """The routed experts one MoE layer must store, as the config says (``ModelSpec.expert_layout``)."""
+
+    module: str  # checkpoint prefix of the layer's experts, e.g. "...layers.3.block_sparse_moe.experts"
+    num_experts: int
+    projections: Mapping[str, tuple[int, int]]  # checkpoint projection name -> (out, in) of its weight
+    source: str = ""  # the config fields these numbers come from (quoted in errors)
+
+
+@dataclass(frozen=True)
 class PrepareContext:
     """What ``ModelSpec.prepare`` gets: the checkpoint's own model class and where it came from."""
 
@@ -59,6 +69,8 @@ class PrepareContext:
     checkpoint: Path | None
     placement: ExpertPlacement = ExpertPlacement()
     experts_implementation: str = "eager"
+    # Whether the routed experts are stored MXFP4-packed, as the source check found (None: not checked yet).
+    packed_experts: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,8 @@ class ModelSpec:
     dense_converters: tuple[Any, ...] = ()
     # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
+    # config.json (parsed JSON, no remote code) -> every MoE layer's routed experts (``source_check``).
+    expert_layout: Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]] | None = None
     # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
     # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
     probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None

@@ -8,6 +8,7 @@ disk (``…experts.{e}.w1`` etc., via the spec's ``expert_projections``).
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
 from ..models.spec import ModelSpec
+from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from .calibrate import calibrate, enable_calibrate_all_experts, share_group_amax
 from .decisions import DecisionTable, decide
@@ -83,6 +85,23 @@ def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> Quan
     return plan
 
 
+def _refuse_quantizing_nonfinite(qplan: QuantPlan, nonfinite: dict[str, str], spec: ModelSpec) -> None:
+    """Source tensors let through with NaN/Inf (``allow_nonfinite_passthrough``) may only stay unquantized."""
+    expert_re = re.compile(spec.expert_key_regex)
+    bad = {}
+    for key, what in nonfinite.items():
+        m = expert_re.match(key)
+        quantized_expert = m is not None and m["proj"] in qplan.experts.get(m["module"], {})
+        if quantized_expert or key.rpartition(".")[0] in qplan.dense:
+            bad[key] = what
+    if bad:
+        raise NonFiniteError(
+            f"recipe {qplan.recipe.name} quantizes tensors that hold values that are not numbers", bad,
+            f"{PASSTHROUGH_FLAG} only passes tensors that stay unquantized; fix the checkpoint or leave "
+            "these modules unquantized in the recipe",
+        )
+
+
 def _fused_formats(spec: ModelSpec, projs: dict[str, QuantFormat]) -> dict[str, tuple[str | None, str | None, float | None]]:
     """fused param -> (weight fmt, input fmt, constant input amax), from per-projection formats."""
     out: dict[str, tuple[str | None, str | None, float | None]] = {}
@@ -116,6 +135,7 @@ def quantize(
         raise ValueError("this model is already quantized")
     spec: ModelSpec = info.spec
     qplan = plan_quantization(model, recipe, spec)
+    _refuse_quantizing_nonfinite(qplan, info.nonfinite, spec)
     modules = dict(model.named_modules())
     for name, fmt in qplan.dense.items():
         attach_linear(modules[name], fmt.weights, fmt.inputs, fmt.input_amax)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..dist.collectives import all_reduce_max_, run_together
 from ..dist.group import current_group
+from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from .modules import ExpertsQuantState, iter_quantizers, set_mode
 
 
@@ -70,9 +71,10 @@ def sync_amax(model: nn.Module) -> None:
     inputs = [q for _, q in iter_quantizers(model) if q.role == "input" and q.constant_amax is None]
     if not inputs:
         return
-    # One collective for all of them; NaN (never observed here) must not poison the max.
+    # One collective for all of them; NaN (never observed here) must not poison the max. An observed
+    # NaN is +Inf by now (TensorQuantizer.observe), which the max keeps.
     flat = torch.stack([q.amax.reshape(()) for q in inputs]).to(g.device)
-    flat = torch.nan_to_num(flat, nan=-1.0)
+    flat = torch.where(torch.isnan(flat), -1.0, flat)
     all_reduce_max_(flat, group=g)
     for q, value in zip(inputs, flat.tolist()):
         q.amax.fill_(float("nan") if value < 0 else value)
@@ -91,6 +93,14 @@ def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None
         finally:
             set_mode(model, "off")
         sync_amax(model)
+    nonfinite = [name for name, q in iter_quantizers(model) if q.saw_nonfinite]
+    if nonfinite:
+        raise NonFiniteError(
+            "calibration observed values that are not numbers (NaN/Inf)",
+            {name: _nonfinite_what(q) for name, q in iter_quantizers(model) if q.saw_nonfinite},
+            "the weights or activations there are not finite: a NaN/Inf weight (load refuses those unless "
+            f"{PASSTHROUGH_FLAG}) or activations beyond the model dtype's range; check the checkpoint",
+        )
     missing = [name for name, q in iter_quantizers(model) if q.fmt != "fp8_pb" and not q.calibrated]
     if missing:
         raise RuntimeError(
@@ -98,6 +108,13 @@ def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None
             + ", ".join(missing[:10])
         )
     set_mode(model, "quant")
+
+
+def _nonfinite_what(q) -> str:
+    if q.amax.dim() == 0:
+        return f"{q.role} amax"
+    bad = torch.isinf(q.amax).nonzero().flatten().tolist()
+    return f"{q.role} amax of {len(bad)} expert(s), local ids {bad[:8]}"
 
 
 @torch.no_grad()

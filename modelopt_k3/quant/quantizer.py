@@ -75,7 +75,15 @@ class TensorQuantizer(nn.Module):
         if self.constant_amax is not None:
             return
         value = full_amax(x, reduce_dims).to(self.amax.device)
+        # NaN in amax means "never observed": an observed NaN becomes +Inf, which every max keeps
+        # (across batches and ranks), so calibrate() can tell "not a number" from "no data".
+        value = torch.where(torch.isnan(value), torch.inf, value)
         self.amax.copy_(torch.where(torch.isnan(self.amax), value, torch.maximum(self.amax, value)))
+
+    @property
+    def saw_nonfinite(self) -> bool:
+        """Whether calibration observed NaN/Inf here (amax +Inf; see ``observe``)."""
+        return bool(torch.isinf(self.amax).any())
 
     def scale(self) -> torch.Tensor:
         """The per-tensor scale the export writes (``weight_scale_2``/``input_scale``/FP8 ``scale``)."""

@@ -6,6 +6,7 @@ from ..spec import ExpertProjection, ModelSpec, register_spec
 from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import attach_kv_cache
+from .layout import expert_layout
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
 from .probe import probe_model
 from .shims import apply_import_shims
@@ -31,6 +32,7 @@ KIMI_K3_SPEC = register_spec(
         source_formats=SUPPORTED_SOURCE_FORMATS,
         patches_process_wide=True,
         attach_kv_cache=attach_kv_cache,
+        expert_layout=expert_layout,
         probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",

@@ -13,12 +13,11 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
 from ...checkpoint import CheckpointReader
 from ..spec import ExpertPlacement, PrepareContext, SpecError
-from .converters import EXPERT_KEY_RE, PACKED_SUFFIX, SCALE_SUFFIX, kimi_k3_converters
+from .converters import kimi_k3_converters
 from .experts import KimiK3Experts
 from .shims import apply_class_shims
 
@@ -81,45 +80,6 @@ def parse_source_scheme(config) -> str | None:
     return formats.pop()
 
 
-def check_expert_tensors(reader: CheckpointReader, text_config) -> bool:
-    """Validate every routed expert tensor against the config. Returns True when experts are packed."""
-    num_experts = text_config.num_experts
-    inter = text_config.moe_intermediate_size
-    hidden = text_config.routed_expert_hidden_size or text_config.hidden_size
-    shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
-    packed_seen = plain_seen = False
-    for key in reader.names():
-        m = EXPERT_KEY_RE.match(key)
-        if m is None:
-            continue
-        info = reader.info(key)
-        out_f, in_f = shapes[m["proj"]]
-        expert = int(m["expert"])
-        if expert >= num_experts:
-            raise SpecError(f"{key}: expert id {expert} >= num_experts={num_experts}")
-        if m["tensor"] == PACKED_SUFFIX:
-            packed_seen = True
-            want = (torch.uint8, (out_f, in_f // 2))
-        elif m["tensor"] == SCALE_SUFFIX:
-            want = (torch.uint8, (out_f, in_f // 32))
-        elif m["tensor"] == "weight":
-            plain_seen = True
-            want = (info.dtype, (out_f, in_f))
-        else:
-            raise SpecError(f"{key}: unexpected routed-expert tensor {m['tensor']!r}")
-        if (info.dtype, info.shape) != want:
-            raise SpecError(
-                f"{key}: stored as {info.dtype} {list(info.shape)}, but the config "
-                f"(num_experts={num_experts}, moe_intermediate_size={inter}, hidden={hidden}) "
-                f"needs {want[0]} {list(want[1])}"
-            )
-    if packed_seen and plain_seen:
-        raise SpecError("the checkpoint mixes MXFP4-packed and plain routed experts")
-    if not (packed_seen or plain_seen):
-        raise SpecError(f"no routed expert tensors (…block_sparse_moe.experts.<e>.w1…) in {reader.path}")
-    return packed_seen
-
-
 def make_fused_block(original: type, placement: ExpertPlacement) -> type:
     """A subclass of the remote MoE block whose experts are one ``KimiK3Experts``."""
 
@@ -161,8 +121,13 @@ def prepare(ctx: PrepareContext) -> None:
     module = find_block_module(ctx.model_cls)
     text_config = getattr(ctx.config, "text_config", ctx.config)
     scheme = parse_source_scheme(ctx.config)
-    with CheckpointReader(ctx.checkpoint) as reader:
-        packed = check_expert_tensors(reader, text_config)
+    packed = ctx.packed_experts
+    if packed is None:  # not checked by the caller (load_pretrained checks before it builds anything)
+        from ...source_check import check_experts
+        from . import KIMI_K3_SPEC
+
+        with CheckpointReader(ctx.checkpoint) as reader:
+            packed = check_experts(reader.headers(), ctx.config.to_dict(), KIMI_K3_SPEC).packed_experts
     if packed and scheme is None:
         raise SpecError("routed experts are stored MXFP4-packed but the config has no quantization_config")
     ctx.placement.local_range(text_config.num_experts)  # refuse an indivisible EP degree early

@@ -1,0 +1,135 @@
+"""What every command line entry point shares: argument types, SIGTERM handling, and how failures end.
+
+Expected failures (bad input, a refused checkpoint or destination, a rank that failed a collective
+step) end with one line per group of ranks that failed the same way, printed once (by rank 0 when the
+ranks agreed), and exit code 2 on every rank; ``--debug`` adds the traceback. Anything else is a bug:
+its traceback is printed and the exit code is 1. SIGTERM (what torchrun sends the surviving ranks
+when one dies) becomes ``Terminated``, a ``SystemExit`` that unwinds the stack, so context managers
+remove their temporary data; the exit code is 128 + 15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+
+EXIT_REFUSED = 2
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived; raised once in the main thread so that cleanup code runs."""
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: must be >= {low}")
+    return value
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While active, the first SIGTERM raises ``Terminated`` (later ones are ignored: cleanup runs)."""
+    fired = False
+
+    def handler(signum, frame) -> None:
+        nonlocal fired
+        if fired:
+            return
+        fired = True
+        raise Terminated(EXIT_TERMINATED)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. called from a worker thread): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "refused": the message says what to fix, a traceback adds nothing."""
+    from ..checkpoint import CheckpointError
+    from ..convert import ConvertError
+    from ..dist.collectives import DistributedStepError
+    from ..load import LoadError
+    from ..models.spec import SpecError
+    from ..quant.quantizer import QuantizerError
+
+    return (ValueError, FileExistsError, PermissionError, CheckpointError, ConvertError, DistributedStepError,
+            LoadError, SpecError, QuantizerError)
+
+
+def failure_lines(exc: BaseException) -> list[str] | None:
+    """One line per group of ranks that failed alike; None when this rank should print nothing.
+
+    A step the ranks agreed on is printed by rank 0 only; an error raised outside such a step (or
+    when the ranks could not agree, e.g. a peer died) is printed by the rank that saw it.
+    """
+    from ..dist.collectives import DistributedStepError
+
+    if not isinstance(exc, DistributedStepError) or not exc.failures:
+        return [_one_line(str(exc))]
+    if exc.rank != 0:
+        return None
+    by_message: dict[str, list[int]] = {}
+    for rank, message in exc.failures.items():
+        by_message.setdefault(message, []).append(rank)
+    lines = []
+    for message, ranks in by_message.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+        lines.append(_one_line(f"{exc.step} failed on {who}: {message}"))
+    if exc.note:
+        lines.append(_one_line(exc.note))
+    return lines
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_cli(prog: str, body: Callable[[], int], *, debug: bool = False) -> int:
+    """Run ``body`` under SIGTERM unwinding; turn expected failures into one line and exit code 2."""
+    try:
+        with sigterm_unwinds():
+            return body()
+    except Terminated:
+        print(f"{prog}: terminated (SIGTERM); temporary data removed", file=sys.stderr)
+        return EXIT_TERMINATED
+    except expected_errors() as exc:
+        if debug:
+            traceback.print_exc()
+        lines = failure_lines(exc)
+        for line in lines or ():
+            print(f"{prog}: error: {line}", file=sys.stderr)
+        return EXIT_REFUSED

@@ -1,0 +1,165 @@
+"""Who owns a temporary directory or a lock, and whether that owner still runs.
+
+A run that leaves data behind it (a temporary export directory, a converter's per-rank lock) writes
+an owner record next to it: pid, host, the host's boot id and the process's start time, the time it
+was made. A later run decides from the record whether the owner is dead:
+
+* same host (hostname and boot id match): the pid is gone, or now belongs to a process that started
+  at another time (pid reuse); a record from an earlier boot of this host is dead;
+* another host: no heartbeat for ``stale_after_s`` (the live owner touches its record every
+  ``HEARTBEAT_S``); ranks of one job may run on several hosts sharing the filesystem.
+
+Anything that cannot be decided counts as alive: data of a live run is never removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = [
+    "HEARTBEAT_S",
+    "STALE_AFTER_ENV",
+    "Heartbeat",
+    "Owner",
+    "owner_status",
+    "read_record",
+    "write_record",
+]
+
+HEARTBEAT_S = 30.0
+STALE_AFTER_ENV = "MODELOPT_K3_STALE_AFTER_S"
+DEFAULT_STALE_AFTER_S = 600.0
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # fields after "pid (comm)" start at field 3
+
+
+@dataclass(frozen=True)
+class Owner:
+    pid: int
+    host: str
+    boot_id: str | None
+    start_ticks: str | None
+    created: float
+
+    @classmethod
+    def this_process(cls) -> Owner:
+        pid = os.getpid()
+        return cls(pid, socket.gethostname(), _boot_id(), _start_ticks(pid), time.time())
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.created))
+        return f"pid {self.pid} on {self.host}, started {when}"
+
+
+def write_record(path: Path, owner: Owner, extra: dict | None = None, *, exclusive: bool = False) -> None:
+    """Write ``path`` = the owner record (plus ``extra``). ``exclusive``: fail if it exists (a lock)."""
+    body = (json.dumps({**asdict(owner), **(extra or {})}, indent=2) + "\n").encode()
+    if exclusive:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    tmp.write_bytes(body)
+    os.replace(tmp, path)
+
+
+def read_record(path: Path) -> tuple[Owner, dict] | None:
+    """The owner and the whole record, or None when absent or unreadable (e.g. written half-way)."""
+    try:
+        data = json.loads(path.read_text())
+        owner = Owner(int(data["pid"]), str(data["host"]), data.get("boot_id"), data.get("start_ticks"),
+                      float(data["created"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return owner, data
+
+
+def _stale_after_s() -> float:
+    raw = os.environ.get(STALE_AFTER_ENV, "").strip()
+    return float(raw) if raw else DEFAULT_STALE_AFTER_S
+
+
+def owner_status(owner: Owner, record: Path) -> tuple[bool, str]:
+    """(alive, why). Undecidable counts as alive."""
+    me = Owner.this_process()
+    if owner.host == me.host and owner.boot_id == me.boot_id:
+        if owner.pid == me.pid and owner.start_ticks == me.start_ticks:
+            return True, "this process"
+        try:
+            os.kill(owner.pid, 0)
+        except ProcessLookupError:
+            return False, f"pid {owner.pid} no longer runs on {owner.host}"
+        except PermissionError:
+            pass  # exists, owned by another user
+        ticks = _start_ticks(owner.pid)
+        if owner.start_ticks is not None and ticks is not None and ticks != owner.start_ticks:
+            return False, f"pid {owner.pid} on {owner.host} now belongs to another process"
+        return True, f"pid {owner.pid} still runs on {owner.host}"
+    if owner.host == me.host and owner.boot_id is not None and me.boot_id is not None:
+        return False, f"{owner.host} has rebooted since"
+    try:
+        age = time.time() - record.stat().st_mtime
+    except FileNotFoundError:
+        return False, "its record is gone"
+    stale = _stale_after_s()
+    if age > stale:
+        return False, f"no heartbeat from {owner.host} for {age:.0f} s (> {stale:.0f} s, ${STALE_AFTER_ENV})"
+    return True, f"{owner.host} is another host and its heartbeat is {age:.0f} s old"
+
+
+class Heartbeat:
+    """Touch ``path`` every ``interval_s`` from a daemon thread, so other hosts can tell we are alive."""
+
+    def __init__(self, path: Path, interval_s: float = HEARTBEAT_S) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="modelopt-k3-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                os.utime(self.path)
+            except OSError:  # removed (run finished or cleaned up): nothing left to keep alive
+                return
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@contextlib.contextmanager
+def heartbeat(path: Path, interval_s: float = HEARTBEAT_S) -> Iterator[Heartbeat]:
+    beat = Heartbeat(path, interval_s).start()
+    try:
+        yield beat
+    finally:
+        beat.stop()

@@ -1,0 +1,159 @@
+"""Preflight: every refusal that can be decided before a weight is read, as one list of named checks.
+
+``hf_ptq`` runs ``run_preflight`` on every rank as one agreed step, after the recipe is loaded and
+before ``load_pretrained``: on the tiny model it takes well under a second, so what would otherwise
+fail after hours of loading and calibration fails in seconds, each with one line that says what to do.
+A check is a function of the ``PreflightContext`` that raises ``PreflightError``; a feature adds its
+own with ``register_check`` (in the module that owns the feature), e.g.::
+
+    @register_check("memory plan fits", after="calibration data")
+    def _fits(ctx: PreflightContext) -> None:
+        ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import CheckpointReader, read_config
+from .export.staging import sweep_stale
+from .models.spec import get_spec
+from .paths import check_writable, refuse_overlap
+from .recipe import Recipe
+
+__all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "register_check", "run_preflight"]
+
+
+class PreflightError(ValueError):
+    """A run refused before any weight is read; the message says what to do."""
+
+
+@dataclass
+class PreflightContext:
+    """What the checks look at. ``args``: the command line (a check reads the flags its feature owns)."""
+
+    args: argparse.Namespace
+    checkpoint: Path
+    trust_remote_code: bool
+    export_path: Path
+    recipe: Recipe
+    rank: int = 0
+    world_size: int = 1
+    texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
+    notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
+
+
+@dataclass(frozen=True)
+class PreflightCheck:
+    name: str
+    run: Callable[[PreflightContext], None]
+
+
+CHECKS: list[PreflightCheck] = []
+
+
+def register_check(name: str, *, after: str | None = None) -> Callable:
+    """Decorator: add ``fn(ctx)`` as check ``name``, at the end or right after check ``after``."""
+
+    def add(fn: Callable[[PreflightContext], None]) -> Callable[[PreflightContext], None]:
+        if any(c.name == name for c in CHECKS):
+            raise ValueError(f"a preflight check named {name!r} is already registered")
+        check = PreflightCheck(name, fn)
+        if after is None:
+            CHECKS.append(check)
+        else:
+            index = next((i for i, c in enumerate(CHECKS) if c.name == after), None)
+            if index is None:
+                raise ValueError(f"no preflight check named {after!r} to add {name!r} after")
+            CHECKS.insert(index + 1, check)
+        return fn
+
+    return add
+
+
+def run_preflight(ctx: PreflightContext, checks: list[PreflightCheck] | None = None) -> float:
+    """Run every check in order; the first refusal raises (``PreflightError``). Returns the seconds taken."""
+    t0 = time.perf_counter()
+    for check in CHECKS if checks is None else checks:
+        check.run(ctx)
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+@register_check("source checkpoint")
+def _source_checkpoint(ctx: PreflightContext) -> None:
+    raw = read_config(ctx.checkpoint)
+    auto_map = raw.get("auto_map") or {}
+    if (auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")) and not ctx.trust_remote_code:
+        raise PreflightError(f"{ctx.checkpoint} ships its own modeling code; pass --trust_remote_code if you trust it")
+
+
+@register_check("export path is not the source")
+def _not_the_source(ctx: PreflightContext) -> None:
+    refuse_overlap(ctx.checkpoint, ctx.export_path)
+
+
+@register_check("checkpoint matches config.json")
+def _checkpoint_matches_config(ctx: PreflightContext) -> None:
+    """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it."""
+    from .source_check import check_experts
+
+    raw = read_config(ctx.checkpoint)
+    with CheckpointReader(ctx.checkpoint) as reader:
+        check_experts(reader.headers(), raw, get_spec(raw.get("model_type", "")))
+
+
+@register_check("export path free")
+def _export_path_free(ctx: PreflightContext) -> None:
+    path = ctx.export_path
+    if path.is_dir() and any(path.iterdir()) and not ctx.args.overwrite:
+        raise PreflightError(f"--export_path {path} exists and is not empty; pass --overwrite to replace it "
+                             "(only once the new export is complete), or choose another path")
+
+
+@register_check("export path writable")
+def _export_path_writable(ctx: PreflightContext) -> None:
+    check_writable(ctx.export_path)
+
+
+@register_check("no other run exports here")
+def _stale_temp_data(ctx: PreflightContext) -> None:
+    """Remove what dead runs left next to the export path (rank 0); refuse if a live run writes there."""
+    notes = sweep_stale(ctx.export_path) if ctx.rank == 0 else []
+    ctx.notes += notes
+    live = [n for n in notes if "may still be writing" in n]
+    if live:
+        raise PreflightError(f"another run is exporting to {ctx.export_path}: {live[0]}; wait for it, or choose "
+                             "another --export_path")
+
+
+@register_check("export format")
+def _export_format(ctx: PreflightContext) -> None:
+    """The recipe against the checkpoint's modules (the decision table, from headers), and what the
+    export format can hold."""
+    from .export import compressed_tensors_format as ct_format
+    from .quant.decisions import decide
+
+    spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
+    with CheckpointReader(ctx.checkpoint) as reader:
+        table = decide(reader.inventory(), spec, ctx.recipe, None)  # shared-input groups do not matter here
+    if ctx.args.export_format == "compressed-tensors":
+        why = ct_format.unexpressible(set(table.layer_algos().values()), ctx.recipe.kv_cache)
+        if why is not None:
+            raise PreflightError(f"--export_format compressed-tensors: {why}; use --export_format modelopt")
+
+
+@register_check("calibration data")
+def _calibration_data(ctx: PreflightContext) -> None:
+    from .data import DataError, load_texts
+
+    try:
+        ctx.texts = load_texts(ctx.args.dataset)
+    except DataError as e:
+        raise PreflightError(f"--dataset {ctx.args.dataset}: {e}") from None

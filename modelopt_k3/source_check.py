@@ -1,0 +1,172 @@
+"""One check of a checkpoint's tensors against its config, from headers alone, before any weight is read.
+
+``load_pretrained`` and the streaming converter both call it, so they accept and refuse the same
+checkpoints:
+
+* **Routed experts** (``check_experts``): the config decides, through the model spec
+  (``ModelSpec.expert_layout``, model-specific code in ``models/<model>/``), which MoE layers exist,
+  how many experts each has and the ``[out, in]`` of every projection. Every expert of every layer
+  must store every projection, either MXFP4-packed (``weight_packed`` uint8 ``[out, in/2]`` +
+  ``weight_scale`` uint8 E8M0 ``[out, in/32]``) or plain (a floating ``weight [out, in]``), one way
+  for the whole checkpoint; nothing else may sit under an experts module.
+* **Everything else** (``check_dense``): only the model knows its parameters. ``load_pretrained``
+  builds it on the meta device anyway and passes its state; the converter does so only when asked
+  (``--trust_remote_code``: building runs the checkpoint's code). Without the model, the converter
+  checks the dense tensors against their own headers only (complete, in bounds), and says so.
+
+All problems are collected and reported together, naming the tensors and the config fields.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .checkpoint import CheckpointError
+from .models.spec import ExpertsLayout, ModelSpec
+from .numerics.constants import MXFP4_BLOCK
+
+__all__ = ["SourceLayout", "SourceMismatchError", "check_dense", "check_experts"]
+
+PACKED, SCALE, PLAIN = "weight_packed", "weight_scale", "weight"
+_SHOWN = 12
+
+
+class SourceMismatchError(CheckpointError):
+    """The checkpoint's tensors disagree with its config (missing, unexpected or mis-shaped)."""
+
+
+class TensorMeta(Protocol):
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    packed_experts: bool  # routed experts stored MXFP4-packed
+    expert_keys: frozenset[str]  # every routed-expert tensor of the checkpoint
+
+
+def _natural(key: str) -> list:
+    """Sort key that orders ``experts.8`` before ``experts.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def _listing(label: str, items: list[str]) -> str:
+    items = sorted(items, key=_natural)
+    more = f" … and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return f"{len(items)} {label}: {', '.join(items[:_SHOWN])}{more}"
+
+
+def _raise(what: str, missing: list[str], mismatched: list[str], unexpected: list[str], hint: str) -> None:
+    parts = [_listing(label, items) for label, items in
+             (("missing", missing), ("mis-shaped", mismatched), ("unexpected", unexpected)) if items]
+    if parts:
+        raise SourceMismatchError(f"{what}: {'; '.join(parts)}{hint}")
+
+
+def _count_hint(layouts: dict[str, ExpertsLayout], stored: dict[str, set[int]]) -> str:
+    """"every MoE layer stores experts 0-7" when that alone explains a num_experts disagreement."""
+    if not layouts or set(stored) != set(layouts):
+        return ""
+    ids = {frozenset(v) for v in stored.values()}
+    n = next(iter(layouts.values())).num_experts
+    if len(ids) == 1 and (only := next(iter(ids))) == frozenset(range(len(only))) and len(only) != n:
+        return f"config.json says num_experts={n} but every MoE layer stores experts 0-{len(only) - 1}; "
+    return ""
+
+
+def _want(kind: str, out_f: int, in_f: int) -> tuple[torch.dtype | None, tuple[int, int]]:
+    """The dtype (None: any floating dtype) and shape of one expert tensor kind."""
+    if kind == PACKED:
+        return torch.uint8, (out_f, in_f // 2)
+    if kind == SCALE:
+        return torch.uint8, (out_f, in_f // MXFP4_BLOCK)
+    return None, (out_f, in_f)
+
+
+def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> SourceLayout:
+    """Check every routed-expert tensor the config asks for against the checkpoint's headers.
+
+    A spec without ``expert_layout`` gets no check (only packedness is read off the names).
+    """
+    key_re = re.compile(spec.expert_key_regex)
+    expert_keys = {key for key in tensors if key_re.match(key)}
+    if spec.expert_layout is None:
+        packed = any(key_re.match(k)["tensor"] in (PACKED, SCALE) for k in expert_keys)
+        return SourceLayout(packed_experts=packed, expert_keys=frozenset(expert_keys))
+    layouts = {layout.module: layout for layout in spec.expert_layout(config)}
+    unexpected: list[str] = []
+    kinds: set[str] = set()
+    stored: dict[str, set[int]] = {}
+    for key in sorted(expert_keys):
+        m = key_re.match(key)
+        stored.setdefault(m["module"], set()).add(int(m["expert"]))
+        layout = layouts.get(m["module"])
+        if layout is None:
+            unexpected.append(f"{key} (config.json has no MoE layer {m['module']})")
+        elif int(m["expert"]) >= layout.num_experts:
+            unexpected.append(f"{key} (expert {m['expert']} >= num_experts={layout.num_experts})")
+        elif m["proj"] not in layout.projections or m["tensor"] not in (PACKED, SCALE, PLAIN):
+            unexpected.append(f"{key} (not a {'/'.join(layout.projections)} {PACKED}/{SCALE}/{PLAIN})")
+        else:
+            kinds.add("packed" if m["tensor"] in (PACKED, SCALE) else "plain")
+    if len(kinds) > 1:
+        raise SourceMismatchError("the checkpoint mixes MXFP4-packed and plain routed experts")
+    packed = kinds == {"packed"} or (not kinds and bool(layouts))
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for layout in layouts.values():
+        for proj, (out_f, in_f) in layout.projections.items():
+            for kind in (PACKED, SCALE) if packed else (PLAIN,):
+                dtype, shape = _want(kind, out_f, in_f)
+                for e in range(layout.num_experts):
+                    key = f"{layout.module}.{e}.{proj}.{kind}"
+                    meta = tensors.get(key)
+                    if meta is None:
+                        missing.append(key)
+                    elif tuple(meta.shape) != shape or (meta.dtype != dtype if dtype else not meta.dtype.is_floating_point):
+                        need = f"{dtype} {list(shape)}" if dtype else f"a floating dtype {list(shape)}"
+                        mismatched.append(f"{key} stored as {meta.dtype} {list(meta.shape)}, config needs {need}")
+    source = next(iter(layouts.values())).source if layouts else "no MoE layers"
+    _raise(f"{_count_hint(layouts, stored)}the checkpoint's routed experts do not match config.json", missing,
+           mismatched, unexpected, f" (config.json: {source})")
+    return SourceLayout(packed_experts=packed, expert_keys=frozenset(expert_keys))
+
+
+def check_dense(
+    expected: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, TensorMeta],
+    skip: Iterable[str] = (),
+    converted: Mapping[str, str] | None = None,
+) -> None:
+    """Check the model's dense state (``expected``: name -> its tensor, e.g. on meta) against the checkpoint.
+
+    ``skip``: names not read from their own key (fused experts, filled from the expert tensors); tensors
+    of ``tensors`` already accounted for (the routed experts) must be left out of it by the caller.
+    ``converted``: names filled by a spec's dense converter from the stored key given (its shape is the
+    converter's to check, when it reads the value).
+    """
+    skip, converted = set(skip), dict(converted or {})
+    missing, mismatched = [], []
+    for name, t in expected.items():
+        if name in skip:
+            continue
+        if name in converted:
+            if converted[name] not in tensors:
+                missing.append(converted[name])
+            continue
+        meta = tensors.get(name)
+        if meta is None:
+            missing.append(name)
+        elif tuple(meta.shape) != tuple(t.shape) or meta.dtype.is_floating_point != t.dtype.is_floating_point:
+            mismatched.append(f"{name} stored as {meta.dtype} {list(meta.shape)}, the model has {t.dtype} "
+                              f"{list(t.shape)}")
+    accounted = set(expected) | set(converted.values())
+    unexpected = [name for name in tensors if name not in accounted]
+    _raise("the checkpoint does not match the model built from config.json", missing, mismatched, unexpected,
+           " (unexpected: tensors the model has no place for)" if unexpected else "")
