@@ -33,6 +33,7 @@ from safetensors import safe_open
 import modelopt_k3
 from modelopt_k3 import export_checkpoint, load_pretrained, quantize
 from modelopt_k3.recipe import RecipeError, recipe_from_dict
+from modelopt_k3.testing import generator_fingerprint
 from modelopt_k3.testing.reference import build_reference_model, fill_reference_model
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
@@ -816,9 +817,9 @@ def test_cli_embedded_default_checkpoint(cli_nvfp4: ReadBack, cli_dir: Path, tin
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MODELOPT_K3_CACHE", str(cache))
         run_cli(["--qformat", "nvfp4", "--kv_cache_qformat", "fp8", "--export_path", str(out)])
-    assert (cache / "tiny_kimi_k3" / INDEX).is_file()
+    assert (cache / f"tiny_kimi_k3-{generator_fingerprint()}" / INDEX).is_file()
     rb = read_export(out)
-    check_configs(rb, cache / "tiny_kimi_k3", quant_algo="NVFP4", kv=True, recipe="presets/nvfp4")
+    check_configs(rb, cache / f"tiny_kimi_k3-{generator_fingerprint()}", quant_algo="NVFP4", kv=True, recipe="presets/nvfp4")
     assert set(rb.tensors) == set(cli_nvfp4.tensors)
     for key, value in rb.tensors.items():
         assert value.dtype == cli_nvfp4.tensors[key].dtype, key

@@ -78,10 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _tiny_checkpoint(group) -> Path:
     from ..dist.collectives import barrier, run_together
-    from ..testing import make_tiny_kimi_k3
+    from ..testing import generator_fingerprint, make_tiny_kimi_k3
 
     root = Path(os.environ.get(TINY_CACHE_ENV, Path.home() / ".cache" / "modelopt_k3"))
-    path = root / "tiny_kimi_k3"
+    # Keyed by the generator's own digest: an upgrade never reuses a checkpoint an older stand-in wrote.
+    path = root / f"tiny_kimi_k3-{generator_fingerprint()}"
 
     def build() -> None:
         if group.is_main and not (path / "model.safetensors.index.json").exists():
