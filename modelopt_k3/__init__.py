@@ -8,6 +8,7 @@ Public API (imported lazily so ``import modelopt_k3`` stays cheap)::
     export_checkpoint(model, export_dir, *, format="modelopt") -> Path
     convert_checkpoint(src, dst, recipe, *, rank=0, world_size=1, resume=True) -> report
     plan_memory(path, *, world_size, gpu_mem_gib=None, batch_size=4, calib_seq=2048, recipe=...) -> MemoryReport
+    check_export(export_dir, engines=("vllm", "sglang")) -> CheckReport (per-engine verdicts)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _API = {
     "export_checkpoint": "modelopt_k3.export.model_export",
     "convert_checkpoint": "modelopt_k3.convert",
     "plan_memory": "modelopt_k3.memory.planner",
+    "check_export": "modelopt_k3.check",
 }
 
 __all__ = ["__version__", *_API]

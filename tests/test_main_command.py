@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from _mp import free_port
 
+from modelopt_k3.testing import generator_fingerprint
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess
 
@@ -30,4 +32,4 @@ def test_readme_main_command(tmp_path):
     hf_quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert hf_quant["quant_algo"] == "NVFP4"
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
-    assert (tmp_path / "cache" / "tiny_kimi_k3" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "cache" / f"tiny_kimi_k3-{generator_fingerprint()}" / "model.safetensors.index.json").exists()

@@ -15,6 +15,7 @@ what a user downloads from the hub.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import shutil
@@ -443,6 +444,16 @@ def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
         if s[key] is not None and s[key] % MXFP4_GROUP:
             raise ValueError(f"{key}={s[key]} must be a multiple of {MXFP4_GROUP} (MXFP4 group size)")
     return s
+
+
+def generator_fingerprint() -> str:
+    """A digest of everything that decides the generated files (this generator, the stand-in remote
+    code, the tokenizer builder): a cached checkpoint is reused only while it is unchanged."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for source in sorted([here / "tiny.py", here / "tokenizer.py", *(here / "remote_code").glob("*.py")]):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def make_tiny_kimi_k3(
