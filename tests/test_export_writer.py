@@ -17,7 +17,7 @@ from modelopt_k3.dist import group as group_mod
 from modelopt_k3.dist.collectives import run_together
 from modelopt_k3.dist.group import run_group
 from modelopt_k3.export.writer import (
-    INDEX_FILE,
+    INDEX_NAME,
     ShardWriter,
     atomic_output_dir,
     gather_weight_maps,
@@ -139,11 +139,11 @@ def test_write_index_merges_and_renames(tmp_path):
     n_files = len({(r, f) for r, m in enumerate(maps) for f in m.values()})
     final = write_index(tmp_path, maps, total)
 
-    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
     assert index["metadata"] == {"total_size": sum(t.nbytes for t in expected.values())}
     assert index["weight_map"] == final and list(final) == sorted(expected)
     names = [f"model-{i:05d}-of-{n_files:05d}.safetensors" for i in range(1, n_files + 1)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, INDEX_FILE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, INDEX_NAME])
     # Rank order first: rank 0's first shard is file 1, the last rank's last shard is file n.
     assert final["rank0.0.w_bf16"] == names[0] and final["rank2.1.ids"] == names[-1]
     back = _read_all(tmp_path, final)
@@ -266,7 +266,7 @@ def test_multi_rank_export(tmp_path, n):
     results = run_ranks(n, _export_worker, str(export), None, timeout=60)
     assert [r.exitcode for r in results] == [0] * n, [r.traceback for r in results]
     assert _siblings(export) == ["ckpt"]
-    index = json.loads((export / INDEX_FILE).read_text())
+    index = json.loads((export / INDEX_NAME).read_text())
     expected = {k: v for rank in range(n) for k, v in _tensors(seed=rank, prefix=f"rank{rank}").items()}
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in expected.values())
     back = _read_all(export, index["weight_map"])

@@ -5,49 +5,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..checkpoint import INDEX_NAME, SINGLE_NAME
-from ..export.modelopt_format import (
-    config_quantization_config,
-    hf_quant_config,
-    strip_source_quantization,
-)
-from ..export.writer import write_index
+from ..checkpoint import INDEX_NAME
+from ..export.modelopt_format import config_quantization_config, hf_quant_config
+from ..export.writer import copy_side_files, write_configs, write_index, write_json_atomic
 from ..recipe import Recipe
+from .jobs import _Plan
 from .report import ConvertStats
-
-if TYPE_CHECKING:
-    from .plan import _Plan
-
 
 STATE_DIR = ".modelopt_k3_convert"
 COMPLETE_MARKER = ".modelopt_k3_complete"
 JOB_FILE = "job.json"
 RECORD_VERSION = 1
-# Written by finalize (or never copied): everything else in the source directory that is not a
-# safetensors shard (remote code, tokenizer, generation config) is copied as it is.
-_NOT_SIDE_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
 _HASH_CHUNK = 16 * 2**20
 
 
-class ConvertError(RuntimeError):
-    """The output directory or a shard's state refuses the conversion; the message names the file."""
-
-
-def _tmp_name(path: Path) -> Path:
-    # Unique per writer: ranks on different hosts may share a pid and write to one shared filesystem.
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+class ConvertError(ValueError):
+    """The output directory or a shard's state refuses the conversion; the message names the file and the fix."""
 
 
 def _record_path(dst: Path, file: str) -> Path:
@@ -158,7 +134,7 @@ def _prepare_dst(dst: Path, plan: _Plan, recipe: Recipe) -> None:
     except (FileNotFoundError, json.JSONDecodeError):
         old = None
     if old != job:
-        _write_json_atomic(job_path, job)
+        write_json_atomic(job_path, job)
 
 
 def _fsync(paths: list[Path]) -> None:
@@ -168,12 +144,6 @@ def _fsync(paths: list[Path]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _copy_file_atomic(src: Path, dst: Path) -> None:
-    tmp = _tmp_name(dst)
-    shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
 
 
 def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
@@ -193,13 +163,8 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
         plan.table.layer_algos(), kv_cache=recipe.kv_cache, unquantized=plan.table.unquantized_modules(),
         recipe=recipe.name,
     )
-    config = strip_source_quantization(json.loads((plan.src / "config.json").read_text()))
-    config["quantization_config"] = config_quantization_config(hf_quant)
-    _write_json_atomic(dst / "config.json", config)
-    _write_json_atomic(dst / "hf_quant_config.json", hf_quant)
-    for path in sorted(plan.src.iterdir()):
-        if path.is_file() and path.name not in _NOT_SIDE_FILES and not path.name.endswith(".safetensors"):
-            _copy_file_atomic(path, dst / path.name)
+    write_configs(plan.src, dst, config_quantization_config(hf_quant), hf_quant)
+    copy_side_files(plan.src, dst)
     # Shards of an earlier job that are not part of this output (another source's file names).
     keep = set(plan.files)
     for path in dst.glob("*.safetensors"):
@@ -213,7 +178,7 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
     total = ConvertStats()
     for rec in records.values():
         total.add(ConvertStats.from_dict(rec["stats"]))
-    _write_json_atomic(
+    write_json_atomic(
         dst / COMPLETE_MARKER,
         {
             "producer": {"name": "modelopt_k3", "version": __version__},
