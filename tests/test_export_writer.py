@@ -18,6 +18,8 @@ from modelopt_k3.dist.collectives import run_together
 from modelopt_k3.dist.group import run_group
 from modelopt_k3.export.writer import (
     INDEX_NAME,
+    PlannedShard,
+    PlannedTensor,
     ShardWriter,
     atomic_output_dir,
     gather_weight_maps,
@@ -348,3 +350,71 @@ def test_spill_file_removed_on_error(tmp_path):
         writer.add("a", torch.zeros(1000))
         raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- PlannedShard (the converter's)
+
+
+def _planned(tensors: dict[str, torch.Tensor]) -> list[PlannedTensor]:
+    return [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+
+def test_planned_shard_written_out_of_order_from_threads_reads_back_aligned(tmp_path):
+    """Header first, each tensor at its planned offset from any thread: safetensors reads the file back
+    byte-equal, every tensor aligned to its element size (largest elements first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = {name: t.contiguous() for name, t in _tensors().items()}
+    shard = PlannedShard(tmp_path / "out.safetensors", _planned(tensors))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda kv: shard.write(*kv), reversed(list(tensors.items()))))
+    shard.close()
+    assert (tmp_path / "out.safetensors").stat().st_size == shard.total_bytes
+    assert shard.tensor_bytes == sum(t.nbytes for t in tensors.values())
+    got = _read_all(tmp_path, dict.fromkeys(tensors, "out.safetensors"))
+    assert all(_bytes(got[k]) == _bytes(t) and got[k].dtype == t.dtype for k, t in tensors.items())
+    assert all(shard.offsets[k] % t.element_size() == 0 for k, t in tensors.items())
+    sizes = [tensors[k].element_size() for k in sorted(tensors, key=shard.offsets.get)]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_planned_and_buffered_shards_share_one_header_layout(tmp_path):
+    """A spilled ShardWriter shard and a PlannedShard of same-size tensors in the same order are the same file."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": torch.randn(7, 5, generator=g) for i in range(4)}
+    (tmp_path / "w").mkdir()
+    with ShardWriter(tmp_path / "w", spill_bytes=0) as w:
+        for name, t in tensors.items():
+            w.add(name, t)
+    shard = PlannedShard(tmp_path / "planned.safetensors", _planned(tensors))
+    for name, t in tensors.items():
+        shard.write(name, t)
+    shard.close()
+    assert (tmp_path / "planned.safetensors").read_bytes() == (tmp_path / "w" / w.weight_map["t0"]).read_bytes()
+
+
+def test_planned_shard_refuses_an_unplanned_tensor_and_discard_removes_the_file(tmp_path):
+    shard = PlannedShard(tmp_path / "x.safetensors", [PlannedTensor("a", torch.float32, (2, 3))])
+    with pytest.raises(AssertionError, match=r"a: produced torch.bfloat16 \[2, 3\], planned torch.float32 \[2, 3\]"):
+        shard.write("a", torch.zeros(2, 3, dtype=torch.bfloat16))
+    shard.discard()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_planned_shard_copies_source_tensors_and_counts_nonfinite(tmp_path):
+    """The copy path: floating tensors through a checked buffer (NaN/Inf counted), others in the kernel."""
+    from safetensors.torch import save_file
+
+    from modelopt_k3.checkpoint import CheckpointReader
+
+    src = {"f": torch.tensor([1.0, float("nan"), float("inf"), 2.0]), "u": torch.arange(6, dtype=torch.uint8)}
+    (tmp_path / "src").mkdir()
+    save_file(src, str(tmp_path / "src" / "model.safetensors"))
+    reader = CheckpointReader(tmp_path / "src")
+    shard = PlannedShard(tmp_path / "out.safetensors", _planned(src))
+    assert shard.copy(reader, "f") == "2 NaN/Inf values"
+    assert shard.copy(reader, "u") is None
+    shard.close()
+    reader.close()
+    got = _read_all(tmp_path, {"f": "out.safetensors", "u": "out.safetensors"})
+    assert all(_bytes(got[k]) == _bytes(t) for k, t in src.items())

@@ -148,6 +148,35 @@ def _fsync(paths: list[Path]) -> None:
 
 def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
     """Check every shard's record, then write index, configs, side files and (last) the marker."""
+    records = _complete_records(plan, dst)
+    weight_map = {key: f for f, rec in records.items() for key in rec["tensors"]}
+    write_index(dst, [weight_map], sum(rec["tensor_bytes"] for rec in records.values()), rename=False)
+    hf_quant = hf_quant_config(
+        plan.table.layer_algos(), kv_cache=recipe.kv_cache, unquantized=plan.table.unquantized_modules(),
+        recipe=recipe.name,
+    )
+    write_configs(plan.src, dst, config_quantization_config(hf_quant), hf_quant)
+    copy_side_files(plan.src, dst)
+    _remove_foreign_shards(dst, set(plan.files))
+    # The marker must never be on disk before what it describes: index, configs and side files first.
+    _fsync([*(p for p in dst.iterdir() if p.is_file() and not p.name.endswith(".safetensors")), dst])
+    total = ConvertStats()
+    for rec in records.values():
+        total.add(ConvertStats.from_dict(rec["stats"]))
+    marker = {
+        "producer": {"name": "modelopt_k3", "version": __version__},
+        "fingerprint": plan.fingerprint,
+        "recipe": recipe.name,
+        "src": str(plan.src),
+        "shards": {f: rec["output"] for f, rec in records.items()},
+        "stats": total.to_dict(),
+    }
+    write_json_atomic(dst / COMPLETE_MARKER, marker)
+    return total
+
+
+def _complete_records(plan: _Plan, dst: Path) -> dict[str, dict]:
+    """Every shard's completion record, or a refusal naming a shard that is not complete."""
     records = {f: _load_record(dst, f, plan.fingerprint, verify_hash=False) for f in plan.files}
     missing = [f for f, rec in records.items() if rec is None]
     if missing:
@@ -155,38 +184,13 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
             f"cannot finalize {dst}: {len(missing)} of {len(plan.files)} shard(s) are not complete, "
             f"e.g. {missing[0]}; run the ranks that own them (a rerun resumes)"
         )
-    weight_map = {key: f for f, rec in records.items() for key in rec["tensors"]}
-    total_bytes = sum(rec["tensor_bytes"] for rec in records.values())
-    write_index(dst, [weight_map], total_bytes, rename=False)
+    return records
 
-    hf_quant = hf_quant_config(
-        plan.table.layer_algos(), kv_cache=recipe.kv_cache, unquantized=plan.table.unquantized_modules(),
-        recipe=recipe.name,
-    )
-    write_configs(plan.src, dst, config_quantization_config(hf_quant), hf_quant)
-    copy_side_files(plan.src, dst)
-    # Shards of an earlier job that are not part of this output (another source's file names).
-    keep = set(plan.files)
+
+def _remove_foreign_shards(dst: Path, keep: set[str]) -> None:
+    """Shards of an earlier job that are not part of this output (another source's file names), and partials."""
     for path in dst.glob("*.safetensors"):
         if path.name not in keep:
             path.unlink(missing_ok=True)
     for path in dst.glob(".*.safetensors.partial"):
         path.unlink(missing_ok=True)
-    # The marker must never be on disk before what it describes: index, configs and side files first.
-    _fsync([*(p for p in dst.iterdir() if p.is_file() and not p.name.endswith(".safetensors")), dst])
-
-    total = ConvertStats()
-    for rec in records.values():
-        total.add(ConvertStats.from_dict(rec["stats"]))
-    write_json_atomic(
-        dst / COMPLETE_MARKER,
-        {
-            "producer": {"name": "modelopt_k3", "version": __version__},
-            "fingerprint": plan.fingerprint,
-            "recipe": recipe.name,
-            "src": str(plan.src),
-            "shards": {f: rec["output"] for f, rec in records.items()},
-            "stats": total.to_dict(),
-        },
-    )
-    return total

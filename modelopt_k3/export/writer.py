@@ -524,6 +524,23 @@ def write_index(
     result is deterministic. Returns the final key -> file map (as written to the index).
     """
     out_dir = Path(out_dir)
+    merged, files = _merge_weight_maps(weight_maps)
+    missing = [f for f in files if not (out_dir / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} shard file(s) listed in the weight maps are missing from {out_dir}, e.g. "
+            f"{missing[0]}; all ranks must write to a filesystem that rank 0 sees"
+        )
+    if rename:
+        new_names = _rename_shards(out_dir, files)
+        merged = {key: new_names[fname] for key, fname in merged.items()}
+    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(merged.items()))}
+    write_json_atomic(out_dir / INDEX_NAME, index)
+    return index["weight_map"]
+
+
+def _merge_weight_maps(weight_maps: list[dict[str, str]]) -> tuple[dict[str, str], list[str]]:
+    """(key -> file over all ranks, every file in rank order): a key or a file of two ranks is refused."""
     merged: dict[str, str] = {}
     owner_of_key: dict[str, int] = {}
     owner_of_file: dict[str, int] = {}
@@ -547,24 +564,17 @@ def write_index(
             files.append(fname)
     if not files:
         raise ValueError("no tensors were written on any rank; refusing to write an empty index")
-    missing = [f for f in files if not (out_dir / f).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{len(missing)} shard file(s) listed in the weight maps are missing from {out_dir}, e.g. "
-            f"{missing[0]}; all ranks must write to a filesystem that rank 0 sees"
-        )
+    return merged, files
 
-    if rename:
-        n = len(files)
-        new_names = {old: f"model-{i:05d}-of-{n:05d}.safetensors" for i, old in enumerate(files, start=1)}
-        # Two phases, so a new name can never clobber a file not yet renamed.
-        staged = {old: f".{new}.renaming" for old, new in new_names.items()}
-        for old, stage in staged.items():
-            (out_dir / old).rename(out_dir / stage)
-        for old, stage in staged.items():
-            (out_dir / stage).rename(out_dir / new_names[old])
-        merged = {key: new_names[fname] for key, fname in merged.items()}
 
-    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(merged.items()))}
-    write_json_atomic(out_dir / INDEX_NAME, index)
-    return index["weight_map"]
+def _rename_shards(out_dir: Path, files: list[str]) -> dict[str, str]:
+    """Rename ``files`` (in order) to ``model-{i:05d}-of-{n:05d}.safetensors``; return old -> new name."""
+    n = len(files)
+    new_names = {old: f"model-{i:05d}-of-{n:05d}.safetensors" for i, old in enumerate(files, start=1)}
+    # Two phases, so a new name can never clobber a file not yet renamed.
+    staged = {old: f".{new}.renaming" for old, new in new_names.items()}
+    for old, stage in staged.items():
+        (out_dir / old).rename(out_dir / stage)
+    for old, stage in staged.items():
+        (out_dir / stage).rename(out_dir / new_names[old])
+    return new_names
