@@ -108,6 +108,11 @@ def _read_raw_header(path: Path) -> tuple[bytes, dict, int]:
     return struct.pack("<Q", n) + text, header, size
 
 
+def read_header(path: Path) -> dict:
+    """The parsed JSON header of one safetensors file (no tensor bytes are read); errors name the file."""
+    return _read_raw_header(Path(path))[1]
+
+
 def _tensor_info(path: Path, file: str, key: str, meta: object, data_start: int, size: int) -> TensorInfo:
     """One header entry, checked: known dtype, offsets spanning exactly dtype x shape, inside the file."""
     try:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from modelopt_k3.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader
+from modelopt_k3.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, read_header
 
 PACKAGE = Path(__file__).resolve().parents[1] / "modelopt_k3"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -194,6 +194,7 @@ def test_the_header_digest_covers_every_header_and_size(tmp_path: Path) -> None:
     """The converter's resume key: equal for equal headers, different when any header changes."""
     a, b = _write(tmp_path / "a"), _write(tmp_path / "b")
     assert CheckpointReader(a).header_digest == CheckpointReader(b).header_digest
+    assert read_header(b / SHARDS[0]) == _header(b / SHARDS[0])[1]
     _rewrite_header(b / SHARDS[1], lambda h: h["__metadata__"].update(note="x"))
     assert CheckpointReader(a).header_digest != CheckpointReader(b).header_digest
 
