@@ -6,7 +6,7 @@ Builds a scaled-up tiny Kimi-K3 checkpoint (cached in ``--workdir``), warms the 
 each side once untimed, then alternates, ``--repeats`` times: a plain read-and-write copy of every
 shard (64 MiB chunks, each file fsynced as the converter does; once more without fsync) and
 ``convert_checkpoint`` with the Kimi-K3 mirror recipe (which also sha256-hashes every output shard). Throughput is source bytes per second
-of wall time, from the median and from the best of the repeats; the goal is conversion >= 0.5x the
+of wall time, from the median and from the best of the repeats; the goal is conversion >= 0.6x the
 copy. Peak memory is measured in a fresh child process: RSS after imports and planning
 (``baseline``) and the peak RSS while converting; the goal is (peak - baseline) <= 3x the largest
 source shard. Results go to ``benchmarks/results/convert.json``.
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ratio_vs_copy_without_fsync": nosync_med / conv_med,
         "throughput_ratio_best_of_repeats": copy_min / conv_min,
         "throughput_ratio_best_of_repeats_vs_copy_without_fsync": nosync_min / conv_min,
-        "throughput_goal": ">= 0.5 (vs the fsync'ing copy: the converter fsyncs every shard for resumability)",
+        "throughput_goal": ">= 0.6 (vs the fsync'ing copy: the converter fsyncs every shard for resumability)",
         "baseline_rss_bytes": mem["baseline_rss"],
         "peak_rss_bytes": mem["peak_rss"],
         "peak_rss_over_largest_shard": mem["peak_rss"] / largest,

@@ -13,8 +13,9 @@ after imports, after load, after calibration and after export, and the peak (ker
 at each phase start) during load, calibration and export; wall time of each phase.
 
 Goals (issue 4): expert bytes read and expert memory per rank scale as 1/EP (checked as
-``EP1 bytes / (EP x largest rank's bytes) >= 1``); export peak memory no higher than after
-calibration (each rank's export peak over its high-water mark at the end of calibration, <= 1).
+``EP1 bytes / (EP x largest rank's bytes) >= 1``). Export peak memory over the high-water mark at the
+end of calibration is reported at this size, and (issue 12) checked <= 1.05 on a larger checkpoint whose
+every rank writes more than the shard writer keeps in memory (``_export_peak_past_spill``).
 Wall times at EP > 1 share 2 cores between the ranks: they show overheads, not speed-ups.
 """
 
@@ -29,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from modelopt_k3.export.writer import DEFAULT_SPILL_BYTES
+
 from .bench_io import QUICK_SMALL as QUICK_SIZES
 from .bench_io import SMALL as SIZES
 from .common import Figure, PeakRSS, _status_kib, rss_now, tiny_checkpoint
@@ -36,6 +39,9 @@ from .common import Figure, PeakRSS, _status_kib, rss_now, tiny_checkpoint
 AREA = "ep"
 REPO = Path(__file__).resolve().parent.parent
 CALIB = {"sequences": 16, "seq_len": 64, "batch_size": 4}
+PAST_SPILL_SIZES = {"num_experts": 128, "moe_intermediate_size": 1024, "routed_expert_hidden_size": 1024,
+                    "num_hidden_layers": 6}
+PAST_SPILL_CALIB = {"sequences": 8, "seq_len": 32, "batch_size": 4}
 QUICK_CALIB = {"sequences": 4, "seq_len": 16, "batch_size": 2}
 
 
@@ -43,7 +49,11 @@ QUICK_CALIB = {"sequences": 4, "seq_len": 16, "batch_size": 2}
 
 
 def worker(ckpt: str, export_dir: str, out_json: str, calib: dict) -> None:
-    """One rank: load -> calibrate -> export, measured; writes its record to ``out_json``."""
+    """One rank: load -> calibrate -> export, measured; writes its record to ``out_json``.
+
+    ``calib``: the calibration loop's sizes, plus optionally ``experts`` (the residency asked of
+    ``load_pretrained``, default ``auto``) and ``time_decode`` (time every packed-experts decode).
+    """
     hwm_start = (_status_kib("VmHWM") or 0) * 1024
     from modelopt_k3.checkpoint import CheckpointReader
     from modelopt_k3.models.kimi_k3.converters import EXPERT_KEY_RE
@@ -73,33 +83,52 @@ def worker(ckpt: str, export_dir: str, out_json: str, calib: dict) -> None:
 def _measured_pipeline(ckpt: str, export_dir: str, calib: dict, phase: list[str], hwm_start: int) -> dict:
     from modelopt_k3 import export_checkpoint, load_pretrained, quantize
     from modelopt_k3.dist.group import run_group
+    from modelopt_k3.models import packed_experts
     from modelopt_k3.recipe import load_recipe
 
     from .common import calibration_loop
 
-    rec: dict = {"rss_after_imports": rss_now()}
+    calib = dict(calib)
+    experts_residency, time_decode = calib.pop("experts", "auto"), calib.pop("time_decode", False)
+    rec: dict = {"rss_after_imports": rss_now(), "decode_s": 0.0, "decodes": 0}
+    if time_decode:  # every decode of packed experts into the workspace, timed
+        real_decode = packed_experts.mxfp4_decode
+
+        def timed_decode(*a, **k):
+            t = time.perf_counter()
+            out = real_decode(*a, **k)
+            rec["decode_s"] += time.perf_counter() - t
+            rec["decodes"] += 1
+            return out
+
+        packed_experts.mxfp4_decode = timed_decode
     hwm_start = max(hwm_start, (_status_kib("VmHWM") or 0) * 1024)
     with run_group() as group:
         rec.update(rank=group.rank, world_size=group.world_size)
         t0 = time.perf_counter()
         with PeakRSS() as peak:
-            model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, progress=False)
+            model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, progress=False, experts=experts_residency)
         rec["load_s"] = time.perf_counter() - t0
         rec["load_peak_rss"], rec["rss_after_load"] = peak.peak, rss_now()
         info = model.modelopt_k3
         rec["plan"] = info.plan.describe()
+        rec["experts_residency"] = info.plan.experts_residency
         rec["bytes_read_by_loader"] = info.bytes_read
         experts = [m for n, m in model.named_modules() if info.spec.is_experts_module(n, m)]
         rec["local_experts_per_layer"] = [m.num_experts for m in experts]
-        rec["expert_param_bytes"] = sum(p.nbytes for m in experts for p in m.parameters(recurse=False))
-        rec["all_param_bytes"] = sum(p.nbytes for p in model.parameters())
+        # Decoded parameters, or the packed codes and scales (buffers).
+        rec["expert_param_bytes"] = sum(t.nbytes for m in experts for t in [*m.parameters(), *m.buffers()])
+        rec["all_param_bytes"] = sum(p.nbytes for p in model.parameters()) + sum(
+            b.nbytes for m in experts for b in m.buffers())
 
         phase[0] = "calibration"
         loop = calibration_loop(model, Path(ckpt), rank=group.rank, world_size=group.world_size, **calib)
+        decode_before = rec["decode_s"]
         t0 = time.perf_counter()
         with PeakRSS() as peak:
             quantize(model, load_recipe("presets/nvfp4"), loop)
         rec["calibration_s"] = time.perf_counter() - t0
+        rec["calibration_decode_s"] = rec["decode_s"] - decode_before
         rec["calibration_peak_rss"], rec["rss_after_calibration"] = peak.peak, rss_now()
         rec["hwm_after_calibration"] = max(hwm_start, rec["load_peak_rss"], rec["calibration_peak_rss"])
 
@@ -117,14 +146,14 @@ def _measured_pipeline(ckpt: str, export_dir: str, calib: dict, phase: list[str]
 # ------------------------------------------------------------------------------------ launcher
 
 
-def start(ep: int, ckpt: Path, workdir: Path, calib: dict, timeout: float, threads: int) -> dict:
+def start(ep: int, ckpt: Path, workdir: Path, calib: dict, timeout: float, threads: int, tag: str = "") -> dict:
     """Start ``ep`` worker processes (torchrun-style env); ``finish`` waits for them."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_dir = workdir / f"ep{ep}"
+    run_dir = workdir / f"ep{ep}{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     threads = max(1, threads // ep)
@@ -234,16 +263,13 @@ def run(ctx):
             ))
     for ep in degrees:
         recs = by_ep[ep]
-        ratios = [r["export_peak_rss"] / r["hwm_after_calibration"] for r in recs]
-        worst = max(range(len(recs)), key=lambda i: ratios[i])
-        r = recs[worst]
+        ratios, r, sides = _export_peak(recs)
         figures.append(Figure(
             name=f"ep_export_peak/ep{ep}", area=AREA,
-            title=f"EP {ep}: export peak RSS vs peak after calibration (worst rank)",
-            ours={"label": "export peak RSS", "value": r["export_peak_rss"] / 2**20, "unit": "MiB"},
-            reference={"label": "RSS high-water mark at the end of calibration",
-                       "value": r["hwm_after_calibration"] / 2**20, "unit": "MiB"},
-            ratio=ratios[worst], target=1.0, target_text="<= 1", unit="MiB", higher_is_better=False,
+            title=f"EP {ep}: export peak RSS vs peak after calibration (worst rank)", **sides,
+            ratio=max(ratios), target=None,
+            target_text="report (was <= 1; the target is now measured past the writer's spill limit)",
+            unit="MiB", higher_is_better=False,
             details={"per_rank_ratio": ratios,
                      "export_peak_minus_rss_after_calibration_mib": [
                          (x["export_peak_rss"] - x["rss_after_calibration"]) / 2**20 for x in recs],
@@ -254,14 +280,64 @@ def run(ctx):
                          f"MiB above its high-water mark after calibration "
                          f"({(r['export_peak_rss'] - r['rss_after_calibration']) / 2**20:.1f} MiB above its RSS then); "
                          f"the whole export writes {r['export_total_bytes'] / 2**20:.1f} MiB over {ep} rank(s). "
-                         "ShardWriter keeps up to 256 MiB of a shard in memory before spilling to disk, and the "
+                         f"ShardWriter keeps up to {DEFAULT_SPILL_BYTES // 2**20} MiB of a shard in memory before spilling to disk, and the "
                          "lossless cast holds 16 experts' MXFP4 source at a time: at this size a rank's whole "
                          "output fits under both bounds, so it all sits in memory once."
                      )},
         ))
     extra = {"checkpoint": str(ckpt), "sizes": sizes, "calibration": calib, "per_rank": by_ep,
              "markdown": _markdown(by_ep, sizes, calib)}
+    if not ctx.quick:
+        past, records = _export_peak_past_spill(ctx)
+        figures += past
+        extra["past_spill_limit"] = records
     return figures, extra
+
+
+def _export_peak(recs: list[dict]) -> tuple[list[float], dict, dict]:
+    """Each rank's export peak over its high-water mark after calibration, the worst rank's record, and
+    the figure's two sides for it."""
+    ratios = [r["export_peak_rss"] / r["hwm_after_calibration"] for r in recs]
+    r = recs[max(range(len(recs)), key=lambda i: ratios[i])]
+    sides = {
+        "ours": {"label": "export peak RSS", "value": r["export_peak_rss"] / 2**20, "unit": "MiB"},
+        "reference": {"label": "RSS high-water mark at the end of calibration",
+                      "value": r["hwm_after_calibration"] / 2**20, "unit": "MiB"},
+    }
+    return ratios, r, sides
+
+
+def _export_peak_past_spill(ctx) -> tuple[list[Figure], dict]:
+    """Export peak vs the peak after calibration where every rank writes more than the writer keeps in memory
+    (its spill limit): 128 experts of 1024x1024 in 5 MoE layers, ~1 GiB of NVFP4 experts in all, so even at
+    EP 4 a rank writes ~270 MiB, past the limit (64 MiB; it was 256 MiB when this figure was set). Experts are packed (``--experts packed``): bf16 would hold
+    3.75 GiB of experts at EP 1, more than this shared machine spares."""
+    ckpt = tiny_checkpoint(ctx.workdir, ctx.log, **PAST_SPILL_SIZES)
+    figures, records = [], {}
+    for ep in (1, 2, 4):
+        run = start(ep, ckpt, ctx.workdir, {**PAST_SPILL_CALIB, "experts": "packed"}, timeout=900,
+                    threads=ctx.threads, tag="-past-spill")
+        recs = finish(run)
+        ctx.log(f"ep {ep} past the spill limit: {time.perf_counter() - run['started']:.1f}s")
+        records[ep] = recs
+        ratios, r, sides = _export_peak(recs)
+        per_rank_output = r["export_total_bytes"] / ep  # the experts are ~99% of it, split evenly
+        figures.append(Figure(
+            name=f"ep_export_peak_past_spill/ep{ep}", area=AREA,
+            title=f"EP {ep}: export peak RSS vs peak after calibration, per-rank output past the spill limit",
+            **sides,
+            # A run whose ranks write less than the spill limit does not measure what this figure is about.
+            ratio=max(ratios) if per_rank_output > DEFAULT_SPILL_BYTES else float("inf"),
+            target=1.05, target_text="<= 1.05", unit="MiB", higher_is_better=False,
+            details={"per_rank_ratio": ratios, "per_rank_output_mib": per_rank_output / 2**20,
+                     "spill_limit_mib": DEFAULT_SPILL_BYTES / 2**20,
+                     "export_peak_minus_rss_after_calibration_mib": [
+                         (x["export_peak_rss"] - x["rss_after_calibration"]) / 2**20 for x in recs],
+                     "bound": "export adds the writer's in-memory shard (up to its spill limit) and a "
+                              "16-expert cast to what the rank holds; the packed decode workspace is released "
+                              "first (export never runs the experts)"},
+        ))
+    return figures, records
 
 
 def main(argv: list[str] | None = None) -> int:

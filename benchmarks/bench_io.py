@@ -101,10 +101,10 @@ def read_and_decode(paths: list[Path]) -> None:
                     f.get_tensor(key).clone()  # materialize (see raw_read)
 
 
-def _load(ckpt: Path):
+def _load(ckpt: Path, experts: str = "bf16"):
     from modelopt_k3 import load_pretrained
 
-    return load_pretrained(ckpt, trust_remote_code=True, progress=False)
+    return load_pretrained(ckpt, trust_remote_code=True, progress=False, experts=experts)
 
 
 def _profile(fn, tries: int = 3, before=lambda: None) -> dict:
@@ -151,6 +151,43 @@ def _read_all(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _export_floor_inputs(model, ckpt: Path) -> dict:
+    """What the floor works from: each quantized Linear's weight and scales, each experts module's quantizers."""
+    qplan = model.modelopt_k3_quant
+    modules = dict(model.named_modules())
+    return {"dense": {n: modules[n] for n in qplan.dense}, "experts": {n: modules[n] for n in qplan.experts},
+            "ckpt": ckpt, "spec": model.modelopt_k3.spec}
+
+
+def _export_numerics(model, inputs: dict) -> dict[str, torch.Tensor]:
+    """The least work an export must do, as tensors: read what it copies, quantize, cast the experts."""
+    import re
+
+    from modelopt_k3.checkpoint import CheckpointReader
+    from modelopt_k3.export.modelopt_format import weight_tensors
+
+    out: dict[str, torch.Tensor] = {}
+    spec = inputs["spec"]
+    expert_re = re.compile(spec.expert_key_regex)
+    with CheckpointReader(inputs["ckpt"]) as reader:
+        owned = {f"{n}.weight" for n in inputs["dense"]}
+        for key in reader.names():
+            if key not in owned and not expert_re.match(key):
+                out[key] = reader.get(key).clone()
+        for name, module in inputs["dense"].items():
+            wq = module.weight_quantizer
+            for k, t in weight_tensors(wq.fmt, module.weight.detach(), wq.scale()).items():
+                out[f"{name}.{k}"] = t
+        for name, experts in inputs["experts"].items():
+            for proj in spec.expert_projections:
+                wq = experts.quant.weight[proj.fused_param]
+                cast = wq.source[0].cast(proj.name, wq.scale())
+                for e in range(experts.num_experts):
+                    out[f"{name}.{e}.{proj.name}.weight"] = cast.packed[e]
+                    out[f"{name}.{e}.{proj.name}.weight_scale"] = cast.block_scale[e]
+    return {k: v.contiguous().clone() if v.storage_offset() or not v.is_contiguous() else v for k, v in out.items()}
+
+
 def _rm(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
@@ -179,7 +216,7 @@ def _load_figures(ctx, ckpts: dict[str, Path], repeats: int) -> list[Figure]:
             f"load/{name}", AREA, f"load_pretrained tiny Kimi-K3 {name} (end to end)",
             "load_pretrained (build on meta + read + decode/fuse experts)",
             "safe_open + get_tensor(key).clone() of every key", times,
-            target=0.5, target_text=">= 0.5 of raw read speed",
+            target=None, target_text="report (was >= 0.5 of raw read; the read + decode floor is the target now)",
             details={"tensor_bytes": tensor_bytes, "file_bytes": nbytes,
                      "get_tensor_without_touching_s": summary(mmap_s),
                      "ours_gbps": tensor_bytes / statistics.median(times["ours"]) / GB,
@@ -196,10 +233,16 @@ def _load_figures(ctx, ckpts: dict[str, Path], repeats: int) -> list[Figure]:
     floor = time_interleaved({"ours": lambda: _load(large), "ref": lambda: read_and_decode(large_paths)}, repeats)
     profile = _profile(lambda: _load(large))
     ctx.log(f"io load profile ({large_name}): {profile}")
+    fixed_phases = sum(v for k, v in profile["phases_s"].items()
+                       if k in ("config + remote-code class", "build on meta", "to_empty"))
     bound = (
-        f"What bounds it: one profiled load of {large_name}: {_profile_text(profile)}. Per byte read the "
-        "loader writes 4 bytes of BF16 (MXFP4 is 4.25 bits a weight) and moves them again to fuse the "
-        f"experts, against one copy for the raw read; the fixed costs (no bytes) come to ~{fixed:.2f} s."
+        f"What bounds it: one profiled load of {large_name}: {_profile_text(profile)}. The experts are "
+        "stacked as MXFP4 bytes and decoded straight into the parameters (no BF16 intermediates); per "
+        "byte read the loader still writes ~4 bytes of BF16 (MXFP4 is 4.25 bits a weight), against one "
+        f"copy for the raw read. Costs without bytes (config, remote-code class, build on meta, to_empty: "
+        f"{fixed_phases:.2f} s profiled; ~{fixed:.2f} s by the two-checkpoint difference) are a large share "
+        "of a checkpoint this small and vanish at full size, where the same phases take seconds against "
+        "minutes of reading."
     )
     for fig in figures:
         fig.details.update(bound=bound, one_time_first_load_s=first_load)
@@ -213,7 +256,8 @@ def _load_figures(ctx, ckpts: dict[str, Path], repeats: int) -> list[Figure]:
         ours={"label": "load_pretrained marginal s/GB (difference between the two checkpoints)",
               "value": load_marginal * GB, "unit": "s/GB"},
         reference={"label": "safe_open read s/GB (total time / bytes)", "value": raw_avg * GB, "unit": "s/GB"},
-        ratio=raw_avg / load_marginal if d_load > 0 else 0.0, target=0.5, target_text=">= 0.5 of raw read speed",
+        ratio=raw_avg / load_marginal if d_load > 0 else 0.0, target=None,
+        target_text="report (was >= 0.5 of raw read speed)",
         unit="s/GB",
         details={
             "method": "load: difference of median times between two checkpoints of identical structure"
@@ -228,8 +272,15 @@ def _load_figures(ctx, ckpts: dict[str, Path], repeats: int) -> list[Figure]:
     ))
     figures.append(timing_figure(
         f"load_vs_read_decode/{large_name}", AREA, f"load_pretrained vs read+mxfp4_decode floor {large_name}",
-        "load_pretrained", "safe_open every tensor + mxfp4_decode every expert (no fusing)", floor,
-        target=None, target_text="report only (fraction of the floor)",
+        "load_pretrained (experts bf16)", "safe_open every tensor + mxfp4_decode every expert (no fusing)", floor,
+        target=0.9, target_text=">= 0.9 of the read + decode floor", details={"bound": bound},
+    ))
+    packed = time_interleaved({"ours": lambda: _load(large, experts="packed"), "ref": lambda: raw_read(large_paths)},
+                              repeats)
+    figures.append(timing_figure(
+        f"load_packed_vs_read/{large_name}", AREA, f"load_pretrained(experts=packed) vs read floor {large_name}",
+        "load_pretrained (experts packed: the source bytes, no decode)", "safe_open + clone of every tensor", packed,
+        target=None, target_text="report (fraction of the read floor)",
     ))
     return figures
 
@@ -260,7 +311,16 @@ def _export_figures(ctx, name: str, ckpt: Path, repeats: int) -> list[Figure]:
             for key, t in tensors.items():
                 w.add(key, t)
 
+    floor_inputs = _export_floor_inputs(model, ckpt)
+
+    def numerics_and_save() -> None:
+        save_file(_export_numerics(model, floor_inputs), str(ref_file))
+
     ctx.log(f"io export {name}: {out_bytes / 2**20:.1f} MiB of tensors, {repeats} repeats")
+    floor = time_interleaved(
+        {"ours": lambda: export_checkpoint(model, ours_dir, progress=False), "ref": numerics_and_save},
+        repeats, before={"ours": lambda: _rm(ours_dir), "ref": lambda: _rm(ref_file)},
+    )
     times = time_interleaved(
         {"ours": lambda: export_checkpoint(model, ours_dir, progress=False),
          "ref": lambda: save_file(tensors, str(ref_file))},
@@ -277,7 +337,8 @@ def _export_figures(ctx, name: str, ckpt: Path, repeats: int) -> list[Figure]:
         timing_figure(
             f"export/{name}", AREA, f"export_checkpoint write throughput {name} (end to end)",
             "export_checkpoint (quantize dense, cast experts, copy, write shards + index/configs)",
-            "save_file of the same tensors", times, target=0.5, target_text=">= 0.5 of save_file",
+            "save_file of the same tensors", times, target=None,
+            target_text="report (was >= 0.5 of save_file; the numerics + save_file floor is the target now)",
             details={"tensor_bytes": out_bytes, "tensors": len(tensors),
                      "ours_gbps": out_bytes / statistics.median(times["ours"]) / GB,
                      "ref_gbps": out_bytes / statistics.median(times["ref"]) / GB,
@@ -286,6 +347,14 @@ def _export_figures(ctx, name: str, ckpt: Path, repeats: int) -> list[Figure]:
                      "bound": f"What bounds it: one profiled export of {name}: {_profile_text(profile)}. Export "
                               "also re-reads the experts' MXFP4 source bytes for the lossless cast and "
                               "quantizes the dense Linears; save_file only serializes."},
+        ),
+        timing_figure(
+            f"export_vs_floor/{name}", AREA, f"export_checkpoint vs numerics + save_file floor {name}",
+            "export_checkpoint",
+            "read the source tensors export needs, quantize each quantized dense Linear (nvfp4 weight_tensors), "
+            "cast every expert's MXFP4 bytes (mxfp4_to_nvfp4), save_file of it all",
+            floor, target=0.8, target_text=">= 0.8 of the numerics + save_file floor",
+            details={"bound": f"What bounds it: one profiled export of {name}: {_profile_text(profile)}."},
         ),
         timing_figure(
             f"export_writer/{name}", AREA, f"ShardWriter alone {name}",

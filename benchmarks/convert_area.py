@@ -3,7 +3,7 @@
 That script is run as it is, in a subprocess (``--no_write``: the suite keeps its figures in
 ``results.json`` and leaves ``benchmarks/results/convert.json`` to the script's own runs), and the
 JSON summary it prints is turned into two figures: conversion throughput vs a plain copy of the
-same shards (goal >= 0.5) and the conversion's peak memory over the largest shard (goal <= 3).
+same shards (goal >= 0.6, raised from 0.5 by issue 12) and the conversion's peak memory over the largest shard (goal <= 3).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def run(ctx):
             name="convert/throughput", area=AREA, title="streaming convert_checkpoint vs plain copy of the shards",
             ours={"label": "convert_checkpoint (Kimi-K3 mirror recipe; fsync + sha256 per shard)", **summary(convert_s)},
             reference={"label": "read + write every shard in 64 MiB chunks", **summary(copy_s)},
-            ratio=r["throughput_ratio"], ratio_range=(min(paired), max(paired)), target=0.5,
-            target_text=">= 0.5 of copy throughput",
+            ratio=r["throughput_ratio"], ratio_range=(min(paired), max(paired)), target=0.6,
+            target_text=">= 0.6 of copy throughput",
             details={k: r.get(k) for k in ("copy_mib_per_s", "convert_mib_per_s", "notes")},
         ),
         Figure(

@@ -33,6 +33,7 @@ AREAS = {
     "numerics": "benchmarks.bench_numerics",
     "io": "benchmarks.bench_io",
     "ep": "benchmarks.bench_ep",
+    "memory": "benchmarks.bench_memory",
     "convert": "benchmarks.convert_area",
 }
 QUICK_SKIPS = {"convert": "bench_convert.py builds a ~0.5 GB checkpoint; run it with --only convert"}

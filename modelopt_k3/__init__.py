@@ -7,6 +7,7 @@ Public API (imported lazily so ``import modelopt_k3`` stays cheap)::
     quantize(model, recipe, forward_loop) -> model
     export_checkpoint(model, export_dir, *, format="modelopt") -> Path
     convert_checkpoint(src, dst, recipe, *, rank=0, world_size=1, resume=True) -> report
+    plan_memory(path, *, world_size, gpu_mem_gib=None, batch_size=4, calib_seq=2048, recipe=...) -> MemoryReport
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _API = {
     "quantize": "modelopt_k3.quant.api",
     "export_checkpoint": "modelopt_k3.export.model_export",
     "convert_checkpoint": "modelopt_k3.convert",
+    "plan_memory": "modelopt_k3.memory.planner",
 }
 
 __all__ = ["__version__", *_API]

@@ -10,10 +10,9 @@ Two ways to read tensor bytes, both through the same checked headers:
 
 - ``get`` / ``get_rows``: ``safe_open`` (memory-mapped; a row range reads only those rows), for the
   loader and the export, which read a rank's share of tensors once;
-- ``pread`` / ``pread_into`` / ``fd``: positional reads from plain file descriptors, for the streaming
+- ``pread`` / ``pread_into``: positional reads from plain file descriptors, for the streaming
   converter. It reads every byte of a checkpoint that may be far larger than RAM, and an mmap keeps
-  every page it touched resident for the life of the handle; the descriptors also let its writer move
-  copied tensors in the kernel (``copy_file_range``).
+  every page it touched resident for the life of the handle.
 
 Every tensor read is recorded (key and bytes) in a ``ReadLog``, so tests and benchmarks can prove
 that an expert-parallel rank never touches another rank's experts, and checked for values that are
@@ -111,6 +110,25 @@ def _read_raw_header(path: Path) -> tuple[bytes, dict, int]:
 def read_header(path: Path) -> dict:
     """The parsed JSON header of one safetensors file (no tensor bytes are read); errors name the file."""
     return _read_raw_header(Path(path))[1]
+
+
+class ShardHeader(NamedTuple):
+    raw: bytes  # length prefix + JSON header, as stored
+    header: dict  # the parsed JSON header
+    tensors: dict[str, TensorInfo]  # every tensor's checked entry, header order
+    size: int  # file size in bytes
+
+
+def read_shard(path: Path, file: str | None = None) -> ShardHeader:
+    """One safetensors file's header with every tensor entry checked (dtype, offsets vs shape, inside
+    the file); ``file`` is the name entries carry (default: the file's name)."""
+    path = Path(path)
+    raw, header, size = _read_raw_header(path)
+    tensors = {
+        key: _tensor_info(path, file or path.name, key, meta, len(raw), size)
+        for key, meta in header.items() if key != "__metadata__"
+    }
+    return ShardHeader(raw, header, tensors, size)
 
 
 def _tensor_info(path: Path, file: str, key: str, meta: object, data_start: int, size: int) -> TensorInfo:
@@ -212,16 +230,13 @@ class CheckpointReader:
             listed_in[file].add(key)
         digest = hashlib.sha256()
         for file in self.files:
-            path = self.path / file
-            raw, header, size = _read_raw_header(path)
-            self.sizes[file] = size
-            digest.update(f"{file}\0{size}\0".encode())
-            digest.update(raw)
+            shard = read_shard(self.path / file, file)
             if weight_map is not None:
-                _check_listed(path, header, listed_in[file], weight_map)
-            for key, meta in header.items():
-                if key != "__metadata__":
-                    self._infos[key] = _tensor_info(path, file, key, meta, len(raw), size)
+                _check_listed(self.path / file, shard.header, listed_in[file], weight_map)
+            self.sizes[file] = shard.size
+            self._infos.update(shard.tensors)
+            digest.update(f"{file}\0{shard.size}\0".encode())
+            digest.update(shard.raw)
         return digest.hexdigest()
 
     def __enter__(self) -> CheckpointReader:
@@ -286,7 +301,7 @@ class CheckpointReader:
 
     # ----------------------------------------------------------------- positional reads (converter)
 
-    def fd(self, file: str) -> int:
+    def _fd(self, file: str) -> int:
         """A read-only descriptor of shard ``file`` (opened once, closed by ``close``)."""
         with self._lock:
             if file not in self._fds:
@@ -296,17 +311,13 @@ class CheckpointReader:
                     raise CheckpointError(f"checkpoint shard {self.path / file} is missing") from None
             return self._fds[file]
 
-    def truncated(self, file: str, at: int) -> CheckpointError:
-        """The error for shard ``file`` ending at byte ``at`` although its header says there is more."""
-        return CheckpointError(f"{self.path / file} is truncated: read stopped at byte {at}")
-
     def pread_into(self, file: str, view: memoryview, offset: int) -> None:
         """Fill ``view`` with the bytes of ``file`` from absolute ``offset`` (no mmap)."""
-        fd, done = self.fd(file), 0
+        fd, done = self._fd(file), 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise self.truncated(file, offset + done)
+            if n == 0:  # the file shrank after its header was checked
+                raise CheckpointError(f"{self.path / file} is truncated: read stopped at byte {offset + done}")
             done += n
 
     def pread(self, key: str, log: ReadLog | None = None) -> torch.Tensor:

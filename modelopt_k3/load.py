@@ -29,7 +29,8 @@ from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
 from .dist.plan import DistributionPlan, decide_plan
-from .models.conversion import run_converter
+from .models.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
+from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
 from .nonfinite import source_refusal, warn_passthrough
 from .source_check import SourceLayout, check_dense, check_experts
@@ -136,14 +137,14 @@ def _fill_experts(
     # Global ids this rank holds per module: its EP block, or the rows of its FSDP2 shard.
     ranges = {name: local_experts(module, spec) for name, module in experts.items()}
     reads, foreign = _plan_expert_reads(reader, spec, converters, ranges)
-    params = dict(model.named_parameters())
     consumed: set[str] = set()
     filled: set[str] = set()
     for conv in converters:
         target_suffix = conv.target_patterns[0]
-        for module_name in experts:
-            target = f"{module_name}.{target_suffix.rsplit('.', 1)[-1]}"
-            if not target.endswith(target_suffix) or target not in params:
+        for module_name, module in experts.items():
+            param_name = target_suffix.rsplit(".", 1)[-1]
+            target = f"{module_name}.{param_name}"
+            if not target.endswith(target_suffix) or param_name not in spec.ep_sharded_params:
                 continue
             by_pattern = reads.get(target, {})
             local = ranges[module_name]
@@ -158,23 +159,61 @@ def _fill_experts(
             ]
             if missing:
                 raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
-            param = local_tensor(params[target])
-            if param.shape[0] != len(local):
-                raise LoadError(f"{target}: parameter holds {param.shape[0]} experts, this rank owns {len(local)}")
+            destinations = _expert_destinations(module, param_name, conv)
+            for dest in destinations.values():
+                if dest.shape[0] != len(local):
+                    raise LoadError(f"{target}: parameter holds {dest.shape[0]} experts, this rank owns {len(local)}")
             # A few experts at a time: peak memory stays near the parameter itself, not 3x it.
             for start in range(0, len(local), EXPERTS_PER_READ):
                 ids = local[start : start + EXPERTS_PER_READ]
                 tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
                 consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
-                fused = run_converter(conv, tensors, full_layer_name=target, model=model)
-                rows = param[start : start + len(ids)]
-                if fused.shape != rows.shape:
-                    raise LoadError(f"{target}: converted shape {list(fused.shape)} != parameter rows {list(rows.shape)}")
-                with torch.no_grad():
-                    rows.copy_(fused.to(param.dtype))
+                if not is_packed(module) and decodes_after_layout(conv):
+                    fields = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
+                    _decode_into(conv, fields, destinations[None][start : start + len(ids)], target)
+                    continue
+                if is_packed(module):
+                    converted = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
+                else:
+                    converted = {None: run_converter(conv, tensors, full_layer_name=target, model=model)}
+                for kind, value in converted.items():
+                    rows = destinations[kind][start : start + len(ids)]
+                    _check_rows(target, value.shape, rows)
+                    with torch.no_grad():
+                        rows.copy_(value.to(rows.dtype))
             filled.add(target)
             progress.update(1)
     return consumed | foreign, filled
+
+
+def _check_rows(target: str, shape, rows: torch.Tensor) -> None:
+    if tuple(shape) != tuple(rows.shape):
+        raise LoadError(f"{target}: converted shape {list(shape)} != parameter rows {list(rows.shape)}")
+
+
+@torch.no_grad()
+def _decode_into(conv, fields: dict[str, torch.Tensor], rows: torch.Tensor, target: str) -> None:
+    """Decode a chain's rearranged (codes, scales) straight into parameter ``rows``: the chain's result
+    with no decoded intermediate (``decodes_after_layout``)."""
+    op = decode_op(conv)
+    codes, scales = fields[op.codes_field], fields[op.scales_field]
+    _check_rows(target, (*codes.shape[:-1], codes.shape[-1] * 2), rows)
+    if rows.is_contiguous():
+        op.decode(codes, scales, rows.dtype, out=rows)
+    else:
+        rows.copy_(op.decode(codes, scales, rows.dtype))
+
+
+def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:
+    """Where a converter's output goes: the fused parameter (this rank's rows), or for packed experts the
+    codes and scales buffers, keyed by the checkpoint field the converter keeps for each."""
+    if not is_packed(module):
+        return {None: local_tensor(getattr(module, param))}
+    op = decode_op(conv)
+    if op is None:
+        raise ResidencyError("packed experts need an MXFP4-packed source; this checkpoint stores its experts decoded")
+    layout = module.packed_layouts[param]
+    return {op.codes_field: getattr(module, layout.qdata_name), op.scales_field: getattr(module, layout.scale_name)}
 
 
 def _missing_key(module_name: str, expert: int, pattern: str, present: dict[int, str]) -> str:
@@ -316,13 +355,48 @@ def _keep_source_dtypes_on_meta(model: nn.Module, reader: CheckpointReader, spec
             setattr(model.get_submodule(owner), attr, new)
 
 
-def set_experts_implementation(model: nn.Module, spec: ModelSpec, name: str) -> None:
-    """Route every fused experts module of ``model`` through experts implementation ``name``.
+def set_experts_implementation(model: nn.Module, spec: ModelSpec, plan: DistributionPlan) -> None:
+    """Route every fused experts module of ``model`` through the plan's experts implementation, with the
+    plan's local implementation on the owner (``torch_a2a``) and, for packed experts, its decode chunk.
 
     Set on the configs the experts read at call time, after construction (see Kimi-K3's prepare).
     """
     for module in spec.experts_modules(model).values():
-        module.config._experts_implementation = name
+        module.config._experts_implementation = plan.experts_implementation
+        module.local_experts_implementation = plan.local_experts_implementation
+        if is_packed(module):
+            module.decode_chunk = min(plan.decode_chunk or module.num_experts, module.num_experts)
+
+
+def _pack_experts(model: nn.Module, spec: ModelSpec) -> DecodeWorkspace:
+    """Give every fused experts module of a meta-built model the packed layout; one shared workspace."""
+    workspace = DecodeWorkspace()
+    for module in spec.experts_modules(model).values():
+        to_packed(module, spec, workspace)
+    return workspace
+
+
+def _decide_residency(
+    requested: str, *, packed_source: bool, plan: DistributionPlan, path: Path, dtype: torch.dtype,
+    decode_chunk: int | None,
+) -> DistributionPlan:
+    """The plan with its experts residency: as asked, or for ``auto`` from the memory planner."""
+    if requested not in RESIDENCIES:
+        raise ResidencyError(f"unknown experts residency {requested!r}; choose one of {list(RESIDENCIES)}")
+    if requested == "packed" and not packed_source:
+        raise ResidencyError(
+            f"experts='packed' keeps the experts' MXFP4 source bytes, but {path} stores them decoded; "
+            "use experts='bf16' (CLI: --experts bf16)"
+        )
+    if requested == "auto":
+        if not packed_source or plan.kind == "fsdp2":
+            requested = "bf16"
+        else:
+            from .memory.planner import choose_residency
+
+            requested, chosen_chunk = choose_residency(path, plan, dtype=dtype)
+            decode_chunk = decode_chunk if decode_chunk is not None else chosen_chunk
+    return plan.with_residency(requested, decode_chunk if requested == "packed" else None)
 
 
 def load_pretrained(
@@ -334,6 +408,8 @@ def load_pretrained(
     experts_implementation: str | None = None,
     ep_degree: int | None = None,
     dense: str = "replicated",
+    experts: str = "auto",
+    decode_chunk: int | None = None,
     progress: bool = True,
     allow_nonfinite_passthrough: bool = False,
 ) -> nn.Module:
@@ -349,6 +425,13 @@ def load_pretrained(
     built on meta (every dense tensor). A tensor holding NaN/Inf (or an E8M0 NaN scale) is refused, naming it
     and the count, unless ``allow_nonfinite_passthrough`` (then ``quantize`` refuses to quantize it and the
     export copies it unchanged; ``LoadInfo.nonfinite`` lists them).
+
+    ``experts``: ``bf16`` holds the routed experts decoded; ``packed`` (MXFP4-sourced checkpoints) holds
+    their source bytes and decodes them inside the experts forward (``models/packed_experts.py``), one
+    layer or ``decode_chunk`` experts at a time; ``auto`` is packed when the memory planner says the
+    ``bf16`` residency does not fit this device (``memory/planner.py``), else bf16. Both give the same
+    logits, calibration and export, bit for bit. ``experts_implementation`` names what runs the experts
+    (under expert parallelism: what runs each owner's experts; the plan's default otherwise).
     """
     path = Path(path)
     group = current_group()
@@ -366,8 +449,10 @@ def load_pretrained(
     # Every rank refuses the same input here, before any collective: one agreed error, not one per rank.
     spec, reader, source, model_cls, config = run_together("load: check the checkpoint", open_source, group=group)
     text = getattr(config, "text_config", config)
+    dtype = dtype or _config_dtype(config)
     the_plan = decide_plan(
         plan,
+        dtype=dtype,
         spec=spec,
         num_experts=getattr(text, spec.num_experts_attr),
         rank=group.rank,
@@ -385,15 +470,19 @@ def load_pretrained(
         init_expert_groups(the_plan.world_size, the_plan.ep_degree, the_plan.rank)
     spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation,
                                 packed_experts=source.packed_experts))
+    converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
+    the_plan = _decide_residency(experts, packed_source=source.packed_experts, plan=the_plan, path=path, dtype=dtype,
+                                 decode_chunk=decode_chunk)
 
-    model = _build_on_meta(model_cls, config, dtype or _config_dtype(config), reader, spec)
+    model = _build_on_meta(model_cls, config, dtype, reader, spec)
     run_together("load: check the checkpoint against the model", _check_against_model, model, spec, reader, source,
                   group=group)
+    if the_plan.experts_residency == "packed":
+        _pack_experts(model, spec)  # before sharding and materializing: only the codes are ever allocated
     if the_plan.fsdp_sharded:
         shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
-    set_experts_implementation(model, spec, the_plan.experts_implementation)
+    set_experts_implementation(model, spec, the_plan)
     materialize(model, the_plan.device)
-    converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
     info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan, model_cls=model_cls)
     def read_own_tensors() -> None:
         with reader:
@@ -406,7 +495,9 @@ def load_pretrained(
                 ]
                 if unfilled:
                     raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
-                consumed = consumed_experts | _fill_dense(model, reader, filled, info, bar)
+                packed_fields = {f"{n}.{name}" for n, m in experts.items() if is_packed(m)
+                                 for lay in m.packed_layouts.values() for name in (lay.qdata_name, lay.scale_name)}
+                consumed = consumed_experts | _fill_dense(model, reader, filled | packed_fields, info, bar)
             unexpected = set(reader.names()) - consumed
             if unexpected:
                 raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .checkpoint import CheckpointReader, read_config
 from .export.staging import sweep_stale
@@ -44,6 +45,7 @@ class PreflightContext:
     rank: int = 0
     world_size: int = 1
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
+    memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py), read by hf_ptq
     notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
 
 

@@ -152,19 +152,88 @@ PTQ_ARGS = ["--trust_remote_code", "--qformat", "nvfp4", "--kv_cache_qformat", "
             "--batch_size", "2", "--calib_seq", "32", "--no_progress"]
 
 
-def test_ep_export_equals_single_process_export(ep_ckpt, tmp_path):
-    single = tmp_path / "single"
-    (r,) = run_ranks(1, _ep_ptq, [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(single)],
-                     timeout=300, env=EP_ENV)
+@pytest.fixture(scope="module")
+def single_export(ep_ckpt, tmp_path_factory) -> Path:
+    """The one-process export with bf16 experts, which every distributed export must equal."""
+    single = tmp_path_factory.mktemp("single") / "export"
+    (r,) = run_ranks(1, _ep_ptq, [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(single),
+                                  "--experts", "bf16"], timeout=300, env=EP_ENV)
     assert r.exitcode == 0, r.traceback
-    # EP degree = world size at 2 and 4 ranks; and 4 ranks as two replicas of an EP-2 group.
-    for world, ep in ((2, 2), (4, 4), (4, 2)):
-        out = tmp_path / f"ep{world}-{ep}"
-        args = [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(out), "--ep_degree", str(ep)]
+    return single
+
+
+def test_ep_export_equals_single_process_export(ep_ckpt, single_export, tmp_path):
+    """EP exports equal the one-process bf16 export: packed experts (hf_ptq --experts packed) at EP 2 and 4,
+    bf16 experts on 4 ranks as two replicas of an EP-2 group (byte for byte, activation scales within 1%)."""
+    for world, ep, experts in ((2, 2, "packed"), (4, 4, "packed"), (4, 2, "bf16")):
+        out = tmp_path / f"ep{world}-{ep}-{experts}"
+        args = [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(out), "--ep_degree", str(ep),
+                "--experts", experts]
         results = run_ranks(world, _ep_ptq, args, timeout=300, env=EP_ENV)
         assert [x.exitcode for x in results] == [0] * world, [x.traceback for x in results]
-        assert_exports_equal(single, out)
+        assert_exports_equal(single_export, out)
         assert not list(tmp_path.glob(".*tmp*")), "temporary export directory left behind"
+
+
+def _owner_implementation_logits(ckpt: str, ids: torch.Tensor, impl: str | None, experts: str, chunk: int | None):
+    """EP logits with the owner running ``impl``; counts the calls each implementation got on this rank."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.dist.group import run_group
+
+    calls: dict[str, int] = {}
+    for name in ("grouped_mm", "batched_mm"):
+        real = ALL_EXPERTS_FUNCTIONS[name]
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*a, **k)
+
+        ALL_EXPERTS_FUNCTIONS[name] = counted
+    with run_group():
+        model = load_pretrained(ckpt, plan="auto", trust_remote_code=True, dtype=torch.float32, progress=False,
+                                experts_implementation=impl, experts=experts, decode_chunk=chunk)
+        plan = model.modelopt_k3.plan
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+        return logits, calls, plan.experts_implementation, plan.local_experts_implementation
+
+
+def test_owner_runs_the_plans_local_implementation(ep_ckpt, single_logits):
+    """Under torch_a2a the owner's experts run the plan's local implementation (here grouped_mm, with packed
+    experts decoded 3 at a time): it is the one called, and the logits are the one-process eager ones."""
+    ids, (ref_logits, *_) = single_logits
+    results = run_ranks(2, _owner_implementation_logits, str(ep_ckpt), ids, "grouped_mm", "packed", 3,
+                        timeout=300, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    for r in results:
+        logits, calls, dispatch, local = r.value
+        assert (dispatch, local) == ("torch_a2a", "grouped_mm")
+        assert calls.get("grouped_mm", 0) > 0 and "batched_mm" not in calls, calls
+        rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
+        assert rel <= 1e-5, f"rank {r.rank}: relative logits error {rel:.3g}"
+
+
+def test_plan_decides_the_local_implementation(monkeypatch):
+    from modelopt_k3.dist.plan import PlanError, decide_plan
+    from modelopt_k3.models.spec import get_spec
+
+    kw = dict(spec=get_spec("kimi_k3"), num_experts=8, rank=0, world_size=2)
+    cpu = decide_plan("expert_parallel", device=torch.device("cpu"), **kw)
+    assert (cpu.experts_implementation, cpu.local_experts_implementation) == ("torch_a2a", "eager")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = decide_plan("expert_parallel", device=torch.device("cuda", 0), dtype=torch.bfloat16, **kw)
+    assert gpu.local_experts_implementation == "grouped_mm"
+    # torch's grouped_mm kernel takes bf16 only: an fp32 load runs eager on the owner.
+    fp32 = decide_plan("expert_parallel", device=torch.device("cuda", 0), dtype=torch.float32, **kw)
+    assert fp32.local_experts_implementation == "eager"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert decide_plan("expert_parallel", device=torch.device("cuda", 0), **kw).local_experts_implementation == "eager"
+    named = decide_plan("expert_parallel", device=torch.device("cpu"), experts_implementation="batched_mm", **kw)
+    assert (named.experts_implementation, named.local_experts_implementation) == ("torch_a2a", "batched_mm")
+    with pytest.raises(PlanError, match="unknown experts implementation"):
+        decide_plan("expert_parallel", device=torch.device("cpu"), experts_implementation="fast", **kw)
 
 
 @pytest.mark.parametrize("stage", ["calibration", "export"])
@@ -195,7 +264,7 @@ def test_missing_expert_on_one_rank_fails_every_rank_at_load(ep_ckpt, tmp_path):
         assert r.wall_s < 60, f"rank {r.rank} took {r.wall_s:.0f}s: it waited for a timeout"
 
 
-def test_ep_with_fsdp2_dense_part(ep_ckpt, single_logits, tmp_path):
+def test_ep_with_fsdp2_dense_part(ep_ckpt, single_logits, single_export, tmp_path):
     """Experts expert-parallel, dense part FSDP2-sharded: same logits and export as one process."""
     ids, (ref_logits, ref_keys, _, _, _, ref_buffers) = single_logits
     results = run_ranks(2, _ep_logits, str(ep_ckpt), ids, "fsdp2", timeout=300, env=EP_ENV)
@@ -213,13 +282,13 @@ def test_ep_with_fsdp2_dense_part(ep_ckpt, single_logits, tmp_path):
                 assert offset <= int(m["expert"]) < offset + count, f"rank {r.rank} read {key} of another rank"
         assert dense_keys <= set(keys)  # every dense tensor is read, but only this rank's rows of it
 
-    single, hybrid = tmp_path / "single", tmp_path / "hybrid"
-    base = [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt)]
-    (r,) = run_ranks(1, _ep_ptq, [*base, "--export_path", str(single)], timeout=300, env=EP_ENV)
-    assert r.exitcode == 0, r.traceback
-    results = run_ranks(2, _ep_ptq, [*base, "--export_path", str(hybrid), "--dense", "fsdp2"], timeout=300, env=EP_ENV)
+    # The export, with packed experts: the one-process bf16 checkpoint.
+    hybrid = tmp_path / "hybrid"
+    args = [*PTQ_ARGS, "--pyt_ckpt_path", str(ep_ckpt), "--export_path", str(hybrid), "--dense", "fsdp2",
+            "--experts", "packed"]
+    results = run_ranks(2, _ep_ptq, args, timeout=300, env=EP_ENV)
     assert [x.exitcode for x in results] == [0, 0], [x.traceback for x in results]
-    assert_exports_equal(single, hybrid)
+    assert_exports_equal(single_export, hybrid)
 
 
 def test_dense_sharding_refusals():

@@ -22,6 +22,7 @@ from modelopt_k3.export.writer import (
     PlannedTensor,
     ShardWriter,
     atomic_output_dir,
+    file_digest,
     gather_weight_maps,
     write_index,
 )
@@ -376,6 +377,15 @@ def test_planned_shard_written_out_of_order_from_threads_reads_back_aligned(tmp_
     assert all(shard.offsets[k] % t.element_size() == 0 for k, t in tensors.items())
     sizes = [tensors[k].element_size() for k in sorted(tensors, key=shard.offsets.get)]
     assert sizes == sorted(sizes, reverse=True)
+    # The digest taken while writing (out of order) is the one read back from the file; any change shows.
+    path = tmp_path / "out.safetensors"
+    assert shard.digest.hexdigest() == file_digest(path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert file_digest(path) not in ("", shard.digest.hexdigest())
+    path.write_bytes(bytes(data[:-1]))
+    assert file_digest(path) == ""  # truncated: matches no record
 
 
 def test_planned_and_buffered_shards_share_one_header_layout(tmp_path):
@@ -415,6 +425,7 @@ def test_planned_shard_copies_source_tensors_and_counts_nonfinite(tmp_path):
     assert shard.copy(reader, "f") == "2 NaN/Inf values"
     assert shard.copy(reader, "u") is None
     shard.close()
+    assert shard.digest.hexdigest() == file_digest(tmp_path / "out.safetensors")
     reader.close()
     got = _read_all(tmp_path, {"f": "out.safetensors", "u": "out.safetensors"})
     assert all(_bytes(got[k]) == _bytes(t) for k, t in src.items())

@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert_parallel: keep the dense part on every rank, or shard it with FSDP2")
     p.add_argument("--ep_degree", type=positive_int, default=None,
                    help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
+    p.add_argument("--experts", default="auto", choices=["auto", "bf16", "packed"],
+                   help="routed experts held decoded (bf16) or as their MXFP4 source bytes, decoded per layer "
+                        "inside the forward (packed); auto: packed when the memory planner says bf16 does not fit")
+    p.add_argument("--gpu_mem_gib", type=float, default=None,
+                   help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
+                        "per local rank on CPU)")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
     p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
     """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``)."""
+    from ..memory import preflight as _memory  # noqa: F401 - registers the "memory plan fits" check
     from ..preflight import PreflightContext, run_preflight
     from ..recipe import load_recipe
 
@@ -150,8 +157,11 @@ def run(args: argparse.Namespace) -> int:
         packed = run_together("calibration data", calibration_sequences, group=group)
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
+        memory = ctx.memory  # the planner's estimate (preflight): --experts auto resolved, the decode chunk
+        experts = memory.config.residency if not memory.refused else args.experts
         model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype,
-                                ep_degree=args.ep_degree, dense=args.dense, progress=progress,
+                                ep_degree=args.ep_degree, dense=args.dense, experts=experts,
+                                decode_chunk=memory.decode_chunk, progress=progress,
                                 allow_nonfinite_passthrough=args.allow_nonfinite_passthrough)
         info = model.modelopt_k3
         t_load = time.perf_counter()

@@ -41,9 +41,10 @@ Decisions:
 - **Output layout.** The header is written first (output shapes are known from the source headers),
   tensors follow sorted by element size then production order (so every tensor is aligned), each
   written in place as it is produced: memory holds a few modules (one per worker thread), not a
-  shard. Copied tensors move in the kernel (``copy_file_range``) where the filesystem allows.
-- **Overlap.** Worker threads convert one shard's tensors; a finisher thread fsyncs, hashes, renames
-  and records shard k while shard k + 1 is converted. Output bytes do not depend on the threads.
+  shard. Copied tensors go through one 64 MiB buffer, hashed on the way (the digest needs their
+  bytes, and this spares reading the output back).
+- **Overlap.** Worker threads convert one shard's tensors; a finisher thread fsyncs, renames and
+  records shard k while shard k + 1 is converted. Output bytes do not depend on the threads.
 - **Reads** use ``pread`` rather than ``safe_open``: an mmap keeps every page it touched resident
   for the life of the handle, which would put a whole source shard into the process RSS.
 
@@ -52,9 +53,11 @@ Resume protocol (``dst`` is written in place so that a run can resume):
 1. ``.modelopt_k3_convert/job.json`` identifies the job (a digest of the recipe and the source
    headers); a directory holding another job, or foreign files, is refused without ``overwrite``.
 2. Each shard is written to ``.<name>.partial``, fsynced and renamed to ``<name>``; then its record
-   ``.modelopt_k3_convert/shards/<name>.json`` (sizes, sha256 of the output file, its tensors and
-   counters) is written (temporary file + rename). A rerun skips a shard whose record matches the
-   job and whose file still has the recorded size and sha256, and redoes every other shard.
+   ``.modelopt_k3_convert/shards/<name>.json`` (sizes, the output's digest, its tensors and
+   counters) is written (temporary file + rename). The digest (``export.writer.ShardDigest``) is sha256 over
+   the sha256 of the header and of each tensor's bytes in file order, computed while writing. A rerun
+   skips a shard whose record matches the job and whose file still has the recorded size and digest,
+   and redoes every other shard.
 3. The finalize step (rank 0 after a barrier when a process group is initialised; otherwise
    whichever rank finds every record in place when it finishes, or ``finalize_conversion``)
    checks every record, writes the index, ``config.json``, ``hf_quant_config.json``, the remote

@@ -21,7 +21,7 @@ from ..numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
 from ..numerics.mxfp4 import mxfp4_decode
 from .jobs import _ModuleJob, _Plan
 from .report import ConvertStats
-from .state import RECORD_VERSION, _fsync, _record_path, _sha256
+from .state import RECORD_VERSION, _fsync, _record_path
 
 
 class _ShardConverter:
@@ -120,9 +120,10 @@ def _write_shard(
     plan: _Plan, file: str, dst: Path, pool: ThreadPoolExecutor | None, on_item: Callable[[], None], *,
     allow_nonfinite_passthrough: bool = False,
 ) -> tuple[Path, dict]:
-    """Write source shard ``file`` into ``dst/.<file>.partial``; return it and its record (no sha256 yet).
+    """Write source shard ``file`` into ``dst/.<file>.partial``; return it and its record.
 
-    Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges. Source
+    Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges and adds their
+    sha256 to the shard's digest (``ShardDigest``), so the file is never read back to be hashed. Source
     values that are not numbers refuse the shard (``NonFiniteError`` naming every such tensor it
     read), except in copied tensors with ``allow_nonfinite_passthrough`` (recorded in its stats).
     On any failure the partial file is removed: a rerun rewrites the whole shard anyway.
@@ -170,7 +171,7 @@ def _shard_record(plan: _Plan, file: str, shard: PlannedShard, stats: ConvertSta
         "version": RECORD_VERSION,
         "fingerprint": plan.fingerprint,
         "source": {"file": file, "size": plan.sizes[file]},
-        "output": {"file": file, "size": shard.total_bytes, "sha256": None},
+        "output": {"file": file, "size": shard.total_bytes, "digest": shard.digest.hexdigest()},
         "tensors": sorted(shard.planned),
         "tensor_bytes": shard.tensor_bytes,
         "stats": stats.to_dict(),
@@ -178,10 +179,10 @@ def _shard_record(plan: _Plan, file: str, shard: PlannedShard, stats: ConvertSta
 
 
 def _finish_shard(tmp: Path, dst: Path, record: dict) -> dict:
-    """fsync and hash the written shard, rename it into place, then save its completion record."""
+    """fsync the written shard, rename it into place, then save its completion record (its digest was
+    taken while writing)."""
     file = record["output"]["file"]
     _fsync([tmp])
-    record["output"]["sha256"] = _sha256(tmp)
     os.replace(tmp, dst / file)
     _fsync([dst])  # the rename is durable before the record claims it
     write_json_atomic(_record_path(dst, file), record)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 from .. import __version__
 from ..checkpoint import INDEX_NAME
 from ..export.modelopt_format import config_quantization_config, hf_quant_config
-from ..export.writer import copy_side_files, write_configs, write_index, write_json_atomic
+from ..export.writer import copy_side_files, file_digest, write_configs, write_index, write_json_atomic
 from ..recipe import Recipe
 from .jobs import _Plan
 from .report import ConvertStats
@@ -18,8 +17,8 @@ from .report import ConvertStats
 STATE_DIR = ".modelopt_k3_convert"
 COMPLETE_MARKER = ".modelopt_k3_complete"
 JOB_FILE = "job.json"
-RECORD_VERSION = 1
-_HASH_CHUNK = 16 * 2**20
+# 2: the output digest is computed from the bytes as they are written (``ShardDigest``), not read back.
+RECORD_VERSION = 2
 
 
 class ConvertError(ValueError):
@@ -28,16 +27,6 @@ class ConvertError(ValueError):
 
 def _record_path(dst: Path, file: str) -> Path:
     return dst / STATE_DIR / "shards" / f"{file}.json"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -> dict | None:
@@ -55,7 +44,7 @@ def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -
             return None
     except FileNotFoundError:
         return None
-    if verify_hash and _sha256(out) != rec["output"]["sha256"]:
+    if verify_hash and file_digest(out) != rec["output"]["digest"]:
         return None
     return rec
 

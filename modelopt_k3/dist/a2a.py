@@ -8,8 +8,9 @@ rank is ``expert_id // experts_per_rank``. Tokens travel to their owner with ``a
 combined in fp32 at the origin exactly as in one process.
 
 Works for any experts module that follows transformers' experts interface (``gate_up_proj`` /
-``down_proj`` / ``_apply_gate``) and carries the three placement attributes above. Every rank must
-call it the same number of times (the calibration loop equalises batch counts).
+``down_proj`` / ``_apply_gate``) and carries the three placement attributes above, plus
+``local_experts_implementation`` (the plan's choice, set by the loader). Every rank must call it the
+same number of times (the calibration loop equalises batch counts).
 """
 
 from __future__ import annotations
@@ -18,20 +19,18 @@ import torch
 import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from ..models.packed_experts import DISPATCHES_ATTR, local_experts_forward
+
 A2A_NAME = "torch_a2a"
 # The process group tokens are exchanged in: None = the world (EP degree = world size); with a smaller
 # EP degree, this rank's group of ``ep_degree`` contiguous ranks (set once by ``init_expert_groups``).
 _EP_GROUP = None
-# Implementation used on the owner rank; set per module as ``local_experts_implementation``.
-DEFAULT_LOCAL = "eager"
 
 
 def _local_forward(module: torch.nn.Module):
-    name = getattr(module, "local_experts_implementation", DEFAULT_LOCAL)
-    if name == "eager":
-        # The class's own forward, below the interface dispatch (which would route back to us).
-        return type(module).forward.__wrapped__
-    return ALL_EXPERTS_FUNCTIONS[name]
+    # The plan's owner implementation (load.set_experts_implementation sets it on every experts module),
+    # below the interface dispatch (which would route back to us); packed experts decode around it.
+    return local_experts_forward(module, module.local_experts_implementation)
 
 
 def _exchange(tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
@@ -68,13 +67,17 @@ def torch_a2a_experts_forward(
     send_ids = flat_ids[order] - owner[order] * per_rank  # owner-local ids
     recv_x = _exchange(send_x, send_counts, recv_counts, group)
     recv_ids = _exchange(send_ids, send_counts, recv_counts, group)
+    del send_x, send_ids  # free each buffer once exchanged: the memory planner counts this sequence
 
     ones = torch.ones(recv_ids.numel(), 1, dtype=torch.float32, device=recv_x.device)
     expert_out = _local_forward(self)(self, recv_x, recv_ids.unsqueeze(1), ones)
+    del recv_x, recv_ids, ones
 
     back = _exchange(expert_out, recv_counts, send_counts, group)
+    del expert_out
     per_slot = torch.empty_like(back)
     per_slot[order] = back
+    del back
     combined = (per_slot.view(num_tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)).sum(1)
     return combined.to(hidden_states.dtype)
 
@@ -89,6 +92,10 @@ def init_expert_groups(world_size: int, ep_degree: int, rank: int) -> None:
         group = dist.new_group(list(range(start, start + ep_degree)))
         if start <= rank < start + ep_degree:
             _EP_GROUP = group
+
+
+# Packed experts decode only on the owner, inside _local_forward, not before the exchange.
+setattr(torch_a2a_experts_forward, DISPATCHES_ATTR, True)
 
 
 def register_torch_a2a() -> None:

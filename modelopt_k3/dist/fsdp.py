@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..models.spec import ModelSpec
 
+AMAX_ROWS_PER_PASS = 16
+
 __all__ = [
     "check_partition",
     "full_amax",
@@ -112,8 +114,12 @@ def full_amax(t: torch.Tensor, reduce_dims: tuple[int, ...] | None = None) -> to
     when ``t`` is sharded; an empty local shard contributes 0 (``|x| >= 0``).
     """
     if not isinstance(t, DTensor):
-        x = t.detach().float().abs()
-        return x.amax() if reduce_dims is None else x.amax(dim=reduce_dims)
+        if reduce_dims is None:
+            return t.detach().float().abs().amax()
+        if 0 in reduce_dims:
+            return t.detach().float().abs().amax(dim=reduce_dims)
+        # Per row (e.g. per expert), a few rows at a time: the fp32 copy stays small next to the weight.
+        return torch.cat([r.float().abs().amax(dim=reduce_dims) for r in t.detach().split(AMAX_ROWS_PER_PASS)])
     _, _, pg = _mesh_info(t)
     x = t.to_local().detach().float().abs()
     if reduce_dims is None:

@@ -6,6 +6,7 @@ environment.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -34,6 +35,13 @@ class DistributionPlan:
     experts_implementation: str
     # Expert parallel only: the dense part "replicated" on every rank, or "fsdp2"-sharded over the world.
     dense: str = "replicated"
+    # What runs this rank's own experts: the owner's implementation under torch_a2a, else the
+    # implementation itself (``default_local_implementation``).
+    local_experts_implementation: str = "eager"
+    # Experts held decoded ("bf16") or as their MXFP4 source bytes ("packed", models/packed_experts.py),
+    # and for packed the experts decoded at a time (None: a whole layer). Set by ``with_residency``.
+    experts_residency: str = "bf16"
+    decode_chunk: int | None = None
 
     @property
     def fsdp_sharded(self) -> bool:
@@ -66,12 +74,50 @@ class DistributionPlan:
         text = f"plan={self.kind} world={self.world_size} rank={self.rank}"
         if self.expert_parallel:
             text += f" ep={self.ep_degree} experts_implementation={self.experts_implementation} dense={self.dense}"
+        text += f" local_experts={self.local_experts_implementation} experts={self.experts_residency}"
+        if self.experts_residency == "packed":
+            text += f" decode_chunk={self.decode_chunk or 'layer'}"
         return text
 
+    def with_residency(self, residency: str, decode_chunk: int | None = None) -> DistributionPlan:
+        """This plan with the experts' residency decided (``load_pretrained``, from the memory planner)."""
+        if residency not in ("bf16", "packed"):
+            raise PlanError(f"unknown experts residency {residency!r}; choose 'bf16' or 'packed'")
+        if residency == "packed" and self.kind == "fsdp2":
+            raise PlanError(
+                "plan 'fsdp2' gathers every expert of a layer on every rank while it runs, so packed experts "
+                "would decode a whole layer's experts per rank (the BF16 layer they exist to avoid). Use "
+                "'expert_parallel' with dense='fsdp2' (CLI: --plan expert_parallel --dense fsdp2) for packed "
+                "experts with a sharded dense part, or experts='bf16' with plan 'fsdp2'"
+            )
+        if decode_chunk is not None and (residency != "packed" or decode_chunk < 1):
+            raise PlanError(f"decode_chunk={decode_chunk} needs packed experts and at least 1 expert")
+        return dataclasses.replace(self, experts_residency=residency, decode_chunk=decode_chunk)
 
-def default_local_implementation(device: torch.device) -> str:
-    # grouped_mm on CPU wants 16-byte aligned strides and is not faster there; eager is exact and simple.
-    return "grouped_mm" if device.type == "cuda" else "eager"
+
+def default_local_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The implementation that runs a rank's own experts when the user names none.
+
+    grouped_mm for bf16 weights on CUDA where transformers would use the kernel (compute capability
+    >= 8.0 with ``torch.nn.functional.grouped_mm``; transformers integrations/moe.py
+    ``_can_use_grouped_mm``; the kernel takes bf16 only, per torch's ``grouped_mm`` docs), else eager.
+    Never batched_mm: it gathers one weight matrix per (token, expert) pair, a calibration batch's worth
+    of expert matrices. On CPU grouped_mm runs a per-group loop, no faster than eager.
+    """
+    if device.type == "cuda" and hasattr(torch.nn.functional, "grouped_mm") and dtype in (None, torch.bfloat16):
+        if torch.cuda.get_device_capability(device) >= (8, 0):
+            return "grouped_mm"
+    return "eager"
+
+
+def _check_local_implementation(name: str) -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if name != "eager" and name not in ALL_EXPERTS_FUNCTIONS:
+        raise PlanError(
+            f"unknown experts implementation {name!r}; choose 'eager' or one registered with transformers' "
+            f"experts interface: {sorted(ALL_EXPERTS_FUNCTIONS.keys())}"
+        )
 
 
 def _check_fsdp2(
@@ -106,12 +152,12 @@ def decide_plan(
     experts_implementation: str | None = None,
     prepared: ExpertPlacement | None = None,
     dense: str = "replicated",
+    dtype: torch.dtype | None = None,
 ) -> DistributionPlan:
     if requested not in PLAN_KINDS:
         raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
     if dense not in DENSE_MODES:
         raise PlanError(f"unknown dense sharding {dense!r}; choose one of {list(DENSE_MODES)}")
-        raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
     has_ep = bool(spec.ep_sharded_params)
     kind = requested
     if kind == "auto":
@@ -135,6 +181,9 @@ def decide_plan(
                 f"choose a degree that divides it"
             )
         impl = "torch_a2a"
+        # A named implementation runs the owner's experts; torch_a2a dispatches to them.
+        local = experts_implementation if experts_implementation not in (None, impl) else None
+        local = local or default_local_implementation(device, dtype)
         if dense == "fsdp2" and ep_degree != world_size:
             raise PlanError(
                 f"an FSDP2-sharded dense part shards over all {world_size} ranks; with replicated expert groups "
@@ -144,11 +193,16 @@ def decide_plan(
         if dense != "replicated":
             raise PlanError(f"dense={dense!r} applies to plan 'expert_parallel' (plan '{kind}' decides it itself)")
         ep_degree = 1
-        impl = experts_implementation or default_local_implementation(device)
+        impl = experts_implementation or default_local_implementation(device, dtype)
+        # torch_a2a in one process dispatches to itself: the local implementation runs the experts.
+        local = impl if impl != "torch_a2a" else default_local_implementation(device, dtype)
         if spec.patches_process_wide and prepared is not None and prepared.ep_size > 1:
             raise PlanError(
                 f"this process already patched model_type {spec.model_type!r} for expert parallelism "
                 f"(ep_size={prepared.ep_size}); a '{kind}' load in the same process would build sharded experts. "
                 "Start a new process for it."
             )
-    return DistributionPlan(kind, rank, world_size, ep_degree, device, impl, dense if kind == "expert_parallel" else "replicated")
+    _check_local_implementation(local)
+    return DistributionPlan(
+        kind, rank, world_size, ep_degree, device, impl, dense if kind == "expert_parallel" else "replicated", local
+    )

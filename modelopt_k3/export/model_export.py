@@ -22,8 +22,9 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import CheckpointReader
 from ..dist.collectives import run_together
-from ..dist.fsdp import gather_to_owner, local_rows, local_tensor
+from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
+from ..models.packed_experts import expert_weight_rows, release_decode_workspaces
 from ..paths import refuse_overlap
 from ..quant.modules import ExpertsQuantState
 from . import compressed_tensors_format as ct_format
@@ -79,28 +80,29 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
 
     Only the experts this rank holds. Quantizer scales span the module's expert dim (index ``idx``);
     local weights and casts hold this rank's rows (index ``local``): the same unless FSDP2-sharded.
+    Weights are taken ``EXPERTS_PER_CAST`` experts at a time, and only where no cast replaces them
+    (packed-resident experts decode them then).
     """
     state: ExpertsQuantState | None = getattr(experts, "quant", None)
     rows = local_rows(getattr(experts, spec.expert_projections[0].fused_param))
     cast: dict[str, object] = {}
+    weights: dict[str, torch.Tensor] = {}
+    part = slice(0, 0)
     for idx in rows:
         local, expert = idx - rows.start, experts.expert_offset + idx
         if local % EXPERTS_PER_CAST == 0:
             # Lossless casts of the source bytes, a few experts at a time (bounded export memory).
-            part = slice(local, local + EXPERTS_PER_CAST)
+            part = slice(local, min(local + EXPERTS_PER_CAST, len(rows)))
+            cast.clear()
+            weights.clear()
             for proj in spec.expert_projections:
                 wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
                 if wq is not None and wq.source is not None:
                     cast[proj.name] = wq.source[0].cast(proj.name, wq.scale(), part)
         in_part = local % EXPERTS_PER_CAST
         for proj in spec.expert_projections:
-            fused = local_tensor(getattr(experts, proj.fused_param)).detach()[local]
-            weight = fused.chunk(proj.n_chunks, dim=0)[proj.chunk]
             prefix = f"{name}.{expert}.{proj.name}"
-            if proj.name not in projs or state is None:
-                yield prefix, {"weight": weight.to(torch.bfloat16).contiguous()}, False
-                continue
-            wq = state.weight[proj.fused_param]
+            wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
             if proj.name in cast:
                 c = cast[proj.name]
                 tensors = {
@@ -109,8 +111,13 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
                     "weight_scale_2": wq.scale()[idx].reshape(()).to(torch.float32),
                 }
             else:
-                scale = None if wq.fmt == "fp8_pb" else wq.scale()[idx]
-                tensors = weight_tensors(wq.fmt, weight, scale)
+                if proj.fused_param not in weights:
+                    weights[proj.fused_param] = expert_weight_rows(experts, proj.fused_param, part)
+                weight = weights[proj.fused_param][in_part].chunk(proj.n_chunks, dim=0)[proj.chunk]
+                if wq is None:
+                    yield prefix, {"weight": weight.to(torch.bfloat16).contiguous()}, False
+                    continue
+                tensors = weight_tensors(wq.fmt, weight, None if wq.fmt == "fp8_pb" else wq.scale()[idx])
             if proj.fused_param in state.input:
                 tensors["input_scale"] = input_scale_tensor(state.input[proj.fused_param].scale())
             yield prefix, tensors, True
@@ -148,6 +155,7 @@ def export_checkpoint(
     export_dir = Path(export_dir)
     modules = dict(model.named_modules())
     experts_modules = spec.experts_modules(model)
+    release_decode_workspaces(experts_modules.values())  # export never runs the experts: give it back first
     kv_scales = _kv_scales(model)
 
     with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:

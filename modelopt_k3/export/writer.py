@@ -6,8 +6,9 @@ Two shard strategies share one header layout, dtype map and byte path:
   spills them to a side file past ``spill_bytes``, and cuts a shard at ``max_shard_bytes``.
 - ``PlannedShard`` (the streaming converter): every tensor's name, dtype and shape is known before
   any value is computed, so the header is written first and each tensor is written in place at its
-  offset, in any order and from any thread, or copied from the source in the kernel
-  (``copy_file_range``). Memory holds a few tensors, never a shard.
+  offset, in any order and from any thread, or copied from the source through one buffer. Its digest
+  (``ShardDigest``) is taken from the bytes as they are written, so the file is never read back to be
+  hashed. Memory holds a few tensors, never a shard.
 
 Typical use of ``ShardWriter`` on every rank::
 
@@ -32,11 +33,13 @@ a rank that raised would otherwise meet its peers in mismatched collectives.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
 import shutil
 import struct
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -45,7 +48,15 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
-from modelopt_k3.checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, CheckpointReader, TensorInfo
+from modelopt_k3.checkpoint import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPES,
+    SINGLE_NAME,
+    CheckpointError,
+    CheckpointReader,
+    TensorInfo,
+    read_shard,
+)
 from modelopt_k3.dist.collectives import (
     DistributedStepError,
     all_gather_object,
@@ -62,9 +73,11 @@ __all__ = [
     "INDEX_NAME",
     "PlannedShard",
     "PlannedTensor",
+    "ShardDigest",
     "ShardWriter",
     "atomic_output_dir",
     "copy_side_files",
+    "file_digest",
     "gather_weight_maps",
     "write_configs",
     "write_index",
@@ -72,15 +85,15 @@ __all__ = [
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-# Buffered bytes above which a shard's tensors go to its spill file (bounds export memory).
-DEFAULT_SPILL_BYTES = 256 * 2**20
+# Buffered bytes above which a shard's tensors go to its spill file (bounds export memory: what export
+# adds to a rank's peak after calibration; 64 MiB keeps it within 5% there, benchmarks/bench_ep.py).
+DEFAULT_SPILL_BYTES = 64 * 2**20
 # Bytes moved through this process at a time (spill assembly, checked copies); a multiple of every itemsize.
 COPY_CHUNK = 64 * 2**20
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # What a writer writes itself, or never copies: everything else in a source checkpoint directory
 # that is not a safetensors shard (remote code, tokenizer, generation config) is copied as it is.
 _NOT_SIDE_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
-_HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 
 
 # --------------------------------------------------------------------------- bytes and files
@@ -406,12 +419,62 @@ class PlannedTensor(NamedTuple):  # a NamedTuple: a Kimi-K3 conversion plans ~10
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+class ShardDigest:
+    """The digest of a shard written out of order, from the bytes as they are written.
+
+    The shard is cut into its segments, the header and then every tensor's byte range (sorted by offset,
+    then name); the digest is sha256 over each segment's sha256, in that order. Writers add segments
+    from any thread in any order; nothing is read back. ``file_digest`` computes the same from a file.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, str, bytes]] = []
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, name: str, digest: bytes) -> None:
+        with self._lock:
+            self._parts.append((offset, name, digest))
+
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for _, _, digest in sorted(self._parts):
+            h.update(digest)
+        return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """``ShardDigest`` of a safetensors file on disk (its header checked by the one reader); "" for a file
+    that is not a whole safetensors file, which matches no record."""
+    try:
+        shard = read_shard(path)
+    except CheckpointError:
+        return ""
+    digest = ShardDigest()
+    digest.add(0, "", hashlib.sha256(shard.raw).digest())
+    buf = bytearray(min(COPY_CHUNK, max((t.nbytes for t in shard.tensors.values()), default=0)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        for name, t in shard.tensors.items():
+            h = hashlib.sha256()
+            f.seek(t.offset)
+            left = t.nbytes
+            while left:
+                n = f.readinto(view[: min(left, len(view))])
+                if not n:
+                    return ""  # shrank since its header was read: matches no record
+                h.update(view[:n])
+                left -= n
+            digest.add(t.offset, name, h.digest())
+    return digest.hexdigest()
+
+
 class PlannedShard:
     """A safetensors file whose header is written first, from tensors planned before any value exists;
     each tensor is then written at its offset, in any order, from any thread (``write``/``copy``).
 
     Tensors are laid out by element size (largest first), then planned order, so every tensor starts
-    at a multiple of its element size, as safetensors' own writer does. ``discard`` removes the file.
+    at a multiple of its element size, as safetensors' own writer does. ``digest`` covers every byte
+    written (``ShardDigest``). ``discard`` removes the file.
     """
 
     def __init__(self, path: Path, planned: Sequence[PlannedTensor]):
@@ -422,9 +485,11 @@ class PlannedShard:
         self.offsets = {name: len(header) + off for name, off in rel.items()}
         self.tensor_bytes = sum(t.nbytes for t in planned)
         self.total_bytes = len(header) + self.tensor_bytes
+        self.digest = ShardDigest()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             pwrite_all(self._fd, header, 0)
+            self.digest.add(0, "", hashlib.sha256(header).digest())
             os.ftruncate(self._fd, self.total_bytes)
         except BaseException:
             self.discard()
@@ -436,21 +501,22 @@ class PlannedShard:
             raise AssertionError(
                 f"{name}: produced {tensor.dtype} {list(tensor.shape)}, planned {want.dtype} {list(want.shape)}"
             )
-        pwrite_all(self._fd, tensor_bytes(tensor), self.offsets[name])
+        data = tensor_bytes(tensor)
+        self.digest.add(self.offsets[name], name, hashlib.sha256(data).digest())
+        pwrite_all(self._fd, data, self.offsets[name])
 
     def copy(self, reader: CheckpointReader, key: str) -> str | None:
         """Copy source tensor ``key`` byte for byte to the planned tensor of that name; return what in
         it is not a number (None: all are).
 
-        Floating tensors pass through this process in chunks, each checked as it goes by
-        (``nonfinite_count`` on bytes already in memory); other tensors cannot hold NaN and move in
-        the kernel where it can.
+        The bytes pass through one buffer (at most ``COPY_CHUNK``), hashed for the digest on the way
+        (which spares reading the output back); floating tensors are checked chunk by chunk
+        (``nonfinite_count`` on bytes already in memory), other dtypes cannot hold NaN.
         """
-        info = reader.info(key)
-        if info.dtype.is_floating_point:
-            return _copy_checked(reader, info, self._fd, self.offsets[key])
-        _copy_unchecked(reader, info, self._fd, self.offsets[key])
-        return None
+        info, offset = reader.info(key), self.offsets[key]
+        sha, bad = _copy_chunks(reader, info, self._fd, offset, count_nonfinite=info.dtype.is_floating_point)
+        self.digest.add(offset, key, sha)
+        return f"{bad} NaN/Inf value{'s' if bad != 1 else ''}" if bad else None
 
     def close(self) -> None:
         if self._fd is not None:
@@ -462,43 +528,23 @@ class PlannedShard:
         self.path.unlink(missing_ok=True)
 
 
-def _copy_unchecked(reader: CheckpointReader, t: TensorInfo, out_fd: int, out_offset: int) -> None:
-    """``copy_file_range`` where the filesystem allows, else through a buffer."""
-    done = 0
-    if _HAS_COPY_FILE_RANGE:
-        src_fd = reader.fd(t.file)
-        try:
-            while done < t.nbytes:
-                n = os.copy_file_range(src_fd, out_fd, t.nbytes - done, t.offset + done, out_offset + done)
-                if n == 0:
-                    raise reader.truncated(t.file, t.offset + done)
-                done += n
-            return
-        except OSError:  # EXDEV, ENOSYS, EINVAL on some filesystems: finish with plain reads
-            pass
-    _copy_chunks(reader, t, out_fd, out_offset, done)
-
-
-def _copy_checked(reader: CheckpointReader, t: TensorInfo, out_fd: int, out_offset: int) -> str | None:
-    bad = _copy_chunks(reader, t, out_fd, out_offset, 0, count_nonfinite=True)
-    return f"{bad} NaN/Inf value{'s' if bad != 1 else ''}" if bad else None
-
-
 def _copy_chunks(
-    reader: CheckpointReader, t: TensorInfo, out_fd: int, out_offset: int, done: int, *, count_nonfinite: bool = False
-) -> int:
-    """Copy bytes ``[done, nbytes)`` of ``t`` through one buffer; return the NaN/Inf values counted in them."""
-    buf = torch.empty(min(COPY_CHUNK, t.nbytes - done), dtype=torch.uint8)  # chunks hold whole elements
+    reader: CheckpointReader, t: TensorInfo, out_fd: int, out_offset: int, *, count_nonfinite: bool
+) -> tuple[bytes, int]:
+    """Copy the bytes of ``t`` through one buffer; return their sha256 and the NaN/Inf values counted."""
+    buf = torch.empty(min(COPY_CHUNK, max(t.nbytes, 1)), dtype=torch.uint8)  # chunks hold whole elements
     view = memoryview(buf.numpy())
-    bad = 0
+    h = hashlib.sha256()
+    bad = done = 0
     while done < t.nbytes:
         n = min(len(view), t.nbytes - done)
         reader.pread_into(t.file, view[:n], t.offset + done)
         if count_nonfinite:
             bad += nonfinite_count(buf[:n].view(t.dtype))
+        h.update(view[:n])
         pwrite_all(out_fd, view[:n], out_offset + done)
         done += n
-    return bad
+    return h.digest(), bad
 
 
 # --------------------------------------------------------------------------- index

@@ -92,7 +92,8 @@ class ModelSpec:
     shared_scale_groups: tuple[tuple[str, ...], ...]
     # Config attribute holding the global routed-expert count.
     num_experts_attr: str
-    # Checkpoint keys of routed experts, with named groups ``module`` and ``expert``.
+    # Checkpoint keys of routed experts, with named groups ``module``, ``expert``, ``proj`` (the
+    # ``expert_projections`` name) and ``tensor`` (e.g. ``weight`` or ``weight_packed``).
     expert_key_regex: str
     # The placement a process-wide prepare was made for (None when the model class is unpatched).
     prepared_placement: Callable[[type], ExpertPlacement | None]
@@ -108,6 +109,11 @@ class ModelSpec:
     dense_converters: tuple[Any, ...] = ()
     # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
     attach_kv_cache: Callable[[nn.Module, str], None] | None = None
+    # Memory planner (memory/planner.py): checkpoint keys of the FSDP2 units (the model's
+    # ``_no_split_modules`` instances), with the unit's prefix as named group ``unit``; and the
+    # activation model of one calibration forward (``ActivationModel`` from text config, batch, seq, dtype bytes).
+    fsdp_unit_key_regex: str | None = None
+    activation_memory: Callable[..., Any] | None = None
     # config.json (parsed JSON, no remote code) -> every MoE layer's routed experts (``source_check``).
     expert_layout: Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]] | None = None
     # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix

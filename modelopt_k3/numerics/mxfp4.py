@@ -64,24 +64,37 @@ def _pair_table(dtype: torch.dtype, device: torch.device) -> Tensor:
     return t
 
 
-def mxfp4_decode(weight_packed: Tensor, weight_scale: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def mxfp4_decode(
+    weight_packed: Tensor, weight_scale: Tensor, dtype: torch.dtype = torch.bfloat16, *, out: Tensor | None = None
+) -> Tensor:
     """Decode MXFP4 to ``[..., out, in]`` in ``dtype`` (bit-exact; leading batch dims allowed).
 
     ``weight_packed`` uint8 ``[..., out, in/2]``, ``weight_scale`` uint8 ``[..., out, in/32]``.
+    ``out``: a contiguous ``dtype`` tensor of the result's shape to decode into (a reusable
+    workspace); returned.
     """
     lead, half = check_packed_with_scales("mxfp4_decode", weight_packed, weight_scale, torch.uint8, MXFP4_BLOCK, "MXFP4")
     n_blocks = weight_scale.shape[-1]
     table = _pair_table(dtype, weight_packed.device)
     rows = weight_packed.reshape(-1, n_blocks, MXFP4_BLOCK // 2)
     srows = weight_scale.reshape(-1, n_blocks, 1)
-    out = torch.empty(rows.shape, dtype=table.dtype, device=weight_packed.device)
+    shape = (*lead, half * 2)
+    if out is None:
+        pairs = torch.empty(rows.shape, dtype=table.dtype, device=weight_packed.device)
+    else:
+        if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous() or out.device != weight_packed.device:
+            raise ValueError(
+                f"mxfp4_decode: out must be a contiguous {dtype} tensor of shape {list(shape)} on "
+                f"{weight_packed.device}, got {out.dtype} {list(out.shape)} on {out.device}"
+            )
+        pairs = out.view(table.dtype).view(rows.shape)
 
     def decode(sl: slice) -> None:
         idx = torch.bitwise_or(srows[sl].int() << 8, rows[sl])
-        torch.index_select(table, 0, idx.view(-1), out=out[sl].view(-1))
+        torch.index_select(table, 0, idx.view(-1), out=pairs[sl].view(-1))
 
     run_slabs(rows.shape[0], half, weight_packed.device, decode)
-    return out.view(dtype).view(*lead, half * 2)
+    return out if out is not None else pairs.view(dtype).view(shape)
 
 
 def mxfp4_encode(w: Tensor) -> tuple[Tensor, Tensor]:

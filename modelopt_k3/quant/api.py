@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
+from ..models.packed_experts import is_packed
 from ..models.spec import ModelSpec
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
@@ -145,8 +146,10 @@ def quantize(
         if info.packed_experts:
             # Only the experts this rank holds (its EP block or FSDP2 rows); scales gathered when sharded.
             fused = getattr(experts, next(iter(spec.ep_sharded_params)))
+            # Packed-resident experts already hold these bytes: the cast reads them, not the checkpoint.
             source = Mxfp4ExpertSource(info.source(), spec, name, local_experts(experts, spec),
-                                       rows=local_rows(fused), gather=row_gatherer(fused))
+                                       rows=local_rows(fused), gather=row_gatherer(fused),
+                                       resident=experts if is_packed(experts) else None)
         attach_experts(experts, _fused_formats(spec, projs), source=source)
     if recipe.kv_cache is not None:
         if spec.attach_kv_cache is None:

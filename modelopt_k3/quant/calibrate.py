@@ -15,6 +15,7 @@ from torch import nn
 
 from ..dist.collectives import all_reduce_max_, run_together
 from ..dist.group import current_group
+from ..models.packed_experts import local_experts_forward
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from .modules import ExpertsQuantState, iter_quantizers, set_mode
 
@@ -40,7 +41,8 @@ def _calibrate_all_experts_hook(experts: nn.Module, state: ExpertsQuantState):
 
     The routed forward that follows is unchanged, so the model's output is the model's own.
     """
-    eager = type(experts).forward.__wrapped__  # below the interface dispatch: local ids, this rank only
+    # Below the interface dispatch: local ids, this rank only (packed experts decode around it).
+    eager = local_experts_forward(experts, "eager")
 
     def hook(module, args, kwargs):
         if not state.calibrate_all_experts or not any(q.mode == "calib" for q in state.input.values()):

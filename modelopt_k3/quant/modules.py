@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..models.packed_experts import experts_device, is_packed, packed_weight_amax
 from .quantizer import TensorQuantizer
 
 
@@ -85,23 +86,29 @@ def attach_experts(
     """``formats``: fused param -> (weight fmt, input fmt, constant input amax); None fmt = not quantized.
 
     ``source``: an ``Mxfp4ExpertSource`` when the checkpoint stores these experts MXFP4-packed; NVFP4
-    weights are then the lossless cast of the source bytes.
+    weights are then the lossless cast of the source bytes. Packed-resident experts take weight amax
+    from their blocks and fake-quantize each decoded chunk (``weight_transforms``).
     """
-    state = ExpertsQuantState().to(experts.down_proj.device)
+    packed = is_packed(experts)
+    device = experts_device(experts) if packed else experts.down_proj.device
+    state = ExpertsQuantState().to(device)
     n = experts.num_experts
     for param, (w_fmt, i_fmt, i_amax) in formats.items():
         if w_fmt is None:
             continue
-        q = TensorQuantizer(w_fmt, role="weight", amax_shape=(n,)).to(experts.down_proj.device)
+        q = TensorQuantizer(w_fmt, role="weight", amax_shape=(n,)).to(device)
         if w_fmt != "fp8_pb":
-            q.observe(getattr(experts, param), reduce_dims=(1, 2))
+            if packed:
+                q.fold_amax(packed_weight_amax(experts, param))  # equal to the decoded weights' amax
+            else:
+                q.observe(getattr(experts, param), reduce_dims=(1, 2))
         if source is not None and w_fmt == "nvfp4":
             q.use_source(source, param)
         state.weight[param] = q
+        if packed:
+            experts.weight_transforms[param] = _chunk_fake_quant(q)
         if i_fmt is not None:
-            state.input[param] = TensorQuantizer(i_fmt, role="input", constant_amax=i_amax).to(
-                experts.down_proj.device
-            )
+            state.input[param] = TensorQuantizer(i_fmt, role="input", constant_amax=i_amax).to(device)
     experts.quant = state
     first, second = input_param_order
 
@@ -121,6 +128,8 @@ def attach_experts(
         return q(out) if q is not None else out
 
     experts._apply_gate = apply_gate
+    if packed:
+        return state  # the decode applies the weight transforms; there are no parameters to swap
 
     class_forward = type(experts).forward
 
@@ -135,6 +144,15 @@ def attach_experts(
 
     experts.forward = forward
     return state
+
+
+def _chunk_fake_quant(q: TensorQuantizer):
+    """A packed module's weight transform: the decoded chunk, fake-quantized while ``q`` is in quant mode."""
+
+    def transform(decoded: torch.Tensor, rows: slice) -> torch.Tensor:
+        return q.fake_quant(decoded, expert_dim=True, rows=rows) if q.mode == "quant" else decoded
+
+    return transform
 
 
 def iter_quantizers(model: nn.Module):

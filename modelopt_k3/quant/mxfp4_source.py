@@ -6,7 +6,8 @@ only the scales are re-expressed. Re-quantizing the decoded BF16 values from the
 add a second rounding for nothing. So for MXFP4-sourced experts with an NVFP4 recipe the weight
 ``weight_scale_2`` is the power of two of ``shared_global_scale_for`` (shared by the projections
 fused into one parameter, i.e. w1 and w3), the export casts the source bytes of this rank's experts
-(read again, lazily; never another rank's), and the fake-quant forward uses exactly those values.
+(read again, lazily, never another rank's; or, with packed-resident experts, the bytes the module
+already holds), and the fake-quant forward uses exactly those values.
 This is also what the calibration-free streaming converter writes, so both paths agree byte for byte.
 """
 
@@ -15,8 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..checkpoint import CheckpointReader
+from ..models.packed_experts import projection_fields
 from ..models.spec import ModelSpec
 from ..numerics import mxfp4_to_nvfp4, nvfp4_dequantize, shared_global_scale_for
 from ..numerics.nvfp4 import NVFP4Weight
@@ -25,17 +28,20 @@ PACKED, SCALE = "weight_packed", "weight_scale"
 
 
 class Mxfp4ExpertSource:
-    """This rank's packed experts of one fused experts module, read on demand from the source.
+    """This rank's packed experts of one fused experts module: the source bytes, on demand.
 
     ``experts``: the global ids read. ``rows``: where they sit in the module's expert dimension (all of
     it for one process or an expert-parallel block; one shard under FSDP2, where ``gather`` joins the
     ranks' rows). Scales passed in and returned span the whole expert dimension; casts and the cached
     fake-quant values cover only ``rows``.
+
+    The bytes come from the checkpoint (read again, lazily), or with packed-resident experts from the
+    module itself (``resident``: it holds exactly these bytes, so nothing is read twice).
     """
 
     def __init__(
         self, source: Path | CheckpointReader, spec: ModelSpec, module_name: str, experts: range,
-        rows: range | None = None, gather=None,
+        rows: range | None = None, gather=None, resident: nn.Module | None = None,
     ) -> None:
         # A shared open reader (LoadInfo.source()) parses the index and shard headers once per model.
         self.reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
@@ -44,6 +50,7 @@ class Mxfp4ExpertSource:
         self.experts = experts
         self.rows = rows if rows is not None else range(len(experts))
         self.gather = gather
+        self.resident = resident
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """``[len(rows), ...]`` -> the whole expert dimension (identity unless sharded; collective then)."""
@@ -53,6 +60,9 @@ class Mxfp4ExpertSource:
         return global_scales[self.rows.start : self.rows.stop]
 
     def _stack(self, proj: str, suffix: str, part: slice = slice(None)) -> torch.Tensor:
+        if self.resident is not None:
+            codes, scales = projection_fields(self.resident, self.spec, proj, part)
+            return codes if suffix == PACKED else scales
         return torch.stack([self.reader.get(f"{self.module_name}.{e}.{proj}.{suffix}") for e in self.experts[part]])
 
     def _projections(self, fused_param: str) -> list[str]:
@@ -70,11 +80,13 @@ class Mxfp4ExpertSource:
         weight, _ = mxfp4_to_nvfp4(self._stack(proj, PACKED, part), self._stack(proj, SCALE, part), global_scales)
         return weight
 
-    def fake_quant(self, fused_param: str, global_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's rows of the fused parameter as the export will hold them, dequantized."""
-        mine = self._mine(global_scales)
+    def fake_quant(
+        self, fused_param: str, global_scales: torch.Tensor, dtype: torch.dtype, part: slice = slice(None)
+    ) -> torch.Tensor:
+        """This rank's rows ``[part]`` of the fused parameter as the export will hold them, dequantized."""
+        mine = self._mine(global_scales)[part]
         parts = []
         for proj in self._projections(fused_param):
-            w = self.cast(proj, global_scales)
+            w = self.cast(proj, global_scales, part)
             parts.append(nvfp4_dequantize(w.packed, w.block_scale, mine.view(-1, 1, 1), dtype=torch.float32))
         return torch.cat(parts, dim=1).to(dtype)

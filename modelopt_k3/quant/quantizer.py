@@ -74,7 +74,14 @@ class TensorQuantizer(nn.Module):
         """
         if self.constant_amax is not None:
             return
-        value = full_amax(x, reduce_dims).to(self.amax.device)
+        self.fold_amax(full_amax(x, reduce_dims))
+
+    @torch.no_grad()
+    def fold_amax(self, value: torch.Tensor) -> None:
+        """Fold an amax measured elsewhere (e.g. from packed weight blocks) into ``amax``."""
+        if self.constant_amax is not None:
+            return
+        value = value.to(self.amax.device)
         # NaN in amax means "never observed": an observed NaN becomes +Inf, which every max keeps
         # (across batches and ranks), so calibrate() can tell "not a number" from "no data".
         value = torch.where(torch.isnan(value), torch.inf, value)
@@ -95,11 +102,14 @@ class TensorQuantizer(nn.Module):
             return nvn.nvfp4_global_scale(self.amax)
         return fp8n.fp8_scale(self.amax)
 
-    def fake_quant(self, x: torch.Tensor, *, expert_dim: bool = False) -> torch.Tensor:
-        """Quantize-dequantize ``x``. ``expert_dim``: ``x`` is ``[E, out, in]`` with one amax per expert."""
+    def fake_quant(self, x: torch.Tensor, *, expert_dim: bool = False, rows: slice | None = None) -> torch.Tensor:
+        """Quantize-dequantize ``x``. ``expert_dim``: ``x`` is ``[E, out, in]`` with one amax per expert;
+        ``rows``: ``x`` holds only those local experts (packed experts decode a chunk at a time)."""
         if self.source is not None:
+            source, param = self.source
+            if rows is not None:  # a decoded chunk: computed from the resident bytes, never cached
+                return source.fake_quant(param, self.scale(), dtype=x.dtype, part=rows).to(x.device)
             if self._fake_cache is None or self._fake_cache.dtype != x.dtype:
-                source, param = self.source
                 self._fake_cache = source.fake_quant(param, self.scale(), dtype=x.dtype).to(x.device)
             return source.full(self._fake_cache)  # this rank's rows, gathered when the weight is sharded
         if self.fmt == "fp8_pb":
@@ -108,7 +118,7 @@ class TensorQuantizer(nn.Module):
             )
         scale = self.scale()
         if expert_dim:
-            scale = scale.view(-1, 1, 1)
+            scale = (scale if rows is None else scale[rows]).view(-1, 1, 1)
         scale = scale.to(x.device)
         if self.fmt == "nvfp4":
             return nvn.nvfp4_fake_quant(x, scale)

@@ -244,6 +244,28 @@ def _vision_config(s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def checkpoint_config(s: dict[str, Any]) -> dict[str, Any]:
+    """config.json for resolved sizes ``s`` (without the quantization_config, which needs the module tree)."""
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+            "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+        },
+        "text_config": _text_config(s),
+        "vision_config": _vision_config(s),
+        "ignore_index": -100,
+        "media_placeholder_token_id": MEDIA_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
 def _is_routed_expert(name: str) -> bool:
     return ".block_sparse_moe.experts." in name
 
@@ -448,25 +470,8 @@ def make_tiny_kimi_k3(
     path.mkdir(parents=True, exist_ok=True)
     s = _resolve_sizes(sizes)
 
-    text_cfg = _text_config(s)
-    config: dict[str, Any] = {
-        "model_type": "kimi_k3",
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "auto_map": {
-            "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-            "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-        },
-        "text_config": text_cfg,
-        "vision_config": _vision_config(s),
-        "ignore_index": -100,
-        "media_placeholder_token_id": MEDIA_TOKEN_ID,
-        "pad_token_id": PAD_TOKEN_ID,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "tie_word_embeddings": False,
-        "dtype": "bfloat16",
-    }
+    config = checkpoint_config(s)
+    text_cfg = config["text_config"]
     model, module_types = _build_meta_model(config)
     text_cfg["quantization_config"] = mxfp4_quantization_config(_ignore_list(module_types))
 

@@ -7,6 +7,7 @@ from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import attach_kv_cache
 from .layout import expert_layout
+from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
 from .probe import probe_model
 from .shims import apply_import_shims
@@ -36,6 +37,9 @@ KIMI_K3_SPEC = register_spec(
         probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
+        # _no_split_modules: KimiDecoderLayer (language model), MoonViTEncoderLayer (vision tower).
+        fsdp_unit_key_regex=r"^(?P<unit>.+\.(?:model\.layers|encoder\.blocks)\.\d+)\.",
+        activation_memory=activation_memory,
         # A_log: declared [num_heads], stored [head_dim] zero-padded in the real checkpoint.
         dense_converters=(A_LOG_CONVERTER,),
     ),

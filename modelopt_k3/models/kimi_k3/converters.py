@@ -24,6 +24,7 @@ import torch
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter
 
 from ...numerics.mxfp4 import mxfp4_decode
+from ..conversion import DecodeOp
 
 EXPERTS_PREFIX = r"(?<=\.)block_sparse_moe\.experts\.\d+\."
 GATE_UP_TARGET = "block_sparse_moe.experts.gate_up_proj"
@@ -37,12 +38,18 @@ def _pattern(proj: str, tensor: str) -> str:
     return rf"{EXPERTS_PREFIX}{proj}\.{tensor}"
 
 
-class Mxfp4Decompress(ConversionOps):
+class Mxfp4Decompress(DecodeOp):
     """``(weight_packed, weight_scale)`` lists -> decoded weights, exact (FORMATS.md MXFP4).
 
     The decoded, stacked ``[n_experts, out, in]`` tensor is returned under the ``weight_packed``
-    pattern so that the following ``Concatenate`` keeps the source order (w1 before w3).
+    pattern so that the following ``Concatenate`` keeps the source order (w1 before w3). Packed
+    residency skips this step and keeps the two fields (``models/conversion.py``).
     """
+
+    codes_field, scales_field = PACKED_SUFFIX, SCALE_SUFFIX
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
+        return mxfp4_decode(codes, scales, dtype, out=out)
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         self.dtype = dtype

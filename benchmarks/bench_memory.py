@@ -1,0 +1,221 @@
+"""Packed-resident experts and the memory planner (issue 12), gloo on CPU.
+
+Checkpoint: the tiny Kimi-K3 with 64 experts of 256x256 per MoE layer and 8 layers (7 MoE), so that
+one layer's decode workspace is a small part of all the experts, as at full size (1 of 92 layers).
+For each EP degree (1, 2, 4) and experts residency (``bf16``, ``packed``) the whole ``hf_ptq``
+pipeline runs in fresh rank processes (``bench_ep.worker``: load, NVFP4 calibration on the builtin
+text, export), recording per rank the experts' resident bytes, RSS peaks per phase and wall times;
+the packed runs also time every decode into the workspace.
+
+Figures (each asserted against its target; the suite exits 1 on a miss):
+
+- expert bytes per rank, packed / bf16 (largest rank): <= 0.30 at EP 1/2/4 (MXFP4 is 4.25 bits a weight);
+- peak RSS during calibration: the packed run's expert part / the bf16 run's expert part <= 0.5, where a
+  run's expert part is its calibration peak minus the bf16 run's non-expert part (its calibration peak
+  minus its expert bytes);
+- calibration wall time, packed / bf16 <= 2 (the decode share of the packed run is reported);
+- the memory planner against the measurement, every EP degree and residency: resident parameters within
+  5%, peak RSS (largest of load, calibration, export) within 20%;
+- decode workspace throughput: a packed module's decode of 8 Kimi-K3-sized experts (gate_up 6144x3584,
+  down 3584x3072) into its workspace against ``mxfp4_decode`` of the same bytes allocating its output:
+  no slower than 1/1.3;
+- the full-size Kimi-K3 layout (header-only, ``testing.layout``) planned for a calibrated NVFP4 run at
+  batch 4 x 2048 tokens on 141 GiB GPUs: packed experts + FSDP2 dense on 16 GPUs, budget / peak >= 1;
+  the planner's whole table goes to RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from .bench_ep import finish, start
+from .common import Figure, summary, time_interleaved, tiny_checkpoint
+
+AREA = "memory"
+SIZES = {"num_experts": 64, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "num_hidden_layers": 8}
+QUICK_SIZES = {"num_experts": 8, "num_hidden_layers": 8}
+CALIB = {"sequences": 16, "seq_len": 64, "batch_size": 4}
+QUICK_CALIB = {"sequences": 4, "seq_len": 16, "batch_size": 2}
+RESIDENCIES = ("bf16", "packed")
+
+
+def _mib(n: float) -> float:
+    return n / 2**20
+
+
+def _runs(ctx, ckpt, calib: dict, degrees: tuple[int, ...]) -> dict[tuple[int, str], list[dict]]:
+    out = {}
+    for ep in degrees:
+        for residency in RESIDENCIES:
+            options = {**calib, "experts": residency, "time_decode": residency == "packed"}
+            run = start(ep, ckpt, ctx.workdir, options, timeout=600, threads=ctx.threads, tag=f"-{residency}")
+            out[(ep, residency)] = finish(run)
+            ctx.log(f"memory: EP {ep} {residency}: {time.perf_counter() - run['started']:.1f}s")
+    return out
+
+
+def _run_figures(runs: dict, degrees: tuple[int, ...]) -> list[Figure]:
+    figures = []
+    for ep in degrees:
+        bf16, packed = runs[(ep, "bf16")], runs[(ep, "packed")]
+        worst_b, worst_p = max(r["expert_param_bytes"] for r in bf16), max(r["expert_param_bytes"] for r in packed)
+        figures.append(Figure(
+            name=f"packed_expert_bytes/ep{ep}", area=AREA, title=f"EP {ep}: expert bytes per rank, packed / bf16",
+            ours={"label": "packed experts: MXFP4 codes + E8M0 scales per rank", "value": _mib(worst_p), "unit": "MiB"},
+            reference={"label": "bf16 experts per rank", "value": _mib(worst_b), "unit": "MiB"},
+            ratio=worst_p / worst_b, target=0.30, target_text="<= 0.30", unit="MiB", higher_is_better=False,
+        ))
+        # Non-expert part of the bf16 run's calibration peak, per rank; the same ranks hold the same dense part.
+        base = [r["calibration_peak_rss"] - r["expert_param_bytes"] for r in bf16]
+        part_b = [r["calibration_peak_rss"] - b for r, b in zip(bf16, base)]
+        part_p = [r["calibration_peak_rss"] - b for r, b in zip(packed, base)]
+        ratios = [p / b for p, b in zip(part_p, part_b)]
+        i = max(range(len(ratios)), key=ratios.__getitem__)
+        figures.append(Figure(
+            name=f"packed_calibration_peak/ep{ep}", area=AREA,
+            title=f"EP {ep}: calibration peak RSS, expert part, packed / bf16 (worst rank)",
+            ours={"label": "packed run's calibration peak minus the bf16 run's non-expert part",
+                  "value": _mib(part_p[i]), "unit": "MiB"},
+            reference={"label": "bf16 run's expert bytes (its calibration peak minus its non-expert part)",
+                       "value": _mib(part_b[i]), "unit": "MiB"},
+            ratio=ratios[i], target=0.5, target_text="<= 0.5", unit="MiB", higher_is_better=False,
+            details={"per_rank_ratio": ratios, "calibration_peak_rss_mib": {
+                "bf16": [_mib(r["calibration_peak_rss"]) for r in bf16],
+                "packed": [_mib(r["calibration_peak_rss"]) for r in packed]},
+                "bound": "packed holds 4.25/16 of the expert bytes plus one layer's decode workspace (1/7 of the "
+                         "layers here; 1/92 at full size) and the decode's transient tables"},
+        ))
+        t_b, t_p = max(r["calibration_s"] for r in bf16), max(r["calibration_s"] for r in packed)
+        decode = max(r["calibration_decode_s"] for r in packed)
+        figures.append(Figure(
+            name=f"packed_calibration_time/ep{ep}", area=AREA, title=f"EP {ep}: calibration wall time, packed / bf16",
+            ours={"label": "packed experts (decode per layer inside each forward)", **summary([t_p])},
+            reference={"label": "bf16 experts", **summary([t_b])},
+            ratio=t_p / t_b, target=2.0, target_text="<= 2", higher_is_better=False,
+            details={"decode_share_of_packed_calibration": decode / t_p if t_p else None,
+                     "decode_s": decode, "decodes": max(r["decodes"] for r in packed)},
+        ))
+    return figures
+
+
+def _planner_figures(ckpt, runs: dict, degrees: tuple[int, ...], calib: dict) -> list[Figure]:
+    from modelopt_k3.memory.layout import read_layout
+    from modelopt_k3.memory.planner import Configuration, RunShape, estimate
+
+    layout = read_layout(ckpt)
+    shape = RunShape(batch_size=calib["batch_size"], calib_seq=calib["seq_len"], device="cpu")
+    figures = []
+    for ep in degrees:
+        for residency in RESIDENCIES:
+            recs = runs[(ep, residency)]
+            cfg = Configuration("whole" if ep == 1 else "expert_parallel", "replicated", residency, ep)
+            est = estimate(layout, cfg, shape)
+            resident = max(r["all_param_bytes"] for r in recs)
+            peak = max(max(r["load_peak_rss"], r["calibration_peak_rss"], r["export_peak_rss"]) for r in recs)
+            for what, planned, measured, target in (("resident", est.resident, resident, 0.05),
+                                                    ("peak", est.peak, peak, 0.20)):
+                figures.append(Figure(
+                    name=f"planner_{what}/ep{ep}-{residency}", area=AREA,
+                    title=f"planner vs measured {what}, EP {ep}, {residency} experts",
+                    ours={"label": f"planner's {what} per rank", "value": _mib(planned), "unit": "MiB"},
+                    reference={"label": "measured (largest rank): parameters + expert buffers after load"
+                               if what == "resident" else "measured peak RSS (largest of load, calibration, export)",
+                               "value": _mib(measured), "unit": "MiB"},
+                    ratio=abs(planned / measured - 1), target=target, target_text=f"|planned / measured - 1| <= {target:g}",
+                    unit="MiB", higher_is_better=False,
+                    details={"planned_stages_mib": {k: _mib(v) for k, v in est.stages.items()}},
+                ))
+    return figures
+
+
+def _workspace_figure(ctx) -> Figure:
+    """A packed module's decode into its workspace vs ``mxfp4_decode`` of the same bytes, allocating."""
+    from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts
+    from modelopt_k3.models.packed_experts import DecodeWorkspace, _decoded_weights, to_packed
+    from modelopt_k3.numerics import mxfp4_decode
+
+    n, inter, hidden = (2, 768, 896) if ctx.quick else (8, 3072, 3584)
+    with torch.device("meta"):
+        module = KimiK3Experts(SimpleNamespace(_experts_implementation="eager"), num_experts=n, hidden_dim=hidden,
+                               intermediate_dim=inter, act_fn=torch.nn.SiLU())
+    module.gate_up_proj.data = module.gate_up_proj.data.bfloat16()
+    module.down_proj.data = module.down_proj.data.bfloat16()
+    to_packed(module, KIMI_K3_SPEC, DecodeWorkspace())
+    module.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    fields = []
+    for lay in module.packed_layouts.values():
+        q, s = getattr(module, lay.qdata_name), getattr(module, lay.scale_name)
+        q.copy_(torch.randint(0, 256, q.shape, generator=g, dtype=torch.uint8))
+        s.copy_(torch.randint(115, 125, s.shape, generator=g, dtype=torch.uint8))
+        fields.append((q, s))
+
+    def ours() -> None:
+        with _decoded_weights(module, slice(0, n)):
+            pass
+
+    def ref() -> None:
+        for q, s in fields:
+            mxfp4_decode(q, s, torch.bfloat16)
+
+    times = time_interleaved({"ours": ours, "ref": ref}, max(3, ctx.repeats))
+    decoded = sum(lay.decoded_bytes(n) for lay in module.packed_layouts.values())
+    paired = [r / o for o, r in zip(times["ours"], times["ref"])]
+    return Figure(
+        name="decode_workspace", area=AREA, title=f"packed decode into the workspace vs mxfp4_decode, {n} experts "
+                                                  f"{2 * inter}x{hidden} + {hidden}x{inter}",
+        ours={"label": "PackedExperts decode into the shared workspace (both fused params)", **summary(times["ours"])},
+        reference={"label": "mxfp4_decode of the same bytes, allocating", **summary(times["ref"])},
+        ratio=statistics.median(times["ref"]) / statistics.median(times["ours"]), ratio_range=(min(paired), max(paired)),
+        target=1 / 1.3, target_text=">= 1/1.3 (within 1.3x)",
+        details={"decoded_bytes": decoded, "ours_gbps": decoded / statistics.median(times["ours"]) / 1e9},
+    )
+
+
+def _full_size(ctx) -> tuple[Figure, str]:
+    from modelopt_k3.memory.planner import GiB, plan_memory
+    from modelopt_k3.testing.layout import make_kimi_k3_layout
+
+    path = ctx.workdir / "Kimi-K3-layout"
+    if not (path / "config.json").exists():
+        make_kimi_k3_layout(path, sparse=False, overwrite=True)
+    t0 = time.perf_counter()
+    report = plan_memory(path, world_size=16, gpu_mem_gib=141, batch_size=4, calib_seq=2048)
+    plan_s = time.perf_counter() - t0
+    est = report.find("expert_parallel", "fsdp2", "packed")
+    bf16 = report.find("expert_parallel", "fsdp2", "bf16")
+    fig = Figure(
+        name="full_size_plan/packed_fsdp2_dense_16x141", area=AREA,
+        title="Kimi-K3 full size, packed experts + FSDP2 dense, 16 GPUs of 141 GiB (budget / planned peak)",
+        ours={"label": "planned peak per rank (calibrated NVFP4, batch 4 x 2048 tokens)", "value": est.peak / GiB,
+              "unit": "GiB"},
+        reference={"label": "141 GiB per GPU", "value": 141.0, "unit": "GiB"},
+        ratio=141 * GiB / est.peak, target=1.0, target_text=">= 1 (fits)", unit="GiB",
+        details={"smallest_world": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in report.smallest.items()},
+                 "bf16_experts_fsdp2_dense_peak_gib": bf16.peak / GiB, "planner_seconds": plan_s,
+                 "stages_gib": {k: v / GiB for k, v in est.stages.items()}},
+    )
+    return fig, "### Full-size Kimi-K3 memory plan (modelopt-k3-plan, header-only layout)\n\n" + report.table() + (
+        f"\n\nPlanned in {plan_s:.1f} s from config.json and the safetensors headers.")
+
+
+def run(ctx):
+    sizes, calib = (QUICK_SIZES, QUICK_CALIB) if ctx.quick else (SIZES, CALIB)
+    degrees = (1,) if ctx.quick else (1, 2, 4)
+    ckpt = tiny_checkpoint(ctx.workdir, ctx.log, **sizes)
+    runs = _runs(ctx, ckpt, calib, degrees)
+    figures = _run_figures(runs, degrees) + _planner_figures(ckpt, runs, degrees, calib)
+    figures.append(_workspace_figure(ctx))
+    extra = {"checkpoint": str(ckpt), "sizes": sizes, "calibration": calib,
+             "per_rank": {f"ep{ep}-{r}": recs for (ep, r), recs in runs.items()}}
+    if not ctx.quick:  # writing the 0.5M-tensor header-only layout takes ~15 s
+        fig, table = _full_size(ctx)
+        figures.append(fig)
+        extra["markdown"] = table
+    shutil.rmtree(ctx.workdir / "ep1_inprocess_export", ignore_errors=True)
+    return figures, extra

@@ -1,0 +1,46 @@
+"""``modelopt-k3-plan``: per-rank memory of every plan x experts residency, from the headers alone.
+
+    modelopt-k3-plan --pyt_ckpt_path CKPT --world_size N [--gpu_mem_gib G] [--batch_size B --calib_seq S]
+                     [--recipe R] [--device cuda|cpu]
+
+Reads ``config.json`` and the safetensors headers (no tensor bytes, no model), prints the table, the
+smallest world size each configuration fits on, and each configuration's largest per-rank module. Exits 1 when no
+configuration fits ``N`` ranks (so a launcher script can stop early), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modelopt-k3-plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pyt_ckpt_path", type=Path, required=True, help="checkpoint directory (headers are read)")
+    p.add_argument("--world_size", type=int, required=True, help="ranks (GPUs) the run would use")
+    p.add_argument("--gpu_mem_gib", type=float, default=None,
+                   help="memory per rank (default: this machine's accelerator, or host RAM / ranks with --device cpu)")
+    p.add_argument("--batch_size", type=int, default=4, help="calibration sequences per batch per rank")
+    p.add_argument("--calib_seq", type=int, default=2048, help="tokens per calibration sequence")
+    p.add_argument("--recipe", default="presets/nvfp4", help="recipe name or path (which modules are quantized)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda: plan accelerator memory (the default, also on a machine without one); cpu: host RAM")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..memory.planner import plan_memory
+
+    if args.world_size < 1:
+        raise SystemExit("--world_size must be at least 1")
+    report = plan_memory(args.pyt_ckpt_path, world_size=args.world_size, gpu_mem_gib=args.gpu_mem_gib,
+                         batch_size=args.batch_size, calib_seq=args.calib_seq, recipe=args.recipe, device=args.device)
+    print(report.table())
+    at_world = [e for e in report.estimates if e.config.world_size == args.world_size or args.world_size == 1]
+    return 0 if report.budget is None or any(e.fits(report.budget) for e in at_world) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""A checkpoint's tensor layout from ``config.json`` and the safetensors headers alone.
+
+No tensor byte is read and no model is built: a full-size Kimi-K3 (about half a million tensors) is
+parsed in seconds, and a header-only or sparse checkpoint (``testing.layout``) plans like the real one.
+The model spec says which keys are routed experts (``expert_key_regex``), how they fuse
+(``expert_projections``) and which key prefixes are FSDP2 units (``fsdp_unit_key_regex``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, CheckpointError, read_header
+from ..models.spec import ModelSpec, get_spec
+
+# compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
+PACKED_CODES, PACKED_SCALES = "weight_packed", "weight_scale"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def module(self) -> str:
+        return self.name.rpartition(".")[0]
+
+
+@dataclass
+class ExpertGroup:
+    """One fused experts module as stored: ``num_experts`` experts, each with these projections."""
+
+    module: str
+    num_experts: int = 0
+    packed: bool = False
+    stored_bytes: int = 0  # all experts, as stored (packed: codes + scales)
+    # projection name -> decoded (out, in) per expert
+    projections: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def stored_bytes_per_expert(self) -> int:
+        return self.stored_bytes // max(self.num_experts, 1)
+
+    @property
+    def decoded_numel_per_expert(self) -> int:
+        return sum(o * i for o, i in self.projections.values())
+
+    def fused_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, int]]:
+        """fused param -> decoded (out, in) per expert (projections concatenated on rows)."""
+        out: dict[str, tuple[int, int]] = {}
+        for proj in spec.expert_projections:
+            o, i = self.projections[proj.name]
+            rows, cols = out.get(proj.fused_param, (0, i))
+            out[proj.fused_param] = (rows + o, cols)
+        return out
+
+
+@dataclass
+class CheckpointLayout:
+    path: Path
+    config: dict
+    spec: ModelSpec
+    dense: list[TensorMeta]
+    experts: list[ExpertGroup]
+    cache: dict = field(default_factory=dict, repr=False)  # the planner's per-recipe precomputation
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config", self.config)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.text_config[self.spec.num_experts_attr])
+
+    @property
+    def config_dtype(self) -> torch.dtype:
+        name = self.text_config.get("dtype") or self.config.get("dtype") or self.text_config.get("torch_dtype") or "bfloat16"
+        return getattr(torch, str(name).removeprefix("torch."))
+
+    @property
+    def packed_source(self) -> bool:
+        return bool(self.experts) and all(g.packed for g in self.experts)
+
+    @cached_property
+    def _kept_source_dtype(self) -> frozenset[str]:
+        keep = self.spec.keep_source_dtype
+        return frozenset(t.name for t in self.dense if keep and re.search(keep, t.name))
+
+    def load_dtype(self, tensor: TensorMeta, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a dense tensor has once loaded (the spec keeps some in their source dtype)."""
+        return tensor.dtype if tensor.name in self._kept_source_dtype else dtype
+
+    def fsdp_units(self) -> dict[str, list[TensorMeta]]:
+        """Dense tensors by FSDP2 unit prefix ("" = the root, which holds what no unit does)."""
+        units: dict[str, list[TensorMeta]] = defaultdict(list)
+        unit_re = re.compile(self.spec.fsdp_unit_key_regex) if self.spec.fsdp_unit_key_regex else None
+        for t in self.dense:
+            m = unit_re.match(t.name) if unit_re else None
+            units[m["unit"] if m else ""].append(t)
+        return units
+
+    def linear_weights(self) -> dict[str, tuple[int, int]]:
+        """Dense 2-D ``.weight`` tensors by module name, with their [out, in] (recipe matching)."""
+        return {t.module: (t.shape[0], t.shape[1]) for t in self.dense if t.name.endswith(".weight") and len(t.shape) == 2}
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    index = path / INDEX_NAME
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    if (path / SINGLE_NAME).exists():
+        return dict.fromkeys((k for k in read_header(path / SINGLE_NAME) if k != "__metadata__"), SINGLE_NAME)
+    raise CheckpointError(f"{path} has neither {INDEX_NAME} nor {SINGLE_NAME}")
+
+
+def read_layout(path: str | Path) -> CheckpointLayout:
+    """Parse ``config.json`` and every shard's header (nothing else) into a ``CheckpointLayout``."""
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{path} has no config.json")
+    config = json.loads(cfg_path.read_text())
+    spec = get_spec(config.get("model_type", ""))
+    key_re = re.compile(spec.expert_key_regex)
+    weight_map = _weight_map(path)
+    dense: list[TensorMeta] = []
+    groups: dict[str, ExpertGroup] = {}
+    experts_seen: dict[str, set[str]] = defaultdict(set)
+    for file in sorted(set(weight_map.values())):
+        for name, meta in read_header(path / file).items():
+            if name == "__metadata__" or weight_map.get(name) != file:
+                continue
+            dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{path / file}: tensor {name} has unsupported dtype {meta['dtype']}")
+            shape = meta["shape"]
+            m = key_re.match(name)
+            if m is None:
+                dense.append(TensorMeta(name, dtype, tuple(shape)))
+                continue
+            module, expert, proj, kind = m.group("module", "expert", "proj", "tensor")
+            group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))
+            experts_seen[module].add(expert)
+            group.stored_bytes += math.prod(shape) * dtype.itemsize
+            if kind == PACKED_CODES:
+                group.packed = True
+                group.projections[proj] = (shape[0], shape[1] * 2)
+            elif kind != PACKED_SCALES:
+                group.projections[proj] = (shape[0], shape[1])
+    for name, group in groups.items():
+        group.num_experts = len(experts_seen[name])
+    return CheckpointLayout(path, config, spec, dense, sorted(groups.values(), key=lambda g: g.module))

@@ -1,0 +1,605 @@
+"""Memory planner: what one rank holds at each stage of a PTQ run, before any weight is read.
+
+``plan_memory(path, world_size=N, ...)`` reads ``config.json`` and the safetensors headers
+(``layout.py``), and for each plan (``whole``, ``expert_parallel`` with the dense part replicated or
+FSDP2-sharded, ``fsdp2``) and experts residency (``bf16``, ``packed``) estimates per rank:
+
+* **resident**: parameters this rank holds (dense part, replicated or its FSDP2 rows; its experts,
+  decoded or as MXFP4 bytes);
+* **workspace**: the packed experts' decode buffer (one layer's local experts, or a chunk);
+* **FSDP gathered**: the FSDP2 root (gathered for the whole forward) plus the largest unit being run
+  (twice on an accelerator, where the next unit's all-gather overlaps);
+* **MoE**: the all-to-all buffers for ``batch_size x calib_seq`` tokens at top-k and the owner's
+  experts implementation (``dist/a2a.py``, transformers' experts interface), peak over its steps;
+* **activations**: the rest of one calibration forward (the model spec's ``activation_memory``);
+* **export**: the writer's in-memory shard (up to its spill limit, plus one tensor), the lossless
+  cast of 16 experts and the largest dense quantization;
+* **runtime**: the framework itself (host: measured; accelerator: CUDA context, NCCL, allocator slack).
+
+Peak = the largest of the stages load, quantize setup (weight amax), calibration and export, each
+resident + runtime + what that stage adds. It is a model of this code's allocations, not a trace:
+routing is assumed balanced across owners (the all-to-all receive is larger under skew), and
+eager MLA attention (what the vendored remote code falls back to) is counted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from ..export.writer import DEFAULT_SPILL_BYTES
+from ..recipe import Recipe, load_recipe
+from .activations import ActivationModel
+from .layout import CheckpointLayout, ExpertGroup, TensorMeta, read_layout
+
+GiB = 2**30
+# RSS of a rank's process besides weights and activations through calibration and export: torch 2.13
+# (CPU), transformers 5.24, the remote code, tokenizer and data, allocator arenas (measured on the CI
+# machine: ~0.42 GiB after load, ~0.5 GiB after calibration; benchmarks/bench_memory.py checks the planner).
+HOST_RUNTIME_BYTES = int(0.5 * GiB)
+# CUDA context, NCCL buffers and caching-allocator slack per GPU (not measured here: no GPU in CI).
+DEVICE_RUNTIME_BYTES = int(1.5 * GiB)
+EXPERTS_PER_READ = 16  # load.py: experts converted at a time
+EXPERTS_PER_CAST = 16  # export/model_export.py: experts cast at a time
+F32 = 4
+PLANS: tuple[tuple[str, str], ...] = (
+    ("whole", "replicated"),
+    ("expert_parallel", "replicated"),
+    ("expert_parallel", "fsdp2"),
+    ("fsdp2", "replicated"),
+)
+RESIDENCIES: tuple[str, ...] = ("bf16", "packed")
+
+
+class MemoryPlanError(ValueError):
+    """A configuration that cannot fit; the message has the numbers and a configuration that would."""
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The run being planned: calibration batch per rank, tokens per sequence, the recipe."""
+
+    batch_size: int = 4
+    calib_seq: int = 2048
+    recipe: str = "presets/nvfp4"
+    device: str = "cuda"  # "cuda": accelerator memory; "cpu": host RAM holds everything
+    dtype: torch.dtype | None = None  # load dtype (default: the config's)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    kind: str  # whole | expert_parallel | fsdp2
+    dense: str  # replicated | fsdp2 (expert_parallel only)
+    residency: str  # bf16 | packed
+    world_size: int
+    ep_degree: int = 0  # 0: the world size (expert_parallel), 1 otherwise
+
+    @property
+    def ep(self) -> int:
+        if self.kind != "expert_parallel":
+            return 1
+        return self.ep_degree or self.world_size
+
+    @property
+    def dense_sharded(self) -> bool:
+        return self.kind == "fsdp2" or self.dense == "fsdp2"
+
+    def label(self) -> str:
+        if self.kind == "expert_parallel":
+            return f"expert_parallel, dense {self.dense}" + (f", EP {self.ep}" if self.ep != self.world_size else "")
+        return self.kind
+
+
+@dataclass
+class Estimate:
+    """Bytes per rank for one configuration (the largest rank: FSDP2 rank 0 holds the most rows)."""
+
+    config: Configuration
+    refused: str | None = None
+    resident: int = 0
+    resident_dense: int = 0
+    resident_experts: int = 0
+    largest_module: tuple[str, int] = ("", 0)  # the largest resident module
+    workspace: int = 0
+    decode_chunk: int | None = None  # experts decoded at a time (None: a whole layer / not packed)
+    fsdp_gathered: int = 0
+    fsdp_unit: str = ""
+    moe: int = 0
+    moe_detail: str = ""
+    activations: int = 0
+    activation_phase: str = ""
+    load_transient: int = 0
+    amax_transient: int = 0
+    export: int = 0
+    runtime: int = 0
+    stages: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return max(self.stages.values()) if self.stages else 0
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.stages, key=self.stages.get) if self.stages else ""
+
+    @property
+    def largest_transient(self) -> tuple[str, int]:
+        terms = {
+            "decode workspace": self.workspace,
+            f"FSDP2 gathered ({self.fsdp_unit})" if self.fsdp_unit else "FSDP2 gathered": self.fsdp_gathered,
+            f"MoE all-to-all + experts ({self.moe_detail})": self.moe,
+            f"activations ({self.activation_phase})": self.activations,
+            "export buffers": self.export,
+        }
+        return max(terms.items(), key=lambda kv: kv[1])
+
+    def fits(self, budget: int | None) -> bool | None:
+        if self.refused:
+            return False
+        return None if budget is None else self.peak <= budget
+
+
+# ------------------------------------------------------------------------------ the estimate
+
+
+def _local_rows(n: int, world: int) -> int:
+    """FSDP2 rank 0's rows of a dim of ``n`` (torch.chunk: ceil(n / world))."""
+    return -(-n // world)
+
+
+def _dense_bytes(t: TensorMeta, size: int, world: int) -> int:
+    """Bytes of the rows FSDP2 rank 0 holds of ``t`` (all of it when ``world`` is 1), ``size`` bytes each."""
+    if world == 1 or not t.shape:
+        return t.numel * size
+    return _local_rows(t.shape[0], world) * (t.numel // t.shape[0]) * size
+
+
+@dataclass
+class _Prepared:
+    """What every estimate of one layout, recipe and dtype shares (computed once)."""
+
+    sizes: list[tuple[TensorMeta, int]]  # dense tensors with their loaded element size
+    quantized: list[TensorMeta]  # dense Linear weights the recipe quantizes
+    calibrates: bool  # the recipe takes some input scale from data
+    unit_bytes: dict[str, int]  # FSDP2 unit prefix ("" = root) -> full bytes once loaded
+
+
+def _prepare(layout: CheckpointLayout, recipe: Recipe, dtype: torch.dtype) -> _Prepared:
+    key = ("prepared", recipe.name, recipe.calibrate_all_experts, recipe.kv_cache, dtype)
+    if key not in layout.cache:
+        sizes = [(t, layout.load_dtype(t, dtype).itemsize) for t in layout.dense]
+        size_of = {t.name: n for t, n in sizes}
+        quantized = [t for t in layout.dense if t.name.endswith(".weight") and len(t.shape) == 2
+                     and recipe.resolve(t.module)[0] is not None]
+        names = list(layout.linear_weights()) + [f"{g.module}.0.{p}" for g in layout.experts for p in g.projections]
+        units = {u: sum(t.numel * size_of[t.name] for t in ts) for u, ts in layout.fsdp_units().items()}
+        layout.cache[key] = _Prepared(sizes, quantized, recipe.needs_calibration(names), units)
+    return layout.cache[key]
+
+
+def _local_experts(group: ExpertGroup, cfg: Configuration) -> int:
+    if cfg.kind == "expert_parallel":
+        return group.num_experts // cfg.ep
+    if cfg.kind == "fsdp2":
+        return _local_rows(group.num_experts, cfg.world_size)
+    return group.num_experts
+
+
+def _expert_bytes(group: ExpertGroup, residency: str, b: int) -> int:
+    """Resident bytes of one expert: its source bytes (packed) or decoded weights."""
+    return group.stored_bytes_per_expert if residency == "packed" else group.decoded_numel_per_expert * b
+
+
+def _refusal(layout: CheckpointLayout, cfg: Configuration) -> str | None:
+    e = layout.num_experts
+    if cfg.residency == "packed" and not layout.packed_source:
+        return "the checkpoint stores its experts decoded: nothing to keep packed"
+    if cfg.kind == "whole" and cfg.world_size != 1:
+        return "plan 'whole' runs in one process"
+    if cfg.kind != "whole" and cfg.world_size < 2:
+        return f"plan '{cfg.kind}' needs at least 2 ranks"
+    if cfg.kind == "fsdp2" and cfg.residency == "packed":
+        return "plan 'fsdp2' gathers whole layers of experts: packed would decode them all on every rank"
+    if cfg.kind == "fsdp2" and e % cfg.world_size:
+        return f"num_experts={e} is not divisible by {cfg.world_size} ranks"
+    if cfg.kind == "expert_parallel":
+        if cfg.world_size % cfg.ep or e % cfg.ep:
+            return f"EP degree {cfg.ep} must divide the world size {cfg.world_size} and num_experts={e}"
+        if cfg.dense == "fsdp2" and cfg.ep != cfg.world_size:
+            return "an FSDP2-sharded dense part needs EP degree = world size"
+    return None
+
+
+def _moe_phase(act: ActivationModel, cfg: Configuration, impl: str, local_experts: int, group: ExpertGroup,
+               b: int, chunk: int | None, all_experts_rows: int) -> tuple[int, str]:
+    """Peak bytes while a MoE layer's routed experts run: all-to-all steps and the owner's implementation."""
+    dl, rows = act.latent_dim, act.tokens * act.top_k  # rows sent, and (balanced) received, per rank
+
+    def owner(r: int) -> int:
+        if impl == "batched_mm":  # one weight matrix per (token, expert) pair
+            return r * group.decoded_numel_per_expert * b + r * act.expert_row_bytes
+        if impl == "grouped_mm":  # every row at once: inputs, gate/up + activation, down, fp32 weighting
+            return r * dl * (2 * b + 2 * F32) + r * act.expert_row_bytes
+        # eager: gathered inputs, outputs, fp32 combine of the bare outputs; one expert's rows at a time
+        return r * dl * (3 * b + 2 * F32) + -(-r // max(local_experts, 1)) * act.expert_row_bytes
+
+    def decoded_owner(r: int) -> int:
+        if chunk is None or chunk >= local_experts:
+            return owner(r)
+        # chunks: the slot buffer and this chunk's inputs, then the implementation on the chunk's rows
+        r_chunk = -(-r * chunk // local_experts)
+        return r * dl * b + r_chunk * dl * b + owner(r_chunk)
+
+    combine = rows * dl * 2 * F32 + act.tokens * dl * (F32 + b)
+    if cfg.kind == "expert_parallel":
+        ids = 8 * rows
+        steps = [
+            2 * (rows * dl * b + ids),  # send_x and recv_x
+            rows * dl * b + ids + decoded_owner(rows) + rows * dl * b,  # recv_x, the owner, its output
+            2 * rows * dl * b,  # the output and what comes back
+            2 * rows * dl * b + combine,  # per-slot outputs and the fp32 combine
+        ]
+        detail = f"{impl} on {rows} rows"
+    else:
+        steps = [decoded_owner(rows) + combine]
+        detail = f"{impl} on {rows} rows"
+    peak = max(steps)
+    if all_experts_rows:  # calibrate_all_experts: every rank's tokens through every local expert, eager
+        peak = max(peak, all_experts_rows * dl * b + decoded_owner(all_experts_rows * local_experts))
+        detail += f"; calibrate_all_experts {all_experts_rows} x {local_experts} rows"
+    return act.moe_block + peak, detail
+
+
+def estimate(
+    layout: CheckpointLayout,
+    cfg: Configuration,
+    shape: RunShape = RunShape(),
+    *,
+    recipe: Recipe | None = None,
+    budget: int | None = None,
+    decode_chunk: int | None = None,
+    local_implementation: str | None = None,
+) -> Estimate:
+    """Per-rank bytes of ``cfg`` (see the module docstring). With ``budget`` (bytes per rank), packed
+    experts decode the largest chunk of experts that fits (a whole layer when it does)."""
+    est = Estimate(cfg, refused=_refusal(layout, cfg))
+    if est.refused:
+        return est
+    recipe = recipe or load_recipe(shape.recipe)
+    dtype = shape.dtype or layout.config_dtype
+    b = dtype.itemsize
+    prep = _prepare(layout, recipe, dtype)
+    accel = shape.device != "cpu"
+    world = cfg.world_size
+    dense_world = world if cfg.dense_sharded else 1
+    impl = local_implementation or ("grouped_mm" if accel else "eager")
+    est.runtime = DEVICE_RUNTIME_BYTES if accel else HOST_RUNTIME_BYTES
+
+    # Resident parameters, by module.
+    by_module: dict[str, int] = {}
+    for t, size in prep.sizes:
+        by_module[t.module] = by_module.get(t.module, 0) + _dense_bytes(t, size, dense_world)
+    est.resident_dense = sum(by_module.values())
+    local_e = {g.module: _local_experts(g, cfg) for g in layout.experts}
+    for g in layout.experts:
+        by_module[g.module] = local_e[g.module] * _expert_bytes(g, cfg.residency, b)
+    est.resident_experts = sum(local_e[g.module] * _expert_bytes(g, cfg.residency, b) for g in layout.experts)
+    est.resident = est.resident_dense + est.resident_experts
+    est.largest_module = max(by_module.items(), key=lambda kv: kv[1]) if by_module else ("", 0)
+    biggest = max(layout.experts, key=lambda g: local_e[g.module] * g.decoded_numel_per_expert, default=None)
+    e_local = local_e[biggest.module] if biggest else 0
+
+    # FSDP2: the root stays gathered through the forward; the largest unit while it runs (an
+    # accelerator's next all-gather overlaps the current unit); the fsdp2 plan gathers experts too.
+    if cfg.dense_sharded:
+        full = dict(prep.unit_bytes)
+        root = full.pop("", 0)
+        unit, unit_bytes = max(full.items(), key=lambda kv: kv[1], default=("", 0))
+        experts_full = biggest.num_experts * biggest.decoded_numel_per_expert * b if (biggest and cfg.kind == "fsdp2") else 0
+        est.fsdp_gathered = root + unit_bytes * (2 if accel else 1) + experts_full
+        est.fsdp_unit = f"root + {unit}" + (" + its experts" if experts_full else "")
+
+    # Calibration: needed only when some input scale comes from data.
+    act = layout.spec.activation_memory(layout.text_config, shape.batch_size, shape.calib_seq, b) if (
+        prep.calibrates and layout.spec.activation_memory) else None
+    all_rows = act.tokens * cfg.ep if (act and recipe.calibrate_all_experts and biggest) else 0
+    if act:
+        est.activation_phase, phase = act.largest_phase
+        est.activations = act.carried + phase
+
+    # Export: the writer's buffer (spill limit + one tensor), then the larger of a 16-expert cast
+    # (source bytes read or resident, NVFP4 out) and the largest dense quantization (gathered when sharded).
+    largest_q = max((t.numel for t in prep.quantized), default=0)
+    largest_tensor = max([t.nbytes for t in layout.dense] + [g.stored_bytes_per_expert for g in layout.experts] + [0])
+    cast = min(EXPERTS_PER_CAST, e_local) * biggest.stored_bytes_per_expert * 3 if biggest else 0
+    dense_q = largest_q * (b * (dense_world > 1) + (3 * F32 if accel else 1) + 1)
+    # This rank's output: its experts (NVFP4 is 4.5 bits a weight against MXFP4's 4.25) and its share of the rest.
+    output = sum(local_e[g.module] * g.stored_bytes_per_expert for g in layout.experts) * 18 // 17
+    output += sum(t.nbytes for t in layout.dense) // world
+    est.export = min(DEFAULT_SPILL_BYTES, output) + largest_tensor + max(cast, dense_q)
+
+    # Load: 16 experts converted at a time (bf16: decoded twice, stacked and concatenated), or the
+    # largest dense tensor read and cast.
+    if biggest:
+        per_read = min(EXPERTS_PER_READ, e_local)
+        conv = biggest.stored_bytes_per_expert * (3 if cfg.residency == "packed" else 1)
+        conv += 0 if cfg.residency == "packed" else 2 * biggest.decoded_numel_per_expert * b
+        est.load_transient = per_read * conv
+    est.load_transient = max(est.load_transient, max((t.nbytes for t in layout.dense), default=0))
+    # Quantize setup: weight amax in fp32, 16 experts at a time; a dense weight (its local rows) at once.
+    largest_dense_rows = max((_dense_bytes(t, F32, dense_world) for t in prep.quantized), default=0)
+    est.amax_transient = 2 * largest_dense_rows
+    if biggest:
+        out_in = max(o * i for o, i in biggest.fused_shapes(layout.spec).values())
+        per_expert = 2 * out_in * F32 if cfg.residency == "bf16" else out_in // 2 + out_in // 32 * 2 * F32
+        est.amax_transient = max(est.amax_transient, min(EXPERTS_PER_CAST, e_local) * per_expert)
+
+    base = est.resident + est.runtime
+    est.stages = {"load": base + est.load_transient, "quantize setup": base + est.amax_transient}
+
+    def calibration(chunk: int | None) -> tuple[int, int, int, str]:
+        ws = 0
+        if cfg.residency == "packed" and biggest:
+            ws = min(chunk or e_local, e_local) * biggest.decoded_numel_per_expert * b
+        if not act:
+            return ws, base + ws, 0, ""
+        moe, detail = _moe_phase(act, cfg, impl, e_local, biggest, b, chunk, all_rows) if biggest else (0, "")
+        moe_total = act.carried + ws + moe
+        forward = base + est.fsdp_gathered + max(est.activations, moe_total)
+        return ws, forward, moe, detail
+
+    chunk = decode_chunk
+    ws, forward, moe, detail = calibration(chunk)
+    if budget is not None and cfg.residency == "packed" and biggest and chunk is None and forward > budget:
+        for c in range(e_local - 1, 0, -1):  # the largest chunk that fits (few candidates: experts per rank)
+            if calibration(c)[1] <= budget:
+                chunk = c
+                break
+        ws, forward, moe, detail = calibration(chunk)
+    est.workspace, est.moe, est.moe_detail = ws, moe, detail
+    est.decode_chunk = chunk if (chunk is not None and chunk < e_local) else None
+    if act:
+        est.stages["calibration"] = forward
+    est.stages["export"] = base + est.export  # export releases the decode workspace first
+    return est
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def device_budget(device: str, world_size: int, gpu_mem_gib: float | None) -> int | None:
+    """Bytes one rank may use: ``gpu_mem_gib``, else the accelerator's memory, else host RAM shared by
+    the ranks of one host (CPU)."""
+    if gpu_mem_gib is not None:
+        return int(gpu_mem_gib * GiB)
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    if device == "cpu":
+        import psutil
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return psutil.virtual_memory().total // max(local, 1)
+    return None
+
+
+@dataclass
+class MemoryReport:
+    layout: CheckpointLayout
+    shape: RunShape
+    world_size: int
+    budget: int | None
+    estimates: list[Estimate]
+    smallest: dict[tuple[str, str, str], int | None]  # (kind, dense, residency) -> smallest world that fits
+
+    def find(self, kind: str, dense: str, residency: str) -> Estimate:
+        for e in self.estimates:
+            c = e.config
+            if (c.kind, c.dense, c.residency) == (kind, dense, residency):
+                return e
+        raise KeyError((kind, dense, residency))
+
+    def table(self) -> str:
+        """A markdown table (GiB per rank; MiB when every figure is under 1 GiB)."""
+        figures = [e.peak for e in self.estimates if not e.refused]
+        unit, scale = ("GiB", GiB) if max(figures, default=0) >= GiB else ("MiB", 2**20)
+
+        def fmt(n: int) -> str:
+            v = n / scale
+            return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+        text = self.layout.text_config
+        lines = [
+            f"Memory plan for {self.layout.path.name}: {len(self.layout.experts)} MoE layers x "
+            f"{self.layout.num_experts} experts, calibration {self.shape.batch_size} x {self.shape.calib_seq} tokens "
+            f"per rank (top-{text.get('num_experts_per_token')}), recipe {self.shape.recipe}, "
+            f"{'accelerator' if self.shape.device != 'cpu' else 'host'} budget "
+            + (f"{self.budget / GiB:.1f} GiB per rank" if self.budget else "unknown") + f"; figures in {unit} per rank",
+            "",
+            "| plan | experts | ranks | resident | workspace | FSDP gathered | MoE a2a+experts | activations | "
+            "export | peak (stage) | fits | smallest world that fits | largest resident module |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e in self.estimates:
+            c = e.config
+            smallest = self.smallest.get((c.kind, c.dense, c.residency))
+            if e.refused:
+                lines.append(f"| {c.label()} | {c.residency} | {c.world_size} | refused: {e.refused} |||||||| "
+                             f"{smallest or '-'} | |")
+                continue
+            fits = {True: "yes", False: "**no**", None: "?"}[e.fits(self.budget)]
+            ws = fmt(e.workspace) + (f" ({e.decode_chunk} experts)" if e.decode_chunk else "")
+            lines.append(
+                f"| {c.label()} | {c.residency} | {c.world_size} | {fmt(e.resident)} | {ws} | {fmt(e.fsdp_gathered)} "
+                f"| {fmt(e.moe)} | {fmt(e.activations)} | {fmt(e.export)} | {fmt(e.peak)} ({e.peak_stage}) "
+                f"| {fits} | {smallest or '-'} | {e.largest_module[0]} ({fmt(e.largest_module[1])}) |"
+            )
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in the unit that reads best (GiB, MiB or KiB)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale or unit == "KiB":
+            v = n / scale
+            return f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
+    raise AssertionError
+
+
+def _world_candidates(layout: CheckpointLayout, limit: int = 4096) -> list[int]:
+    e = layout.num_experts
+    return [w for w in range(2, limit + 1) if e % w == 0]
+
+
+def smallest_world(layout: CheckpointLayout, kind: str, dense: str, residency: str, shape: RunShape,
+                   recipe: Recipe, gpu_mem_gib: float | None) -> int | None:
+    """The fewest ranks on which the configuration fits (None: no budget known, or none does)."""
+    candidates = [1] if kind == "whole" else _world_candidates(layout)
+    for w in candidates:
+        budget = device_budget(shape.device, w, gpu_mem_gib)
+        if budget is None:
+            return None
+        est = estimate(layout, Configuration(kind, dense, residency, w), shape, recipe=recipe, budget=budget)
+        if est.fits(budget):
+            return w
+    return None
+
+
+def plan_memory(
+    path: str | Path,
+    *,
+    world_size: int,
+    gpu_mem_gib: float | None = None,
+    batch_size: int = 4,
+    calib_seq: int = 2048,
+    recipe: str | Recipe = "presets/nvfp4",
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    plans: Iterable[tuple[str, str]] = PLANS,
+    residencies: Iterable[str] = RESIDENCIES,
+) -> MemoryReport:
+    """Estimate every plan x residency at ``world_size`` ranks (``whole`` at 1) from the headers alone.
+
+    ``device``: "cuda" (default when no GPU is visible too: the planner is for planning GPU runs) or
+    "cpu" (host RAM holds everything; budget = RAM / ranks).
+    """
+    layout = read_layout(path)
+    the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    shape = RunShape(batch_size, calib_seq, the_recipe.name, device or "cuda", dtype)
+    budget = device_budget(shape.device, world_size, gpu_mem_gib)
+    estimates, smallest = [], {}
+    for kind, dense in plans:
+        for residency in residencies:
+            w = 1 if kind == "whole" else world_size
+            est = estimate(layout, Configuration(kind, dense, residency, w), shape, recipe=the_recipe,
+                           budget=device_budget(shape.device, w, gpu_mem_gib))
+            estimates.append(est)
+            smallest[(kind, dense, residency)] = smallest_world(layout, kind, dense, residency, shape, the_recipe,
+                                                                gpu_mem_gib)
+    return MemoryReport(layout, shape, world_size, budget, estimates, smallest)
+
+
+# ------------------------------------------------------------------------------ decisions for a run
+
+
+def _run_configuration(layout: CheckpointLayout, kind: str, world_size: int, dense: str, ep_degree: int | None,
+                       residency: str) -> Configuration:
+    if kind == "auto":
+        kind = "expert_parallel" if world_size > 1 else "whole"
+    return Configuration(kind, dense if kind == "expert_parallel" else "replicated", residency, world_size,
+                         ep_degree or 0)
+
+
+def check_fits(
+    path: str | Path,
+    *,
+    plan: str,
+    world_size: int,
+    dense: str = "replicated",
+    ep_degree: int | None = None,
+    experts: str = "auto",
+    gpu_mem_gib: float | None = None,
+    batch_size: int = 4,
+    calib_seq: int = 2048,
+    recipe: str | Recipe = "presets/nvfp4",
+    device: str = "cuda",
+    dtype: torch.dtype | None = None,
+) -> Estimate:
+    """The estimate of the run hf_ptq was asked for, with ``experts="auto"`` resolved (packed when bf16
+    does not fit); raises ``MemoryPlanError`` before any weight is read when it cannot fit, naming the
+    numbers and a configuration that would. Without a known budget nothing is refused."""
+    layout = read_layout(path)
+    the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    shape = RunShape(batch_size, calib_seq, the_recipe.name, device, dtype)
+    budget = device_budget(device, world_size, gpu_mem_gib)
+
+    def run(residency: str) -> Estimate:
+        cfg = _run_configuration(layout, plan, world_size, dense, ep_degree, residency)
+        return estimate(layout, cfg, shape, recipe=the_recipe, budget=budget)
+
+    if experts == "auto":
+        est = run("bf16")
+        if layout.packed_source and est.config.kind != "fsdp2" and not est.fits(budget) and budget is not None:
+            est = run("packed")
+    else:
+        est = run(experts)
+    if est.refused or budget is None or est.fits(budget):
+        return est
+    raise MemoryPlanError(_refusal_message(layout, est, budget, shape, the_recipe, gpu_mem_gib))
+
+
+def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape: RunShape, recipe: Recipe,
+                     gpu_mem_gib: float | None) -> str:
+    c = est.config
+    transient, transient_bytes = est.largest_transient
+    lines = [
+        f"{c.label()} with {c.residency} experts on {c.world_size} rank(s) needs {_size(est.peak)} per rank at "
+        f"{est.peak_stage}, but {_size(budget)} is available: resident {_size(est.resident)} (dense "
+        f"{_size(est.resident_dense)}, experts {_size(est.resident_experts)}), largest transient {transient} "
+        f"{_size(transient_bytes)}, runtime {_size(est.runtime)}; largest module {est.largest_module[0]} "
+        f"{_size(est.largest_module[1])}."
+    ]
+    options = []
+    for kind, dense in PLANS:
+        for residency in RESIDENCIES:
+            alt = estimate(layout, Configuration(kind, dense, residency, 1 if kind == "whole" else c.world_size),
+                           shape, recipe=recipe, budget=budget)
+            if alt.fits(budget):
+                options.append(f"{alt.config.label()} with {residency} experts ({_size(alt.peak)})")
+    if options:
+        lines.append(f"At {c.world_size} rank(s) these fit: " + "; ".join(options) + ".")
+    else:
+        found = []
+        for kind, dense in PLANS[1:]:
+            for residency in RESIDENCIES:
+                w = smallest_world(layout, kind, dense, residency, shape, recipe, gpu_mem_gib)
+                if w:
+                    found.append((w, f"{w} ranks with {Configuration(kind, dense, residency, w).label()}, {residency} experts"))
+        lines.append(("It fits on " + "; or ".join(text for _, text in sorted(found)[:3]) + ".") if found else
+                     "No plan fits at any world size with this budget; lower --batch_size/--calib_seq.")
+    lines.append("(modelopt-k3-plan prints the whole table; --gpu_mem_gib sets the budget.)")
+    return " ".join(lines)
+
+
+def choose_residency(path: str | Path, plan, *, dtype: torch.dtype | None = None) -> tuple[str, int | None]:
+    """``load_pretrained(experts="auto")``: packed when bf16 does not fit this device (calibration shape of
+    ``RunShape``'s defaults), with the planner's decode chunk; bf16 when no budget is known."""
+    layout = read_layout(path)
+    device = plan.device.type
+    shape = RunShape(device=device, dtype=dtype)
+    recipe = load_recipe(shape.recipe)
+    budget = device_budget(device, plan.world_size, None)
+    cfg = Configuration(plan.kind, plan.dense, "bf16", plan.world_size, plan.ep_degree)
+    if budget is None or estimate(layout, cfg, shape, recipe=recipe, budget=budget).fits(budget):
+        return "bf16", None
+    packed = estimate(layout, replace(cfg, residency="packed"), shape, recipe=recipe, budget=budget)
+    return "packed", packed.decode_chunk
+
+
+__all__ = [
+    "Configuration", "Estimate", "MemoryPlanError", "MemoryReport", "RunShape", "check_fits", "choose_residency",
+    "estimate", "plan_memory", "smallest_world",
+]

@@ -1,0 +1,154 @@
+"""The memory planner (memory/): headers only, its figures against loaded models, the full-size Kimi-K3
+layout without the bytes, and hf_ptq's refusal before loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from modelopt_k3.checkpoint import CheckpointReader, read_header
+from modelopt_k3.memory.layout import read_layout
+from modelopt_k3.memory.planner import (
+    Configuration,
+    GiB,
+    MemoryPlanError,
+    RunShape,
+    check_fits,
+    estimate,
+    plan_memory,
+    smallest_world,
+)
+from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
+from modelopt_k3.recipe import load_recipe
+from modelopt_k3.testing.layout import KIMI_K3_SIZES, make_kimi_k3_layout
+
+pytestmark = pytest.mark.usefixtures("restore_remote_code")
+
+
+@pytest.fixture(scope="module")
+def full_size(tmp_path_factory) -> Path:
+    """Kimi-K3 at full size, header-only (no data at all: only header readers accept it)."""
+    return make_kimi_k3_layout(tmp_path_factory.mktemp("k3") / "Kimi-K3", sparse=False)
+
+
+def test_planner_reads_headers_only(tiny_ckpt: Path, monkeypatch) -> None:
+    def no_data(*a, **k):
+        raise AssertionError("the planner read tensor data")
+
+    monkeypatch.setattr(CheckpointReader, "get", no_data)
+    monkeypatch.setattr("safetensors.safe_open", no_data)
+    report = plan_memory(tiny_ckpt, world_size=2, device="cpu", batch_size=2, calib_seq=32)
+    table = report.table()
+    assert "| expert_parallel, dense fsdp2 | packed | 2 |" in table
+    assert "refused: plan 'fsdp2' gathers whole layers of experts" in table
+
+
+@pytest.mark.parametrize("residency", ["bf16", "packed"])
+def test_resident_figures_equal_a_loaded_model(tiny_ckpt: Path, residency: str) -> None:
+    """Experts exactly (codes + scales, or decoded); the dense part within 1% (the remote code keeps a few
+    fp32 parameters the planner counts in the load dtype)."""
+    from modelopt_k3 import load_pretrained
+
+    model = load_pretrained(tiny_ckpt, trust_remote_code=True, experts=residency, progress=False)
+    experts = KIMI_K3_SPEC.experts_modules(model)
+    expert_bytes = sum(t.nbytes for m in experts.values() for t in [*m.parameters(), *m.buffers()])
+    dense_bytes = sum(p.nbytes for n, p in model.named_parameters() if not any(n.startswith(e) for e in experts))
+    est = estimate(read_layout(tiny_ckpt), Configuration("whole", "replicated", residency, 1), RunShape(device="cpu"))
+    assert est.resident_experts == expert_bytes
+    assert est.resident_dense == pytest.approx(dense_bytes, rel=0.01)
+
+
+def test_layout_generator_matches_a_real_tiny_checkpoint(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """At tiny sizes the header-only generator writes the tiny checkpoint's config and tensors exactly
+    (names, dtypes, shapes): the full-size layout comes from the same remote code and rules."""
+    from modelopt_k3.testing import TINY_DEFAULTS
+
+    layout = make_kimi_k3_layout(tmp_path / "lay", sizes={k: TINY_DEFAULTS[k] for k in KIMI_K3_SIZES}, sparse=True)
+
+    def tensors(path: Path) -> dict:
+        index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        out = {}
+        for file in set(index.values()):
+            out.update({k: (v["dtype"], v["shape"]) for k, v in read_header(path / file).items() if k != "__metadata__"})
+        return out
+
+    assert tensors(layout) == tensors(tiny_ckpt)
+    assert json.loads((layout / "config.json").read_text()) == json.loads((tiny_ckpt / "config.json").read_text())
+    with CheckpointReader(layout) as reader:  # sparse: a valid checkpoint whose tensors read as zeros
+        key = next(k for k in reader.names() if k.endswith("experts.3.w2.weight_packed"))
+        assert not reader.get(key).any()
+
+
+def test_full_size_kimi_k3_fits_16_gpus_with_packed_experts_and_fsdp2_dense(full_size: Path) -> None:
+    """Kimi-K3 (93 layers, 896 experts) calibrated in NVFP4 at batch 4 x 2048 tokens on 141 GiB GPUs:
+    packed experts + FSDP2 dense fits 16; BF16 experts do not (the planner's numbers, in the README)."""
+    layout = read_layout(full_size)
+    assert len(layout.experts) == 92 and layout.num_experts == 896 and layout.packed_source
+    shape, recipe, budget = RunShape(batch_size=4, calib_seq=2048), load_recipe("presets/nvfp4"), 141 * GiB
+    packed = estimate(layout, Configuration("expert_parallel", "fsdp2", "packed", 16), shape, recipe=recipe, budget=budget)
+    bf16 = estimate(layout, Configuration("expert_parallel", "fsdp2", "bf16", 16), shape, recipe=recipe, budget=budget)
+    # 56 experts per rank per layer: three 3072x3584 MXFP4 matrices (codes + E8M0 scales) each.
+    per_expert = 3 * 3072 * (3584 // 2 + 3584 // 32)
+    assert packed.resident_experts == 92 * 56 * per_expert
+    assert bf16.resident_experts == 92 * 56 * 3 * 3072 * 3584 * 2
+    assert packed.workspace == 56 * 3 * 3072 * 3584 * 2 and packed.decode_chunk is None  # one whole layer
+    assert packed.fits(budget) and not bf16.fits(budget), (packed.peak / GiB, bf16.peak / GiB)
+    assert smallest_world(layout, "expert_parallel", "fsdp2", "packed", shape, recipe, 141) <= 16
+    assert smallest_world(layout, "expert_parallel", "fsdp2", "bf16", shape, recipe, 141) > 16
+
+
+def test_planner_picks_a_decode_chunk_when_a_layer_does_not_fit(tiny_ckpt: Path) -> None:
+    layout, shape = read_layout(tiny_ckpt), RunShape(batch_size=2, calib_seq=32, device="cpu")
+    cfg = Configuration("whole", "replicated", "packed", 1)
+    layer, one = estimate(layout, cfg, shape), estimate(layout, cfg, shape, decode_chunk=1)
+    assert layer.decode_chunk is None and one.decode_chunk == 1 and one.workspace * 8 == layer.workspace
+    # A budget the whole layer misses at calibration (the stage the workspace lives in) and one expert meets.
+    budget = (layer.stages["calibration"] + one.stages["calibration"]) // 2
+    chosen = estimate(layout, cfg, shape, budget=budget)
+    assert chosen.decode_chunk is not None and 1 <= chosen.decode_chunk < 8
+    assert chosen.stages["calibration"] <= budget < layer.stages["calibration"]
+
+
+def test_check_fits_resolves_auto_and_refuses_with_numbers(tiny_ckpt: Path) -> None:
+    kw = dict(plan="whole", world_size=1, batch_size=2, calib_seq=32, device="cpu")
+    fits = {r: check_fits(tiny_ckpt, experts=r, **kw).peak for r in ("bf16", "packed")}
+    assert fits["packed"] < fits["bf16"]
+    between = (fits["packed"] + fits["bf16"]) / 2 / GiB
+    assert check_fits(tiny_ckpt, experts="auto", gpu_mem_gib=between, **kw).config.residency == "packed"
+    assert check_fits(tiny_ckpt, experts="auto", gpu_mem_gib=64, **kw).config.residency == "bf16"
+    with pytest.raises(MemoryPlanError, match=r"needs .* per rank at .* but .* is available: resident"):
+        check_fits(tiny_ckpt, experts="bf16", gpu_mem_gib=between, **kw)
+
+
+def test_hf_ptq_refuses_before_loading(tiny_ckpt: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    import modelopt_k3.load as load
+    from modelopt_k3.cli import hf_ptq
+    from modelopt_k3.cli._common import EXIT_REFUSED
+
+    def must_not_load(*a, **k):
+        raise AssertionError("hf_ptq loaded weights for a run that cannot fit")
+
+    monkeypatch.setattr(load, "load_pretrained", must_not_load)
+    code = hf_ptq.main(["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--gpu_mem_gib", "0.1",
+                        "--export_path", str(tmp_path / "out"), "--no_progress"])
+    err = capsys.readouterr().err
+    assert code == EXIT_REFUSED and "modelopt-k3-ptq: error:" in err, err
+    assert "per rank at" in err and "is available: resident" in err and "runtime" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_cli(tiny_ckpt: Path, capsys) -> None:
+    from modelopt_k3.cli import plan
+
+    assert plan.main(["--pyt_ckpt_path", str(tiny_ckpt), "--world_size", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| plan | experts | ranks | resident |" in out and "largest resident module" in out
+    assert plan.main(["--pyt_ckpt_path", str(tiny_ckpt), "--world_size", "2", "--gpu_mem_gib", "0.01"]) == 1
+
+
+def test_plan_memory_is_lazy_public_api() -> None:
+    import modelopt_k3
+
+    assert modelopt_k3.plan_memory is plan_memory
