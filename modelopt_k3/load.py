@@ -259,8 +259,9 @@ def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model
     rows = local_rows(tensor) if sharded else None
     if conversion is not None:
         conv, pattern, key = conversion
+        stored = reader.get(key)  # outside the try: a CheckpointError is a ValueError too
         try:  # converters see the whole stored tensor (dense conversions are small, e.g. A_log)
-            value = run_converter(conv, {pattern: [reader.get(key)]}, full_layer_name=name, model=model)
+            value = run_converter(conv, {pattern: [stored]}, full_layer_name=name, model=model)
         except ValueError as e:
             raise LoadError(str(e)) from None
         if tuple(value.shape) != tuple(tensor.shape):

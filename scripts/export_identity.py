@@ -10,7 +10,9 @@ Kimi-K3 checkpoint (generated once, by the first revision), and compares the res
 
 The matrix: every preset (one process), the Kimi-K3 mirror recipe, the KV-cache variant, both
 export formats, EP 1/2/4, EP 2 with an FSDP2 dense part, the fsdp2 plan and the streaming
-converter. A configuration a revision does not support (its CLI refuses a flag) is reported as
+converter (the mirror recipe and the CLI's default). Tensors are compared by name, dtype, shape
+and bytes; shard files of the same name must also be byte-identical (header layout included). A
+configuration a revision does not support (its CLI refuses a flag) is reported as
 such, not as a difference. Exit code 0 only if every configuration both revisions ran is identical.
 """
 
@@ -53,6 +55,7 @@ MATRIX = (
     Config("ep2_dense_fsdp2", 2, ("--qformat", "nvfp4", "--dense", "fsdp2")),
     Config("fsdp2_nvfp4", 2, ("--qformat", "nvfp4", "--plan", "fsdp2")),
     Config("convert_mirror", 0, ("--recipe", MIRROR)),
+    Config("convert_default", 0, ()),  # the CLI's default recipe, models/moonshotai/Kimi-K3/nvfp4_experts
 )
 
 
@@ -118,7 +121,8 @@ def _read_tensors(export: Path) -> dict[str, bytes]:
 
 
 def compare(a: Path, b: Path) -> list[str]:
-    """Differences between two export directories: tensors by name and bytes, JSON by value, other files by bytes."""
+    """Differences between two export directories: tensors by name and bytes, same-named shards by file bytes, JSON
+    by value, other files by bytes."""
     diffs: list[str] = []
     ta, tb = _read_tensors(a), _read_tensors(b)
     for key in sorted(set(ta) | set(tb)):
@@ -126,6 +130,10 @@ def compare(a: Path, b: Path) -> list[str]:
             diffs.append(f"tensor {key}: only in {'base' if key in ta else 'head'}")
         elif ta[key] != tb[key]:
             diffs.append(f"tensor {key}: bytes differ")
+    shards_a = {p.name for p in a.glob("*.safetensors")}
+    for name in sorted(shards_a & {p.name for p in b.glob("*.safetensors")}):
+        if (a / name).read_bytes() != (b / name).read_bytes():
+            diffs.append(f"shard {name}: file bytes differ")
     files_a = {p.name for p in a.iterdir() if p.is_file() and not p.name.endswith(".safetensors")}
     files_b = {p.name for p in b.iterdir() if p.is_file() and not p.name.endswith(".safetensors")}
     for name in sorted(files_a ^ files_b):

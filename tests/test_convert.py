@@ -7,6 +7,7 @@ shards, and one module's ``weight_packed`` and ``weight_scale`` are moved apart 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import struct
@@ -456,6 +457,77 @@ def test_recipe_that_needs_calibration_is_refused(ckpt: Path, tmp_path: Path):
     with pytest.raises(RecipeError, match="KV cache"):
         convert_checkpoint(ckpt, out, load_recipe(MIRROR, overrides={"kv_cache": "fp8"}))
     _assert_nothing_complete(out)
+
+
+def test_settings_without_effect_warn(ckpt: Path, tmp_path: Path, caplog):
+    """verify=False with nothing resumed, and calibrate_all_experts in a converter that calibrates nothing."""
+    recipe = load_recipe(MIRROR, overrides={"calibrate_all_experts": True})
+    with caplog.at_level(logging.WARNING, logger="modelopt_k3"):
+        report = convert_checkpoint(ckpt, tmp_path / "out", recipe, resume=False, verify=False)
+    assert report.complete
+    assert "verify=False (--no_verify) has no effect" in caplog.text
+    assert "calibrate_all_experts, which has no effect" in caplog.text
+
+
+def test_the_converter_reads_only_through_checkpoint_py(ckpt: Path, recipe, tmp_path: Path, monkeypatch):
+    """One reader (``modelopt_k3.checkpoint``): each source header is parsed once, each shard's bytes come
+    through one descriptor it owns, and nothing memory-maps the source (no ``safe_open``)."""
+    import builtins
+    import importlib.util
+
+    from modelopt_k3 import checkpoint
+
+    assert importlib.util.find_spec("modelopt_k3.convert.source") is None  # the second reader is gone
+    opened: list[tuple[str, str]] = []
+    real_open, real_os_open, real_scan = builtins.open, os.open, checkpoint.CheckpointReader._scan
+
+    def record(how: str, path) -> None:
+        if Path(path).parent == ckpt and str(path).endswith(".safetensors"):
+            opened.append((how, Path(path).name))
+
+    def spy_open(file, *args, **kwargs):
+        record("open", file)
+        return real_open(file, *args, **kwargs)
+
+    def spy_os_open(path, *args, **kwargs):
+        record("os.open", path)
+        return real_os_open(path, *args, **kwargs)
+
+    def no_mmap(*args, **kwargs):
+        raise AssertionError("the converter must not memory-map the source")
+
+    scans: list[Path] = []
+    monkeypatch.setattr(builtins, "open", spy_open)
+    monkeypatch.setattr(os, "open", spy_os_open)
+    monkeypatch.setattr(checkpoint, "safe_open", no_mmap)
+    monkeypatch.setattr(checkpoint.CheckpointReader, "_scan", lambda self: scans.append(self.path) or real_scan(self))
+    convert_checkpoint(ckpt, tmp_path / "out", recipe, workers=2)
+    files = sorted(set(_weight_map(ckpt).values()))
+    assert scans == [ckpt]
+    assert sorted(name for how, name in opened if how == "open") == files  # each header, once
+    assert sorted(name for how, name in opened if how == "os.open") == files  # each shard's bytes, one fd
+
+
+def test_the_convert_package_has_no_import_cycles():
+    """Within ``modelopt_k3.convert`` (imports under TYPE_CHECKING and inside functions included)."""
+    import ast
+
+    package = Path(conv.__file__).parent
+    modules = {p.stem for p in package.glob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name in modules:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        edges[name] = {
+            (node.module or "").split(".")[0] or alias.name
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+            for alias in node.names
+        } & modules
+    edges["__init__"] = set()  # the package re-exports; its modules never import it
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in edges[start])
+
+    assert [m for m in sorted(modules) if reaches(m, m, set())] == []
 
 
 # --------------------------------------------------------------------------- CLI

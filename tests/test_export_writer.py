@@ -17,9 +17,12 @@ from modelopt_k3.dist import group as group_mod
 from modelopt_k3.dist.collectives import run_together
 from modelopt_k3.dist.group import run_group
 from modelopt_k3.export.writer import (
-    INDEX_FILE,
+    INDEX_NAME,
+    PlannedShard,
+    PlannedTensor,
     ShardWriter,
     atomic_output_dir,
+    file_digest,
     gather_weight_maps,
     write_index,
 )
@@ -139,11 +142,11 @@ def test_write_index_merges_and_renames(tmp_path):
     n_files = len({(r, f) for r, m in enumerate(maps) for f in m.values()})
     final = write_index(tmp_path, maps, total)
 
-    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
     assert index["metadata"] == {"total_size": sum(t.nbytes for t in expected.values())}
     assert index["weight_map"] == final and list(final) == sorted(expected)
     names = [f"model-{i:05d}-of-{n_files:05d}.safetensors" for i in range(1, n_files + 1)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, INDEX_FILE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, INDEX_NAME])
     # Rank order first: rank 0's first shard is file 1, the last rank's last shard is file n.
     assert final["rank0.0.w_bf16"] == names[0] and final["rank2.1.ids"] == names[-1]
     back = _read_all(tmp_path, final)
@@ -266,7 +269,7 @@ def test_multi_rank_export(tmp_path, n):
     results = run_ranks(n, _export_worker, str(export), None, timeout=60)
     assert [r.exitcode for r in results] == [0] * n, [r.traceback for r in results]
     assert _siblings(export) == ["ckpt"]
-    index = json.loads((export / INDEX_FILE).read_text())
+    index = json.loads((export / INDEX_NAME).read_text())
     expected = {k: v for rank in range(n) for k, v in _tensors(seed=rank, prefix=f"rank{rank}").items()}
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in expected.values())
     back = _read_all(export, index["weight_map"])
@@ -355,3 +358,81 @@ def test_spill_file_removed_on_error(tmp_path):
         writer.add("a", torch.zeros(1000))
         raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- PlannedShard (the converter's)
+
+
+def _planned(tensors: dict[str, torch.Tensor]) -> list[PlannedTensor]:
+    return [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+
+def test_planned_shard_written_out_of_order_from_threads_reads_back_aligned(tmp_path):
+    """Header first, each tensor at its planned offset from any thread: safetensors reads the file back
+    byte-equal, every tensor aligned to its element size (largest elements first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = {name: t.contiguous() for name, t in _tensors().items()}
+    shard = PlannedShard(tmp_path / "out.safetensors", _planned(tensors))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda kv: shard.write(*kv), reversed(list(tensors.items()))))
+    shard.close()
+    assert (tmp_path / "out.safetensors").stat().st_size == shard.total_bytes
+    assert shard.tensor_bytes == sum(t.nbytes for t in tensors.values())
+    got = _read_all(tmp_path, dict.fromkeys(tensors, "out.safetensors"))
+    assert all(_bytes(got[k]) == _bytes(t) and got[k].dtype == t.dtype for k, t in tensors.items())
+    assert all(shard.offsets[k] % t.element_size() == 0 for k, t in tensors.items())
+    sizes = [tensors[k].element_size() for k in sorted(tensors, key=shard.offsets.get)]
+    assert sizes == sorted(sizes, reverse=True)
+    # The digest taken while writing (out of order) is the one read back from the file; any change shows.
+    path = tmp_path / "out.safetensors"
+    assert shard.digest.hexdigest() == file_digest(path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert file_digest(path) not in ("", shard.digest.hexdigest())
+    path.write_bytes(bytes(data[:-1]))
+    assert file_digest(path) == ""  # truncated: matches no record
+
+
+def test_planned_and_buffered_shards_share_one_header_layout(tmp_path):
+    """A spilled ShardWriter shard and a PlannedShard of same-size tensors in the same order are the same file."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": torch.randn(7, 5, generator=g) for i in range(4)}
+    (tmp_path / "w").mkdir()
+    with ShardWriter(tmp_path / "w", spill_bytes=0) as w:
+        for name, t in tensors.items():
+            w.add(name, t)
+    shard = PlannedShard(tmp_path / "planned.safetensors", _planned(tensors))
+    for name, t in tensors.items():
+        shard.write(name, t)
+    shard.close()
+    assert (tmp_path / "planned.safetensors").read_bytes() == (tmp_path / "w" / w.weight_map["t0"]).read_bytes()
+
+
+def test_planned_shard_refuses_an_unplanned_tensor_and_discard_removes_the_file(tmp_path):
+    shard = PlannedShard(tmp_path / "x.safetensors", [PlannedTensor("a", torch.float32, (2, 3))])
+    with pytest.raises(AssertionError, match=r"a: produced torch.bfloat16 \[2, 3\], planned torch.float32 \[2, 3\]"):
+        shard.write("a", torch.zeros(2, 3, dtype=torch.bfloat16))
+    shard.discard()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_planned_shard_copies_source_tensors_and_counts_nonfinite(tmp_path):
+    """The copy path: floating tensors through a checked buffer (NaN/Inf counted), others in the kernel."""
+    from safetensors.torch import save_file
+
+    from modelopt_k3.checkpoint import CheckpointReader
+
+    src = {"f": torch.tensor([1.0, float("nan"), float("inf"), 2.0]), "u": torch.arange(6, dtype=torch.uint8)}
+    (tmp_path / "src").mkdir()
+    save_file(src, str(tmp_path / "src" / "model.safetensors"))
+    reader = CheckpointReader(tmp_path / "src")
+    shard = PlannedShard(tmp_path / "out.safetensors", _planned(src))
+    assert shard.copy(reader, "f") == "2 NaN/Inf values"
+    assert shard.copy(reader, "u") is None
+    shard.close()
+    assert shard.digest.hexdigest() == file_digest(tmp_path / "out.safetensors")
+    reader.close()
+    got = _read_all(tmp_path, {"f": "out.safetensors", "u": "out.safetensors"})
+    assert all(_bytes(got[k]) == _bytes(t) for k, t in src.items())

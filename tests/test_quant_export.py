@@ -978,7 +978,7 @@ def test_export_failure_leaves_no_directory(w4a16: Run, tmp_path, monkeypatch, s
         def failing_configs(*args, **kwargs):
             raise RuntimeError("injected config failure")
 
-        monkeypatch.setattr(model_export, "_write_configs", failing_configs)
+        monkeypatch.setattr(model_export, "write_configs", failing_configs)
     with pytest.raises(RuntimeError, match="injected"):
         export_checkpoint(w4a16.model, out, overwrite=existing, progress=False, max_shard_bytes=1 << 16)
     if stage == "shard":

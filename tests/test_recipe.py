@@ -519,3 +519,15 @@ def test_check_against_nvfp4_shape(tmp_path):
                                           r"in_features=200 is not divisible by 16, NVFP4 cannot take it"):
         recipe.check_against({bad: (64, 200), "m.b_proj": (96, 200)})  # fp8_pb takes any shape
     recipe.check_against({"m.q_proj": (96, 208), "m.b_proj": (96, 200)})
+
+
+def test_recipe_roots_are_resolved_once_per_load(monkeypatch):
+    """The recipe and every file it imports resolve names against one search path, found once."""
+    from modelopt_k3.recipe import finder
+
+    calls: list[int] = []
+    current = finder.RecipeRoots.current.__func__
+    monkeypatch.setattr(finder.RecipeRoots, "current", classmethod(lambda cls: calls.append(1) or current(cls)))
+    recipe = load_recipe(MIRROR)
+    assert calls == [1]
+    assert any("imported at" in entry.source for entry in recipe.entries)  # it did import a unit

@@ -54,7 +54,7 @@ Resume protocol (``dst`` is written in place so that a run can resume):
    headers); a directory holding another job, or foreign files, is refused without ``overwrite``.
 2. Each shard is written to ``.<name>.partial``, fsynced and renamed to ``<name>``; then its record
    ``.modelopt_k3_convert/shards/<name>.json`` (sizes, the output's digest, its tensors and
-   counters) is written (temporary file + rename). The digest (``state.ShardDigest``) is sha256 over
+   counters) is written (temporary file + rename). The digest (``export.writer.ShardDigest``) is sha256 over
    the sha256 of the header and of each tensor's bytes in file order, computed while writing. A rerun
    skips a shard whose record matches the job and whose file still has the recorded size and digest,
    and redoes every other shard.

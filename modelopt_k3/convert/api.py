@@ -4,22 +4,26 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from ..dist.group import RunGroup
 from ..nonfinite import warn_passthrough
 from ..paths import refuse_overlap
 from ..recipe import Recipe, load_recipe
+from .jobs import _Plan
 from .lock import LOCK_DIR, RankLock, acquire_rank_lock, live_locks
-from .plan import _build_plan, _Plan
+from .plan import _build_plan
 from .report import ConvertReport, ConvertStats
 from .shard import _finish_shard, _write_shard
-from .source import _SourceFiles
 from .state import (
     COMPLETE_MARKER,
     JOB_FILE,
@@ -32,12 +36,57 @@ from .state import (
     _record_path,
 )
 
+log = logging.getLogger("modelopt_k3")
+
+_DENSE_UNCHECKED = ("dense tensors were checked against their headers only: the model was not built "
+                    "(trust_remote_code / --trust_remote_code builds it on meta and checks each one, as hf_ptq does)")
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How this rank converts its shards (``convert_checkpoint``'s keywords)."""
+
+    resume: bool
+    overwrite: bool
+    verify: bool
+    workers: int
+    progress: bool
+    allow_nonfinite_passthrough: bool
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """Runs each step of a conversion: under a process group on every rank together (``run_together``:
+    a failure on one rank fails the step on all), else directly. Rank 0 (or a lone process) writes
+    the shared state (job file, index, configs, marker)."""
+
+    group: RunGroup | None
+
+    @property
+    def writes_state(self) -> bool:
+        return self.group is None or self.group.rank == 0
+
+    def __call__(self, step: str, fn: Callable, *args, **kwargs):
+        if self.group is None:
+            return fn(*args, **kwargs)
+        from ..dist.collectives import run_together
+
+        return run_together(f"convert: {step}", fn, *args, group=self.group, **kwargs)
+
+    def by_state_writer(self, step: str, fn: Callable, *args, **kwargs):
+        """``fn`` on the rank that writes the shared state; the others only join the step."""
+        return self(step, fn if self.writes_state else _nothing, *args, **kwargs)
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
 
 def _as_recipe(recipe: Recipe | str | Path) -> Recipe:
     return recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
 
 
-def _process_group(rank: int, world_size: int):
+def _process_group(rank: int, world_size: int) -> RunGroup | None:
     """The run group when torch.distributed is initialised for exactly this rank/world, else None."""
     import torch.distributed as dist
 
@@ -49,21 +98,31 @@ def _process_group(rank: int, world_size: int):
     if (g.rank, g.world_size) != (rank, world_size):
         raise ValueError(
             f"rank={rank}, world_size={world_size} disagree with the initialised process group "
-            f"(rank {g.rank} of {g.world_size})"
+            f"(rank {g.rank} of {g.world_size}); pass the group's own rank and world size, or leave them out"
         )
     return g
 
 
-def _complete_stats(dst: Path, fingerprint: str) -> ConvertStats | None:
-    try:
-        marker = json.loads((dst / COMPLETE_MARKER).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return ConvertStats.from_dict(marker["stats"]) if marker.get("fingerprint") == fingerprint else None
+def _options(
+    rank: int, world_size: int, *, resume: bool, overwrite: bool, verify: bool, workers: int | None, progress: bool,
+    allow_nonfinite_passthrough: bool,
+) -> _Options:
+    """The keywords checked (errors name the value and the fix); settings that change nothing warn."""
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    workers = min(4, os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if not verify and (not resume or overwrite):
+        log.warning("modelopt_k3 convert: verify=False (--no_verify) has no effect: with %s no completed shard is "
+                    "kept, so none is verified", "overwrite=True" if overwrite else "resume=False")
+    return _Options(resume, overwrite, verify, workers, progress, allow_nonfinite_passthrough)
 
 
-_DENSE_UNCHECKED = ("dense tensors were checked against their headers only: the model was not built "
-                    "(trust_remote_code / --trust_remote_code builds it on meta and checks each one, as hf_ptq does)")
+def _warn_ineffective_recipe_settings(recipe: Recipe) -> None:
+    if recipe.calibrate_all_experts:
+        log.warning("modelopt_k3 convert: recipe %s sets calibrate_all_experts, which has no effect in the "
+                    "calibration-free converter (nothing is calibrated)", recipe.name)
 
 
 def convert_checkpoint(
@@ -110,65 +169,47 @@ def convert_checkpoint(
     output directory it must not write into, ``DestinationError`` for one that overlaps the source.
     """
     t0 = time.perf_counter()
-    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    workers = min(4, os.cpu_count() or 1) if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    options = _options(rank, world_size, resume=resume, overwrite=overwrite, verify=verify, workers=workers,
+                       progress=progress, allow_nonfinite_passthrough=allow_nonfinite_passthrough)
     src, dst = Path(src).absolute(), Path(dst).absolute()
     refuse_overlap(src, dst, flag="the output directory (--dst)")
     recipe = _as_recipe(recipe)
-    group = _process_group(rank, world_size)
-    if group is not None:
-        from ..dist.collectives import run_together
-
-        def together(step: str, fn: Callable, *args, **kwargs):
-            return run_together(f"convert: {step}", fn, *args, group=group, **kwargs)
+    _warn_ineffective_recipe_settings(recipe)
+    steps = _Steps(_process_group(rank, world_size))
+    plan = _checked_plan(steps, src, recipe, trust_remote_code)
+    report = ConvertReport(src, dst, recipe.name, rank, world_size, len(plan.files))
+    done = steps("check output", _check_dst, dst, plan, overwrite=overwrite)
+    if done is not None:
+        report.total, report.complete, report.nothing_to_do = done, True, True
     else:
+        if not trust_remote_code:
+            report.notes.append(_DENSE_UNCHECKED)
+        _convert_under_locks(steps, plan, dst, recipe, report, options)
+    report.wall_s = time.perf_counter() - t0
+    return report
 
-        def together(step: str, fn: Callable, *args, **kwargs):
-            return fn(*args, **kwargs)
 
-    plan = together("plan", _build_plan, src, recipe, trust_remote_code=trust_remote_code)
+def _checked_plan(steps: _Steps, src: Path, recipe: Recipe, trust_remote_code: bool) -> _Plan:
+    """The plan, on every rank; with ``trust_remote_code`` every dense tensor is also checked against the
+    model built on meta (as ``load_pretrained`` does)."""
+    plan = steps("plan", _build_plan, src, recipe, trust_remote_code=trust_remote_code)
     if trust_remote_code:
         from ..load import check_against_model
 
-        together("check the checkpoint against the model", check_against_model, src, plan.source)
-    report = ConvertReport(src, dst, recipe.name, rank, world_size, len(plan.files))
-    done = together("check output", _check_dst, dst, plan, overwrite=overwrite)
-    if done is not None:
-        report.total, report.complete, report.nothing_to_do = done, True, True
-        report.wall_s = time.perf_counter() - t0
-        return report
-    if not trust_remote_code:
-        report.notes.append(_DENSE_UNCHECKED)
+        steps("check the checkpoint against the model", check_against_model, src, plan.source)
+    return plan
 
+
+def _convert_under_locks(
+    steps: _Steps, plan: _Plan, dst: Path, recipe: Recipe, report: ConvertReport, options: _Options
+) -> None:
+    """Lock this rank's part of ``dst``, adopt it, convert this rank's shards and finalize when all are done."""
     locks: list[RankLock] = []
-
-    def lock_mine() -> None:
-        locks.append(acquire_rank_lock(dst, dst / STATE_DIR, rank=rank, world_size=world_size,
-                                       fingerprint=plan.fingerprint, notes=report.notes))
-
     try:
-        together("lock output", lock_mine)
-        if group is None or rank == 0:
-            together("prepare output", _prepare_dst, dst, plan, recipe)
-        else:
-            together("prepare output", lambda: None)
-        _convert_shards(plan, dst, report, together, resume=resume, overwrite=overwrite, verify=verify,
-                        workers=workers, progress=progress, allow_nonfinite_passthrough=allow_nonfinite_passthrough)
-
-        def finalize_if_ready() -> None:
-            if group is not None and rank != 0:
-                return
-            pending = [f for f in plan.files if _load_record(dst, f, plan.fingerprint, verify_hash=False) is None]
-            report.pending = pending
-            if pending:
-                return
-            report.total = _finalize(plan, dst, recipe)
-            report.complete = report.finalized = True
-
-        together("finalize", finalize_if_ready)
+        steps("lock output", _lock_into, locks, dst, report, plan.fingerprint)
+        steps.by_state_writer("prepare output", _prepare_dst, dst, plan, recipe)
+        _convert_shards(steps, plan, dst, report, options)
+        steps.by_state_writer("finalize", _finalize_if_ready, plan, dst, recipe, report)
     finally:
         for lock in locks:
             lock.release()
@@ -176,66 +217,89 @@ def convert_checkpoint(
         total = _complete_stats(dst, plan.fingerprint)  # another rank (or process) finished it
         if total is not None:
             report.total, report.complete, report.pending = total, True, []
-    report.wall_s = time.perf_counter() - t0
-    return report
 
 
-def _convert_shards(
-    plan: _Plan, dst: Path, report: ConvertReport, together: Callable, *, resume: bool, overwrite: bool,
-    verify: bool, workers: int, progress: bool, allow_nonfinite_passthrough: bool,
-) -> None:
+def _lock_into(locks: list[RankLock], dst: Path, report: ConvertReport, fingerprint: str) -> None:
+    """Take this rank's lock; it is appended at once, so a failure of another rank still releases it."""
+    locks.append(acquire_rank_lock(dst, dst / STATE_DIR, rank=report.rank, world_size=report.world_size,
+                                   fingerprint=fingerprint, notes=report.notes))
+
+
+def _finalize_if_ready(plan: _Plan, dst: Path, recipe: Recipe, report: ConvertReport) -> None:
+    report.pending = [f for f in plan.files if _load_record(dst, f, plan.fingerprint, verify_hash=False) is None]
+    if not report.pending:
+        report.total = _finalize(plan, dst, recipe)
+        report.complete = report.finalized = True
+
+
+def _complete_stats(dst: Path, fingerprint: str) -> ConvertStats | None:
+    try:
+        marker = json.loads((dst / COMPLETE_MARKER).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return ConvertStats.from_dict(marker["stats"]) if marker.get("fingerprint") == fingerprint else None
+
+
+def _convert_shards(steps: _Steps, plan: _Plan, dst: Path, report: ConvertReport, options: _Options) -> None:
     """Convert this rank's shards (skipping complete ones when resuming), all ranks together."""
-    rank, world_size, src = report.rank, report.world_size, plan.src
-    mine = plan.files[rank::world_size]
-
-    def convert_mine() -> None:
-        reader = _SourceFiles(src, plan.tensors)
-        bar = _progress_bar(sum(len(plan.jobs[f]) for f in mine), rank, progress)
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="convert") if workers > 1 else None
-        # Shard k is fsynced, hashed, renamed and recorded while shard k + 1 is converted.
-        finisher = ThreadPoolExecutor(1, thread_name_prefix="convert-finish")
-        pending: list[tuple[str, Future]] = []
-
-        def collect() -> None:
-            while pending:
-                file, fut = pending.pop(0)
-                rec = fut.result()
-                report.converted.append(file)
-                report.stats.add(ConvertStats.from_dict(rec["stats"]))
-
-        try:
-            for file in mine:
-                if resume and not overwrite:
-                    rec = _load_record(dst, file, plan.fingerprint, verify_hash=verify)
-                    if rec is not None:
-                        report.skipped.append(file)
-                        report.stats.add(ConvertStats.from_dict(rec["stats"]))
-                        bar.update(len(plan.jobs[file]))
-                        continue
-                _record_path(dst, file).unlink(missing_ok=True)
-                tmp, rec = _write_shard(plan, file, dst, reader, pool, lambda: bar.update(1),
-                                        allow_nonfinite_passthrough=allow_nonfinite_passthrough)
-                collect()
-                pending.append((file, finisher.submit(_finish_shard, tmp, dst, rec)))
-            collect()
-        finally:
-            wait([fut for _, fut in pending])  # a shard written before a failure still gets its record
-            finisher.shutdown()
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
-            bar.close()
-            reader.close()
-
     # Parallelism is across modules (``workers``); torch's own intra-op threads only spin on these
     # per-module tensors (measured: 4x the CPU time with 2 intra-op threads on 2 cores).
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        together("convert shards", convert_mine)
+        steps("convert shards", _convert_mine, plan, dst, report, options)
     finally:
         torch.set_num_threads(torch_threads)
     if report.stats.nonfinite_passthrough:
         warn_passthrough(report.stats.nonfinite_passthrough)
+
+
+def _convert_mine(plan: _Plan, dst: Path, report: ConvertReport, options: _Options) -> None:
+    """Shard ``i`` of ``plan.files`` for ``i % world_size == rank``; shard k is fsynced, hashed, renamed and
+    recorded (one finisher thread) while shard k + 1 is converted."""
+    mine = plan.files[report.rank :: report.world_size]
+    bar = _progress_bar(sum(len(plan.jobs[f]) for f in mine), report.rank, options.progress)
+    pool = ThreadPoolExecutor(options.workers, thread_name_prefix="convert") if options.workers > 1 else None
+    finisher = ThreadPoolExecutor(1, thread_name_prefix="convert-finish")
+    finishing: list[tuple[str, Future]] = []
+    try:
+        for file in mine:
+            if _resumed(plan, dst, file, report, options):
+                bar.update(len(plan.jobs[file]))
+                continue
+            _record_path(dst, file).unlink(missing_ok=True)
+            tmp, rec = _write_shard(plan, file, dst, pool, partial(bar.update, 1),
+                                    allow_nonfinite_passthrough=options.allow_nonfinite_passthrough)
+            _collect_finished(finishing, report)
+            finishing.append((file, finisher.submit(_finish_shard, tmp, dst, rec)))
+        _collect_finished(finishing, report)
+    finally:
+        wait([fut for _, fut in finishing])  # a shard written before a failure still gets its record
+        finisher.shutdown()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        bar.close()
+        plan.reader.close()
+
+
+def _resumed(plan: _Plan, dst: Path, file: str, report: ConvertReport, options: _Options) -> bool:
+    """Whether ``file`` is kept from an earlier run (its record validates); counted in the report if so."""
+    if not options.resume or options.overwrite:
+        return False
+    rec = _load_record(dst, file, plan.fingerprint, verify_hash=options.verify)
+    if rec is None:
+        return False
+    report.skipped.append(file)
+    report.stats.add(ConvertStats.from_dict(rec["stats"]))
+    return True
+
+
+def _collect_finished(finishing: list[tuple[str, Future]], report: ConvertReport) -> None:
+    while finishing:
+        file, fut = finishing.pop(0)
+        rec = fut.result()
+        report.converted.append(file)
+        report.stats.add(ConvertStats.from_dict(rec["stats"]))
 
 
 def finalize_conversion(
@@ -250,7 +314,8 @@ def finalize_conversion(
     recipe = _as_recipe(recipe)
     plan = _build_plan(src, recipe, trust_remote_code=trust_remote_code)
     if not (dst / STATE_DIR / JOB_FILE).is_file():
-        raise ConvertError(f"{dst} holds no modelopt_k3 conversion ({STATE_DIR}/{JOB_FILE} is missing)")
+        raise ConvertError(f"{dst} holds no modelopt_k3 conversion ({STATE_DIR}/{JOB_FILE} is missing); run "
+                           "convert_checkpoint (modelopt-k3-convert without --finalize) with this --dst first")
     for path, owner, record, _ in live_locks(dst / STATE_DIR / LOCK_DIR):
         if record.get("fingerprint") != plan.fingerprint:
             raise ConvertError(f"{dst} is being written by another conversion ({owner.describe()}); "

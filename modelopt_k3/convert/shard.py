@@ -1,58 +1,45 @@
-"""One shard: convert its module jobs, copy its other tensors and write the output file in place."""
+"""One shard: convert its module jobs, copy its other tensors and write the output file in place
+(``export.writer.PlannedShard``: header first, then each tensor at its offset)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import _ST_DTYPES
-from ..export.modelopt_format import (
-    input_scale_tensor,
-    weight_tensors,
-)
-from ..nonfinite import invalid_values, source_refusal
+from ..checkpoint import ReadLog
+from ..export.modelopt_format import input_scale_tensor, weight_tensors
+from ..export.writer import PlannedShard, write_json_atomic
+from ..nonfinite import source_refusal
 from ..numerics import fp8 as fp8n
 from ..numerics import nvfp4 as nvn
 from ..numerics.constants import NVFP4_BLOCK
 from ..numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
-from ..numerics.finite import nonfinite_count
 from ..numerics.mxfp4 import mxfp4_decode
-from .plan import _ModuleJob, _Out, _Plan
+from .jobs import _ModuleJob, _Plan
 from .report import ConvertStats
-from .source import _pread_into, _SourceFiles, _SrcTensor
-from .state import RECORD_VERSION, ShardDigest, _record_path, _write_json_atomic
-
-_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
-_COPY_CHUNK = 64 * 2**20
+from .state import RECORD_VERSION, _fsync, _record_path
 
 
 class _ShardConverter:
     """Produces the output tensors of one module job (with a per-shard cache of shared scales).
 
     Every source tensor it reads (its own and its scale-sharing partners') is checked for values that
-    are not numbers; ``invalid`` collects them (name -> what): a job's output is then garbage, so the
-    shard is refused (``_write_shard``).
+    are not numbers (``log.invalid``: name -> what): a job's output is then garbage, so the shard is
+    refused (``_write_shard``). Copied tensors are checked as they pass (``copied_invalid``).
     """
 
-    def __init__(self, plan: _Plan, reader: _SourceFiles):
+    def __init__(self, plan: _Plan):
         self.plan = plan
-        self.reader = reader
+        self.log = ReadLog()
+        self.copied_invalid: dict[str, str] = {}
         self._group_scale: dict[tuple[str, ...], torch.Tensor] = {}
-        self.invalid: dict[str, str] = {}
 
     def _read(self, key: str) -> torch.Tensor:
-        tensor = self.reader.read(key)
-        found = invalid_values(key, tensor)
-        if found is not None:
-            self.invalid[key] = found
-        return tensor
+        return self.plan.reader.pread(key, self.log)
 
     def _weight(self, job: _ModuleJob) -> torch.Tensor:
         """The logical weight in the model's dtype (MXFP4 decoded exactly, as the model path loads it)."""
@@ -113,42 +100,25 @@ class _ShardConverter:
         return out, stats
 
 
-def _layout(outputs: list[_Out]) -> tuple[bytes, dict[str, int]]:
-    """Safetensors header bytes (length prefix included) and each tensor's absolute file offset.
-
-    Tensors are laid out by element size (largest first), then production order, so every tensor
-    starts at a multiple of its element size, as safetensors' own writer does.
-    """
-    order = sorted(range(len(outputs)), key=lambda i: (-outputs[i].dtype.itemsize, i))
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    rel: dict[str, int] = {}
-    pos = 0
-    for i in order:
-        o = outputs[i]
-        header[o.name] = {"dtype": _ST_NAMES[o.dtype], "shape": list(o.shape), "data_offsets": [pos, pos + o.nbytes]}
-        rel[o.name] = pos
-        pos += o.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    start = 8 + len(text)
-    return struct.pack("<Q", len(text)) + text, {name: start + off for name, off in rel.items()}
-
-
-def _tensor_bytes(t: torch.Tensor):
-    t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy() if t.numel() else b""
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
+    def run(self, job: str | _ModuleJob, shard: PlannedShard, passthrough: bool) -> ConvertStats:
+        """Copy (a source key) or convert (a module job) into ``shard``; NaN/Inf in a copied tensor is let
+        through (``passthrough``, counted in the stats) or kept for the refusal."""
+        if isinstance(job, str):
+            done = ConvertStats()
+            found = shard.copy(self.plan.reader, job)
+            if found is not None:
+                (done.nonfinite_passthrough if passthrough else self.copied_invalid)[job] = found
+            done.tensors["copied"] += 1
+            return done
+        out, done = self.tensors(job)
+        for name, tensor in out.items():
+            shard.write(name, tensor)
+        return done
 
 
 def _write_shard(
-    plan: _Plan, file: str, dst: Path, reader: _SourceFiles, pool: ThreadPoolExecutor | None,
-    on_item: Callable[[], None], *, allow_nonfinite_passthrough: bool = False,
+    plan: _Plan, file: str, dst: Path, pool: ThreadPoolExecutor | None, on_item: Callable[[], None], *,
+    allow_nonfinite_passthrough: bool = False,
 ) -> tuple[Path, dict]:
     """Write source shard ``file`` into ``dst/.<file>.partial``; return it and its record.
 
@@ -159,118 +129,61 @@ def _write_shard(
     On any failure the partial file is removed: a rerun rewrites the whole shard anyway.
     """
     stats = ConvertStats(shards=1, bytes_in=plan.sizes[file])
-    outputs: list[_Out] = []
-    for job in plan.jobs[file]:
-        if isinstance(job, str):
-            t = plan.tensors[job]
-            outputs.append(_Out(job, t.dtype, t.shape))
-        else:
-            outputs.extend(job.outputs)
-    header, offsets = _layout(outputs)
-    total = len(header) + sum(o.nbytes for o in outputs)
-    expected = {o.name: o for o in outputs}
-    tmp = dst / f".{file}.partial"
-    converter = _ShardConverter(plan, reader)
-    copied_invalid: dict[str, str] = {}
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-
-    digest = ShardDigest()
-
-    def run(job: str | _ModuleJob) -> ConvertStats:
-        if isinstance(job, str):
-            done = ConvertStats()
-            sha, found = _copy_range(reader, plan.tensors[job], fd, offsets[job])
-            digest.add(offsets[job], job, sha)
-            if found is not None:
-                (done.nonfinite_passthrough if allow_nonfinite_passthrough else copied_invalid)[job] = found
-            done.tensors["copied"] += 1
-            return done
-        out, done = converter.tensors(job)
-        for name, tensor in out.items():
-            want = expected[name]
-            if tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
-                raise AssertionError(
-                    f"{name}: produced {tensor.dtype} {list(tensor.shape)}, planned {want.dtype} {list(want.shape)}"
-                )
-            data = _tensor_bytes(tensor)
-            digest.add(offsets[name], name, hashlib.sha256(data).digest())
-            _pwrite_all(fd, data, offsets[name])
-        return done
-
+    shard = PlannedShard(dst / f".{file}.partial", plan.outputs(file))
+    converter = _ShardConverter(plan)
     try:
-        _pwrite_all(fd, header, 0)
-        digest.add(0, "", hashlib.sha256(header).digest())
-        os.ftruncate(fd, total)
-        if pool is None:
-            for job in plan.jobs[file]:
-                stats.add(run(job))
-                on_item()
-        else:
-            futures = [pool.submit(run, job) for job in plan.jobs[file]]
-            try:
-                for fut in futures:
-                    stats.add(fut.result())
-                    on_item()
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                wait(futures)  # no job may still write once fd is closed
-                raise
-        invalid = {**converter.invalid, **copied_invalid}
+        _run_jobs(converter, plan.jobs[file], shard, pool, allow_nonfinite_passthrough, stats, on_item)
+        invalid = {**converter.log.invalid, **converter.copied_invalid}
         if invalid:
-            raise source_refusal(invalid, passthrough_possible=not converter.invalid)
+            raise source_refusal(invalid, passthrough_possible=not converter.log.invalid)
     except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
+        shard.discard()
         raise
-    os.close(fd)
-    stats.bytes_out = total
-    record = {
+    shard.close()
+    stats.bytes_out = shard.total_bytes
+    return shard.path, _shard_record(plan, file, shard, stats)
+
+
+def _run_jobs(
+    converter: _ShardConverter, jobs: list[str | _ModuleJob], shard: PlannedShard, pool: ThreadPoolExecutor | None,
+    passthrough: bool, stats: ConvertStats, on_item: Callable[[], None],
+) -> None:
+    """Run every job into ``shard`` (on ``pool`` when given), adding its counters to ``stats`` in job order."""
+    if pool is None:
+        for job in jobs:
+            stats.add(converter.run(job, shard, passthrough))
+            on_item()
+        return
+    futures = [pool.submit(converter.run, job, shard, passthrough) for job in jobs]
+    try:
+        for fut in futures:
+            stats.add(fut.result())
+            on_item()
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        wait(futures)  # no job may still write once the shard's file is closed
+        raise
+
+
+def _shard_record(plan: _Plan, file: str, shard: PlannedShard, stats: ConvertStats) -> dict:
+    return {
         "version": RECORD_VERSION,
         "fingerprint": plan.fingerprint,
         "source": {"file": file, "size": plan.sizes[file]},
-        "output": {"file": file, "size": total, "digest": digest.hexdigest()},
-        "tensors": sorted(expected),
-        "tensor_bytes": sum(o.nbytes for o in outputs),
+        "output": {"file": file, "size": shard.total_bytes, "digest": shard.digest.hexdigest()},
+        "tensors": sorted(shard.planned),
+        "tensor_bytes": shard.tensor_bytes,
         "stats": stats.to_dict(),
     }
-    return tmp, record
 
 
 def _finish_shard(tmp: Path, dst: Path, record: dict) -> dict:
     """fsync the written shard, rename it into place, then save its completion record (its digest was
     taken while writing)."""
     file = record["output"]["file"]
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync([tmp])
     os.replace(tmp, dst / file)
-    dir_fd = os.open(dst, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename is durable before the record claims it
-    finally:
-        os.close(dir_fd)
-    _write_json_atomic(_record_path(dst, file), record)
+    _fsync([dst])  # the rename is durable before the record claims it
+    write_json_atomic(_record_path(dst, file), record)
     return record
-
-
-def _copy_range(reader: _SourceFiles, t: _SrcTensor, out_fd: int, out_offset: int) -> tuple[bytes, str | None]:
-    """Copy one tensor's bytes in chunks through this process; return their sha256 (the shard digest needs
-    it, and hashing here spares reading the output back) and what in them is not a number (None: all are;
-    only floating tensors can hold NaN, checked per chunk with ``nonfinite_count``)."""
-    src_fd = reader.fd(t.file)
-    buf = torch.empty(min(_COPY_CHUNK, max(t.nbytes, 1)), dtype=torch.uint8)  # chunks hold whole elements
-    view = memoryview(buf.numpy())
-    h = hashlib.sha256()
-    bad = done = 0
-    while done < t.nbytes:
-        n = min(len(view), t.nbytes - done)
-        _pread_into(src_fd, view[:n], t.offset + done, reader.src / t.file)
-        if t.dtype.is_floating_point:
-            bad += nonfinite_count(buf[:n].view(t.dtype))
-        h.update(view[:n])
-        _pwrite_all(out_fd, view[:n], out_offset + done)
-        done += n
-    return h.digest(), (f"{bad} NaN/Inf value{'s' if bad != 1 else ''}" if bad else None)

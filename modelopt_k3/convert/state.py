@@ -2,109 +2,31 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import struct
-import threading
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..checkpoint import INDEX_NAME, SINGLE_NAME
-from ..export.modelopt_format import (
-    config_quantization_config,
-    hf_quant_config,
-    strip_source_quantization,
-)
-from ..export.writer import write_index
+from ..checkpoint import INDEX_NAME
+from ..export.modelopt_format import config_quantization_config, hf_quant_config
+from ..export.writer import copy_side_files, file_digest, write_configs, write_index, write_json_atomic
 from ..recipe import Recipe
+from .jobs import _Plan
 from .report import ConvertStats
-
-if TYPE_CHECKING:
-    from .plan import _Plan
-
 
 STATE_DIR = ".modelopt_k3_convert"
 COMPLETE_MARKER = ".modelopt_k3_complete"
 JOB_FILE = "job.json"
 # 2: the output digest is computed from the bytes as they are written (``ShardDigest``), not read back.
 RECORD_VERSION = 2
-# Written by finalize (or never copied): everything else in the source directory that is not a
-# safetensors shard (remote code, tokenizer, generation config) is copied as it is.
-_NOT_SIDE_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
-_HASH_CHUNK = 16 * 2**20
 
 
-class ConvertError(RuntimeError):
-    """The output directory or a shard's state refuses the conversion; the message names the file."""
-
-
-def _tmp_name(path: Path) -> Path:
-    # Unique per writer: ranks on different hosts may share a pid and write to one shared filesystem.
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+class ConvertError(ValueError):
+    """The output directory or a shard's state refuses the conversion; the message names the file and the fix."""
 
 
 def _record_path(dst: Path, file: str) -> Path:
     return dst / STATE_DIR / "shards" / f"{file}.json"
-
-
-class ShardDigest:
-    """The digest of a shard written out of order, from the bytes as they are written.
-
-    The shard is cut into its segments, the header and then every tensor's byte range (sorted by offset,
-    then name); the digest is sha256 over each segment's sha256, in that order. Writers add segments
-    from any thread in any order; nothing is read back. ``file_digest`` computes the same from a file.
-    """
-
-    def __init__(self) -> None:
-        self._parts: list[tuple[int, str, bytes]] = []
-        self._lock = threading.Lock()
-
-    def add(self, offset: int, name: str, digest: bytes) -> None:
-        with self._lock:
-            self._parts.append((offset, name, digest))
-
-    def hexdigest(self) -> str:
-        h = hashlib.sha256()
-        for _, _, digest in sorted(self._parts):
-            h.update(digest)
-        return h.hexdigest()
-
-
-def file_digest(path: Path) -> str:
-    """``ShardDigest`` of a safetensors file on disk (used to verify a completed shard on resume)."""
-    digest = ShardDigest()
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        raw = f.read(length)
-        digest.add(0, "", hashlib.sha256(struct.pack("<Q", length) + raw).digest())
-        start = 8 + length
-        for name, meta in json.loads(raw).items():
-            if name == "__metadata__":
-                continue
-            begin, end = meta["data_offsets"]
-            h = hashlib.sha256()
-            f.seek(start + begin)
-            left = end - begin
-            while left:
-                n = f.readinto(view[: min(left, _HASH_CHUNK)])
-                if not n:
-                    return ""  # truncated: matches no record
-                h.update(view[:n])
-                left -= n
-            digest.add(start + begin, name, h.digest())
-    return digest.hexdigest()
 
 
 def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -> dict | None:
@@ -201,7 +123,7 @@ def _prepare_dst(dst: Path, plan: _Plan, recipe: Recipe) -> None:
     except (FileNotFoundError, json.JSONDecodeError):
         old = None
     if old != job:
-        _write_json_atomic(job_path, job)
+        write_json_atomic(job_path, job)
 
 
 def _fsync(paths: list[Path]) -> None:
@@ -213,14 +135,37 @@ def _fsync(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def _copy_file_atomic(src: Path, dst: Path) -> None:
-    tmp = _tmp_name(dst)
-    shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
-
-
 def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
     """Check every shard's record, then write index, configs, side files and (last) the marker."""
+    records = _complete_records(plan, dst)
+    weight_map = {key: f for f, rec in records.items() for key in rec["tensors"]}
+    write_index(dst, [weight_map], sum(rec["tensor_bytes"] for rec in records.values()), rename=False)
+    hf_quant = hf_quant_config(
+        plan.table.layer_algos(), kv_cache=recipe.kv_cache, unquantized=plan.table.unquantized_modules(),
+        recipe=recipe.name,
+    )
+    write_configs(plan.src, dst, config_quantization_config(hf_quant), hf_quant)
+    copy_side_files(plan.src, dst)
+    _remove_foreign_shards(dst, set(plan.files))
+    # The marker must never be on disk before what it describes: index, configs and side files first.
+    _fsync([*(p for p in dst.iterdir() if p.is_file() and not p.name.endswith(".safetensors")), dst])
+    total = ConvertStats()
+    for rec in records.values():
+        total.add(ConvertStats.from_dict(rec["stats"]))
+    marker = {
+        "producer": {"name": "modelopt_k3", "version": __version__},
+        "fingerprint": plan.fingerprint,
+        "recipe": recipe.name,
+        "src": str(plan.src),
+        "shards": {f: rec["output"] for f, rec in records.items()},
+        "stats": total.to_dict(),
+    }
+    write_json_atomic(dst / COMPLETE_MARKER, marker)
+    return total
+
+
+def _complete_records(plan: _Plan, dst: Path) -> dict[str, dict]:
+    """Every shard's completion record, or a refusal naming a shard that is not complete."""
     records = {f: _load_record(dst, f, plan.fingerprint, verify_hash=False) for f in plan.files}
     missing = [f for f, rec in records.items() if rec is None]
     if missing:
@@ -228,43 +173,13 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
             f"cannot finalize {dst}: {len(missing)} of {len(plan.files)} shard(s) are not complete, "
             f"e.g. {missing[0]}; run the ranks that own them (a rerun resumes)"
         )
-    weight_map = {key: f for f, rec in records.items() for key in rec["tensors"]}
-    total_bytes = sum(rec["tensor_bytes"] for rec in records.values())
-    write_index(dst, [weight_map], total_bytes, rename=False)
+    return records
 
-    hf_quant = hf_quant_config(
-        plan.table.layer_algos(), kv_cache=recipe.kv_cache, unquantized=plan.table.unquantized_modules(),
-        recipe=recipe.name,
-    )
-    config = strip_source_quantization(json.loads((plan.src / "config.json").read_text()))
-    config["quantization_config"] = config_quantization_config(hf_quant)
-    _write_json_atomic(dst / "config.json", config)
-    _write_json_atomic(dst / "hf_quant_config.json", hf_quant)
-    for path in sorted(plan.src.iterdir()):
-        if path.is_file() and path.name not in _NOT_SIDE_FILES and not path.name.endswith(".safetensors"):
-            _copy_file_atomic(path, dst / path.name)
-    # Shards of an earlier job that are not part of this output (another source's file names).
-    keep = set(plan.files)
+
+def _remove_foreign_shards(dst: Path, keep: set[str]) -> None:
+    """Shards of an earlier job that are not part of this output (another source's file names), and partials."""
     for path in dst.glob("*.safetensors"):
         if path.name not in keep:
             path.unlink(missing_ok=True)
     for path in dst.glob(".*.safetensors.partial"):
         path.unlink(missing_ok=True)
-    # The marker must never be on disk before what it describes: index, configs and side files first.
-    _fsync([*(p for p in dst.iterdir() if p.is_file() and not p.name.endswith(".safetensors")), dst])
-
-    total = ConvertStats()
-    for rec in records.values():
-        total.add(ConvertStats.from_dict(rec["stats"]))
-    _write_json_atomic(
-        dst / COMPLETE_MARKER,
-        {
-            "producer": {"name": "modelopt_k3", "version": __version__},
-            "fingerprint": plan.fingerprint,
-            "recipe": recipe.name,
-            "src": str(plan.src),
-            "shards": {f: rec["output"] for f, rec in records.items()},
-            "stats": total.to_dict(),
-        },
-    )
-    return total

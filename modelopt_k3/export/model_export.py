@@ -12,9 +12,7 @@ at the end.
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
+from ..checkpoint import CheckpointReader
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
@@ -34,16 +32,21 @@ from .modelopt_format import (
     config_quantization_config,
     hf_quant_config,
     input_scale_tensor,
-    strip_source_quantization,
     weight_tensors,
 )
-from .writer import ShardWriter, atomic_output_dir, gather_weight_maps, write_index
+from .writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardWriter,
+    atomic_output_dir,
+    copy_side_files,
+    gather_weight_maps,
+    write_configs,
+    write_index,
+)
 
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 EXPERTS_PER_CAST = 16
 # Export format -> how one quantized Linear's ModelOpt-named tensors are laid out in that format.
 FORMATS = {"modelopt": lambda tensors: tensors, "compressed-tensors": ct_format.rename_tensors}
-_NOT_COPIED = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
 
 
 def _kv_scales(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
@@ -118,20 +121,6 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             if proj.fused_param in state.input:
                 tensors["input_scale"] = input_scale_tensor(state.input[proj.fused_param].scale())
             yield prefix, tensors, True
-
-
-def _copy_side_files(src: Path, dst: Path) -> None:
-    for path in sorted(src.iterdir()):
-        if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(".safetensors"):
-            shutil.copy2(path, dst / path.name)
-
-
-def _write_configs(src: Path, dst: Path, quantization_config: dict, hf_quant: dict | None) -> None:
-    config = strip_source_quantization(json.loads((src / "config.json").read_text()))
-    config["quantization_config"] = quantization_config
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if hf_quant is not None:
-        (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
 
 
 def export_checkpoint(
@@ -224,11 +213,11 @@ def export_checkpoint(
                 hf_quant = hf_quant_config(
                     layer_algos, kv_cache=qplan.recipe.kv_cache, unquantized=unquantized, recipe=qplan.recipe.name
                 )
-                _write_configs(info.checkpoint, tmp, config_quantization_config(hf_quant), hf_quant)
+                write_configs(info.checkpoint, tmp, config_quantization_config(hf_quant), hf_quant)
             else:
                 qcfg = ct_format.quantization_config(next(iter(layer_algos.values())), unquantized)
-                _write_configs(info.checkpoint, tmp, qcfg, None)
-            _copy_side_files(info.checkpoint, tmp)
+                write_configs(info.checkpoint, tmp, qcfg, None)
+            copy_side_files(info.checkpoint, tmp)
 
         run_together("export index and configs", finish, group=group)
     return export_dir

@@ -15,9 +15,8 @@ import torch
 from .. import __version__
 from ..numerics import fp8 as fp8n
 from ..numerics import nvfp4 as nvn
+from ..numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
-NVFP4_GROUP = 16
-FP8_BLOCK = 128
 WEIGHT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PB_WO")
 # The layout this module writes is nvidia-modelopt 0.47.0's; engines check the producer's name.
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
@@ -69,7 +68,7 @@ def linear_layout(
     if weights == "nvfp4":
         layout = [
             ("weight", torch.uint8, (out_f, in_f // 2)),
-            ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_GROUP)),
+            ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_BLOCK)),
             ("weight_scale_2", torch.float32, ()),
         ]
     elif weights == "fp8":
@@ -97,7 +96,7 @@ def layer_entry(algo: str) -> dict:
     export writes the format's internal name ``fp8_pb_wo``, which vLLM upper-cases anyway.
     """
     if algo in ("NVFP4", "W4A16_NVFP4"):
-        return {"quant_algo": algo, "group_size": NVFP4_GROUP}
+        return {"quant_algo": algo, "group_size": NVFP4_BLOCK}
     return {"quant_algo": algo}
 
 
@@ -158,7 +157,7 @@ def hf_quant_config(
 def _group_args(entry: dict) -> dict:
     """A ``config_groups`` entry (ModelOpt ``convert_hf_config.py`` ``_quant_algo_to_group_config``)."""
     algo, size = entry["quant_algo"], entry.get("group_size")
-    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": size or NVFP4_GROUP}
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": size or NVFP4_BLOCK}
     fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
     if algo == "NVFP4":
         return {"input_activations": dict(fp4), "weights": fp4}

@@ -1,6 +1,16 @@
-"""Streaming, atomic checkpoint writing; no rank ever holds or sends the whole model.
+"""All checkpoint writing: safetensors shards, the index, configs and side files, atomically.
 
-Typical use on every rank::
+Two shard strategies share one header layout, dtype map and byte path:
+
+- ``ShardWriter`` (the model export): tensors arrive one by one, in any size; it buffers them,
+  spills them to a side file past ``spill_bytes``, and cuts a shard at ``max_shard_bytes``.
+- ``PlannedShard`` (the streaming converter): every tensor's name, dtype and shape is known before
+  any value is computed, so the header is written first and each tensor is written in place at its
+  offset, in any order and from any thread, or copied from the source through one buffer. Its digest
+  (``ShardDigest``) is taken from the bytes as they are written, so the file is never read back to be
+  hashed. Memory holds a few tensors, never a shard.
+
+Typical use of ``ShardWriter`` on every rank::
 
     with atomic_output_dir(export_dir, overwrite=args.overwrite) as tmp:
         def write_mine():
@@ -23,16 +33,30 @@ a rank that raised would otherwise meet its peers in mismatched collectives.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import os
+import shutil
 import struct
-from collections.abc import Iterator
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
 
-from modelopt_k3.checkpoint import _ST_DTYPES
+from modelopt_k3.checkpoint import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPES,
+    SINGLE_NAME,
+    CheckpointError,
+    CheckpointReader,
+    TensorInfo,
+    read_shard,
+)
 from modelopt_k3.dist.collectives import (
     DistributedStepError,
     all_gather_object,
@@ -40,22 +64,101 @@ from modelopt_k3.dist.collectives import (
     run_together,
 )
 from modelopt_k3.dist.group import RunGroup, current_group
+from modelopt_k3.export.modelopt_format import strip_source_quantization
 from modelopt_k3.export.staging import StagingDir, remove_tree, sweep_stale
+from modelopt_k3.numerics.finite import nonfinite_count
 
 __all__ = [
-    "INDEX_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_NAME",
+    "PlannedShard",
+    "PlannedTensor",
+    "ShardDigest",
     "ShardWriter",
     "atomic_output_dir",
+    "copy_side_files",
+    "file_digest",
     "gather_weight_maps",
+    "write_configs",
     "write_index",
+    "write_json_atomic",
 ]
 
-INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 # Buffered bytes above which a shard's tensors go to its spill file (bounds export memory: what export
 # adds to a rank's peak after calibration; 64 MiB keeps it within 5% there, benchmarks/bench_ep.py).
 DEFAULT_SPILL_BYTES = 64 * 2**20
-_ST_DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+# Bytes moved through this process at a time (spill assembly, checked copies); a multiple of every itemsize.
+COPY_CHUNK = 64 * 2**20
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+# What a writer writes itself, or never copies: everything else in a source checkpoint directory
+# that is not a safetensors shard (remote code, tokenizer, generation config) is copied as it is.
+_NOT_SIDE_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
+
+
+# --------------------------------------------------------------------------- bytes and files
+
+
+def tensor_bytes(t: torch.Tensor):
+    """The raw bytes of ``t`` (C order), without a copy where ``t`` is contiguous."""
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy() if t.numel() else b""
+
+
+def header_bytes(
+    metadata: dict[str, str], tensors: Iterable[tuple[str, torch.dtype, Sequence[int], int]]
+) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header (length prefix included) for ``(name, dtype, shape, nbytes)`` in file order,
+    and each tensor's offset from the start of the data."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offsets: dict[str, int] = {}
+    pos = 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets[name] = pos
+        pos += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _tmp_name(path: Path) -> Path:
+    # Unique per writer: ranks on different hosts may share a pid and write to one shared filesystem.
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """``path`` holds the old content or all of ``obj`` (indented JSON), never a part of it."""
+    tmp = _tmp_name(path)
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy every file of checkpoint ``src`` that is not a shard, the index or a config (remote code,
+    tokenizer, generation config) into ``dst``, each atomically."""
+    for path in sorted(src.iterdir()):
+        if path.is_file() and path.name not in _NOT_SIDE_FILES and not path.name.endswith(".safetensors"):
+            tmp = _tmp_name(dst / path.name)
+            shutil.copy2(path, tmp)
+            os.replace(tmp, dst / path.name)
+
+
+def write_configs(src: Path, dst: Path, quantization_config: dict, hf_quant: dict | None) -> None:
+    """``config.json`` (the source's, its quantization replaced by ``quantization_config``) and, when
+    given, ``hf_quant_config.json``."""
+    config = strip_source_quantization(json.loads((src / "config.json").read_text()))
+    config["quantization_config"] = quantization_config
+    write_json_atomic(dst / "config.json", config)
+    if hf_quant is not None:
+        write_json_atomic(dst / "hf_quant_config.json", hf_quant)
 
 
 # --------------------------------------------------------------------------- atomic directory
@@ -170,14 +273,7 @@ def _reraise(exc: BaseException) -> None:
     raise exc
 
 
-# --------------------------------------------------------------------------- shard writer
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+# --------------------------------------------------------------------------- buffered shards (export)
 
 
 def _copy_into(src: Path, out_fd: int, out_offset: int, nbytes: int) -> None:
@@ -196,10 +292,10 @@ def _copy_into(src: Path, out_fd: int, out_offset: int, nbytes: int) -> None:
             except OSError:  # EXDEV, ENOSYS, EINVAL on some filesystems: finish through a buffer
                 pass
         while done < nbytes:
-            chunk = os.pread(in_fd, min(64 * 2**20, nbytes - done), done)
+            chunk = os.pread(in_fd, min(COPY_CHUNK, nbytes - done), done)
             if not chunk:
                 raise OSError(f"spill file {src} ended at byte {done} of {nbytes}")
-            _pwrite_all(out_fd, chunk, out_offset + done)
+            pwrite_all(out_fd, chunk, out_offset + done)
             done += len(chunk)
     finally:
         os.close(in_fd)
@@ -240,7 +336,7 @@ class ShardWriter:
         self._buffer_storages: set[int] = set()
         self._closed = False
         self.spill_bytes = spill_bytes
-        self._spilled: list[tuple[str, str, list[int], int]] = []  # name, dtype, shape, nbytes (in order)
+        self._spilled: list[tuple[str, torch.dtype, list[int], int]] = []  # name, dtype, shape, nbytes (in order)
         self._spill_file = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -282,27 +378,20 @@ class ShardWriter:
         if self._spill_file is None:
             self._spill_file = open(self._spill_path(), "wb")  # noqa: SIM115 - closed in _flush/__exit__
         for name, t in self._buffer.items():
-            self._spill_file.write(t.reshape(-1).view(torch.uint8).numpy().data)
-            self._spilled.append((name, _ST_DTYPE_NAMES[t.dtype], list(t.shape), t.nbytes))
+            self._spill_file.write(tensor_bytes(t))
+            self._spilled.append((name, t.dtype, list(t.shape), t.nbytes))
         self._buffer, self._buffer_storages = {}, set()
 
     def _flush_spilled(self, path: Path) -> None:
-        """Assemble a shard from its spill file: 8-byte header length, JSON header, tensor bytes."""
+        """Assemble a shard from its spill file: header (tensors in spill order), then the spilled bytes."""
         self._spill()
         self._spill_file.close()
-        header: dict[str, object] = {"__metadata__": self.metadata}
-        offset = 0
-        for name, dtype, shape, nbytes in self._spilled:
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+        header, _ = header_bytes(self.metadata, self._spilled)
         spill = self._spill_path()
-        head = struct.pack("<Q", len(raw)) + raw
         out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite_all(out_fd, head, 0)
-            _copy_into(spill, out_fd, len(head), offset)
+            pwrite_all(out_fd, header, 0)
+            _copy_into(spill, out_fd, len(header), sum(nbytes for *_, nbytes in self._spilled))
         finally:
             os.close(out_fd)
         spill.unlink()
@@ -345,6 +434,147 @@ class ShardWriter:
                 self._spill_file, self._spilled = None, []
 
 
+# --------------------------------------------------------------------------- planned shards (converter)
+
+
+class PlannedTensor(NamedTuple):  # a NamedTuple: a Kimi-K3 conversion plans ~10**6 of them
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class ShardDigest:
+    """The digest of a shard written out of order, from the bytes as they are written.
+
+    The shard is cut into its segments, the header and then every tensor's byte range (sorted by offset,
+    then name); the digest is sha256 over each segment's sha256, in that order. Writers add segments
+    from any thread in any order; nothing is read back. ``file_digest`` computes the same from a file.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, str, bytes]] = []
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, name: str, digest: bytes) -> None:
+        with self._lock:
+            self._parts.append((offset, name, digest))
+
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for _, _, digest in sorted(self._parts):
+            h.update(digest)
+        return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """``ShardDigest`` of a safetensors file on disk (its header checked by the one reader); "" for a file
+    that is not a whole safetensors file, which matches no record."""
+    try:
+        shard = read_shard(path)
+    except CheckpointError:
+        return ""
+    digest = ShardDigest()
+    digest.add(0, "", hashlib.sha256(shard.raw).digest())
+    buf = bytearray(min(COPY_CHUNK, max((t.nbytes for t in shard.tensors.values()), default=0)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        for name, t in shard.tensors.items():
+            h = hashlib.sha256()
+            f.seek(t.offset)
+            left = t.nbytes
+            while left:
+                n = f.readinto(view[: min(left, len(view))])
+                if not n:
+                    return ""  # shrank since its header was read: matches no record
+                h.update(view[:n])
+                left -= n
+            digest.add(t.offset, name, h.digest())
+    return digest.hexdigest()
+
+
+class PlannedShard:
+    """A safetensors file whose header is written first, from tensors planned before any value exists;
+    each tensor is then written at its offset, in any order, from any thread (``write``/``copy``).
+
+    Tensors are laid out by element size (largest first), then planned order, so every tensor starts
+    at a multiple of its element size, as safetensors' own writer does. ``digest`` covers every byte
+    written (``ShardDigest``). ``discard`` removes the file.
+    """
+
+    def __init__(self, path: Path, planned: Sequence[PlannedTensor]):
+        order = sorted(range(len(planned)), key=lambda i: (-planned[i].dtype.itemsize, i))
+        header, rel = header_bytes({"format": "pt"}, ((*planned[i], planned[i].nbytes) for i in order))
+        self.path = path
+        self.planned = {t.name: t for t in planned}
+        self.offsets = {name: len(header) + off for name, off in rel.items()}
+        self.tensor_bytes = sum(t.nbytes for t in planned)
+        self.total_bytes = len(header) + self.tensor_bytes
+        self.digest = ShardDigest()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pwrite_all(self._fd, header, 0)
+            self.digest.add(0, "", hashlib.sha256(header).digest())
+            os.ftruncate(self._fd, self.total_bytes)
+        except BaseException:
+            self.discard()
+            raise
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want = self.planned[name]
+        if tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
+            raise AssertionError(
+                f"{name}: produced {tensor.dtype} {list(tensor.shape)}, planned {want.dtype} {list(want.shape)}"
+            )
+        data = tensor_bytes(tensor)
+        self.digest.add(self.offsets[name], name, hashlib.sha256(data).digest())
+        pwrite_all(self._fd, data, self.offsets[name])
+
+    def copy(self, reader: CheckpointReader, key: str) -> str | None:
+        """Copy source tensor ``key`` byte for byte to the planned tensor of that name; return what in
+        it is not a number (None: all are).
+
+        The bytes pass through one buffer (at most ``COPY_CHUNK``), hashed for the digest on the way
+        (which spares reading the output back); floating tensors are checked chunk by chunk
+        (``nonfinite_count`` on bytes already in memory), other dtypes cannot hold NaN.
+        """
+        info, offset = reader.info(key), self.offsets[key]
+        sha, bad = _copy_chunks(reader, info, self._fd, offset, count_nonfinite=info.dtype.is_floating_point)
+        self.digest.add(offset, key, sha)
+        return f"{bad} NaN/Inf value{'s' if bad != 1 else ''}" if bad else None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def discard(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _copy_chunks(
+    reader: CheckpointReader, t: TensorInfo, out_fd: int, out_offset: int, *, count_nonfinite: bool
+) -> tuple[bytes, int]:
+    """Copy the bytes of ``t`` through one buffer; return their sha256 and the NaN/Inf values counted."""
+    buf = torch.empty(min(COPY_CHUNK, max(t.nbytes, 1)), dtype=torch.uint8)  # chunks hold whole elements
+    view = memoryview(buf.numpy())
+    h = hashlib.sha256()
+    bad = done = 0
+    while done < t.nbytes:
+        n = min(len(view), t.nbytes - done)
+        reader.pread_into(t.file, view[:n], t.offset + done)
+        if count_nonfinite:
+            bad += nonfinite_count(buf[:n].view(t.dtype))
+        h.update(view[:n])
+        pwrite_all(out_fd, view[:n], out_offset + done)
+        done += n
+    return h.digest(), bad
+
+
 # --------------------------------------------------------------------------- index
 
 
@@ -368,6 +598,23 @@ def write_index(
     result is deterministic. Returns the final key -> file map (as written to the index).
     """
     out_dir = Path(out_dir)
+    merged, files = _merge_weight_maps(weight_maps)
+    missing = [f for f in files if not (out_dir / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} shard file(s) listed in the weight maps are missing from {out_dir}, e.g. "
+            f"{missing[0]}; all ranks must write to a filesystem that rank 0 sees"
+        )
+    if rename:
+        new_names = _rename_shards(out_dir, files)
+        merged = {key: new_names[fname] for key, fname in merged.items()}
+    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(merged.items()))}
+    write_json_atomic(out_dir / INDEX_NAME, index)
+    return index["weight_map"]
+
+
+def _merge_weight_maps(weight_maps: list[dict[str, str]]) -> tuple[dict[str, str], list[str]]:
+    """(key -> file over all ranks, every file in rank order): a key or a file of two ranks is refused."""
     merged: dict[str, str] = {}
     owner_of_key: dict[str, int] = {}
     owner_of_file: dict[str, int] = {}
@@ -391,24 +638,17 @@ def write_index(
             files.append(fname)
     if not files:
         raise ValueError("no tensors were written on any rank; refusing to write an empty index")
-    missing = [f for f in files if not (out_dir / f).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{len(missing)} shard file(s) listed in the weight maps are missing from {out_dir}, e.g. "
-            f"{missing[0]}; all ranks must write to a filesystem that rank 0 sees"
-        )
+    return merged, files
 
-    if rename:
-        n = len(files)
-        new_names = {old: f"model-{i:05d}-of-{n:05d}.safetensors" for i, old in enumerate(files, start=1)}
-        # Two phases, so a new name can never clobber a file not yet renamed.
-        staged = {old: f".{new}.renaming" for old, new in new_names.items()}
-        for old, stage in staged.items():
-            (out_dir / old).rename(out_dir / stage)
-        for old, stage in staged.items():
-            (out_dir / stage).rename(out_dir / new_names[old])
-        merged = {key: new_names[fname] for key, fname in merged.items()}
 
-    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(merged.items()))}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return index["weight_map"]
+def _rename_shards(out_dir: Path, files: list[str]) -> dict[str, str]:
+    """Rename ``files`` (in order) to ``model-{i:05d}-of-{n:05d}.safetensors``; return old -> new name."""
+    n = len(files)
+    new_names = {old: f"model-{i:05d}-of-{n:05d}.safetensors" for i, old in enumerate(files, start=1)}
+    # Two phases, so a new name can never clobber a file not yet renamed.
+    staged = {old: f".{new}.renaming" for old, new in new_names.items()}
+    for old, stage in staged.items():
+        (out_dir / old).rename(out_dir / stage)
+    for old, stage in staged.items():
+        (out_dir / stage).rename(out_dir / new_names[old])
+    return new_names

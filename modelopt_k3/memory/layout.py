@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import _ST_DTYPES, INDEX_NAME, SINGLE_NAME, CheckpointError, read_header
+from ..checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, CheckpointError, read_header
 from ..models.spec import ModelSpec, get_spec
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
@@ -148,7 +148,7 @@ def read_layout(path: str | Path) -> CheckpointLayout:
         for name, meta in read_header(path / file).items():
             if name == "__metadata__" or weight_map.get(name) != file:
                 continue
-            dtype = _ST_DTYPES.get(meta["dtype"])
+            dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
             if dtype is None:
                 raise CheckpointError(f"{path / file}: tensor {name} has unsupported dtype {meta['dtype']}")
             shape = meta["shape"]

@@ -36,6 +36,7 @@ and, as both round the same fp32 value once, in bf16).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -165,72 +166,109 @@ def mxfp4_to_nvfp4(
     (value = code * float(block_scale) * global_scale). See the module docstring for the rules.
     """
     lead, half = check_packed_with_scales("mxfp4_to_nvfp4", weight_packed, weight_scale, torch.uint8, MXFP4_BLOCK, "MXFP4")
-    nb32 = weight_scale.shape[-1]
     device = weight_packed.device
     if global_scale is None:
         global_scale = shared_global_scale_for(weight_scale)
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
     gs = _rows_global_scale(global_scale, torch.Size((*lead, half * 2)), device)
+    s = weight_scale.reshape(-1, weight_scale.shape[-1])
+    src = weight_packed.reshape(-1, s.shape[1], MXFP4_BLOCK // 2).contiguous()
+    tables = _cast_tables(gs)
+    out, n_req, any_general = _carry_blocks(src, s, tables)
+    if any_general:  # NaN exponents, a non-power-of-two or too small caller-given global scale
+        n_req += _requantize_general(out, s, gs, tables)
+    result = NVFP4Weight(out.packed.view(*lead, half), out.bits.view(_E4M3).view(*lead, 2 * s.shape[1]), global_scale)
+    return result, n_req
 
-    s = weight_scale.reshape(-1, nb32)
-    # Every per-block decision depends only on (global scale, exponent byte): tabulate it for the
-    # distinct global scales and look it up, instead of doing fp math on every block.
+
+class _CastTables(NamedTuple):
+    """What every block's outcome is looked up in (see ``mxfp4_to_nvfp4``)."""
+
+    rules: _BlockRules  # per (distinct global scale, exponent byte)
+    row_offset: Tensor | None  # int32 [R, 1]: each row's global scale id << 8 (None: one global scale)
+    shift_table: Tensor  # re-rounded code bytes of below-range blocks (``_shift_table``)
+
+
+class _CastOut(NamedTuple):
+    """The cast's outputs, filled slab by slab."""
+
+    packed: Tensor  # uint8 [R, in/2]: the E2M1 code bytes
+    bits: Tensor  # uint8 [R, in/16]: the e4m3 bits of the NVFP4 block scales
+    zero: Tensor  # bool [R, in/16]: half-blocks whose 16 codes are all +-0
+
+
+def _cast_tables(gs: Tensor) -> _CastTables:
+    """Every per-block decision depends only on (global scale, exponent byte): tabulate it for the
+    distinct global scales, instead of doing fp math on every block."""
     uniq, inverse = torch.unique(gs.reshape(-1), return_inverse=True)
-    rules = _block_rules(uniq)
     row_offset = (inverse.view(-1, 1).int() << 8) if uniq.numel() > 1 else None
-    shift_table = _shift_table(device)
+    return _CastTables(_block_rules(uniq), row_offset, _shift_table(gs.device))
 
-    src = weight_packed.reshape(-1, nb32, MXFP4_BLOCK // 2).contiguous()
-    n_rows, n_half = src.shape[0], 2 * nb32
-    packed = torch.empty(n_rows, half, dtype=torch.uint8, device=device)
-    bits = torch.empty(n_rows, n_half, dtype=torch.uint8, device=device)
-    zero = torch.empty(n_rows, n_half, dtype=torch.bool, device=device)
+
+def _rule_index(s: Tensor, row_offset: Tensor | None) -> Tensor:
+    """int32, flat: each block's index into the rule tables, ``global scale id << 8 | exponent byte``."""
+    return (s.int() if row_offset is None else row_offset | s).view(-1)
+
+
+def _carry_blocks(src: Tensor, s: Tensor, tables: _CastTables) -> tuple[_CastOut, int, bool]:
+    """Carried and below-range (shifted) blocks, all rows: ``(outputs, shifted blocks that are not all
+    zero, whether any block must be requantized from its decoded values)``."""
+    n_rows, n_half = src.shape[0], 2 * s.shape[1]
+    device = src.device
+    out = _CastOut(
+        torch.empty(n_rows, n_half * NVFP4_BLOCK // 2, dtype=torch.uint8, device=device),
+        torch.empty(n_rows, n_half, dtype=torch.uint8, device=device),
+        torch.empty(n_rows, n_half, dtype=torch.bool, device=device),
+    )
     shifted_counts: list[Tensor] = []
     general_slabs: list[bool] = []
+    slab = partial(_carry_slab, src, s, tables, out, shifted_counts, general_slabs)
+    run_slabs(n_rows, out.packed.shape[1], device, slab)
+    return out, int(sum(c.item() for c in shifted_counts)), any(general_slabs)
 
-    def convert(sl: slice) -> None:
-        ss, blk = s[sl], src[sl]
-        idx = (ss.int() if row_offset is None else row_offset[sl] | ss).view(-1)
-        b = bits[sl]
-        torch.index_select(rules.bits2, 0, idx, out=b.view(torch.int16).view(-1))
-        z = zero[sl]
-        torch.eq(blk.view(torch.int64).view(z.shape) & _MAG_BITS, 0, out=z)  # 16 codes all +-0
-        b.masked_fill_(z, _E4M3_ONE)
-        out = packed[sl].view(blk.shape)
-        shift = rules.shift.index_select(0, idx)
-        if bool(shift.any()):
-            flags = rules.shifted2.index_select(0, idx).view(torch.uint8).view(z.shape)
-            shifted_counts.append(torch.gt(flags, z.view(torch.uint8)).sum())  # shifted, not all zero
-            bidx = torch.bitwise_or(shift.view(*ss.shape, 1), blk)
-            torch.index_select(shift_table, 0, bidx.view(-1), out=out.view(-1))
-        else:
-            out.copy_(blk)
-        general_slabs.append(bool(rules.general.index_select(0, idx).any()))
 
-    run_slabs(n_rows, half, device, convert)
-    n_req = int(sum(c.item() for c in shifted_counts))
-    half_bytes = packed.view(-1, n_half, NVFP4_BLOCK // 2)
+def _carry_slab(
+    src: Tensor, s: Tensor, tables: _CastTables, out: _CastOut, shifted_counts: list[Tensor],
+    general_slabs: list[bool], sl: slice,
+) -> None:
+    """Rows ``sl`` of ``out``: block scales from the table (all-zero half-blocks: 1.0), codes carried or,
+    for below-range blocks, shifted through the byte table; appends that slab's counts."""
+    ss, blk = s[sl], src[sl]
+    idx = _rule_index(ss, None if tables.row_offset is None else tables.row_offset[sl])
+    rules = tables.rules
+    b = out.bits[sl]
+    torch.index_select(rules.bits2, 0, idx, out=b.view(torch.int16).view(-1))
+    z = out.zero[sl]
+    torch.eq(blk.view(torch.int64).view(z.shape) & _MAG_BITS, 0, out=z)  # 16 codes all +-0
+    b.masked_fill_(z, _E4M3_ONE)
+    packed = out.packed[sl].view(blk.shape)
+    shift = rules.shift.index_select(0, idx)
+    if bool(shift.any()):
+        flags = rules.shifted2.index_select(0, idx).view(torch.uint8).view(z.shape)
+        shifted_counts.append(torch.gt(flags, z.view(torch.uint8)).sum())  # shifted, not all zero
+        bidx = torch.bitwise_or(shift.view(*ss.shape, 1), blk)
+        torch.index_select(tables.shift_table, 0, bidx.view(-1), out=packed.view(-1))
+    else:
+        packed.copy_(blk)
+    general_slabs.append(bool(rules.general.index_select(0, idx).any()))
 
-    if any(general_slabs):  # NaN exponents, a non-power-of-two or too small caller-given global scale
-        idx = (s.int() if row_offset is None else row_offset | s).view(-1)
-        general = rules.general.index_select(0, idx).view(s.shape)
-        need = _halves(general).bool() & ~zero
-        idx = need.nonzero()
-        n_req += int(idx.shape[0])
-        r, h = idx[:, 0], idx[:, 1]
-        codes = unpack_fp4(half_bytes[r, h])  # [n, 16]
-        vals = _table("code_value", device).index_select(0, codes.reshape(-1).int()).view(-1, NVFP4_BLOCK)
-        vals *= _scale_table(device)[s[r, h // 2].int()].unsqueeze(-1)  # exact decode, as mxfp4_decode
-        keys, bs, _ = _quantize_keys(vals.unsqueeze(1), gs[r] if gs.dim() else gs)
-        new_codes = _table("key_code", device).index_select(0, keys.reshape(-1)).view(-1, NVFP4_BLOCK)
-        new_bytes = pack_fp4(new_codes).unsqueeze(1)
-        _saturate_nan_blocks(new_bytes, torch.isnan(bs.float()))
-        half_bytes[r, h] = new_bytes.squeeze(1)
-        bits[r, h] = bs.view(torch.uint8).view(-1)
 
-    result = NVFP4Weight(
-        packed.view(*lead, half),
-        bits.view(_E4M3).view(*lead, n_half),
-        global_scale,
-    )
-    return result, n_req
+def _requantize_general(out: _CastOut, s: Tensor, gs: Tensor, tables: _CastTables) -> int:
+    """Requantize, in ``out``, every half-block the rules cannot carry or shift (and that is not all zero)
+    from its exactly decoded values with ``nvfp4_quantize``'s numerics; return how many."""
+    device = s.device
+    general = tables.rules.general.index_select(0, _rule_index(s, tables.row_offset)).view(s.shape)
+    need = _halves(general).bool() & ~out.zero
+    idx = need.nonzero()
+    r, h = idx[:, 0], idx[:, 1]
+    half_bytes = out.packed.view(out.packed.shape[0], -1, NVFP4_BLOCK // 2)
+    codes = unpack_fp4(half_bytes[r, h])  # [n, 16]
+    vals = _table("code_value", device).index_select(0, codes.reshape(-1).int()).view(-1, NVFP4_BLOCK)
+    vals *= _scale_table(device)[s[r, h // 2].int()].unsqueeze(-1)  # exact decode, as mxfp4_decode
+    keys, bs, _ = _quantize_keys(vals.unsqueeze(1), gs[r] if gs.dim() else gs)
+    new_codes = _table("key_code", device).index_select(0, keys.reshape(-1)).view(-1, NVFP4_BLOCK)
+    new_bytes = pack_fp4(new_codes).unsqueeze(1)
+    _saturate_nan_blocks(new_bytes, torch.isnan(bs.float()))
+    half_bytes[r, h] = new_bytes.squeeze(1)
+    out.bits[r, h] = bs.view(torch.uint8).view(-1)
+    return int(idx.shape[0])

@@ -20,14 +20,13 @@ import json
 import os
 import re
 import shutil
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..export.writer import _ST_DTYPE_NAMES
+from ..export.writer import header_bytes
 from .tiny import (
     _F32_SUFFIXES,
     MXFP4_GROUP,
@@ -136,19 +135,12 @@ def _shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], limit: int)
 
 
 def _write_shard(path: Path, shard: list, sparse: bool) -> int:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape in shard:
-        size = _nbytes(dtype, shape)
-        header[name] = {"dtype": _ST_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    header, _ = header_bytes({"format": "pt"}, ((name, dt, shape, _nbytes(dt, shape)) for name, dt, shape in shard))
+    offset = sum(_nbytes(dtype, shape) for _, dtype, shape in shard)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(header)
         if sparse:
-            f.truncate(8 + len(raw) + offset)  # a hole: the size is right, no data block is allocated
+            f.truncate(len(header) + offset)  # a hole: the size is right, no data block is allocated
     return offset
 
 

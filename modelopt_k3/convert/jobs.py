@@ -1,0 +1,76 @@
+"""What a conversion does, decided before any tensor is read: per-module jobs and the plan that holds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointReader, TensorInfo
+from ..export.modelopt_format import linear_layout
+from ..export.writer import PlannedTensor
+from ..quant.decisions import DecisionTable
+from ..recipe import QuantFormat
+from ..source_check import SourceLayout
+
+
+def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -> tuple[PlannedTensor, ...]:
+    """The tensors one converted Linear is written as (``modelopt_format.linear_layout``, the model path's)."""
+    if fmt is None:  # a routed expert left unquantized: decoded, written as bf16 (as the model path does)
+        return (PlannedTensor(f"{name}.weight", torch.bfloat16, shape),)
+    layout = linear_layout(fmt.weights, shape, input_scale=fmt.inputs is not None)
+    return tuple(PlannedTensor(f"{name}.{suffix}", dtype, shp) for suffix, dtype, shp in layout)
+
+
+@dataclass(slots=True)
+class _ModuleJob:
+    """One Linear whose weight is converted. ``kind``: nvfp4_cast (MXFP4 source, lossless cast),
+    quant (quantize the plain or decoded weight with ``fmt``), decode (MXFP4 -> plain weight)."""
+
+    name: str
+    kind: str
+    fmt: QuantFormat | None
+    sources: tuple[str, ...]  # weight_packed + weight_scale, or weight
+    shape: tuple[int, int]  # (out, in) of the logical weight
+    group: tuple[str, ...]  # modules sharing weight_scale_2 (itself included)
+    input_amax: float | None = None  # constant input amax (its group's max), when inputs are quantized
+
+    @property
+    def outputs(self) -> tuple[PlannedTensor, ...]:
+        return module_outputs(self.name, self.fmt, self.shape)
+
+
+@dataclass
+class _Plan:
+    src: Path
+    reader: CheckpointReader  # the source's checked headers; reads tensors with pread
+    jobs: dict[str, list[str | _ModuleJob]]  # file -> copy keys and module jobs, in source order
+    modules: dict[str, _ModuleJob]
+    table: DecisionTable
+    dtype: torch.dtype
+    fingerprint: str
+    source: SourceLayout  # what the shared source check found (load_pretrained runs the same one)
+
+    @property
+    def files(self) -> list[str]:
+        return self.reader.files
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.reader.sizes
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.reader.headers()
+
+    def outputs(self, file: str) -> list[PlannedTensor]:
+        """Every tensor the output shard ``file`` holds, in production order."""
+        out: list[PlannedTensor] = []
+        for job in self.jobs[file]:
+            if isinstance(job, str):
+                t = self.tensors[job]
+                out.append(PlannedTensor(job, t.dtype, t.shape))
+            else:
+                out.extend(job.outputs)
+        return out
