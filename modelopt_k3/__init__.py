@@ -7,6 +7,7 @@ Public API (imported lazily so ``import modelopt_k3`` stays cheap)::
     quantize(model, recipe, forward_loop) -> model
     export_checkpoint(model, export_dir, *, format="modelopt") -> Path
     convert_checkpoint(src, dst, recipe, *, rank=0, world_size=1, resume=True) -> report
+    check_export(export_dir, engines=("vllm", "sglang")) -> CheckReport (per-engine verdicts)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _API = {
     "quantize": "modelopt_k3.quant.api",
     "export_checkpoint": "modelopt_k3.export.model_export",
     "convert_checkpoint": "modelopt_k3.convert",
+    "check_export": "modelopt_k3.check",
 }
 
 __all__ = ["__version__", *_API]

@@ -59,15 +59,19 @@ def test_rules_apply_to_any_layer_count(rules) -> None:
             "language_model.model.layers.2.self_attn.q_a_proj") in groups
 
 
+# presets/nvfp4 keeps attention BF16 (units/engine_bf16); these tests need its groups quantized.
+ATTENTION_NVFP4 = {"pattern": "*.self_attn.*", "weights": "nvfp4", "inputs": "nvfp4"}
+
+
 def test_table_groups_only_quantized_members_and_refuses_mixed_formats(inventory, rules) -> None:
-    recipe = load_recipe("presets/nvfp4", overrides={"quant_cfg": [{"pattern": "*.self_attn.q_a_proj", "enable": False}]})
+    recipe = load_recipe("presets/nvfp4", overrides={"quant_cfg": [ATTENTION_NVFP4, {"pattern": "*.self_attn.q_a_proj", "enable": False}]})
     table = decide(inventory, SPEC, recipe, rules)
     mla = "language_model.model.layers.3.self_attn"
     assert (f"{mla}.g_proj", f"{mla}.kv_a_proj_with_mqa") in table.groups.values()
     assert table.decisions[f"{mla}.q_a_proj"].group is None and not table.decisions[f"{mla}.q_a_proj"].quantized
     assert table.decisions[f"{mla}.g_proj"].group == f"{mla}.g_proj+{mla}.kv_a_proj_with_mqa"
     mixed = load_recipe("presets/nvfp4", overrides={"quant_cfg": [
-        {"pattern": "*.self_attn.q_a_proj", "weights": "fp8_pb", "inputs": None}]})
+        ATTENTION_NVFP4, {"pattern": "*.self_attn.q_a_proj", "weights": "fp8_pb", "inputs": None}]})
     with pytest.raises(RecipeError, match=r"q_a_proj read the same input .* one format"):
         decide(inventory, SPEC, mixed, rules)
     # Per-tensor FP8 and block FP8 groups share nothing (ModelOpt skips FP8; block scales stay per block),

@@ -11,7 +11,9 @@ and the ranks meet in a (gloo) process group, so rank 0 finalizes after the othe
 processes coordinate through the completion records in ``OUT`` and the last to finish finalizes.
 A rerun resumes: completed shards are kept, partial ones redone; a rerun over a complete output of
 the same job has nothing to do and exits 0. Refusals print one line and exit 2 (``--debug``: with
-the traceback); SIGTERM removes the shard being written and exits 143.
+the traceback); SIGTERM removes the shard being written and exits 143. The process that finalizes
+prints ``modelopt-k3-check``'s table; with ``--target_engines`` a recipe a named engine cannot serve is
+refused up front, and the exit status is 1 when a named engine would not serve the output as converted.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "recipes that give dense Linears NVFP4)")
     p.add_argument("--allow_nonfinite_passthrough", action="store_true",
                    help="copy tensors with NaN/Inf that stay unquantized unchanged (with a warning) instead of refusing")
+    p.add_argument("--target_engines", default=None, metavar="ENGINES",
+                   help="comma-separated serving engines (vllm, sglang, trtllm) the output must load in as converted: "
+                        "a recipe one of them cannot serve is refused before anything is written, and the exit "
+                        "status is 1 when the final modelopt-k3-check finds one of them does not load it correctly")
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
     return p
@@ -71,15 +77,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..check import check_recipe_for_engines, final_check, parse_engines
     from ..convert import convert_checkpoint, finalize_conversion
 
+    targets = parse_engines(args.target_engines) if args.target_engines else ()
+    if targets:  # before anything is read or written: names and headers only
+        check_recipe_for_engines(args.src, args.recipe, targets)
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
     world_size = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.finalize:
         stats = finalize_conversion(args.src, args.dst, args.recipe, trust_remote_code=args.trust_remote_code)
         print(f"modelopt_k3 convert: finalized {args.dst}")
         print("\n".join(stats.lines("  ")))
-        return 0
+        return final_check(args.dst, targets)
     kwargs = dict(
         rank=rank,
         world_size=world_size,
@@ -106,7 +116,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
     print(report.summary())
-    return 0
+    # The process that finalized the output checks it (the others' shards are part of it).
+    return final_check(args.dst, targets) if report.finalized else 0
 
 
 if __name__ == "__main__":

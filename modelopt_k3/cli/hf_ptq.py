@@ -6,8 +6,10 @@ directory and used (its remote code is this project's own, so it needs no ``--tr
 
 Before any weight is read a preflight (``modelopt_k3/preflight.py``) refuses what would fail later:
 an export path over the source or not writable or taken, a recipe the export format cannot express, a
-missing dataset; argument ranges are checked by the parser. Refusals print one line per group of ranks
-and exit 2 on every rank (``--debug`` keeps the traceback); SIGTERM removes the export's temporary data.
+recipe a ``--target_engines`` engine cannot serve, a missing dataset; argument ranges are checked by the
+parser. Refusals print one line per group of ranks and exit 2 on every rank (``--debug`` keeps the
+traceback); SIGTERM removes the export's temporary data. After the export, ``modelopt-k3-check``'s table
+is printed; the exit status is 1 when a ``--target_engines`` engine would not serve the export as calibrated.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
     p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
                    help="modelopt (hf_quant_config.json; vLLM/TRT-LLM/SGLang) or compressed-tensors nvfp4-pack-quantized")
+    p.add_argument("--target_engines", default=None, metavar="ENGINES",
+                   help="comma-separated serving engines (vllm, sglang, trtllm) the export must load in as calibrated: "
+                        "a recipe one of them cannot serve is refused before any weight is read, and the exit "
+                        "status is 1 when the final modelopt-k3-check finds one of them does not load it correctly")
     p.add_argument("--max_shard_size_mb", type=positive_int, default=5 * 1024)
     p.add_argument("--allow_nonfinite_passthrough", action="store_true",
                    help="copy source tensors with NaN/Inf that stay unquantized unchanged (with a warning) instead "
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
     """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``)."""
+    from .. import check  # noqa: F401  registers the "serving engines" check (--target_engines)
     from ..preflight import PreflightContext, run_preflight
     from ..recipe import load_recipe
 
@@ -176,7 +183,14 @@ def run(args: argparse.Namespace) -> int:
                                 max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
         t_export = time.perf_counter()
         say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
-    return 0
+        if not main_rank:
+            return 0
+        if args.export_format != "modelopt":
+            say("[modelopt_k3] modelopt-k3-check replays ModelOpt-format loading only; not run on this export")
+            return 0
+        from ..check import final_check, parse_engines
+
+        return final_check(out, parse_engines(args.target_engines) if args.target_engines else (), say=say)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from modelopt_k3.testing.reference import read_checkpoint
 
 INDEX = "model.safetensors.index.json"
 EXPERT = f"{LAYERS}.2.block_sparse_moe.experts.5"
-QUANTIZED = f"{LAYERS}.0.self_attn.q_proj.weight"  # NVFP4 in the nvfp4 preset, fp8_pb in the mirror recipe
+QUANTIZED = f"{LAYERS}.0.self_attn.q_proj.weight"  # fp8_pb in the mirror recipe (the nvfp4 preset keeps attention BF16)
 KEPT = "language_model.lm_head.weight"  # left BF16 by every recipe: copied unchanged
 SCALE = f"{LAYERS}.3.block_sparse_moe.experts.6.w1.weight_scale"
 
@@ -179,7 +179,7 @@ def test_passthrough_never_quantizes_a_nan(copy_ckpt, tiny_ckpt, tmp_path, run_t
     rc, _, err = run_tool("convert", ["--src", src, "--dst", tmp_path / "c", "--recipe", MIRROR, "--no_progress", *flag])
     assert rc == 2 and f"{QUANTIZED} (1 NaN/Inf value)" in err and "--allow_nonfinite_passthrough" not in err
     rc, _, err = run_tool("ptq", ["--pyt_ckpt_path", src, "--trust_remote_code", "--export_path", tmp_path / "e",
-                                  *SMALL, *flag])
+                                  "--recipe", MIRROR, *SMALL, *flag])
     line = _one_error_line(err, "modelopt-k3-ptq")
     assert rc == 2 and "quantizes tensors that hold values that are not numbers" in line and QUANTIZED in line
     assert not (tmp_path / "e").exists()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .prepare import BLOCK_CLASS, find_block_module
+from .shims import apply_class_shims
 
 TEXT_CLASS = "KimiLinearForCausalLM"
 # KimiK3ForConditionalGeneration holds the text model as ``language_model``: checkpoint names start so.
@@ -75,6 +76,8 @@ def _unpatched_block(model_cls: type):
 
 def probe_model(model_cls: type, config: Any, device: torch.device) -> tuple[nn.Module, str]:
     """(tiny text model in fp32 on ``device`` with small random weights, prefix of its names in the checkpoint)."""
+    # The converter probes without a prepare: the hub code's transformers-4-era calls need the shims here too.
+    apply_class_shims(model_cls)
     text_cls = getattr(sys.modules[model_cls.__module__], TEXT_CLASS)
     with _unpatched_block(model_cls), torch.device("cpu"):
         model = text_cls(tiny_text_config(config)).float().eval()

@@ -1,0 +1,107 @@
+"""``modelopt-k3-check``: would vLLM, SGLang and TensorRT-LLM serve this checkpoint as calibrated?
+
+``check_export(export_dir, engines)`` replays each engine's loading of an export from its
+safetensors headers, its two JSON configs and a few small tensors (per-tensor scales; whole
+weights only where an engine requantizes), one tensor at a time: name mapping into the engine's
+parameters, the method the engine builds per layer, the tensors that method expects, and what the
+engine does with fused layers' and experts' scales. ``check_recipe_for_engines`` asks the same
+rules of a recipe before any weight is read (names and headers only).
+
+Verdict per engine: ``loads correctly`` / ``loads but serves different numbers`` (the layers and
+the largest relative change) / ``refuses`` (the first failing tensor and why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint import read_config
+from ..preflight import PreflightContext, PreflightError, register_check
+from ..recipe import Recipe, load_recipe
+from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
+from .layout import Layout, planned_layout, scan_export
+from .report import DIFFERENT, LOADS, REFUSES, CheckReport, EngineRefusal, EngineResult
+
+DEFAULT_ENGINES = ("vllm", "sglang")
+
+__all__ = [
+    "DEFAULT_ENGINES",
+    "DIFFERENT",
+    "ENGINE_NAMES",
+    "LOADS",
+    "REFUSES",
+    "CheckReport",
+    "EngineRefusal",
+    "EngineResult",
+    "Layout",
+    "check_export",
+    "check_layout",
+    "check_recipe_for_engines",
+    "final_check",
+    "parse_engines",
+    "planned_layout",
+    "scan_export",
+]
+
+
+def check_layout(layout: Layout, engines=DEFAULT_ENGINES, *, numerics: bool = True) -> CheckReport:
+    return CheckReport(layout.source, {e: replay(e, layout, numerics=numerics) for e in parse_engines(engines)})
+
+
+def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport:
+    """Replay each engine's loading of ``export_dir``; ``report.ok`` when every engine loads it correctly."""
+    layout, reader = scan_export(export_dir)
+    with reader:
+        return check_layout(layout, engines)
+
+
+def check_recipe_for_engines(checkpoint: str | Path, recipe: Recipe | str, engines) -> None:
+    """Refuse (``EngineRefusal``) a recipe that a named engine cannot serve on ``checkpoint``.
+
+    Works from the checkpoint's config and safetensors headers and the recipe only (no model, no
+    weight read): the export the recipe would produce is declared by the exporters' own layout
+    functions and judged by the same engine rules as ``check_export``. Differences that need the
+    calibrated values (unshared scales) cannot be seen here; everything structural can.
+    """
+    if isinstance(recipe, str):
+        recipe = load_recipe(recipe)
+    names = parse_engines(engines)
+    layout = planned_layout(checkpoint, recipe, kv_scale_names=kv_scale_names(read_config(checkpoint)))
+    report = check_layout(layout, names, numerics=False)
+    if report.ok:
+        return
+    failing = [n for n, r in report.results.items() if not r.ok]
+    lines = [f"recipe {recipe.name} cannot be served as calibrated by {', '.join(failing)}:"]
+    for name in failing:
+        lines.append(f"{name}:")
+        lines += report.results[name].details()
+    lines.append("Keep those layers BF16 (or drop kv_cache) in the recipe, or target other engines.")
+    raise EngineRefusal("\n".join(lines))
+
+
+def final_check(export_dir: str | Path, target_engines=(), *, say=print) -> int:
+    """What the exporting CLIs run last: check every engine, print the table, return the exit status.
+
+    The status follows only ``target_engines`` (0 when each of them loads the export correctly):
+    an engine the user did not target never turns a good export into a failure.
+    """
+    report = check_export(export_dir, ENGINE_NAMES)
+    say(report.table())
+    failed = [e for e in target_engines if not report.results[e].ok]
+    if failed:
+        say(f"modelopt-k3-check: target engine(s) {', '.join(failed)} would not serve {export_dir} as calibrated")
+    return 1 if failed else 0
+
+
+@register_check("serving engines", after="export format")
+def _serving_engines(ctx: PreflightContext) -> None:
+    """hf_ptq's ``--target_engines``: the recipe against each named engine's Kimi-K3 rules (names only)."""
+    engines = getattr(ctx.args, "target_engines", None)
+    if not engines:
+        return
+    if getattr(ctx.args, "export_format", "modelopt") != "modelopt":
+        raise PreflightError("--target_engines replays the engines' ModelOpt loaders; it needs --export_format modelopt")
+    try:
+        check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines)
+    except EngineRefusal as e:
+        raise PreflightError(str(e)) from None

@@ -1,0 +1,464 @@
+"""The replay shared by engines that read ``quant_method: "modelopt"`` checkpoints (vLLM, SGLang).
+
+What differs between engines is data or a small hook: how the engine's quant config parses the
+checkpoint's configs and resolves one module's method (``ModelOptEngine`` subclasses, written
+from each engine's ``modelopt`` quantization code), and how the engine's class for one model type
+fuses and names that model's Linears (a ``ModelServing``, declared next to the model in
+``models/<model>/serving.py``). The replay itself -- fused groups, per-piece formats, tensor
+shapes, scale use -- is one function for all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ...numerics import fp8 as fp8n
+from ...numerics.constants import NVFP4_BLOCK
+from ..layout import Layout, Linear
+from ..report import Deviation, EngineResult, Refusal
+
+# ModelOpt quant_algo -> the Linear.fmt a layer with that method must be stored as.
+ALGO_FORMATS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "w4a16_nvfp4", "FP8": "fp8", "FP8_PB_WO": "fp8_pb"}
+
+
+class Refuse(Exception):
+    """Raised inside a replay step: the engine stops at ``tensor`` for ``reason``."""
+
+    def __init__(self, tensor: str, reason: str) -> None:
+        super().__init__(reason)
+        self.refusal = Refusal(tensor, reason)
+
+
+@dataclass(frozen=True)
+class WeightsMapper:
+    """An engine class's checkpoint-name rewrite (vLLM/SGLang ``WeightsMapper``), also applied by the
+    engines to the quant config's module lists."""
+
+    prefixes: Mapping[str, str] = field(default_factory=dict)
+    substrs: Mapping[str, str] = field(default_factory=dict)
+
+    def __call__(self, name: str) -> str:
+        for old, new in self.prefixes.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        for old, new in self.substrs.items():
+            name = name.replace(old, new)
+        return name
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One engine parameter holding several checkpoint Linears of the same parent module."""
+
+    engine_name: str  # e.g. "in_proj_qkvgfab"
+    pieces: tuple[str, ...]  # checkpoint last names in shard order, e.g. ("q_proj", "k_proj", ...)
+
+
+@dataclass(frozen=True)
+class ModelServing:
+    """How one engine's class for one model type loads that model's checkpoint (data, cited there)."""
+
+    engine: str
+    model_type: str
+    mapper: WeightsMapper
+    strip_prefix: str  # dropped before the language model sees names (SGLang's Kimi-K3: "language_model.")
+    fused: tuple[Fused, ...]
+    # (regex searched in the checkpoint module name, reason): modules the engine's class builds without
+    # a quant config -- always unquantized, whatever the checkpoint's configs say.
+    unquantized: tuple[tuple[str, str], ...]
+    # (regex, reason): modules built with the quant config whose BF16 weight the class reads directly,
+    # so they must be stored BF16 (and the config must leave them unquantized).
+    bf16_only: tuple[tuple[str, str], ...]
+    # fused engine name -> checkpoint piece names, as the engine's quant config sees it (exclusions,
+    # per-layer algos); None: taken from the checkpoint's quantization_config (SGLang).
+    packed_modules_mapping: Mapping[str, tuple[str, ...]] | None
+    expert_re: str  # fullmatch on routed-expert Linear names, groups: module, expert, proj
+    gate_up: tuple[str, str]  # the expert projections fused into w13, in order (w1, w3)
+    # KV-cache scale parameters the class has under an attention module (engine names, relative to
+    # the checkpoint's ``...self_attn`` module), and why there are no others (for messages).
+    kv_scale_params: tuple[str, ...]
+    kv_note: str
+
+    def engine_prefix(self, name: str) -> str:
+        return self.mapper(name).removeprefix(self.strip_prefix)
+
+    def unquantized_reason(self, name: str) -> str | None:
+        return _first_match(self.unquantized, name)
+
+    def bf16_reason(self, name: str) -> str | None:
+        return _first_match(self.bf16_only, name)
+
+
+def _first_match(rules: tuple[tuple[str, str], ...], name: str) -> str | None:
+    for pattern, reason in rules:
+        if re.search(pattern, name):
+            return reason
+    return None
+
+
+@dataclass
+class QuantView:
+    """The engine's parsed ModelOpt quant config."""
+
+    algo: str  # upper-case quant_algo
+    exclude: list[str]  # after the engine's own name mapping
+    quantized_layers: dict[str, str]  # module -> upper-case quant_algo (MIXED_PRECISION), mapped
+    kv_algo: str | None
+    packed: Mapping[str, tuple[str, ...]]
+    source: str  # which file it came from
+
+
+@dataclass(frozen=True)
+class EngineModule:
+    """One Linear-like module of the engine: a fused parameter or a single checkpoint Linear."""
+
+    name: str  # checkpoint-side name: parent + engine name
+    pieces: tuple[Linear, ...]
+
+
+class ModelOptEngine:
+    """Generic rules of one engine's ModelOpt quantization code; subclasses fill the hooks.
+
+    Method resolution follows both engines' ``get_quant_method``: an excluded module is built
+    unquantized; under MIXED_PRECISION the module's algo comes from ``quantized_layers`` (its own
+    name, its fused shards, then any child) and only ``mixed_methods`` are dispatched -- anything
+    else is built unquantized; otherwise the config's one algo decides.
+    """
+
+    name = "engine"
+    # MIXED_PRECISION per-layer algos the engine builds a method for -> Linear.fmt
+    mixed_methods: Mapping[str, str] = {}
+    # single quant_algo -> Linear.fmt of dense layers / of routed experts
+    single_methods: Mapping[str, str] = {}
+    single_expert_methods: Mapping[str, str] = {}
+
+    def quant_view(self, layout: Layout, serving: ModelServing) -> QuantView:
+        raise NotImplementedError
+
+    def linear_excluded(self, qv: QuantView, prefix: str) -> bool:
+        raise NotImplementedError
+
+    def experts_excluded(self, qv: QuantView, prefix: str) -> bool:
+        raise NotImplementedError
+
+    def mixed_candidates(self, prefix: str) -> list[str]:
+        """Names under which ``quantized_layers`` may list ``prefix`` itself."""
+        return [prefix]
+
+    def tensor_problem(self, method: str, piece: Linear) -> str | None:
+        """Why ``piece``'s tensors do not fit the parameters ``method`` creates (None: they fit)."""
+        return standard_tensor_problem(method, piece)
+
+    def remap_kv_scale(self, name: str, params: set[str]) -> tuple[str, bool]:
+        """The engine's ``maybe_remap_kv_scale_name``: the parameter name it tries, and whether it exists
+        (when not, the engine drops the scale with a warning)."""
+        raise NotImplementedError
+
+    def mixed_algo(self, qv: QuantView, prefix: str) -> str | None:
+        for name in self.mixed_candidates(prefix):
+            if name in qv.quantized_layers:
+                return qv.quantized_layers[name]
+        base, _, proj = prefix.rpartition(".")
+        if proj in qv.packed:
+            algos = {qv.quantized_layers[f"{base}.{s}"] for s in qv.packed[proj] if f"{base}.{s}" in qv.quantized_layers}
+            if len(algos) > 1:
+                raise Refuse(prefix, f"{self.name}: mixed quant_algo within fused layer {prefix}: {sorted(algos)}; all "
+                                     "shards must use the same quantization")
+            if algos:
+                return algos.pop()
+        return next((algo for key, algo in qv.quantized_layers.items() if key.startswith(prefix + ".")), None)
+
+    def _method(self, qv: QuantView, prefix: str, single: Mapping[str, str]) -> str:
+        if qv.algo == "MIXED_PRECISION":
+            return self.mixed_methods.get(self.mixed_algo(qv, prefix) or "", "bf16")
+        return single.get(qv.algo, qv.algo.lower())
+
+    def linear_method(self, qv: QuantView, prefix: str) -> str:
+        """The method (a ``Linear.fmt`` value, "bf16" for unquantized) the engine builds at ``prefix``."""
+        return "bf16" if self.linear_excluded(qv, prefix) else self._method(qv, prefix, self.single_methods)
+
+    def experts_method(self, qv: QuantView, prefix: str) -> str:
+        return "bf16" if self.experts_excluded(qv, prefix) else self._method(qv, prefix, self.single_expert_methods)
+
+    def why(self, qv: QuantView, prefix: str, method: str) -> str:
+        """How the config made the engine build ``prefix`` as ``method`` (for refusal messages)."""
+        if method != "bf16":
+            text = f"{qv.source}: quant_algo {qv.algo}, and no exclude entry matches {prefix}"
+            if qv.algo != "MIXED_PRECISION" and prefix.rsplit(".", 1)[-1] not in qv.packed:
+                text += " (a name the engine's packed_modules_mapping does not list: only an entry matching it excludes it)"
+            return text
+        if self.linear_excluded(qv, prefix):
+            return f"{prefix} matches the exclude list of {qv.source}"
+        if qv.algo != "MIXED_PRECISION":
+            return f"{qv.source}: quant_algo {qv.algo}"
+        algo = self.mixed_algo(qv, prefix)
+        if algo is None:
+            text = f"no quantized_layers entry of {qv.source} resolves to {prefix}"
+            if any(k.startswith(f"language_model.{prefix}") for k in qv.quantized_layers):
+                text += (" (the entries are named language_model.*; the engine's class names its modules without "
+                         "that prefix and its per-layer lookup does not strip it)")
+            return text
+        return (f"quantized_layers gives {prefix} {algo}, which {self.name}'s MIXED_PRECISION config does not "
+                f"dispatch (only {sorted(self.mixed_methods)}), so it builds the layer unquantized")
+
+    # ------------------------------------------------------------------ the replay
+
+    def replay(self, layout: Layout, serving: ModelServing, *, numerics: bool = True) -> EngineResult:
+        result = EngineResult(self.name)
+        try:
+            qv = self.quant_view(layout, serving)
+        except Refuse as r:
+            result.refusals.append(r.refusal)
+            return result
+        dense, experts = split_modules(layout, serving)
+        for module in dense:
+            try:
+                result.deviations += self._dense(layout, serving, qv, module, numerics)
+            except Refuse as r:
+                result.refusals.append(r.refusal)
+        for module_name, per_expert in experts.items():
+            try:
+                result.deviations += self._experts(layout, serving, qv, module_name, per_expert, numerics)
+            except Refuse as r:
+                result.refusals.append(r.refusal)
+        result.deviations += self._kv_scales(layout, serving, qv, numerics)
+        result.refusals.sort(key=lambda r: r.tensor)
+        return result
+
+    def _kv_scales(self, layout: Layout, serving: ModelServing, qv: QuantView, numerics: bool) -> list[Deviation]:
+        """KV-cache scales the engine drops (its remap lands on no parameter): the cache then uses 1.0."""
+        dropped: dict[str, str] = {}
+        for name in sorted(layout.kv_scales):
+            engine_name = serving.engine_prefix(name)
+            attn = engine_name.rpartition(".self_attn.")[0] + ".self_attn"
+            params = {f"{attn}.{p}" for p in serving.kv_scale_params} if qv.kv_algo else set()
+            target, exists = self.remap_kv_scale(engine_name, params)
+            if not exists:
+                dropped[name] = f"{self.name} remaps it to {target}, which is no parameter ({serving.kv_note}): dropped"
+        return kv_deviations(layout, dropped, numerics)
+
+    def _dense(self, layout, serving, qv, module: EngineModule, numerics: bool) -> list[Deviation]:
+        quantized = [p for p in module.pieces if p.fmt != "bf16"]
+        built_plain = serving.unquantized_reason(module.name)
+        reason = built_plain or serving.bf16_reason(module.name)
+        if quantized and reason:
+            raise Refuse(quantized[0].tensor_name(), f"stored {quantized[0].fmt}, but {reason}")
+        if built_plain:
+            return []
+        try:
+            method = self.linear_method(qv, serving.engine_prefix(module.name))
+        except Refuse as r:  # a config-level refusal is reported at the module's first tensor
+            raise Refuse(module.pieces[0].tensor_name(), r.refusal.reason) from None
+        prefix = serving.engine_prefix(module.name)
+        for piece in module.pieces:
+            if piece.fmt != method:
+                where = prefix if len(module.pieces) > 1 else "it"
+                raise Refuse(piece.tensor_name(), f"stored {piece.fmt}, but {self.name} builds {where} as "
+                                                  f"{method} ({self.why(qv, prefix, method)})")
+            problem = self.tensor_problem(method, piece)
+            if problem:
+                raise Refuse(piece.tensor_name(), problem)
+        if numerics and len(module.pieces) > 1 and method != "bf16":
+            return fused_scale_deviations(layout, module, method)
+        return []
+
+    def _experts(self, layout, serving, qv, module_name: str, per_expert: dict[int, dict[str, Linear]],
+                 numerics: bool) -> list[Deviation]:
+        pieces = [lin for projs in per_expert.values() for lin in projs.values()]
+        quantized = [p for p in pieces if p.fmt != "bf16"]
+        prefix = serving.engine_prefix(module_name)
+        method = self.experts_method(qv, prefix)
+        for piece in sorted(pieces, key=lambda p: p.name):
+            if piece.fmt != method:
+                raise Refuse(piece.tensor_name(), f"stored {piece.fmt}, but {self.name} builds the routed experts "
+                                                  f"{prefix} as {method} ({self.why(qv, prefix, method)})")
+            problem = self.tensor_problem(method, piece)
+            if problem:
+                raise Refuse(piece.tensor_name(), problem)
+        if not numerics or not quantized:
+            return []
+        return experts_scale_deviations(layout, module_name, per_expert, serving.gate_up, method)
+
+
+# ---------------------------------------------------------------------- shared pieces of the replay
+
+
+def split_modules(layout: Layout, serving: ModelServing) -> tuple[list[EngineModule], dict[str, dict]]:
+    """Dense engine modules (fused groups applied) and routed experts ``module -> expert -> proj -> Linear``."""
+    expert_re = re.compile(serving.expert_re)
+    experts: dict[str, dict[int, dict[str, Linear]]] = {}
+    by_parent: dict[str, dict[str, Linear]] = {}
+    for name, linear in sorted(layout.linears.items()):
+        m = expert_re.fullmatch(name)
+        if m is not None:
+            experts.setdefault(m["module"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = linear
+            continue
+        parent, _, last = name.rpartition(".")
+        by_parent.setdefault(parent, {})[last] = linear
+    modules: list[EngineModule] = []
+    for parent, children in by_parent.items():
+        for fused in serving.fused:
+            if all(p in children for p in fused.pieces):
+                modules.append(EngineModule(f"{parent}.{fused.engine_name}",
+                                            tuple(children.pop(p) for p in fused.pieces)))
+        modules += [EngineModule(f"{parent}.{last}", (lin,)) for last, lin in children.items()]
+    modules.sort(key=lambda m: m.pieces[0].name)
+    return modules, experts
+
+
+def _expect(piece: Linear, part: str, dtype: torch.dtype, shape: tuple[int, ...] | None) -> str | None:
+    meta = piece.tensors.get(part)
+    if meta is None:
+        return f"has no {part}"
+    if meta.dtype != dtype:
+        return f"{part} is {meta}, the engine's parameter is {str(dtype).removeprefix('torch.')}"
+    if shape is not None and meta.shape != shape:
+        return f"{part} is {meta}, the engine's parameter has shape {list(shape)}"
+    if shape is None and _numel(meta.shape) != 1:
+        return f"{part} is {meta}, the engine reads one per-tensor value"
+    return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def standard_tensor_problem(method: str, piece: Linear) -> str | None:
+    """The ModelOpt parameter layouts vLLM and SGLang create (``create_weights`` of their NVFP4/FP8
+    linear and MoE methods): NVFP4 ``weight`` U8 [out, in/2], ``weight_scale`` E4M3 [out, in/16],
+    per-tensor ``weight_scale_2``/``input_scale``; FP8 ``weight`` E4M3 [out, in], per-tensor scales."""
+    out_f, in_f = piece.shape
+    checks: list[tuple[str, torch.dtype, tuple[int, ...] | None]] = []
+    if method in ("nvfp4", "w4a16_nvfp4"):
+        if in_f % NVFP4_BLOCK:
+            return f"in_features={in_f} is not a multiple of {NVFP4_BLOCK} (NVFP4 create_weights refuses it)"
+        checks = [("weight", torch.uint8, (out_f, in_f // 2)),
+                  ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_BLOCK)),
+                  ("weight_scale_2", torch.float32, None)]
+        if method == "nvfp4":
+            checks.append(("input_scale", torch.float32, None))
+    elif method == "fp8":
+        checks = [("weight", torch.float8_e4m3fn, (out_f, in_f)), ("weight_scale", torch.float32, None),
+                  ("input_scale", torch.float32, None)]
+    for part, dtype, shape in checks:
+        problem = _expect(piece, part, dtype, shape)
+        if problem:
+            return problem
+    return None
+
+
+def fused_scale_deviations(layout: Layout, module: EngineModule, method: str) -> list[Deviation]:
+    """What the engine's one fused parameter does to pieces whose per-tensor scales differ.
+
+    NVFP4 (vLLM ``ModelOptNvFp4LinearMethod`` / SGLang ``ModelOptFp4LinearMethod``
+    ``process_weights_after_loading``): ``weight_scale_2`` and ``input_scale`` become the max over
+    the shards and the block scales are left as written, so a piece with global scale ``s`` is read
+    as ``codes * block * max(s)``: every element grows by exactly ``max(s)/s`` (no need to dequantize
+    whole tensors to know it). FP8 per-tensor (``requantize_with_max_scale``): the engine dequantizes
+    each piece with its own scale and requantizes with the max, an E4M3 rounding we replay exactly.
+    """
+    out: list[Deviation] = []
+    names = ", ".join(p.name.rpartition(".")[2] for p in module.pieces)
+    if method in ("nvfp4", "w4a16_nvfp4", "fp8"):
+        wkey = "weight_scale_2" if method != "fp8" else "weight_scale"
+        scales = [float(layout.value(p.tensor_name(wkey))) for p in module.pieces]
+        top = max(scales)
+        if any(s != top for s in scales):
+            if method == "fp8":
+                err = max(_fp8_requant_error(layout, p, s, top) for p, s in zip(module.pieces, scales))
+                what = f"{wkey} differ across {names} ({min(scales):.6g}..{top:.6g}); the engine requantizes to the max"
+            else:
+                err = max(top / s - 1.0 for s in scales)
+                what = (f"{wkey} differ across {names} ({min(scales):.6g}..{top:.6g}); the engine reads all "
+                        f"with the max, block scales unchanged")
+            out.append(Deviation(module.name, what, err))
+    if method in ("nvfp4", "fp8"):
+        inputs = [float(layout.value(p.tensor_name("input_scale"))) for p in module.pieces]
+        top = max(inputs)
+        if any(s != top for s in inputs):
+            out.append(Deviation(
+                module.name, f"input_scale differ across {names}; the engine quantizes the shared input with the max",
+                max(top / s - 1.0 for s in inputs)))
+    return out
+
+
+def _fp8_requant_error(layout: Layout, piece: Linear, scale: float, top: float) -> float:
+    if scale == top:
+        return 0.0
+    written = fp8n.fp8_dequantize_per_tensor(layout.value(piece.tensor_name()), scale)
+    served = fp8n.fp8_dequantize_per_tensor(*fp8n.fp8_quantize_per_tensor(written, top))
+    nz = written != 0
+    return float(((served - written).abs()[nz] / written.abs()[nz]).max()) if bool(nz.any()) else 0.0
+
+
+def experts_scale_deviations(layout: Layout, module_name: str, per_expert: dict[int, dict[str, Linear]],
+                             gate_up: tuple[str, str], method: str) -> list[Deviation]:
+    """Routed experts as vLLM's ``ModelOptNvFp4FusedMoE`` / SGLang's ``ModelOptNvFp4FusedMoEMethod`` read
+    them: w13 takes w1's ``weight_scale_2`` for both halves (``w13_weight_scale_2[:, 0]``, a warning
+    when w3's differs), and one input scale per layer and GEMM (the max over experts and shards)."""
+    out: list[Deviation] = []
+    w1, w3 = gate_up
+    if method in ("nvfp4", "w4a16_nvfp4"):
+        worst, where = 0.0, ""
+        for e, projs in sorted(per_expert.items()):
+            if w1 in projs and w3 in projs:
+                s1 = float(layout.value(projs[w1].tensor_name("weight_scale_2")))
+                s3 = float(layout.value(projs[w3].tensor_name("weight_scale_2")))
+                err = abs(s1 / s3 - 1.0)
+                if err > worst:
+                    worst, where = err, f"expert {e}: {w1} {s1:.6g} vs {w3} {s3:.6g}"
+        if worst:
+            out.append(Deviation(module_name, f"{w1}/{w3} weight_scale_2 differ ({where}); the engine reads "
+                                              f"{w3} with {w1}'s", worst))
+    if method in ("nvfp4", "fp8"):
+        for gemm in ((w1, w3), tuple(p for p in next(iter(per_expert.values())) if p not in gate_up)):
+            scales = [float(layout.value(projs[p].tensor_name("input_scale")))
+                      for projs in per_expert.values() for p in gemm if p in projs]
+            if scales and min(scales) != max(scales):
+                out.append(Deviation(module_name, f"input_scale of {'/'.join(gemm)} differ across experts "
+                                                  f"({min(scales):.6g}..{max(scales):.6g}); the engine uses the max",
+                                     max(scales) / min(scales) - 1.0))
+    return out
+
+
+def kv_deviations(layout: Layout, reasons: Mapping[str, str], numerics: bool) -> list[Deviation]:
+    """``reasons``: KV-scale tensor -> why the engine does not load it."""
+    out = []
+    for name, reason in sorted(reasons.items()):
+        if numerics:
+            value = float(layout.value(name))
+            err = abs(1.0 / value - 1.0) if value else float("inf")
+            what = f"{reason}; with an FP8 KV cache the engine uses scale 1.0, not {value:.6g}"
+        else:
+            err, what = float("nan"), reason
+        out.append(Deviation(name, what, err))
+    return out
+
+
+def config_json_fields(cfg: dict, source: str, engine: str) -> tuple[str, str | None, list, dict]:
+    """(quant_algo, KV algo, ignore list, quantized_layers) from ``config.json``'s ``quantization_config``
+    (ModelOpt's ``convert_hf_quant_config_format`` layout), as the engines' ModelOpt configs read it."""
+    if not str(cfg.get("quant_method", "")).lower().startswith("modelopt"):
+        raise Refuse(source, f"quant_method is {cfg.get('quant_method')!r}, not modelopt: this check "
+                             f"replays {engine}'s ModelOpt loader only")
+    scheme = cfg.get("kv_cache_scheme")
+    kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
+    return str(cfg.get("quant_algo") or "").upper(), kv, cfg.get("ignore") or [], cfg.get("quantized_layers", {})
+
+
+def modelopt_config(layout: Layout) -> tuple[dict, str] | None:
+    """The quant config an engine reads: ``config.json``'s ``quantization_config`` first, else
+    ``hf_quant_config.json`` (vLLM/SGLang ``weight_utils.get_quant_config``)."""
+    if isinstance(layout.quant, dict):
+        return layout.quant, "config.json quantization_config"
+    if isinstance(layout.hf_quant, dict):
+        return layout.hf_quant, "hf_quant_config.json"
+    return None

@@ -1,0 +1,208 @@
+"""What a checkpoint holds, as a serving engine's loader sees it: names, dtypes, shapes, configs.
+
+A ``Layout`` is built either from an export directory (``scan_export``: safetensors headers and the
+two JSON configs; tensor bytes are read later, one small tensor at a time) or from a recipe and the
+source checkpoint's names (``planned_layout``: what the export *would* hold, declared by the same
+``modelopt_format`` functions the exporters write through). The engine replays in
+``modelopt_k3.check.engines`` read only a ``Layout``, so the same rules judge a finished export and
+a recipe before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointError, CheckpointReader
+from ..export.modelopt_format import config_quantization_config, hf_quant_config, linear_layout
+from ..models.spec import get_spec
+from ..quant.decisions import decide
+from ..recipe import Recipe
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
+# Suffixes a quantized Linear may carry besides ``weight`` (ModelOpt and compressed-tensors MXFP4 names).
+_LINEAR_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_2", "input_scale", "bias")
+_EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings)$")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')} {list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One checkpoint Linear (a dense module or one routed expert's projection) and its tensors."""
+
+    name: str
+    tensors: dict[str, TensorMeta]
+
+    def tensor_name(self, part: str = "weight") -> str:
+        return f"{self.name}.{part}"
+
+    @property
+    def fmt(self) -> str:
+        """How it is stored: bf16, nvfp4, w4a16_nvfp4, fp8, fp8_pb, mxfp4, or unknown."""
+        t = self.tensors
+        weight, scale = t.get("weight"), t.get("weight_scale")
+        if "weight_packed" in t:
+            return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "unknown"
+        if weight is None:
+            return "unknown"
+        if weight.dtype == torch.uint8 and "weight_scale_2" in t:
+            return "nvfp4" if "input_scale" in t else "w4a16_nvfp4"
+        if weight.dtype == torch.float8_e4m3fn and scale is not None:
+            return "fp8" if _numel(scale.shape) == 1 else "fp8_pb"
+        if weight.dtype in _FLOAT_DTYPES and scale is None:
+            return "bf16"
+        return "unknown"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical ``(out_features, in_features)``."""
+        if "weight_packed" in self.tensors:
+            out_f, half = self.tensors["weight_packed"].shape
+            return out_f, half * 2
+        out_f, cols = self.tensors["weight"].shape
+        return out_f, cols * 2 if self.tensors["weight"].dtype == torch.uint8 else cols
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass
+class Layout:
+    """A checkpoint as names, dtypes and shapes, plus its configs (``quant`` None: not quantized)."""
+
+    config: dict
+    quant: dict | None  # config.json ``quantization_config``
+    hf_quant: dict | None  # hf_quant_config.json
+    linears: dict[str, Linear]
+    kv_scales: dict[str, TensorMeta]
+    tensors: dict[str, TensorMeta]
+    # Reads one tensor's values (None for a planned layout: nothing is written yet).
+    read: Callable[[str], torch.Tensor] | None = field(default=None, repr=False)
+    source: str = ""
+
+    @property
+    def text_config(self) -> dict:
+        text = self.config.get("text_config")
+        return text if isinstance(text, dict) else self.config
+
+    def value(self, name: str) -> torch.Tensor:
+        if self.read is None:
+            raise ValueError(f"{self.source} is a planned layout: tensor {name} has no values yet")
+        return self.read(name)
+
+
+def _group_linears(metas: dict[str, TensorMeta]) -> dict[str, Linear]:
+    parts: dict[str, dict[str, TensorMeta]] = {}
+    other: set[str] = set()
+    for key, meta in metas.items():
+        module, _, part = key.rpartition(".")
+        if part in _LINEAR_PARTS:
+            parts.setdefault(module, {})[part] = meta
+        elif part not in KV_SCALE_SUFFIXES:
+            other.add(module)
+    out: dict[str, Linear] = {}
+    for module, tensors in parts.items():
+        weight = tensors.get("weight") or tensors.get("weight_packed")
+        if weight is None or len(weight.shape) != 2 or _EMBEDDING_RE.search(module) or module in other:
+            # Norms (1-D), convolutions (3-D), embeddings and routers (weight + e_score_correction_bias,
+            # as convert/plan.py::_is_linear rules them out) are not Linears.
+            continue
+        out[module] = Linear(module, tensors)
+    return out
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def scan_export(export_dir: str | Path) -> tuple[Layout, CheckpointReader]:
+    """The layout of an export directory (headers only) and the reader its values come from.
+
+    The caller owns the reader (a context manager): tensors are read one at a time, on demand.
+    """
+    path = Path(export_dir)
+    config = _read_json(path / "config.json")
+    if config is None:
+        raise CheckpointError(f"{path} has no config.json")
+    reader = CheckpointReader(path)
+    metas = {k: TensorMeta(reader.info(k).dtype, reader.info(k).shape) for k in reader.names()}
+    layout = Layout(
+        config=config,
+        quant=config.get("quantization_config"),
+        hf_quant=_read_json(path / HF_QUANT_CONFIG),
+        linears=_group_linears(metas),
+        kv_scales={k: m for k, m in metas.items() if k.rpartition(".")[2] in KV_SCALE_SUFFIXES},
+        tensors=metas,
+        read=reader.get,
+        source=str(path),
+    )
+    return layout, reader
+
+
+def _planned_tensors(linear: Linear, fmt) -> dict[str, TensorMeta]:
+    """The tensors the exporters write for ``linear`` in ``fmt`` (``modelopt_format.linear_layout``)."""
+    if fmt is None:
+        if linear.fmt == "mxfp4":  # a routed expert left unquantized is decoded and written as BF16
+            return {"weight": TensorMeta(torch.bfloat16, linear.shape)}
+        return dict(linear.tensors)
+    layout = linear_layout(fmt.weights, linear.shape, input_scale=fmt.inputs is not None)
+    return {suffix: TensorMeta(dtype, shape) for suffix, dtype, shape in layout}
+
+
+def planned_layout(checkpoint: str | Path, recipe: Recipe, *, kv_scale_names: Iterable[str] = ()) -> Layout:
+    """What exporting ``checkpoint`` with ``recipe`` writes, from names and headers only.
+
+    The decision table (``quant.decisions.decide``, which the exporters themselves follow) gives each
+    module its format and the unquantized modules; tensors and configs are declared by the exporters'
+    own functions. Shared-input groups change scale values, not names, so they are not needed here.
+    ``kv_scale_names``: the KV-cache scale tensors the model's spec writes (when the recipe asks).
+    """
+    path = Path(checkpoint)
+    config = _read_json(path / "config.json")
+    if config is None:
+        raise CheckpointError(f"{path} has no config.json")
+    with CheckpointReader(path) as reader:
+        metas = {k: TensorMeta(reader.info(k).dtype, reader.info(k).shape) for k in reader.names()}
+    table = decide({k: (m.dtype, m.shape) for k, m in metas.items()}, get_spec(str(config.get("model_type", ""))),
+                   recipe, None)
+    source = _group_linears(metas)
+    linears: dict[str, Linear] = {}
+    for d in table.decisions.values():
+        if d.kind not in ("linear", "experts"):
+            continue
+        for name in d.module_names():
+            linears[name] = Linear(name, _planned_tensors(source[name], d.format))
+    kv = {name: TensorMeta(torch.float32, ()) for name in kv_scale_names} if recipe.kv_cache else {}
+    quant = hf = None
+    layer_algos = table.layer_algos()
+    if layer_algos:
+        hf = hf_quant_config(layer_algos, kv_cache=recipe.kv_cache, unquantized=table.unquantized_modules(),
+                             recipe=recipe.name)
+        quant = config_quantization_config(hf)
+    tensors = {f"{n}.{p}": m for n, lin in linears.items() for p, m in lin.tensors.items()}
+    return Layout(config=config, quant=quant, hf_quant=hf, linears=linears, kv_scales=kv,
+                  tensors={**tensors, **kv}, source=f"{path} with recipe {recipe.name}")

@@ -1,0 +1,107 @@
+"""Verdicts: what one engine does with a checkpoint, and the table ``modelopt-k3-check`` prints."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+LOADS = "loads correctly"
+DIFFERENT = "loads but serves different numbers"
+REFUSES = "refuses"
+
+
+class EngineRefusal(ValueError):
+    """A recipe (or export) that a named serving engine cannot serve; the message names layers and rules."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The engine stops loading at ``tensor`` (or, with ``tensor`` a config file, before any tensor)."""
+
+    tensor: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """The engine loads ``module`` but computes with other numbers than the checkpoint's calibration.
+
+    ``error``: the largest relative change the engine's reading makes (a weight element's, or a scale's).
+    """
+
+    module: str
+    what: str
+    error: float
+
+
+def _error(d: Deviation) -> str:
+    return "not computed (no tensor values read)" if math.isnan(d.error) else f"{d.error:.3g}"
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    refusals: list[Refusal] = field(default_factory=list)
+    deviations: list[Deviation] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        if self.refusals:
+            return REFUSES
+        return DIFFERENT if self.deviations else LOADS
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == LOADS
+
+    def headline(self) -> str:
+        if self.refusals:
+            first = self.refusals[0]
+            more = f" (+{len(self.refusals) - 1} more)" if len(self.refusals) > 1 else ""
+            return f"first failing: {first.tensor}: {first.reason}{more}"
+        if self.deviations:
+            known = [d for d in self.deviations if not math.isnan(d.error)]
+            worst = max(known, key=lambda d: d.error) if known else self.deviations[0]
+            modules = sorted({d.module for d in self.deviations})
+            return f"{len(modules)} module(s) differ, max relative error {_error(worst)} ({worst.module}: {worst.what})"
+        return ""
+
+    def details(self, shown: int = 3, groups: int = 8) -> list[str]:
+        """Refusals grouped by reason (a few tensors each), then the deviating modules."""
+        by_reason: dict[str, list[str]] = {}
+        for r in self.refusals:
+            by_reason.setdefault(r.reason, []).append(r.tensor)
+        lines: list[str] = []
+        for reason, tensors in list(by_reason.items())[:groups]:
+            more = f" (+{len(tensors) - shown} more)" if len(tensors) > shown else ""
+            lines.append(f"  refuses {', '.join(tensors[:shown])}{more}:\n      {reason}")
+        lines += [f"  {d.module}: {d.what} (relative error {_error(d)})" for d in self.deviations[:groups * shown]]
+        hidden = max(len(by_reason) - groups, 0) + max(len(self.deviations) - groups * shown, 0)
+        if hidden:
+            lines.append(f"  ... and {hidden} more")
+        return lines
+
+
+@dataclass
+class CheckReport:
+    """``check_export``'s answer: one result per named engine."""
+
+    source: str
+    results: dict[str, EngineResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results.values())
+
+    def table(self, *, details: bool = True) -> str:
+        width = max(len(e) for e in self.results) if self.results else 6
+        lines = [f"modelopt-k3-check {self.source}", f"  {'engine':<{width}}  verdict"]
+        for name, result in self.results.items():
+            head = result.headline()
+            lines.append(f"  {name:<{width}}  {result.verdict}" + (f" -- {head}" if head else ""))
+        if details:
+            for name, result in self.results.items():
+                if not result.ok:
+                    lines.append(f"{name}:")
+                    lines += result.details()
+        return "\n".join(lines)
