@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ...numerics import fp8 as fp8n
+from ...numerics.constants import NVFP4_BLOCK
 from ..layout import Layout, Linear
 from ..report import Deviation, EngineResult, Refusal
 
-NVFP4_GROUP = 16
-FP8_BLOCK = 128
 # ModelOpt quant_algo -> the Linear.fmt a layer with that method must be stored as.
 ALGO_FORMATS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "w4a16_nvfp4", "FP8": "fp8", "FP8_PB_WO": "fp8_pb"}
 
@@ -339,10 +338,10 @@ def standard_tensor_problem(method: str, piece: Linear) -> str | None:
     out_f, in_f = piece.shape
     checks: list[tuple[str, torch.dtype, tuple[int, ...] | None]] = []
     if method in ("nvfp4", "w4a16_nvfp4"):
-        if in_f % NVFP4_GROUP:
-            return f"in_features={in_f} is not a multiple of {NVFP4_GROUP} (NVFP4 create_weights refuses it)"
+        if in_f % NVFP4_BLOCK:
+            return f"in_features={in_f} is not a multiple of {NVFP4_BLOCK} (NVFP4 create_weights refuses it)"
         checks = [("weight", torch.uint8, (out_f, in_f // 2)),
-                  ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_GROUP)),
+                  ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_BLOCK)),
                   ("weight_scale_2", torch.float32, None)]
         if method == "nvfp4":
             checks.append(("input_scale", torch.float32, None))

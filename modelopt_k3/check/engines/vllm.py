@@ -17,9 +17,9 @@ from fnmatch import fnmatch
 
 import torch
 
+from ...numerics.constants import FP8_BLOCK
 from ..layout import Layout, Linear
 from .base import (
-    FP8_BLOCK,
     ModelOptEngine,
     ModelServing,
     QuantView,
