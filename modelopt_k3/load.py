@@ -28,6 +28,7 @@ from .checkpoint import CheckpointReader, read_config
 from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
+from .dist.placement import ExpertPlacement, Placement
 from .dist.plan import DistributionPlan, decide_plan
 from .models.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
 from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
@@ -49,6 +50,7 @@ class LoadInfo:
     checkpoint: Path
     spec: ModelSpec
     plan: DistributionPlan
+    placement: Placement  # the run's mesh and expert placement (``DistributionPlan.build_placement``)
     model_cls: type | None = None  # the checkpoint's own class (before any FSDP2 wrapping)
     source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
@@ -301,11 +303,17 @@ def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointRe
     check_dense(persistent_tensors(model), dense, skip=_fused_expert_params(model, spec), converted=converted)
 
 
-def _build_on_meta(model_cls: type, config, dtype: torch.dtype, reader: CheckpointReader, spec: ModelSpec) -> nn.Module:
+def _build_on_meta(
+    model_cls: type, config, dtype: torch.dtype, reader: CheckpointReader, spec: ModelSpec,
+    placement: ExpertPlacement | None = None,
+) -> nn.Module:
+    """The model with parameters on meta and, when a placement is given, only its experts (else all)."""
     # Parameters on meta, buffers for real: non-persistent buffers get what the modules' own __init__
     # computes (accelerate's helper; torch.device("meta") would leave them empty).
     with _default_dtype(dtype), init_empty_weights(include_buffers=False):
         model = model_cls(config)
+    if placement is not None:
+        spec.place_experts(model, placement)  # on the instances: another model in this process may differ
     _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
     return model
 
@@ -435,84 +443,125 @@ def load_pretrained(
     """
     path = Path(path)
     group = current_group()
-
-    def open_source():
-        raw = read_config(path)
-        spec = get_spec(raw.get("model_type", ""))
-        spec.check_transformers()
-        reader = CheckpointReader(path)  # headers only, until a tensor is asked for
-        source = check_experts(reader.headers(), raw, spec)  # the converter runs the same check
-        spec.build(path)
-        model_cls, config = resolve_model_class(path, raw, trust_remote_code)
-        return spec, reader, source, model_cls, config
-
     # Every rank refuses the same input here, before any collective: one agreed error, not one per rank.
-    spec, reader, source, model_cls, config = run_together("load: check the checkpoint", open_source, group=group)
-    text = getattr(config, "text_config", config)
-    dtype = dtype or _config_dtype(config)
-    the_plan = decide_plan(
-        plan,
-        dtype=dtype,
-        spec=spec,
-        num_experts=getattr(text, spec.num_experts_attr),
-        rank=group.rank,
-        world_size=group.world_size,
-        device=group.device,
-        ep_degree=ep_degree,
-        experts_implementation=experts_implementation,
-        prepared=spec.prepared_placement(model_cls),
-        dense=dense,
-    )
-    if the_plan.expert_parallel:
-        from .dist.a2a import init_expert_groups, register_torch_a2a
-
-        register_torch_a2a()
-        init_expert_groups(the_plan.world_size, the_plan.ep_degree, the_plan.rank)
-    spec.prepare(PrepareContext(model_cls, config, path, the_plan.placement, the_plan.experts_implementation,
-                                packed_experts=source.packed_experts))
-    converters = get_checkpoint_conversion_mapping(model_cls.__name__) or []
-    the_plan = _decide_residency(experts, packed_source=source.packed_experts, plan=the_plan, path=path, dtype=dtype,
-                                 decode_chunk=decode_chunk)
-
-    model = _build_on_meta(model_cls, config, dtype, reader, spec)
-    run_together("load: check the checkpoint against the model", _check_against_model, model, spec, reader, source,
-                  group=group)
-    if the_plan.experts_residency == "packed":
-        _pack_experts(model, spec)  # before sharding and materializing: only the codes are ever allocated
-    if the_plan.fsdp_sharded:
-        shard_model(model, the_plan.device, the_plan.world_size, spec, shard_experts=not the_plan.expert_parallel)
-    set_experts_implementation(model, spec, the_plan)
-    materialize(model, the_plan.device)
-    info = LoadInfo(checkpoint=path, spec=spec, plan=the_plan, model_cls=model_cls)
-    def read_own_tensors() -> None:
-        with reader:
-            experts = spec.experts_modules(model)
-            total = len(persistent_tensors(model))
-            with tqdm(total=total, desc=f"load rank {the_plan.rank}", disable=not progress, leave=False) as bar:
-                consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
-                unfilled = [
-                    f"{n}.{p}" for n, m in experts.items() for p in spec.ep_sharded_params if f"{n}.{p}" not in filled
-                ]
-                if unfilled:
-                    raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
-                packed_fields = {f"{n}.{name}" for n, m in experts.items() if is_packed(m)
-                                 for lay in m.packed_layouts.values() for name in (lay.qdata_name, lay.scale_name)}
-                consumed = consumed_experts | _fill_dense(model, reader, filled | packed_fields, info, bar)
-            unexpected = set(reader.names()) - consumed
-            if unexpected:
-                raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
-            info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-            info.packed_experts = source.packed_experts
-            if reader.log.invalid and not allow_nonfinite_passthrough:
-                raise source_refusal(reader.log.invalid)
-            warn_passthrough(reader.log.invalid)
-            info.nonfinite = dict(reader.log.invalid)
-
+    src = run_together("load: check the checkpoint", _open_source, path, trust_remote_code, group=group)
+    dtype = dtype or _config_dtype(src.config)
+    the_plan = _decide_plan(src, plan, group, dtype=dtype, ep_degree=ep_degree,
+                            experts_implementation=experts_implementation, dense=dense)
+    placement = the_plan.build_placement()  # the run's mesh and expert placement: built here, passed on
+    converters = _prepare(src, path, the_plan)
+    the_plan = _decide_residency(experts, packed_source=src.layout.packed_experts, plan=the_plan, path=path,
+                                 dtype=dtype, decode_chunk=decode_chunk)
+    model = _build_placed_model(src, the_plan, placement, dtype, group)
+    info = LoadInfo(checkpoint=path, spec=src.spec, plan=the_plan, placement=placement, model_cls=src.model_cls,
+                    packed_experts=src.layout.packed_experts)
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.
-    run_together("load checkpoint", read_own_tensors, group=group)
+    run_together("load checkpoint", _read_own_tensors, model, src.reader, converters, info, progress,
+                 allow_nonfinite_passthrough, group=group)
     if the_plan.fsdp_sharded:
         check_partition(model)  # every element of every sharded parameter held (and so filled) by one rank
     model.eval()
     model.modelopt_k3 = info
     return model
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What ``_open_source`` found: the checkpoint's spec, reader, experts layout, model class and config."""
+
+    spec: ModelSpec
+    reader: CheckpointReader
+    layout: SourceLayout
+    model_cls: type
+    config: object
+
+
+def _open_source(path: Path, trust_remote_code: bool) -> _Source:
+    """Stage 1: config -> spec; the experts' headers checked against config.json; the checkpoint's own class."""
+    raw = read_config(path)
+    spec = get_spec(raw.get("model_type", ""))
+    spec.check_transformers()
+    reader = CheckpointReader(path)  # headers only, until a tensor is asked for
+    layout = check_experts(reader.headers(), raw, spec)  # the converter runs the same check
+    spec.build(path)
+    model_cls, config = resolve_model_class(path, raw, trust_remote_code)
+    return _Source(spec, reader, layout, model_cls, config)
+
+
+def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_degree: int | None,
+                 experts_implementation: str | None, dense: str) -> DistributionPlan:
+    """Stage 2: the distribution plan for this launch (refused here, before anything is built)."""
+    text = getattr(src.config, "text_config", src.config)
+    the_plan = decide_plan(
+        requested,
+        dtype=dtype,
+        spec=src.spec,
+        num_experts=getattr(text, src.spec.num_experts_attr),
+        rank=group.rank,
+        world_size=group.world_size,
+        device=group.device,
+        ep_degree=ep_degree,
+        experts_implementation=experts_implementation,
+        dense=dense,
+    )
+    if the_plan.expert_parallel:
+        from .dist.a2a import register_torch_a2a
+
+        register_torch_a2a()
+    return the_plan
+
+
+def _prepare(src: _Source, path: Path, plan: DistributionPlan) -> list:
+    """Stage 3: the spec patches the checkpoint's classes; returns the checkpoint converters it registered."""
+    src.spec.prepare(PrepareContext(src.model_cls, src.config, path, plan.experts_implementation,
+                                    packed_experts=src.layout.packed_experts))
+    return get_checkpoint_conversion_mapping(src.model_cls.__name__) or []
+
+
+def _build_placed_model(
+    src: _Source, plan: DistributionPlan, placement: Placement, dtype: torch.dtype, group
+) -> nn.Module:
+    """Stage 4: the model on meta with this rank's experts, checked against the headers, laid out per the
+    plan (packed, FSDP2-sharded over the placement's mesh) and materialised empty on the plan's device."""
+    spec = src.spec
+    model = _build_on_meta(src.model_cls, src.config, dtype, src.reader, spec, placement.experts)
+    run_together("load: check the checkpoint against the model", _check_against_model, model, spec, src.reader,
+                 src.layout, group=group)
+    if plan.experts_residency == "packed":
+        _pack_experts(model, spec)  # before sharding and materializing: only the codes are ever allocated
+    if plan.fsdp_sharded:
+        shard_model(model, placement.fsdp_mesh, spec, shard_experts=not plan.expert_parallel)
+    set_experts_implementation(model, spec, plan)
+    materialize(model, plan.device)
+    return model
+
+
+def _read_own_tensors(model: nn.Module, reader: CheckpointReader, converters: list, info: LoadInfo,
+                      progress: bool, allow_nonfinite_passthrough: bool) -> None:
+    """Stage 5: fill every parameter and buffer this rank holds from its checkpoint tensor; refuse gaps,
+    leftovers and (unless allowed) non-finite values."""
+    spec = info.spec
+    with reader:
+        experts = spec.experts_modules(model)
+        total = len(persistent_tensors(model))
+        with tqdm(total=total, desc=f"load rank {info.plan.rank}", disable=not progress, leave=False) as bar:
+            consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
+            unfilled = [f"{n}.{p}" for n in experts for p in spec.ep_sharded_params if f"{n}.{p}" not in filled]
+            if unfilled:
+                raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
+            consumed = consumed_experts | _fill_dense(model, reader, filled | _packed_fields(experts), info, bar)
+        unexpected = set(reader.names()) - consumed
+        if unexpected:
+            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
+        info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
+        if reader.log.invalid and not allow_nonfinite_passthrough:
+            raise source_refusal(reader.log.invalid)
+        warn_passthrough(reader.log.invalid)
+        info.nonfinite = dict(reader.log.invalid)
+
+
+def _packed_fields(experts: dict[str, nn.Module]) -> set[str]:
+    """Names of the packed experts' codes and scales buffers (filled with the experts, not as dense tensors)."""
+    return {f"{n}.{name}" for n, m in experts.items() if is_packed(m)
+            for lay in m.packed_layouts.values() for name in (lay.qdata_name, lay.scale_name)}

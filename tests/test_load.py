@@ -19,7 +19,8 @@ from modelopt_k3.models.conversion import run_converter
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts, kimi_k3_converters
 from modelopt_k3.models.kimi_k3.experts import experts_implementations_available
 from modelopt_k3.models.kimi_k3.prepare import BLOCK_CLASS, find_block_module, unprepare
-from modelopt_k3.models.spec import ExpertPlacement, PrepareContext, SpecError
+from modelopt_k3.dist.placement import ExpertPlacement
+from modelopt_k3.models.spec import PrepareContext, SpecError
 from modelopt_k3.source_check import SourceMismatchError
 from modelopt_k3.testing.reference import read_checkpoint, reference_logits
 
@@ -490,7 +491,7 @@ def test_refuses_indivisible_ep_degree_directly() -> None:
         "expert_parallel", spec=KIMI_K3_SPEC, num_experts=8, rank=1, world_size=2,
         device=torch.device("cpu"), ep_degree=2,
     )  # fmt: skip
-    assert plan.placement == ExpertPlacement(ep_rank=1, ep_size=2)
+    assert plan.expert_placement == ExpertPlacement(8, ep_size=2, ep_rank=1, writes_experts=True)
     assert plan.experts_implementation == "torch_a2a"
 
 
@@ -512,19 +513,6 @@ def test_refuses_indivisible_ep_degree_before_reading(
     with pytest.raises(PlanError, match=r"num_experts=8 is not divisible by the expert-parallel degree 3"):
         _load(tiny_ckpt, plan="expert_parallel")
     assert getattr(find_block_module(model_cls), BLOCK_CLASS) is before
-
-
-def test_refuses_whole_after_expert_parallel_prepare(tiny_ckpt: Path) -> None:
-    model_cls, config = _remote(tiny_ckpt)
-    KIMI_K3_SPEC.prepare(PrepareContext(model_cls, config, tiny_ckpt, ExpertPlacement(ep_rank=0, ep_size=2)))
-    try:
-        assert KIMI_K3_SPEC.prepared_placement(model_cls) == ExpertPlacement(0, 2)
-        with pytest.raises(PlanError, match=r"ep_size=2.*'whole'.*new process"):
-            _load(tiny_ckpt, plan="whole")
-    finally:
-        unprepare(model_cls)
-    assert KIMI_K3_SPEC.prepared_placement(model_cls) is None
-    assert not getattr(getattr(find_block_module(model_cls), BLOCK_CLASS), "_modelopt_k3_fused", False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,30 +1,65 @@
 """``torch_a2a``: expert-parallel dispatch as a transformers experts implementation.
 
-Each rank holds a contiguous block of every MoE layer's experts (``module.expert_offset``,
-``module.num_experts`` local of ``module.num_global_experts``). For each (token, slot) pair the owner
-rank is ``expert_id // experts_per_rank``. Tokens travel to their owner with ``all_to_all_single``
-(counts first, then payload), the owner runs its local experts with the local implementation
-(weight 1.0, so the result is the bare expert output), the outputs come back the same way and are
-combined in fp32 at the origin exactly as in one process.
+Each rank holds a contiguous block of every MoE layer's experts; the experts module carries the run's
+``ExpertPlacement`` (``module.placement``, set by the spec's ``place_experts``), which names the owner
+of every expert and the EP group. Tokens travel to their owner with ``all_to_all_single`` (counts
+first, then payload), the owner runs its local experts with the local implementation (weight 1.0, so
+the result is the bare expert output), the outputs come back the same way and are combined in fp32 at
+the origin exactly as in one process. Which row goes where is ``dispatch_layout``, a pure function.
 
 Works for any experts module that follows transformers' experts interface (``gate_up_proj`` /
-``down_proj`` / ``_apply_gate``) and carries the three placement attributes above, plus
-``local_experts_implementation`` (the plan's choice, set by the loader). Every rank must call it the
-same number of times (the calibration loop equalises batch counts).
+``down_proj`` / ``_apply_gate``) and carries ``placement`` plus ``local_experts_implementation``
+(the plan's choice, set by the loader). Every rank must call it the same number of times (the
+calibration loop equalises batch counts).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from ..models.packed_experts import DISPATCHES_ATTR, local_experts_forward
+from .placement import ExpertPlacement
 
 A2A_NAME = "torch_a2a"
-# The process group tokens are exchanged in: None = the world (EP degree = world size); with a smaller
-# EP degree, this rank's group of ``ep_degree`` contiguous ranks (set once by ``init_expert_groups``).
-_EP_GROUP = None
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """Where each (token, slot) pair of one rank's routing goes, in the order it is sent.
+
+    Row ``j`` sent is flat pair ``order[j]`` (pair ``p`` = token ``p // top_k``, slot ``p % top_k``):
+    hidden row ``token_rows[j]``, for expert ``owner_local_ids[j]`` of its owner. Pairs are grouped by
+    owner rank (stable: in pair order within an owner); ``send_counts[r]`` rows go to rank ``r``.
+    """
+
+    order: torch.Tensor
+    token_rows: torch.Tensor
+    owner_local_ids: torch.Tensor
+    send_counts: torch.Tensor
+
+    def restore(self, back: torch.Tensor) -> torch.Tensor:
+        """Rows returned in send order, put back in (token, slot) pair order."""
+        per_slot = torch.empty_like(back)
+        per_slot[self.order] = back
+        return per_slot
+
+
+def dispatch_layout(top_k_index: torch.Tensor, placement: ExpertPlacement) -> DispatchLayout:
+    """The send order of ``top_k_index`` ([tokens, top_k] global expert ids) under ``placement``."""
+    top_k = top_k_index.shape[1]
+    flat_ids = top_k_index.reshape(-1)
+    owner = placement.owner(flat_ids)
+    order = owner.argsort(stable=True)
+    return DispatchLayout(
+        order=order,
+        token_rows=order // top_k,
+        owner_local_ids=flat_ids[order] - owner[order] * placement.per_rank,
+        send_counts=torch.bincount(owner, minlength=placement.ep_size),
+    )
 
 
 def _local_forward(module: torch.nn.Module):
@@ -47,27 +82,21 @@ def torch_a2a_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    group=None,
 ) -> torch.Tensor:
-    per_rank = self.num_experts
-    ep_size = self.num_global_experts // per_rank
-    group = _EP_GROUP if group is None else group
-    if not dist.is_initialized() or ep_size == 1:
-        return _local_forward(self)(self, hidden_states, top_k_index - self.expert_offset, top_k_weights)
+    placement: ExpertPlacement = self.placement
+    if not dist.is_initialized() or placement.ep_size == 1:
+        return _local_forward(self)(self, hidden_states, top_k_index - placement.local.start, top_k_weights)
+    group = placement.group
     num_tokens, top_k = top_k_index.shape
-    flat_ids = top_k_index.reshape(-1)
-    owner = torch.div(flat_ids, per_rank, rounding_mode="floor")
-    order = owner.argsort(stable=True)
-    send_counts_t = torch.bincount(owner, minlength=ep_size)
-    recv_counts_t = torch.empty_like(send_counts_t)
-    dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
-    send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
+    layout = dispatch_layout(top_k_index, placement)
+    recv_counts_t = torch.empty_like(layout.send_counts)
+    dist.all_to_all_single(recv_counts_t, layout.send_counts, group=group)
+    send_counts, recv_counts = layout.send_counts.tolist(), recv_counts_t.tolist()
 
-    send_x = hidden_states[order // top_k]
-    send_ids = flat_ids[order] - owner[order] * per_rank  # owner-local ids
+    send_x = hidden_states[layout.token_rows]
     recv_x = _exchange(send_x, send_counts, recv_counts, group)
-    recv_ids = _exchange(send_ids, send_counts, recv_counts, group)
-    del send_x, send_ids  # free each buffer once exchanged: the memory planner counts this sequence
+    recv_ids = _exchange(layout.owner_local_ids, send_counts, recv_counts, group)
+    del send_x  # free each buffer once exchanged: the memory planner counts this sequence
 
     ones = torch.ones(recv_ids.numel(), 1, dtype=torch.float32, device=recv_x.device)
     expert_out = _local_forward(self)(self, recv_x, recv_ids.unsqueeze(1), ones)
@@ -75,23 +104,10 @@ def torch_a2a_experts_forward(
 
     back = _exchange(expert_out, recv_counts, send_counts, group)
     del expert_out
-    per_slot = torch.empty_like(back)
-    per_slot[order] = back
+    per_slot = layout.restore(back)
     del back
     combined = (per_slot.view(num_tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)).sum(1)
     return combined.to(hidden_states.dtype)
-
-
-def init_expert_groups(world_size: int, ep_degree: int, rank: int) -> None:
-    """Create the expert-parallel groups (every rank must call this, in the same order)."""
-    global _EP_GROUP
-    if ep_degree == world_size:
-        _EP_GROUP = None
-        return
-    for start in range(0, world_size, ep_degree):
-        group = dist.new_group(list(range(start, start + ep_degree)))
-        if start <= rank < start + ep_degree:
-            _EP_GROUP = group
 
 
 # Packed experts decode only on the owner, inside _local_forward, not before the exchange.

@@ -22,12 +22,17 @@ Every function is the identity (no collective) for plain tensors, so callers wri
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 AMAX_ROWS_PER_PASS = 16
 
@@ -79,11 +84,10 @@ def local_rows(t: torch.Tensor) -> range:
 def local_experts(module: nn.Module, spec: ModelSpec) -> range:
     """Global ids of the experts of a fused experts module that this rank holds.
 
-    Expert parallel: the module's own block (``expert_offset`` + its local experts). FSDP2: the rows
-    of its sharded expert dimension (the spec's expert dimension must be 0, checked by the plan).
+    Expert parallel: the module's placement block. FSDP2: the rows of its sharded expert dimension (the
+    spec's expert dimension must be 0, checked by the plan).
     """
-    rows = local_rows(getattr(module, next(iter(spec.ep_sharded_params))))
-    return range(module.expert_offset + rows.start, module.expert_offset + rows.stop)
+    return module.placement.global_ids(local_rows(getattr(module, next(iter(spec.ep_sharded_params)))))
 
 
 def gather_rows(local: torch.Tensor, like: DTensor) -> torch.Tensor:
@@ -167,19 +171,16 @@ def shard_units(model: nn.Module, spec: ModelSpec, *, experts: bool = True) -> l
     return units[::-1]  # named_modules is pre-order: reversed, every unit comes after the units inside it
 
 
-def shard_model(
-    model: nn.Module, device: torch.device, world_size: int, spec: ModelSpec, *, shard_experts: bool = True
-) -> list[str]:
-    """Apply ``fully_shard`` to the units and the root of a meta-built model; returns the unit names.
+def shard_model(model: nn.Module, mesh: DeviceMesh, spec: ModelSpec, *, shard_experts: bool = True) -> list[str]:
+    """Apply ``fully_shard`` over the 1-D ``mesh`` (``Placement.fsdp_mesh``) to the units and the root of a
+    meta-built model; returns the unit names.
 
     Call before ``model.to_empty(device=...)``; the parameters are then empty local shards to fill.
     ``shard_experts=False`` (expert parallel with an FSDP2 dense part): the experts' parameters stay
     plain tensors, ignored by every unit, and all-to-all serves them as usual.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
     for param in model.parameters():
         param.requires_grad_(False)  # PTQ never trains; lets one unit hold fp32 and bf16 (see module doc)
     units = shard_units(model, spec, experts=shard_experts)

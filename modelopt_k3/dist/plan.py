@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from ..models.spec import ExpertPlacement, ModelSpec, SpecError
+from ..models.spec import ModelSpec
+from .placement import ExpertPlacement, Placement, PlanError
 
 PlanKind = Literal["whole", "fsdp2", "expert_parallel"]
 PLAN_KINDS: tuple[str, ...] = ("auto", "whole", "fsdp2", "expert_parallel")
@@ -21,8 +23,11 @@ EP_DEGREE_ENV = "MODELOPT_K3_EP_DEGREE"
 DENSE_MODES: tuple[str, ...] = ("replicated", "fsdp2")
 
 
-class PlanError(SpecError):
-    """A plan that cannot work, refused before any weight is read."""
+__all__ = ["DistributionPlan", "IneffectiveSettingWarning", "PlanError", "decide_plan"]
+
+
+class IneffectiveSettingWarning(UserWarning):
+    """A setting the user made that this plan cannot act on (it is accepted, and has no effect)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class DistributionPlan:
     ep_degree: int
     device: torch.device
     experts_implementation: str
+    # Which rank holds (and writes) which routed experts; ``build_placement`` adds the mesh and group.
+    expert_placement: ExpertPlacement
     # Expert parallel only: the dense part "replicated" on every rank, or "fsdp2"-sharded over the world.
     dense: str = "replicated"
     # What runs this rank's own experts: the owner's implementation under torch_a2a, else the
@@ -53,22 +60,27 @@ class DistributionPlan:
         return self.kind == "expert_parallel"
 
     @property
-    def placement(self) -> ExpertPlacement:
-        if not self.expert_parallel:
-            return ExpertPlacement()
-        return ExpertPlacement(ep_rank=self.rank % self.ep_degree, ep_size=self.ep_degree)
-
-    @property
     def replica(self) -> int:
         """Which copy of the experts this rank belongs to (world / ep_degree copies, ranks grouped contiguously)."""
         return self.rank // self.ep_degree if self.expert_parallel else 0
 
-    @property
-    def writes_experts(self) -> bool:
-        """Whether this rank writes its experts at export (one copy of each expert in the output)."""
-        if self.kind == "fsdp2":
-            return True  # every rank writes the expert rows of its own shards
-        return self.rank < self.ep_degree if self.expert_parallel else self.rank == 0
+    def build_placement(self) -> Placement:
+        """The run's device mesh and expert placement (collective: every rank calls it once, in the same order).
+
+        ``fsdp`` over the world for plan fsdp2; ``replica`` x ``ep`` for expert parallelism (EP groups of
+        contiguous ranks, the layout ``replica`` assumes); no mesh in one process.
+        """
+        if self.world_size == 1:
+            return Placement(self.expert_placement)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.expert_parallel:
+            shape, names = (self.world_size // self.ep_degree, self.ep_degree), ("replica", "ep")
+        else:
+            shape, names = (self.world_size,), ("fsdp",)
+        mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        group = mesh["ep"].get_group() if self.expert_parallel else None
+        return Placement(self.expert_placement.with_group(group), mesh)
 
     def describe(self) -> str:
         text = f"plan={self.kind} world={self.world_size} rank={self.rank}"
@@ -150,7 +162,6 @@ def decide_plan(
     device: torch.device,
     ep_degree: int | None = None,
     experts_implementation: str | None = None,
-    prepared: ExpertPlacement | None = None,
     dense: str = "replicated",
     dtype: torch.dtype | None = None,
 ) -> DistributionPlan:
@@ -174,12 +185,12 @@ def decide_plan(
         if ep_degree is None:
             ep_degree = int(os.environ.get(EP_DEGREE_ENV, world_size))
         if ep_degree < 1 or world_size % ep_degree:
-            raise PlanError(f"expert-parallel degree {ep_degree} must divide the world size {world_size}")
-        if num_experts % ep_degree:
             raise PlanError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel degree {ep_degree}; "
-                f"choose a degree that divides it"
+                f"expert-parallel degree {ep_degree} must divide the world size {world_size}; choose one of "
+                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]} (CLI: --ep_degree)"
             )
+        # Replica 0 (ranks below ep_degree) writes the experts; the constructor refuses an indivisible degree.
+        experts = ExpertPlacement(num_experts, ep_degree, rank % ep_degree, writes_experts=rank < ep_degree)
         impl = "torch_a2a"
         # A named implementation runs the owner's experts; torch_a2a dispatches to them.
         local = experts_implementation if experts_implementation not in (None, impl) else None
@@ -192,17 +203,30 @@ def decide_plan(
     else:
         if dense != "replicated":
             raise PlanError(f"dense={dense!r} applies to plan 'expert_parallel' (plan '{kind}' decides it itself)")
+        _warn_ineffective(kind, ep_degree, experts_implementation)
         ep_degree = 1
         impl = experts_implementation or default_local_implementation(device, dtype)
         # torch_a2a in one process dispatches to itself: the local implementation runs the experts.
         local = impl if impl != "torch_a2a" else default_local_implementation(device, dtype)
-        if spec.patches_process_wide and prepared is not None and prepared.ep_size > 1:
-            raise PlanError(
-                f"this process already patched model_type {spec.model_type!r} for expert parallelism "
-                f"(ep_size={prepared.ep_size}); a '{kind}' load in the same process would build sharded experts. "
-                "Start a new process for it."
-            )
+        # fsdp2: every rank writes the expert rows of its own shards; whole: the one rank writes them all.
+        experts = ExpertPlacement(num_experts)
     _check_local_implementation(local)
-    return DistributionPlan(
-        kind, rank, world_size, ep_degree, device, impl, dense if kind == "expert_parallel" else "replicated", local
-    )
+    dense = dense if kind == "expert_parallel" else "replicated"
+    return DistributionPlan(kind, rank, world_size, ep_degree, device, impl, experts, dense, local)
+
+
+def _warn_ineffective(kind: str, ep_degree: int | None, experts_implementation: str | None) -> None:
+    """Warn about settings a one-process or fsdp2 plan accepts but cannot act on (refused ones raise)."""
+    if ep_degree not in (None, 1):
+        warnings.warn(
+            f"ep_degree={ep_degree} has no effect under plan {kind!r} (one process holds every expert); "
+            "launch with torchrun and plan 'expert_parallel' to split the experts",
+            IneffectiveSettingWarning, stacklevel=3,
+        )
+    if experts_implementation == "torch_a2a":
+        warnings.warn(
+            f"experts_implementation='torch_a2a' has no effect under plan {kind!r}: there are no other ranks "
+            f"to dispatch to, so the default local implementation runs the experts; name 'eager', "
+            "'grouped_mm' or 'batched_mm' to choose it",
+            IneffectiveSettingWarning, stacklevel=3,
+        )

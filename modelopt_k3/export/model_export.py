@@ -88,8 +88,8 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
     cast: dict[str, object] = {}
     weights: dict[str, torch.Tensor] = {}
     part = slice(0, 0)
-    for idx in rows:
-        local, expert = idx - rows.start, experts.expert_offset + idx
+    for idx, expert in zip(rows, experts.placement.global_ids(rows)):
+        local = idx - rows.start
         if local % EXPERTS_PER_CAST == 0:
             # Lossless casts of the source bytes, a few experts at a time (bounded export memory).
             part = slice(local, min(local + EXPERTS_PER_CAST, len(rows)))
@@ -136,88 +136,117 @@ def export_checkpoint(
 
     Call on every rank. Nothing is gathered: each rank writes its own shard files.
     """
+    info, qplan = _check_exportable(model, Path(export_dir), format)
+    group = current_group()
+    export_dir = Path(export_dir)
+    job = _ExportJob(model, info, qplan, FORMATS[format], group)
+    release_decode_workspaces(job.experts_modules.values())  # export never runs the experts: give it back first
+    with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:
+        weight_map, nbytes = run_together("export write shards", _write_rank_share, job, tmp, max_shard_bytes,
+                                          progress, group=group)
+        maps, total = gather_weight_maps(weight_map, nbytes, group=group)
+        run_together("export index and configs", _write_index_and_configs, job, tmp, maps, total, format,
+                     group=group)
+    return export_dir
+
+
+def _check_exportable(model: nn.Module, export_dir: Path, format: str):
+    """Stage 1: refuse what cannot be exported before anything is written; returns (LoadInfo, QuantPlan)."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; supported: {list(FORMATS)}")
     info = getattr(model, "modelopt_k3", None)
     qplan = getattr(model, "modelopt_k3_quant", None)
     if info is None or qplan is None:
         raise ValueError("export_checkpoint expects a model from load_pretrained that went through quantize")
-    refuse_overlap(info.checkpoint, Path(export_dir), flag="export_dir")  # the copies read the source to the end
-    layer_algos = qplan.table.layer_algos()
+    refuse_overlap(info.checkpoint, export_dir, flag="export_dir")  # the copies read the source to the end
     if format == "compressed-tensors":
-        why = ct_format.unexpressible(set(layer_algos.values()), qplan.recipe.kv_cache)
+        why = ct_format.unexpressible(set(qplan.table.layer_algos().values()), qplan.recipe.kv_cache)
         if why is not None:
             raise ValueError(f"{why}. Use format='modelopt' for it.")
-    layout = FORMATS[format]
-    group = current_group()
-    spec, plan = info.spec, info.plan
-    expert_key_re = re.compile(spec.expert_key_regex)
-    export_dir = Path(export_dir)
-    modules = dict(model.named_modules())
-    experts_modules = spec.experts_modules(model)
-    release_decode_workspaces(experts_modules.values())  # export never runs the experts: give it back first
-    kv_scales = _kv_scales(model)
+    return info, qplan
 
-    with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:
 
-        def write_rank_share() -> tuple[dict[str, str], int]:
-            with CheckpointReader(info.checkpoint) as reader, ShardWriter(
-                tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
-            ) as writer:
-                items = _dense_items(qplan, reader, expert_key_re, kv_scales)
-                n_experts = sum(m.num_experts for m in experts_modules.values()) if plan.writes_experts else 0
-                n_mine = len(items[group.rank :: group.world_size])
-                bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
-                failed: Exception | None = None
-                for i, (kind, name) in enumerate(items):
-                    owner = i % group.world_size  # item i belongs to rank i % world
-                    # An FSDP2-sharded weight is gathered to its owner only, one tensor at a time. Every rank
-                    # joins every gather, so a rank that failed keeps joining and raises after the loop.
-                    weight = gather_to_owner(modules[name].weight, owner) if kind == "quant" else None
-                    if owner != group.rank or failed is not None:
-                        continue
-                    try:
-                        if kind == "copy":
-                            writer.add(name, reader.get(name))
-                        elif kind == "kv":
-                            attention, key = kv_scales[name]
-                            writer.add(name, attention.kv_scale(key))
-                        else:
-                            for key, tensor in layout(_quant_linear_tensors(modules[name], weight)).items():
-                                writer.add(f"{name}.{key}", tensor)
-                    except Exception as exc:
-                        failed = exc
-                    bar.update(1)
-                if failed is not None:
-                    raise failed
-                if plan.writes_experts:
-                    for name, experts in experts_modules.items():
-                        projs = qplan.experts.get(name, {})
-                        for prefix, tensors, quantized in _expert_tensors(name, experts, spec, projs):
-                            for key, tensor in (layout(tensors) if quantized else tensors).items():
-                                writer.add(f"{prefix}.{key}", tensor)
-                        bar.update(experts.num_experts)
-                bar.close()
-                weight_map = writer.close()
-                return weight_map, writer.total_bytes
+class _ExportJob:
+    """What every export stage reads: the model's modules, its load info and quantization plan, the layout
+    of the export format and the run group. Whether this rank writes experts is the placement's word."""
 
-        weight_map, nbytes = run_together("export write shards", write_rank_share, group=group)
-        maps, total = gather_weight_maps(weight_map, nbytes, group=group)
+    def __init__(self, model: nn.Module, info, qplan, layout, group) -> None:
+        self.info, self.qplan, self.layout, self.group = info, qplan, layout, group
+        self.spec = info.spec
+        self.modules = dict(model.named_modules())
+        self.experts_modules = self.spec.experts_modules(model)
+        self.kv_scales = _kv_scales(model)
+        self.writes_experts = info.placement.experts.writes_experts
 
-        def finish() -> None:
-            if not group.is_main:
-                return
-            write_index(tmp, maps, total)
-            unquantized = qplan.table.unquantized_modules()
-            if format == "modelopt":
-                hf_quant = hf_quant_config(
-                    layer_algos, kv_cache=qplan.recipe.kv_cache, unquantized=unquantized, recipe=qplan.recipe.name
-                )
-                write_configs(info.checkpoint, tmp, config_quantization_config(hf_quant), hf_quant)
+
+def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress: bool) -> tuple[dict[str, str], int]:
+    """Stage 2: this rank's dense items (item ``i`` to rank ``i % world``) and, if it writes them, its experts."""
+    group = job.group
+    with CheckpointReader(job.info.checkpoint) as reader, ShardWriter(
+        tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
+    ) as writer:
+        items = _dense_items(job.qplan, reader, re.compile(job.spec.expert_key_regex), job.kv_scales)
+        n_experts = sum(m.num_experts for m in job.experts_modules.values()) if job.writes_experts else 0
+        n_mine = len(items[group.rank :: group.world_size])
+        bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
+        _write_dense_items(job, items, reader, writer, bar)
+        if job.writes_experts:
+            _write_experts(job, writer, bar)
+        bar.close()
+        weight_map = writer.close()
+        return weight_map, writer.total_bytes
+
+
+def _write_dense_items(job: _ExportJob, items: list[tuple[str, str]], reader: CheckpointReader,
+                       writer: ShardWriter, bar: tqdm) -> None:
+    group = job.group
+    failed: Exception | None = None
+    for i, (kind, name) in enumerate(items):
+        owner = i % group.world_size  # item i belongs to rank i % world
+        # An FSDP2-sharded weight is gathered to its owner only, one tensor at a time. Every rank
+        # joins every gather, so a rank that failed keeps joining and raises after the loop.
+        weight = gather_to_owner(job.modules[name].weight, owner) if kind == "quant" else None
+        if owner != group.rank or failed is not None:
+            continue
+        try:
+            if kind == "copy":
+                writer.add(name, reader.get(name))
+            elif kind == "kv":
+                attention, key = job.kv_scales[name]
+                writer.add(name, attention.kv_scale(key))
             else:
-                qcfg = ct_format.quantization_config(next(iter(layer_algos.values())), unquantized)
-                write_configs(info.checkpoint, tmp, qcfg, None)
-            copy_side_files(info.checkpoint, tmp)
+                for key, tensor in job.layout(_quant_linear_tensors(job.modules[name], weight)).items():
+                    writer.add(f"{name}.{key}", tensor)
+        except Exception as exc:
+            failed = exc
+        bar.update(1)
+    if failed is not None:
+        raise failed
 
-        run_together("export index and configs", finish, group=group)
-    return export_dir
+
+def _write_experts(job: _ExportJob, writer: ShardWriter, bar: tqdm) -> None:
+    for name, experts in job.experts_modules.items():
+        projs = job.qplan.experts.get(name, {})
+        for prefix, tensors, quantized in _expert_tensors(name, experts, job.spec, projs):
+            for key, tensor in (job.layout(tensors) if quantized else tensors).items():
+                writer.add(f"{prefix}.{key}", tensor)
+        bar.update(experts.num_experts)
+
+
+def _write_index_and_configs(job: _ExportJob, tmp: Path, maps, total: int, format: str) -> None:
+    """Stage 3 (rank 0): the index, config.json with its quantization_config, hf_quant_config.json, side files."""
+    if not job.group.is_main:
+        return
+    info, qplan = job.info, job.qplan
+    write_index(tmp, maps, total)
+    layer_algos = qplan.table.layer_algos()
+    unquantized = qplan.table.unquantized_modules()
+    if format == "modelopt":
+        hf_quant = hf_quant_config(
+            layer_algos, kv_cache=qplan.recipe.kv_cache, unquantized=unquantized, recipe=qplan.recipe.name
+        )
+        write_configs(info.checkpoint, tmp, config_quantization_config(hf_quant), hf_quant)
+    else:
+        qcfg = ct_format.quantization_config(next(iter(layer_algos.values())), unquantized)
+        write_configs(info.checkpoint, tmp, qcfg, None)
+    copy_side_files(info.checkpoint, tmp)

@@ -18,22 +18,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-class SpecError(RuntimeError):
-    """A model spec refuses a checkpoint or an environment; the message names the cause."""
-
-
-@dataclass(frozen=True)
-class ExpertPlacement:
-    """Which contiguous block of each MoE layer's experts this process holds."""
-
-    ep_rank: int = 0
-    ep_size: int = 1
-
-    def local_range(self, num_experts: int) -> range:
-        if num_experts % self.ep_size:
-            raise SpecError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.ep_size}")
-        per_rank = num_experts // self.ep_size
-        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+class SpecError(ValueError):
+    """A model spec refuses a checkpoint, a setting or an environment (user input); the message names the
+    cause and the fix."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +54,6 @@ class PrepareContext:
     model_cls: type
     config: Any
     checkpoint: Path | None
-    placement: ExpertPlacement = ExpertPlacement()
     experts_implementation: str = "eager"
     # Whether the routed experts are stored MXFP4-packed, as the source check found (None: not checked yet).
     packed_experts: bool | None = None
@@ -95,12 +81,11 @@ class ModelSpec:
     # Checkpoint keys of routed experts, with named groups ``module``, ``expert``, ``proj`` (the
     # ``expert_projections`` name) and ``tensor`` (e.g. ``weight`` or ``weight_packed``).
     expert_key_regex: str
-    # The placement a process-wide prepare was made for (None when the model class is unpatched).
-    prepared_placement: Callable[[type], ExpertPlacement | None]
+    # (built model, ExpertPlacement) -> None: keep only the placement's experts on every fused experts module
+    # and record the placement on the module instance (``module.placement``), never on a shared class.
+    place_experts: Callable[[nn.Module, Any], None]
     # Source weight formats prepare's converters decompress (compressed-tensors format names).
     source_formats: frozenset[str] = frozenset()
-    # True when prepare rebinds classes in a module shared by the whole process.
-    patches_process_wide: bool = True
     # Parameters (regex on in-memory names) kept in their checkpoint dtype instead of the load dtype,
     # where rounding would change behaviour (e.g. a routing bias that decides expert selection).
     keep_source_dtype: str | None = None

@@ -8,7 +8,7 @@ from .experts import KimiK3Experts
 from .kv_cache import attach_kv_cache
 from .layout import expert_layout
 from .memory import activation_memory
-from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
+from .prepare import SUPPORTED_SOURCE_FORMATS, place_experts, prepare
 from .probe import probe_model
 from .shims import apply_import_shims
 
@@ -29,9 +29,8 @@ KIMI_K3_SPEC = register_spec(
         shared_scale_groups=(("w1", "w3"),),
         num_experts_attr="num_experts",
         expert_key_regex=EXPERT_KEY_RE.pattern,
-        prepared_placement=patched_placement,
+        place_experts=place_experts,
         source_formats=SUPPORTED_SOURCE_FORMATS,
-        patches_process_wide=True,
         attach_kv_cache=attach_kv_cache,
         expert_layout=expert_layout,
         probe_model=probe_model,

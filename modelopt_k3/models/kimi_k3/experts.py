@@ -19,14 +19,16 @@ import torch
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
 
+from ...dist.placement import ExpertPlacement
+
 
 @use_experts_implementation(is_concatenated=True, is_transposed=False, has_bias=False, has_gate=True)
 class KimiK3Experts(nn.Module):
-    """``num_experts`` local experts starting at global expert id ``expert_offset``.
+    """The routed experts of one MoE layer that this rank holds (``placement``: all of them by default).
 
-    In one process ``num_experts`` is the model's expert count and ``expert_offset`` is 0. Under
-    expert parallelism each rank holds a contiguous block; the ``torch_a2a`` implementation maps global
-    ids to the owner and calls the local implementation with local ids.
+    Built with every expert (on meta, by the loader); ``place`` keeps the placement's block. Under
+    expert parallelism the ``torch_a2a`` implementation maps global ids to their owner with the
+    placement and calls the local implementation with local ids.
     """
 
     def __init__(
@@ -37,19 +39,38 @@ class KimiK3Experts(nn.Module):
         hidden_dim: int,
         intermediate_dim: int,
         act_fn: nn.Module,
-        expert_offset: int = 0,
-        num_global_experts: int | None = None,
     ) -> None:
         super().__init__()
-        self.num_experts = num_experts
-        self.expert_offset = expert_offset
-        self.num_global_experts = num_experts if num_global_experts is None else num_global_experts
+        self.num_experts = num_experts  # local experts (the experts interface reads it)
+        self.placement = ExpertPlacement(num_experts)
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
         # The checkpoint's own SituAndMul: it takes [gate || up] and computes in fp32.
         self.act_fn = act_fn
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, intermediate_dim))
+
+    @property
+    def expert_offset(self) -> int:
+        return self.placement.local.start
+
+    @property
+    def num_global_experts(self) -> int:
+        return self.placement.num_experts
+
+    def place(self, placement: ExpertPlacement) -> None:
+        """Keep only ``placement``'s experts (call on a module that holds them all, e.g. built on meta)."""
+        if (self.placement.ep_size, placement.num_experts) != (1, self.num_experts):
+            raise ValueError(
+                f"place() needs a module holding all {placement.num_experts} experts; this one holds "
+                f"{self.num_experts} of {self.num_global_experts}"
+            )
+        local = placement.local
+        for name in ("gate_up_proj", "down_proj"):
+            param = self._parameters[name]
+            self._parameters[name] = nn.Parameter(param.data[local.start : local.stop].clone(), param.requires_grad)
+        self.num_experts = len(local)
+        self.placement = placement
 
     def __len__(self) -> int:
         return self.num_experts

@@ -4,8 +4,10 @@ We do not vendor a copy of the modeling code: the block class is found in the mo
 checkpoint's ``auto_map`` class was loaded from (each checkpoint revision gets its own dynamic
 module), and the module-level name ``KimiSparseMoeBlock`` is rebound to a subclass whose ``experts``
 is a ``KimiK3Experts`` and whose ``moe_infer`` dispatches through transformers' experts interface.
-Blocks built before the patch keep their class and therefore their own forward. Re-running with the
-same placement is a no-op; everything is validated before anything is changed.
+Blocks built before the patch keep their class and therefore their own forward. The patch does not
+depend on the run: a patched block holds every expert, and ``place_experts`` keeps one rank's block on
+the built model's own instances, so models with different placements can live in one process.
+Re-running is a no-op; everything is validated before anything is changed.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
+from torch import nn
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
 from ...checkpoint import CheckpointReader
-from ..spec import ExpertPlacement, PrepareContext, SpecError
+from ...dist.placement import ExpertPlacement
+from ..spec import PrepareContext, SpecError
 from .converters import kimi_k3_converters
 from .experts import KimiK3Experts
 from .shims import apply_class_shims
@@ -80,24 +84,19 @@ def parse_source_scheme(config) -> str | None:
     return formats.pop()
 
 
-def make_fused_block(original: type, placement: ExpertPlacement) -> type:
-    """A subclass of the remote MoE block whose experts are one ``KimiK3Experts``."""
+def make_fused_block(original: type) -> type:
+    """A subclass of the remote MoE block whose experts are one ``KimiK3Experts`` holding every expert."""
 
     class FusedKimiSparseMoeBlock(original):
         _modelopt_k3_fused = True
         _modelopt_k3_original = original
-        _modelopt_k3_placement = placement
 
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
             act_fn = self.experts[0].act_fn  # the remote SituAndMul with this config's betas
-            local = placement.local_range(config.num_experts)
-            self.ep_size, self.ep_rank, self.experts_per_rank = placement.ep_size, placement.ep_rank, len(local)
             self.experts = KimiK3Experts(
                 config,
-                num_experts=len(local),
-                expert_offset=local.start,
-                num_global_experts=config.num_experts,
+                num_experts=config.num_experts,
                 hidden_dim=config.routed_expert_hidden_size or config.hidden_size,
                 intermediate_dim=config.moe_intermediate_size,
                 act_fn=act_fn,
@@ -130,13 +129,12 @@ def prepare(ctx: PrepareContext) -> None:
             packed = check_experts(reader.headers(), ctx.config.to_dict(), KIMI_K3_SPEC).packed_experts
     if packed and scheme is None:
         raise SpecError("routed experts are stored MXFP4-packed but the config has no quantization_config")
-    ctx.placement.local_range(text_config.num_experts)  # refuse an indivisible EP degree early
 
     apply_class_shims(ctx.model_cls)  # the hub's transformers-4-era calls, where this transformers needs them
     current = getattr(module, BLOCK_CLASS)
     original = getattr(current, "_modelopt_k3_original", current)
-    if not getattr(current, _PATCH_FLAG, False) or current._modelopt_k3_placement != ctx.placement:
-        setattr(module, BLOCK_CLASS, make_fused_block(original, ctx.placement))
+    if not getattr(current, _PATCH_FLAG, False):
+        setattr(module, BLOCK_CLASS, make_fused_block(original))
     # transformers validates the implementation while the model is constructed and, for remote-code
     # classes, rejects grouped_mm (its check greps the class source for the decorator). Construct with
     # eager; set_experts_implementation() installs the plan's choice on the built model.
@@ -153,10 +151,13 @@ def unprepare(model_cls: type) -> None:
     setattr(module, BLOCK_CLASS, getattr(current, "_modelopt_k3_original", current))
 
 
-def patched_placement(model_cls: type) -> ExpertPlacement | None:
-    """The placement the process-wide patch was made for, or None when unpatched."""
-    try:
-        current = getattr(find_block_module(model_cls), BLOCK_CLASS)
-    except SpecError:
-        return None
-    return getattr(current, "_modelopt_k3_placement", None) if getattr(current, _PATCH_FLAG, False) else None
+def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
+    """Keep ``placement``'s experts in every fused MoE block of ``model`` (``ModelSpec.place_experts``).
+
+    The block's own ``ep_size``/``ep_rank``/``experts_per_rank`` (the remote code's names) follow it.
+    """
+    for block in model.modules():
+        if getattr(type(block), _PATCH_FLAG, False):
+            block.experts.place(placement)
+            block.ep_size, block.ep_rank = placement.ep_size, placement.ep_rank
+            block.experts_per_rank = placement.per_rank
