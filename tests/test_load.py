@@ -13,13 +13,13 @@ from transformers.core_model_loading import rename_source_key
 
 from modelopt_k3.checkpoint import CheckpointError, CheckpointReader
 from modelopt_k3.dist.group import RunGroup
+from modelopt_k3.dist.placement import ExpertPlacement
 from modelopt_k3.dist.plan import PlanError, decide_plan
 from modelopt_k3.load import LoadError, load_pretrained, resolve_model_class
 from modelopt_k3.models.conversion import run_converter
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts, kimi_k3_converters
 from modelopt_k3.models.kimi_k3.experts import experts_implementations_available
 from modelopt_k3.models.kimi_k3.prepare import BLOCK_CLASS, find_block_module, unprepare
-from modelopt_k3.dist.placement import ExpertPlacement
 from modelopt_k3.models.spec import PrepareContext, SpecError
 from modelopt_k3.source_check import SourceMismatchError
 from modelopt_k3.testing.reference import read_checkpoint, reference_logits

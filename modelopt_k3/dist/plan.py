@@ -216,7 +216,7 @@ def decide_plan(
 
 
 def _warn_ineffective(kind: str, ep_degree: int | None, experts_implementation: str | None) -> None:
-    """Warn about settings a one-process or fsdp2 plan accepts but cannot act on (refused ones raise)."""
+    """Warn about settings plan 'whole' accepts but cannot act on (fsdp2 refuses them in `_check_fsdp2`)."""
     if ep_degree not in (None, 1):
         warnings.warn(
             f"ep_degree={ep_degree} has no effect under plan {kind!r} (one process holds every expert); "
