@@ -295,11 +295,6 @@ def scheme_of_method(method: str) -> Scheme | None:
     return _BY_ENGINE_METHOD.get(method)
 
 
-def scheme_named(algo: str) -> Scheme | None:
-    """The scheme a serialized ``quant_algo`` names (case-insensitive), or None when none is registered."""
-    return SCHEMES.get(str(algo).upper())
-
-
 # --------------------------------------------------------------------------- KV cache
 
 
