@@ -18,9 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from export.test_model_export import EXPERT_RE, ReadBack, decode_nvfp4
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_quant_export import EXPERT_RE, ReadBack, decode_nvfp4
 
 from modelopt_k3.check.engines.vllm import VLLM
 from modelopt_k3.models.kimi_k3.serving import VLLM_K3

@@ -22,7 +22,7 @@ from engine_emulation import (
     set_exclude,
     vllm_reading,
 )
-from test_quant_export import (
+from export.test_model_export import (
     HELD_OUT,
     SEQ,
     load_f32,

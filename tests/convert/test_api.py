@@ -652,7 +652,7 @@ def test_fp8_pb_wo_equals_modelopt_0_47(tmp_path: Path):
     scale of a one-block weight as a 0-d tensor (its amax has one element); we keep the 4-D shape there."""
     import hashlib
 
-    golden = json.loads((Path(__file__).parent / "data" / "modelopt_0_47_golden.json").read_text())["fp8_pb_wo"]
+    golden = json.loads((Path(__file__).parents[1] / "data" / "modelopt_0_47_golden.json").read_text())["fp8_pb_wo"]
     src = make_tiny_kimi_k3(tmp_path / "ckpt", seed=0, hidden_size=256, linear_head_dim=96, linear_num_heads=3,
                             q_lora_rank=192)
     out = tmp_path / "out"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_expert_parallel import assert_exports_equal
+from dist.test_expert_parallel import assert_exports_equal
 
 from modelopt_k3 import export_checkpoint, load_pretrained, quantize
 from modelopt_k3.dist.fsdp import full_amax
