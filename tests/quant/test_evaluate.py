@@ -31,7 +31,7 @@ def nvfp4_rounding_variance(weight: torch.Tensor) -> torch.Tensor:
     [2, 4) and 2 in [4, 6], so the error is at most half that gap times s_b. Modelled as uniform over
     the gap (the classic rounding-noise model), its variance is (gap * s_b)^2 / 12.
     """
-    w = weight.double()
+    w = weight.detach().double()
     blocks = w.reshape(w.shape[0], -1, NVFP4_BLOCK)
     global_scale = w.abs().max() / (FP4_MAX * FP8_E4M3_MAX)
     block_amax = blocks.abs().amax(-1, keepdim=True)
