@@ -50,7 +50,7 @@ from modelopt_k3.export.modelopt_format import nvfp4_weight_tensors, summarize_e
 from modelopt_k3.recipe import load_recipe, recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
 
-pytestmark = pytest.mark.usefixtures("restore_remote_code")
+pytestmark = [pytest.mark.usefixtures("restore_remote_code"), pytest.mark.slow]  # exports and engine-emulating reads of whole models
 
 LM = "language_model.model"
 MLP0 = f"{LM}.layers.0.mlp"

@@ -597,6 +597,7 @@ CONSTANT_W4A4 = {
 }
 
 
+@pytest.mark.slow
 def test_dense_nvfp4_groups_need_trust_remote_code_and_equal_the_model_path(ckpt: Path, tmp_path: Path):
     """Recipes that give dense Linears NVFP4 need the checkpoint's groups (a probe of its own code): refused
     without trust_remote_code; with it, the shared-input groups share weight_scale_2 and the max constant

@@ -36,7 +36,7 @@ from modelopt_k3.recipe import RecipeError, recipe_from_dict
 from modelopt_k3.testing import generator_fingerprint
 from modelopt_k3.testing.reference import build_reference_model, fill_reference_model
 
-pytestmark = pytest.mark.usefixtures("restore_remote_code")
+pytestmark = [pytest.mark.usefixtures("restore_remote_code"), pytest.mark.slow]  # quantize + export + independent read-back of whole models
 
 ROOT = Path(__file__).resolve().parents[2]
 MIRROR = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"

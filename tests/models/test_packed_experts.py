@@ -25,7 +25,7 @@ from modelopt_k3.models.packed_experts import (
 )
 from modelopt_k3.numerics import mxfp4_decode
 
-pytestmark = pytest.mark.usefixtures("restore_remote_code")
+pytestmark = [pytest.mark.usefixtures("restore_remote_code"), pytest.mark.slow]  # whole models under every experts implementation
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 
 

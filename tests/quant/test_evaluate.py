@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from modelopt_k3 import load_pretrained, quantize
@@ -12,6 +13,8 @@ from modelopt_k3.numerics.constants import FP4_MAX, FP8_E4M3_MAX, NVFP4_BLOCK
 from modelopt_k3.quant.evaluate import kl_to_unquantized
 from modelopt_k3.quant.modules import iter_quantizers, set_mode
 from modelopt_k3.recipe import recipe_from_dict
+
+pytestmark = pytest.mark.slow  # model loads and two forwards per batch
 
 
 def _batches(seed: int) -> list[torch.Tensor]:
