@@ -323,7 +323,6 @@ def test_multi_rank_uncaught_failure_in_body_script(tmp_path):
     assert list((tmp_path / "out").iterdir()) == []
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "buffered"])
 def test_spilled_shards_read_back_byte_equal(tmp_path, monkeypatch, kernel_copy):
     """Past ``spill_bytes`` tensors go to a spill file; shards assembled from it read back exactly (spilled

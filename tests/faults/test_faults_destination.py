@@ -62,7 +62,6 @@ def _layouts(tmp_path: Path, copy_ckpt) -> dict[str, tuple[Path, Path]]:
     }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["same directory", "destination contains the source", "destination inside the "
                                     "source", "destination is a symlink to the source", "source through a symlink"])
 def test_hf_ptq_never_writes_over_the_source(layout, tmp_path, copy_ckpt, run_tool, no_weight_reads) -> None:

@@ -142,7 +142,6 @@ def test_converter_refuses(case: str, copy_ckpt, tiny_ckpt: Path, tmp_path: Path
         assert not dst.exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_hf_ptq_refuses(case: str, copy_ckpt, tiny_ckpt: Path, tmp_path: Path, run_tool) -> None:
     src = CASES[case].build(copy_ckpt, tiny_ckpt)
