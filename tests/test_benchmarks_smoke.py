@@ -3,7 +3,8 @@
 Quick sizes say nothing about speed, so this test asserts no speed: it asserts that the benchmarks did
 their own judging -- every figure carries a target (or says it is report-only) and a verdict, every
 missed target says what bounds it, every correctness check the benchmarks make on their outputs
-passed, and the exit status reflects correctness only (a missed target exits 0).
+passed, and the exit status reflects correctness only (a missed target exits 0). The runner's judging
+itself is checked on a fake area (fast): met / missed-with-bound / report, and a failed check exits 1.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from benchmarks import run as bench_run
+from benchmarks.common import Figure
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
+@pytest.mark.multiprocess  # the EP area runs gloo ranks
 def test_benchmarks_quick_judges_every_figure(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -59,3 +64,41 @@ def test_benchmarks_quick_judges_every_figure(tmp_path):
     assert all(line.rstrip(" |").endswith(("met", "**missed**", "report")) for line in rows[: len(figures)])
     missed = [f["title"] for f in figures if f["verdict"] == "missed"]
     assert all(f"**{title}**" in table for title in missed)  # listed with its bound under "Targets missed"
+
+
+def _figure(name: str, ratio: float, target: float | None, **kw) -> Figure:
+    return Figure(name=name, area="fake", title=name, ours={"value": ratio}, reference={"value": 1.0},
+                  ratio=ratio, target=target, target_text=kw.pop("target_text", f">= {target}"), **kw)
+
+
+def test_a_target_needs_a_bound_and_every_figure_a_target_text():
+    with pytest.raises(ValueError, match="no bound"):
+        _figure("f", 1.0, 2.0)
+    with pytest.raises(ValueError, match="target_text"):
+        _figure("f", 1.0, None, target_text="")
+    assert _figure("f", 1.0, 2.0, details={"bound": "memory"}).bound == "memory"
+
+
+@pytest.mark.parametrize("check_ok, exit_code", [(True, 0), (False, 1)])
+def test_a_missed_target_is_reported_and_only_a_failed_check_fails_the_run(tmp_path, monkeypatch, check_ok,
+                                                                           exit_code):
+    figures = [
+        _figure("met", 3.0, 2.0, bound="b"),
+        _figure("missed", 1.0, 2.0, bound="what bounds it: the copy bandwidth"),
+        _figure("reported", 1.0, None, target_text="report only"),
+        _figure("checked", 3.0, 2.0, bound="b", checks={"bit_equal_to_reference": check_ok}),
+    ]
+    fake = type(sys)("fake_bench_area")
+    fake.run = lambda ctx: figures
+    monkeypatch.setitem(sys.modules, "fake_bench_area", fake)
+    monkeypatch.setattr(bench_run, "AREAS", {"fake": "fake_bench_area"})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # main sets it for its subprocesses: restored after
+    argv = ["--only", "fake", "--out", str(tmp_path), "--workdir", str(tmp_path / "w"),
+            "--threads", str(torch.get_num_threads())]  # and leaves this process's torch threads as they are
+    assert bench_run.main(argv) == exit_code
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [f["verdict"] for f in results["figures"]] == ["met", "missed", "report", "met"]
+    assert results["targets_met"] is False and results["correct"] is check_ok
+    table = (tmp_path / "RESULTS.md").read_text()
+    assert "| **missed** |" in table and "what bounds it: the copy bandwidth" in table
+    assert ("wrong: bit_equal_to_reference" in table) is not check_ok
