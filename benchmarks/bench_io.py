@@ -164,7 +164,6 @@ def _export_numerics(model, inputs: dict) -> dict[str, torch.Tensor]:
     import re
 
     from modelopt_k3.checkpoint import CheckpointReader
-    from modelopt_k3.export.modelopt_format import weight_tensors
 
     out: dict[str, torch.Tensor] = {}
     spec = inputs["spec"]
@@ -176,7 +175,7 @@ def _export_numerics(model, inputs: dict) -> dict[str, torch.Tensor]:
                 out[key] = reader.get(key).clone()
         for name, module in inputs["dense"].items():
             wq = module.weight_quantizer
-            for k, t in weight_tensors(wq.fmt, module.weight.detach(), wq.scale()).items():
+            for k, t in wq.fmt.weight_tensors(module.weight.detach(), wq.scale()).items():
                 out[f"{name}.{k}"] = t
         for name, experts in inputs["experts"].items():
             for proj in spec.expert_projections:

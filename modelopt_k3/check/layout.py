@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointError, CheckpointReader
-from ..export.modelopt_format import config_quantization_config, hf_quant_config, linear_layout
+from ..export.modelopt_format import config_quantization_config, hf_quant_config
+from ..formats import FP8, FP8_PB_WO, NVFP4, NVFP4_TENSOR, W4A16_NVFP4
 from ..models.spec import get_spec
 from ..quant.decisions import decide
 from ..recipe import Recipe
@@ -60,10 +61,10 @@ class Linear:
             return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "unknown"
         if weight is None:
             return "unknown"
-        if weight.dtype == torch.uint8 and "weight_scale_2" in t:
-            return "nvfp4" if "input_scale" in t else "w4a16_nvfp4"
+        if weight.dtype == torch.uint8 and NVFP4_TENSOR.global_scale_key in t:
+            return (NVFP4 if "input_scale" in t else W4A16_NVFP4).engine_method
         if weight.dtype == torch.float8_e4m3fn and scale is not None:
-            return "fp8" if _numel(scale.shape) == 1 else "fp8_pb"
+            return (FP8 if _numel(scale.shape) == 1 else FP8_PB_WO).engine_method
         if weight.dtype in _FLOAT_DTYPES and scale is None:
             return "bf16"
         return "unknown"
@@ -164,12 +165,12 @@ def scan_export(export_dir: str | Path) -> tuple[Layout, CheckpointReader]:
 
 
 def _planned_tensors(linear: Linear, fmt) -> dict[str, TensorMeta]:
-    """The tensors the exporters write for ``linear`` in ``fmt`` (``modelopt_format.linear_layout``)."""
+    """The tensors the exporters write for ``linear`` in ``fmt`` (``Scheme.layout``)."""
     if fmt is None:
         if linear.fmt == "mxfp4":  # a routed expert left unquantized is decoded and written as BF16
             return {"weight": TensorMeta(torch.bfloat16, linear.shape)}
         return dict(linear.tensors)
-    layout = linear_layout(fmt.weights, linear.shape, input_scale=fmt.inputs is not None)
+    layout = fmt.scheme.layout(linear.shape)
     return {suffix: TensorMeta(dtype, shape) for suffix, dtype, shape in layout}
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointReader, TensorInfo
-from ..export.modelopt_format import linear_layout
 from ..export.writer import PlannedTensor
 from ..quant.decisions import DecisionTable
 from ..recipe import QuantFormat
@@ -16,10 +15,10 @@ from ..source_check import SourceLayout
 
 
 def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -> tuple[PlannedTensor, ...]:
-    """The tensors one converted Linear is written as (``modelopt_format.linear_layout``, the model path's)."""
+    """The tensors one converted Linear is written as (``Scheme.layout``, the model path's)."""
     if fmt is None:  # a routed expert left unquantized: decoded, written as bf16 (as the model path does)
         return (PlannedTensor(f"{name}.weight", torch.bfloat16, shape),)
-    layout = linear_layout(fmt.weights, shape, input_scale=fmt.inputs is not None)
+    layout = fmt.scheme.layout(shape)
     return tuple(PlannedTensor(f"{name}.{suffix}", dtype, shp) for suffix, dtype, shp in layout)
 
 

@@ -126,7 +126,7 @@ def _module_jobs(table: DecisionTable, spec: ModelSpec, tensors: dict[str, Tenso
 def _expert_jobs(d: Decision, spec: ModelSpec, tensors: dict[str, TensorInfo]) -> list[_ModuleJob]:
     module, _, proj = d.name.rpartition(".*.")
     partners = next((g for g in spec.shared_scale_groups if proj in g), (proj,))
-    kind = "decode" if d.format is None else "nvfp4_cast" if d.packed and d.format.weights == "nvfp4" else "quant"
+    kind = "decode" if d.format is None else "nvfp4_cast" if d.packed and d.format.weights.casts_from_mxfp4 else "quant"
     parts = (_PACKED, _SCALE) if d.packed else ("weight",)
     amax = d.format.input_amax if d.format is not None else None
     jobs = []

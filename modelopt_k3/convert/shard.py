@@ -11,11 +11,9 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import ReadLog
-from ..export.modelopt_format import input_scale_tensor, weight_tensors
+from ..export.modelopt_format import input_scale_tensor
 from ..export.writer import PlannedShard, write_json_atomic
 from ..nonfinite import source_refusal
-from ..numerics import fp8 as fp8n
-from ..numerics import nvfp4 as nvn
 from ..numerics.constants import NVFP4_BLOCK
 from ..numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
 from ..numerics.mxfp4 import mxfp4_decode
@@ -63,7 +61,7 @@ class _ShardConverter:
                 (weight if m is job and weight is not None else self._weight(m)).float().abs().amax() for m in members
             ]
             amax = torch.stack(amaxes).amax()
-            scale = nvn.nvfp4_global_scale(amax) if job.fmt.weights == "nvfp4" else fp8n.fp8_scale(amax)
+            scale = job.fmt.weights.scale(amax)
         self._group_scale[job.group] = scale
         return scale
 
@@ -83,20 +81,16 @@ class _ShardConverter:
             blocks = job.shape[0] * job.shape[1] // NVFP4_BLOCK
             stats.expert_blocks_requantized += n_req
             stats.expert_blocks_lossless += blocks - n_req
-            out = {
-                f"{job.name}.weight": q.packed,
-                f"{job.name}.weight_scale": q.block_scale,
-                f"{job.name}.weight_scale_2": q.global_scale.reshape(()).to(torch.float32),
-            }
+            tensors = fmt.weights.cast_tensors(q.packed, q.block_scale, q.global_scale)
+            out = {f"{job.name}.{k}": v for k, v in tensors.items()}
         else:
             weight = self._weight(job)
-            scale = None if fmt.weights == "fp8_pb" else self._shared_scale(job, weight)
-            out = {f"{job.name}.{k}": v for k, v in weight_tensors(fmt.weights, weight, scale).items()}
+            scale = self._shared_scale(job, weight) if fmt.weights.per_tensor_scale else None
+            out = {f"{job.name}.{k}": v for k, v in fmt.weights.weight_tensors(weight, scale).items()}
         if fmt.inputs is not None:
             # As the model path's constant-amax input quantizer: an fp32 amax buffer -> its scale.
             amax = torch.full((), job.input_amax, dtype=torch.float32)
-            scale = nvn.nvfp4_global_scale(amax) if fmt.inputs == "nvfp4" else fp8n.fp8_scale(amax)
-            out[f"{job.name}.input_scale"] = input_scale_tensor(scale)
+            out[f"{job.name}.input_scale"] = input_scale_tensor(fmt.inputs.scale(amax))
         return out, stats
 
 

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import SCHEMES, KvCacheFormat
+
 FORMAT_NAME = "nvfp4-pack-quantized"
-_PRESETS = {"NVFP4": "NVFP4", "W4A16_NVFP4": "NVFP4A16"}
 
 
 def supported_algo(algo: str) -> bool:
-    return algo in _PRESETS
+    return SCHEMES[algo].ct_preset is not None
 
 
-def unexpressible(algos: set[str], kv_cache: str | None) -> str | None:
+def unexpressible(algos: set[str], kv_cache: KvCacheFormat | None) -> str | None:
     """Why this format cannot hold a model with these quantization algorithms, or None if it can."""
     if len(algos) == 1 and supported_algo(next(iter(algos))) and kv_cache is None:
         return None
-    return (f"format 'compressed-tensors' writes one NVFP4 scheme ({' or '.join(_PRESETS)}) without KV-cache "
+    presets = [s.algo for s in SCHEMES.values() if s.ct_preset is not None]
+    return (f"format 'compressed-tensors' writes one NVFP4 scheme ({' or '.join(presets)}) without KV-cache "
             f"scales; this recipe gives {sorted(algos)} (kv_cache={kv_cache})")
 
 
@@ -39,7 +41,7 @@ def rename_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def quantization_config(algo: str, ignore: list[str]) -> dict:
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
-    scheme = preset_name_to_scheme(_PRESETS[algo], ["Linear"])
+    scheme = preset_name_to_scheme(SCHEMES[algo].ct_preset, ["Linear"])
     config = QuantizationConfig(
         config_groups={"group_0": scheme}, format=FORMAT_NAME, quantization_status="compressed", ignore=ignore
     )

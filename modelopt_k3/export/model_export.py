@@ -28,12 +28,7 @@ from ..models.packed_experts import expert_weight_rows, release_decode_workspace
 from ..paths import refuse_overlap
 from ..quant.modules import ExpertsQuantState
 from . import compressed_tensors_format as ct_format
-from .modelopt_format import (
-    config_quantization_config,
-    hf_quant_config,
-    input_scale_tensor,
-    weight_tensors,
-)
+from .modelopt_format import config_quantization_config, hf_quant_config, input_scale_tensor
 from .writer import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardWriter,
@@ -49,10 +44,10 @@ EXPERTS_PER_CAST = 16
 FORMATS = {"modelopt": lambda tensors: tensors, "compressed-tensors": ct_format.rename_tensors}
 
 
-def _kv_scales(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """Exported KV-cache scale key -> (attention module, the scale's name under it)."""
+def _kv_scales(model: nn.Module) -> dict[str, nn.Module]:
+    """Exported KV-cache scale key -> the attention module whose ``kv_cache_quantizer`` holds it."""
     return {
-        f"{name}.{key}": (module, key)
+        f"{name}.{key}": module
         for name, module in model.named_modules()
         for key in getattr(module, "kv_scale_names", ())
     }
@@ -69,7 +64,7 @@ def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_
 
 def _quant_linear_tensors(module: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     wq = module.weight_quantizer
-    out = weight_tensors(wq.fmt, weight, None if wq.fmt == "fp8_pb" else wq.scale())
+    out = wq.fmt.weight_tensors(weight, wq.scale() if wq.fmt.per_tensor_scale else None)
     if module.input_quantizer is not None:
         out["input_scale"] = input_scale_tensor(module.input_quantizer.scale())
     return out
@@ -105,11 +100,7 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
             if proj.name in cast:
                 c = cast[proj.name]
-                tensors = {
-                    "weight": c.packed[in_part],
-                    "weight_scale": c.block_scale[in_part],
-                    "weight_scale_2": wq.scale()[idx].reshape(()).to(torch.float32),
-                }
+                tensors = wq.fmt.cast_tensors(c.packed[in_part], c.block_scale[in_part], wq.scale()[idx])
             else:
                 if proj.fused_param not in weights:
                     weights[proj.fused_param] = expert_weight_rows(experts, proj.fused_param, part)
@@ -117,7 +108,7 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
                 if wq is None:
                     yield prefix, {"weight": weight.to(torch.bfloat16).contiguous()}, False
                     continue
-                tensors = weight_tensors(wq.fmt, weight, None if wq.fmt == "fp8_pb" else wq.scale()[idx])
+                tensors = wq.fmt.weight_tensors(weight, wq.scale()[idx] if wq.fmt.per_tensor_scale else None)
             if proj.fused_param in state.input:
                 tensors["input_scale"] = input_scale_tensor(state.input[proj.fused_param].scale())
             yield prefix, tensors, True
@@ -180,8 +171,8 @@ def export_checkpoint(
                         if kind == "copy":
                             writer.add(name, reader.get(name))
                         elif kind == "kv":
-                            attention, key = kv_scales[name]
-                            writer.add(name, attention.kv_scale(key))
+                            scale = kv_scales[name].kv_cache_quantizer.scale()
+                            writer.add(name, qplan.recipe.kv_cache.scale_tensor(scale))
                         else:
                             for key, tensor in layout(_quant_linear_tensors(modules[name], weight)).items():
                                 writer.add(f"{name}.{key}", tensor)

@@ -17,6 +17,8 @@ from packaging.version import Version
 if TYPE_CHECKING:
     from torch import nn
 
+    from .kv_cache import KvCacheSite
+
 
 class SpecError(RuntimeError):
     """A model spec refuses a checkpoint or an environment; the message names the cause."""
@@ -107,8 +109,9 @@ class ModelSpec:
     # Conversions of dense checkpoint tensors into the parameters the model declares (transformers
     # ``WeightConverter``s, run by the loader on the whole source tensor), e.g. a zero-padded vector.
     dense_converters: tuple[Any, ...] = ()
-    # Attaches KV-cache quantizers (``k_scale``/``v_scale``) for a format such as "fp8"; None = unsupported.
-    attach_kv_cache: Callable[[nn.Module, str], None] | None = None
+    # model -> where its KV cache is (``models/kv_cache.py``; the quantization layer attaches the
+    # ``k_scale``/``v_scale`` quantizers there); None = no KV-cache quantization for this model.
+    kv_cache_sites: Callable[[nn.Module], list[KvCacheSite]] | None = None
     # Memory planner (memory/planner.py): checkpoint keys of the FSDP2 units (the model's
     # ``_no_split_modules`` instances), with the unit's prefix as named group ``unit``; and the
     # activation model of one calibration forward (``ActivationModel`` from text config, batch, seq, dtype bytes).

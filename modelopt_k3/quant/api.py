@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
+from ..formats import TensorFormat
 from ..models.packed_experts import is_packed
 from ..models.spec import ModelSpec
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from .calibrate import calibrate, enable_calibrate_all_experts, share_group_amax
 from .decisions import DecisionTable, decide
+from .kv_cache import attach_kv_cache
 from .modules import attach_experts, attach_linear
 from .mxfp4_source import Mxfp4ExpertSource
 from .shared_inputs import discover_shared_inputs
@@ -103,9 +105,11 @@ def _refuse_quantizing_nonfinite(qplan: QuantPlan, nonfinite: dict[str, str], sp
         )
 
 
-def _fused_formats(spec: ModelSpec, projs: dict[str, QuantFormat]) -> dict[str, tuple[str | None, str | None, float | None]]:
+def _fused_formats(
+    spec: ModelSpec, projs: dict[str, QuantFormat]
+) -> dict[str, tuple[TensorFormat | None, TensorFormat | None, float | None]]:
     """fused param -> (weight fmt, input fmt, constant input amax), from per-projection formats."""
-    out: dict[str, tuple[str | None, str | None, float | None]] = {}
+    out: dict[str, tuple[TensorFormat | None, TensorFormat | None, float | None]] = {}
     for proj in spec.expert_projections:
         fmt = projs.get(proj.name)
         value = (fmt.weights, fmt.inputs, fmt.input_amax) if fmt is not None else (None, None, None)
@@ -152,10 +156,10 @@ def quantize(
                                        resident=experts if is_packed(experts) else None)
         attach_experts(experts, _fused_formats(spec, projs), source=source)
     if recipe.kv_cache is not None:
-        if spec.attach_kv_cache is None:
+        if spec.kv_cache_sites is None:
             raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "
                               f"which model_type {spec.model_type} does not support")
-        spec.attach_kv_cache(model, recipe.kv_cache)
+        attach_kv_cache(spec.kv_cache_sites(model), recipe.kv_cache)
     if recipe.calibrate_all_experts:
         enable_calibrate_all_experts(model)
     calibrate(model, forward_loop)

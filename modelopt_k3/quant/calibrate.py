@@ -103,7 +103,7 @@ def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None
             "the weights or activations there are not finite: a NaN/Inf weight (load refuses those unless "
             f"{PASSTHROUGH_FLAG}) or activations beyond the model dtype's range; check the checkpoint",
         )
-    missing = [name for name, q in iter_quantizers(model) if q.fmt != "fp8_pb" and not q.calibrated]
+    missing = [name for name, q in iter_quantizers(model) if q.fmt.per_tensor_scale and not q.calibrated]
     if missing:
         raise RuntimeError(
             "no calibration data reached these quantizers (more data or calibrate_all_experts helps): "

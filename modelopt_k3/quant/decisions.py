@@ -51,8 +51,8 @@ class InventoryError(ValueError):
 
 
 def shares_group_scales(fmt: QuantFormat) -> bool:
-    """Whether a shared-input group of this format shares weight_scale_2 and input_scale (NVFP4)."""
-    return fmt.weights == "nvfp4"
+    """Whether a shared-input group of this format shares weight_scale_2 and input_scale (the registry's rule)."""
+    return fmt.weights.shares_group_scales
 
 
 @dataclass(frozen=True)

@@ -1,51 +1,70 @@
-"""Attach quantizers to dense Linears and to fused experts modules.
+"""Attach quantizers to dense Linears and to fused experts modules, through declared hooks only.
 
-Dense ``nn.Linear``: the instance's class becomes ``QuantLinear`` (same parameters, same names), whose
-forward quantizes its input and weight. Fused experts (any module following transformers' experts
-interface): quantizers are submodules; the gate/up input is quantized before dispatch (a forward
-pre-hook, so under ``torch_a2a`` the origin rank quantizes what it sends), the down input inside
-``_apply_gate`` (which every interface implementation calls between the two projections), and in
-``quant`` mode the fused weights are swapped for their fake-quantized values for the duration of
-the forward.
+Dense ``nn.Linear``: stays an ``nn.Linear``; ``input_quantizer``/``weight_quantizer`` submodules and
+forward hooks quantize its input and, in ``quant`` mode, swap its weight for the fake-quantized
+value for the duration of the forward. Fused experts (any module following transformers' experts
+interface whose class declares ``down_input_hook``): quantizers are submodules; the gate/up input is
+quantized before dispatch (a forward pre-hook, so under ``torch_a2a`` the origin rank quantizes what
+it sends), the down input through the class's ``down_input_hook`` (its ``_apply_gate``, which every
+interface implementation calls between the two projections, applies it), and in ``quant`` mode the
+fused weights are swapped for their fake-quantized values for the duration of the forward.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ..formats import TensorFormat
 from ..models.packed_experts import experts_device, is_packed, packed_weight_amax
 from .quantizer import TensorQuantizer
 
 
-class QuantLinear(nn.Linear):
-    """``nn.Linear`` with ``input_quantizer`` and ``weight_quantizer`` (either may be None)."""
+def _swap_during_forward(module: nn.Module, replacements: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """Forward hooks that replace ``module``'s parameters by ``replacements()`` (plain tensors, read-only
+    use) for one forward and restore them afterwards, also when the forward raises."""
+    saved: list[dict[str, nn.Parameter]] = []
 
-    input_quantizer: TensorQuantizer | None
-    weight_quantizer: TensorQuantizer | None
+    def swap_in(mod, args):
+        values = replacements()
+        saved.append({name: mod._parameters[name] for name in values})
+        mod._parameters.update(values)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_quantizer is not None:
-            x = self.input_quantizer(x)
-        weight = self.weight
-        if self.weight_quantizer is not None and self.weight_quantizer.mode == "quant":
-            weight = self.weight_quantizer.fake_quant(weight)
-        return nn.functional.linear(x, weight, self.bias)
+    def swap_back(mod, args, output):
+        mod._parameters.update(saved.pop())
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_back, always_call=True)
 
 
-def attach_linear(module: nn.Linear, weight_fmt: str, input_fmt: str | None, input_amax: float | None) -> None:
+def _quantize_first_input(quantizer: Callable[[], TensorQuantizer | None]):
+    """A forward pre-hook quantizing the first positional argument with ``quantizer()`` (when not None)."""
+
+    def hook(module, args, kwargs):
+        q = quantizer()
+        if q is None:
+            return None
+        return (q(args[0]), *args[1:]), kwargs
+
+    return hook
+
+
+def attach_linear(module: nn.Linear, weight_fmt: TensorFormat, input_fmt: TensorFormat | None,
+                  input_amax: float | None) -> None:
     if type(module) is not nn.Linear:
         raise TypeError(f"only plain nn.Linear can be quantized, got {type(module).__name__}")
-    module.__class__ = QuantLinear
     device = module.weight.device
     module.weight_quantizer = TensorQuantizer(weight_fmt, role="weight").to(device)
     module.input_quantizer = (
         TensorQuantizer(input_fmt, role="input", constant_amax=input_amax).to(device) if input_fmt else None
     )
-    if weight_fmt != "fp8_pb":
+    if weight_fmt.per_tensor_scale:
         module.weight_quantizer.observe(module.weight)
+    module.register_forward_pre_hook(_quantize_first_input(lambda: module.input_quantizer), with_kwargs=True)
+    wq = module.weight_quantizer
+    _swap_during_forward(module, lambda: {"weight": wq.fake_quant(module.weight)} if wq.mode == "quant" else {})
 
 
 class ExpertsQuantState(nn.Module):
@@ -63,23 +82,9 @@ class ExpertsQuantState(nn.Module):
         self.calibrate_all_experts = False
 
 
-def _swap_params(module: nn.Module, replacements: dict[str, torch.Tensor]):
-    @contextmanager
-    def ctx():
-        saved = {name: module._parameters[name] for name in replacements}
-        try:
-            for name, value in replacements.items():
-                module._parameters[name] = value  # a plain tensor: read-only use during this forward
-            yield
-        finally:
-            module._parameters.update(saved)
-
-    return ctx()
-
-
 def attach_experts(
     experts: nn.Module,
-    formats: dict[str, tuple[str | None, str | None, float | None]],
+    formats: dict[str, tuple[TensorFormat | None, TensorFormat | None, float | None]],
     input_param_order: tuple[str, str] = ("gate_up_proj", "down_proj"),
     source=None,
 ) -> ExpertsQuantState:
@@ -97,52 +102,34 @@ def attach_experts(
         if w_fmt is None:
             continue
         q = TensorQuantizer(w_fmt, role="weight", amax_shape=(n,)).to(device)
-        if w_fmt != "fp8_pb":
+        if w_fmt.per_tensor_scale:
             if packed:
                 q.fold_amax(packed_weight_amax(experts, param))  # equal to the decoded weights' amax
             else:
                 q.observe(getattr(experts, param), reduce_dims=(1, 2))
-        if source is not None and w_fmt == "nvfp4":
+        if source is not None and w_fmt.casts_from_mxfp4:
             q.use_source(source, param)
         state.weight[param] = q
         if packed:
             experts.weight_transforms[param] = _chunk_fake_quant(q)
         if i_fmt is not None:
             state.input[param] = TensorQuantizer(i_fmt, role="input", constant_amax=i_amax).to(device)
+    if not hasattr(type(experts), "down_input_hook"):
+        raise TypeError(f"{type(experts).__name__} declares no down_input_hook (the down projection's input "
+                        "transform its _apply_gate applies): its inputs cannot be quantized")
     experts.quant = state
     first, second = input_param_order
-
-    def pre_hook(module, args, kwargs):
-        q = state.input[first] if first in state.input else None
-        if q is None:
-            return None
-        return (q(args[0]), *args[1:]), kwargs
-
-    experts.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-    class_apply_gate = type(experts)._apply_gate
-
-    def apply_gate(gate_up_out: torch.Tensor) -> torch.Tensor:
-        out = class_apply_gate(experts, gate_up_out)
-        q = state.input[second] if second in state.input else None
-        return q(out) if q is not None else out
-
-    experts._apply_gate = apply_gate
+    experts.register_forward_pre_hook(_quantize_first_input(lambda: state.input[first] if first in state.input
+                                                            else None), with_kwargs=True)
+    if second in state.input:
+        down = state.input[second]
+        experts.down_input_hook = lambda h: down(h)  # a plain function: the quantizer stays under experts.quant
     if packed:
         return state  # the decode applies the weight transforms; there are no parameters to swap
-
-    class_forward = type(experts).forward
-
-    def forward(hidden_states, top_k_index, top_k_weights):
-        swaps = {
-            name: q.fake_quant(getattr(experts, name), expert_dim=True)
-            for name, q in state.weight.items()
-            if q.mode == "quant"
-        }
-        with _swap_params(experts, swaps):
-            return class_forward(experts, hidden_states, top_k_index, top_k_weights)
-
-    experts.forward = forward
+    _swap_during_forward(experts, lambda: {
+        name: q.fake_quant(getattr(experts, name), expert_dim=True) for name, q in state.weight.items()
+        if q.mode == "quant"
+    })
     return state
 
 

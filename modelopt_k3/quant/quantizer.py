@@ -17,11 +17,9 @@ import torch
 from torch import nn
 
 from ..dist.fsdp import full_amax
-from ..numerics import fp8 as fp8n
-from ..numerics import nvfp4 as nvn
+from ..formats import TensorFormat
 
 Mode = Literal["off", "calib", "quant"]
-FORMATS = ("nvfp4", "fp8", "fp8_pb")
 
 
 class QuantizerError(RuntimeError):
@@ -32,11 +30,12 @@ class TensorQuantizer(nn.Module):
     """Quantizer for one tensor role; ``amax`` is a buffer (scalar, or ``[E]`` per expert)."""
 
     def __init__(
-        self, fmt: str, *, role: Literal["weight", "input"], amax_shape: tuple[int, ...] = (), constant_amax: float | None = None
+        self, fmt: TensorFormat, *, role: Literal["weight", "input"], amax_shape: tuple[int, ...] = (),
+        constant_amax: float | None = None,
     ) -> None:
         super().__init__()
-        if fmt not in FORMATS:
-            raise QuantizerError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+        if not isinstance(fmt, TensorFormat):
+            raise QuantizerError(f"format {fmt!r} is not a registry format (modelopt_k3.formats)")
         self.fmt = fmt
         self.role = role
         self.mode: Mode = "off"
@@ -98,9 +97,7 @@ class TensorQuantizer(nn.Module):
             return self.fixed_scale
         if not self.calibrated:
             raise QuantizerError(f"{self.role} quantizer ({self.fmt}) has no amax: it was never calibrated")
-        if self.fmt == "nvfp4":
-            return nvn.nvfp4_global_scale(self.amax)
-        return fp8n.fp8_scale(self.amax)
+        return self.fmt.scale(self.amax)
 
     def fake_quant(self, x: torch.Tensor, *, expert_dim: bool = False, rows: slice | None = None) -> torch.Tensor:
         """Quantize-dequantize ``x``. ``expert_dim``: ``x`` is ``[E, out, in]`` with one amax per expert;
@@ -112,17 +109,12 @@ class TensorQuantizer(nn.Module):
             if self._fake_cache is None or self._fake_cache.dtype != x.dtype:
                 self._fake_cache = source.fake_quant(param, self.scale(), dtype=x.dtype).to(x.device)
             return source.full(self._fake_cache)  # this rank's rows, gathered when the weight is sharded
-        if self.fmt == "fp8_pb":
-            return fp8n.fp8_fake_quant_blockwise(x, block=128) if not expert_dim else torch.stack(
-                [fp8n.fp8_fake_quant_blockwise(w, block=128) for w in x]
-            )
+        if not self.fmt.per_tensor_scale:  # block scales: nothing observed, each block its own scale
+            return self.fmt.fake_quant(x, None)
         scale = self.scale()
         if expert_dim:
             scale = (scale if rows is None else scale[rows]).view(-1, 1, 1)
-        scale = scale.to(x.device)
-        if self.fmt == "nvfp4":
-            return nvn.nvfp4_fake_quant(x, scale)
-        return fp8n.fp8_fake_quant_per_tensor(x, scale)
+        return self.fmt.fake_quant(x, scale.to(x.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "calib":

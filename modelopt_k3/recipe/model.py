@@ -14,20 +14,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..numerics.constants import NVFP4_BLOCK
+from ..formats import (
+    FP8_BLOCK_TENSOR,
+    FP8_TENSOR,
+    INPUT_FORMAT_NAMES,
+    KV_CACHE_FORMAT_NAMES,
+    NVFP4_TENSOR,
+    WEIGHT_FORMAT_NAMES,
+    KvCacheFormat,
+    Scheme,
+    TensorFormat,
+    scheme_for,
+    tensor_format,
+)
 
-WEIGHT_FORMATS = ("nvfp4", "fp8", "fp8_pb")
-INPUT_FORMATS = ("nvfp4", "fp8")
+# The registry's keys, as recipes spell them (modelopt_k3/formats.py owns the formats).
+WEIGHT_FORMATS = WEIGHT_FORMAT_NAMES
+INPUT_FORMATS = INPUT_FORMAT_NAMES
+KV_CACHE_FORMATS = KV_CACHE_FORMAT_NAMES
 ALGORITHMS = ("max",)
-KV_CACHE_FORMATS = ("fp8",)
-
-# (weights, inputs) -> ModelOpt quant_algo name written to hf_quant_config.json.
-_ALGOS: dict[tuple[str, str | None], str] = {
-    ("nvfp4", "nvfp4"): "NVFP4",
-    ("nvfp4", None): "W4A16_NVFP4",
-    ("fp8", "fp8"): "FP8",
-    ("fp8_pb", None): "FP8_PB_WO",
-}
 
 
 class RecipeError(ValueError):
@@ -36,27 +41,27 @@ class RecipeError(ValueError):
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """What one Linear gets. ``weights=None`` means disabled (stays BF16)."""
+    """What one Linear gets. ``weights=None`` means disabled (stays BF16).
 
-    weights: str | None
-    inputs: str | None
+    ``weights``/``inputs`` are registry formats (``modelopt_k3.formats``); a recipe name given here is
+    resolved once, on construction (the parser builds every QuantFormat), and never again downstream.
+    """
+
+    weights: TensorFormat | None
+    inputs: TensorFormat | None
     input_amax: float | None = None
+    scheme: Scheme | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if self.weights is None:
             if self.inputs is not None or self.input_amax is not None:
                 raise ValueError("a disabled format (weights=None) takes no inputs or input_amax")
             return
-        if self.weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights {self.weights!r} is not one of {list(WEIGHT_FORMATS)}")
-        if self.inputs is not None and self.inputs not in INPUT_FORMATS:
-            raise ValueError(f"inputs {self.inputs!r} is not one of {list(INPUT_FORMATS)} or null")
-        if (self.weights, self.inputs) not in _ALGOS:
-            allowed = ", ".join(f"{w}+{i or 'null'}" for w, i in _ALGOS)
-            raise ValueError(
-                f"weights={self.weights} with inputs={self.inputs or 'null'} has no ModelOpt quant_algo; "
-                f"allowed (weights+inputs): {allowed}"
-            )
+        weights = tensor_format(self.weights, role="weights")
+        inputs = None if self.inputs is None else tensor_format(self.inputs, role="inputs")
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "inputs", inputs)
+        object.__setattr__(self, "scheme", scheme_for(weights, inputs))
         if self.input_amax is not None:
             if self.inputs is None:
                 raise ValueError("input_amax needs quantized inputs, but inputs is null (weight-only)")
@@ -73,15 +78,15 @@ class QuantFormat:
 
     @property
     def algo(self) -> str:
-        """ModelOpt ``quant_algo`` name (see the module docstring's table)."""
-        if self.weights is None:
+        """ModelOpt ``quant_algo`` name (the registry's ``Scheme.algo``)."""
+        if self.scheme is None:
             raise ValueError("a disabled format has no quant_algo")
-        return _ALGOS[(self.weights, self.inputs)]
+        return self.scheme.algo
 
     @property
     def group_size(self) -> int | None:
-        """Weight block length along in_features for NVFP4 (16); None otherwise."""
-        return NVFP4_BLOCK if self.weights == "nvfp4" else None
+        """Weight block length along in_features (NVFP4: 16); None otherwise."""
+        return self.weights.group_size if self.weights is not None else None
 
     @property
     def needs_calibration(self) -> bool:
@@ -98,10 +103,10 @@ class QuantFormat:
 
 
 DISABLED = QuantFormat(None, None)
-NVFP4 = QuantFormat("nvfp4", "nvfp4")
-W4A16_NVFP4 = QuantFormat("nvfp4", None)
-FP8 = QuantFormat("fp8", "fp8")
-FP8_PB_WO = QuantFormat("fp8_pb", None)
+NVFP4 = QuantFormat(NVFP4_TENSOR, NVFP4_TENSOR)
+W4A16_NVFP4 = QuantFormat(NVFP4_TENSOR, None)
+FP8 = QuantFormat(FP8_TENSOR, FP8_TENSOR)
+FP8_PB_WO = QuantFormat(FP8_BLOCK_TENSOR, None)
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ class Recipe:
     path: Path | None
     entries: tuple[RecipeEntry, ...]
     algorithm: str = "max"
-    kv_cache: str | None = None
+    kv_cache: KvCacheFormat | None = None
     calibrate_all_experts: bool = False
     description: str | None = None
 
@@ -164,14 +169,15 @@ class Recipe:
                 )
         for name, shape in module_names_with_shapes.items():
             fmt, entry = self.resolve(name)
-            if fmt is None or fmt.weights != "nvfp4":
+            if fmt is None:
                 continue
             out_features, in_features = shape
-            if in_features % NVFP4_BLOCK:
+            multiple = fmt.weights.in_features_multiple
+            if in_features % multiple:
                 problems.append(
                     f"{entry.source} pattern {entry.pattern!r}: layer {name} in_features={in_features} is not "
-                    f"divisible by {NVFP4_BLOCK}, NVFP4 cannot take it (disable it in a later entry "
-                    f"or give it fp8_pb)"
+                    f"divisible by {multiple}, {fmt.weights.name.upper()} cannot take it (disable it in a later "
+                    f"entry or give it fp8_pb)"
                 )
         if problems:
             shown = problems[:20]
@@ -204,8 +210,8 @@ class Recipe:
         for e in self.entries:
             item: dict[str, Any] = {"pattern": e.pattern}
             if e.format.enabled:
-                item["weights"] = e.format.weights
-                item["inputs"] = e.format.inputs
+                item["weights"] = e.format.weights.name
+                item["inputs"] = e.format.inputs.name if e.format.inputs is not None else None
                 if e.format.input_amax is not None:
                     item["input_amax"] = e.format.input_amax
             else:
@@ -217,7 +223,7 @@ class Recipe:
             quant_cfg.append(item)
         out: dict[str, Any] = {
             "algorithm": self.algorithm,
-            "kv_cache": self.kv_cache,
+            "kv_cache": self.kv_cache.name if self.kv_cache is not None else None,
             "calibrate_all_experts": self.calibrate_all_experts,
             "quant_cfg": quant_cfg,
         }

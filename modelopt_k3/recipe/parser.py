@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..numerics.constants import FP8_BLOCK, NVFP4_BLOCK
+from ..formats import TensorFormat, format_for_ct_args, kv_cache_format, tensor_format
 from .finder import RecipeRoots
 from .model import (
     ALGORITHMS,
@@ -179,13 +179,14 @@ def _want(value: Any, types: type | tuple[type, ...], where: str, key: str, expe
     return value
 
 
-def _format_name(value: Any, allowed: tuple[str, ...], where: str, key: str, nullable: bool) -> str | None:
+def _format_name(value: Any, allowed: tuple[str, ...], where: str, key: str, nullable: bool) -> TensorFormat | None:
+    """The registry format a recipe names (resolved here, once)."""
     if value is None and nullable:
         return None
     expect = " | ".join(allowed) + (" | null" if nullable else "")
     if not isinstance(value, str) or value.lower() not in allowed:
         raise RecipeError(f"{where}: {key}: unknown format {value!r}; expected {expect}")
-    return value.lower()
+    return tensor_format(value.lower(), role=key)
 
 
 def _scheme_to_format(name: str, where: str) -> QuantFormat:
@@ -203,17 +204,13 @@ def _scheme_to_format(name: str, where: str) -> QuantFormat:
     except Exception as exc:  # compressed-tensors raises KeyError/ValueError for unknown names
         raise RecipeError(f"{where}: scheme {name!r} is not a compressed-tensors preset scheme ({exc})") from exc
 
-    def kind(args: Any, role: str) -> str | None:
+    def kind(args: Any, role: str) -> TensorFormat | None:
         if args is None:
             return None
+        fmt = format_for_ct_args(args, role)
+        if fmt is not None:
+            return fmt
         strategy = getattr(args.strategy, "value", args.strategy)
-        if args.type == "float" and args.num_bits == 4 and strategy == "tensor_group" and args.group_size == NVFP4_BLOCK:
-            return "nvfp4"
-        if args.type == "float" and args.num_bits == 8 and strategy == "tensor" and not args.dynamic:
-            return "fp8"
-        if (role == "weights" and args.type == "float" and args.num_bits == 8 and strategy == "block"
-                and list(args.block_structure or []) == [FP8_BLOCK, FP8_BLOCK]):
-            return "fp8_pb"
         raise RecipeError(
             f"{where}: scheme {name!r}: its {role} ({args.num_bits}-bit {args.type}, strategy {strategy}"
             f"{', dynamic' if args.dynamic is True else ''}) have no counterpart here; "
@@ -298,7 +295,7 @@ def _settings(data: Mapping[str, Any], where: str) -> dict[str, Any]:
         if kv is not None and (not isinstance(kv, str) or kv.lower() not in KV_CACHE_FORMATS):
             raise RecipeError(f"{where}: kv_cache {kv!r} is not supported; expected null or one of "
                               f"{list(KV_CACHE_FORMATS)}")
-        out["kv_cache"] = kv.lower() if kv is not None else None
+        out["kv_cache"] = kv_cache_format(kv) if kv is not None else None
     if "calibrate_all_experts" in data:
         out["calibrate_all_experts"] = _want(
             data["calibrate_all_experts"], bool, where, "calibrate_all_experts", "true or false"

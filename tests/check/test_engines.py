@@ -46,7 +46,8 @@ from modelopt_k3.check import (
 from modelopt_k3.cli import check as check_cli
 from modelopt_k3.cli import convert as convert_cli
 from modelopt_k3.cli import hf_ptq
-from modelopt_k3.export.modelopt_format import nvfp4_weight_tensors, summarize_exclusions
+from modelopt_k3.export.modelopt_format import summarize_exclusions
+from modelopt_k3.formats import NVFP4_TENSOR
 from modelopt_k3.recipe import load_recipe, recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
 
@@ -139,7 +140,7 @@ def _mlp0_nvfp4(tiny_ckpt: Path, *, shared: bool) -> dict[str, torch.Tensor]:
     out = {}
     for proj, w in weights.items():
         scale = group if shared and proj != "down_proj" else own[proj]
-        for suffix, t in nvfp4_weight_tensors(w, scale).items():
+        for suffix, t in NVFP4_TENSOR.weight_tensors(w, scale).items():
             out[f"{MLP0}.{proj}.{suffix}"] = t
         out[f"{MLP0}.{proj}.input_scale"] = torch.tensor(0.01 if proj != "down_proj" else 0.02)
     return out
@@ -252,7 +253,7 @@ def test_layers_an_engines_k3_class_cannot_take_quantized(good: Path, tiny_ckpt:
 
     def nvfp4(module: str) -> dict[str, torch.Tensor]:
         w = src[f"{module}.weight"].float()
-        t = nvfp4_weight_tensors(w, w.abs().amax() / (6 * 448))
+        t = NVFP4_TENSOR.weight_tensors(w, w.abs().amax() / (6 * 448))
         return {f"{module}.{k}": v for k, v in {**t, "input_scale": torch.tensor(0.01)}.items()}
 
     def export_with(module: str, dst: Path) -> Path:

@@ -8,30 +8,28 @@ import torch
 from modelopt_k3.export.modelopt_format import (
     config_quantization_config,
     hf_quant_config,
-    linear_layout,
-    nvfp4_weight_tensors,
-    weight_tensors,
 )
+from modelopt_k3.formats import KV_FP8, NVFP4_TENSOR, TENSOR_FORMATS, tensor_format
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_pb"])
+@pytest.mark.parametrize("fmt", list(TENSOR_FORMATS.values()), ids=list(TENSOR_FORMATS))
 @pytest.mark.parametrize("shape", [(64, 128), (96, 200 - 200 % 16), (2, 128), (300, 272)])
 def test_layout_matches_written_tensors(fmt, shape):
     w = torch.randn(shape).to(torch.bfloat16)
-    scale = None if fmt == "fp8_pb" else w.float().abs().max() / (6 * 448 if fmt == "nvfp4" else 448)
-    written = weight_tensors(fmt, w, scale)
-    declared = linear_layout(fmt, shape, input_scale=False)
+    scale = fmt.scale(w.float().abs().max()) if fmt.per_tensor_scale else None
+    written = fmt.weight_tensors(w, scale)
+    declared = fmt.weight_layout(shape)
     assert [(k, t.dtype, tuple(t.shape)) for k, t in written.items()] == declared
 
 
 def test_unknown_format_refused():
-    with pytest.raises(ValueError, match="unknown weight format"):
-        linear_layout("int4", (16, 16), input_scale=False)
+    with pytest.raises(ValueError, match="is not one of"):
+        tensor_format("int4")
 
 
 def test_hf_quant_config_single_and_mixed():
     """ModelOpt 0.47's fields and order (get_quant_config / convert_hf_quant_config_format)."""
-    single = hf_quant_config({"a.q_proj": "NVFP4", "b.q_proj": "NVFP4"}, kv_cache="fp8",
+    single = hf_quant_config({"a.q_proj": "NVFP4", "b.q_proj": "NVFP4"}, kv_cache=KV_FP8,
                              unquantized=["lm_head", "b.k_proj", "c.x.y"], recipe="r")
     assert single["producer"] == {"name": "modelopt", "version": "0.47.0"}
     assert single["modelopt_k3"]["recipe"] == "r"
@@ -65,6 +63,6 @@ def test_hf_quant_config_single_and_mixed():
 def test_nvfp4_weight_scale_2_is_the_given_scalar():
     w = torch.randn(32, 64)
     gs = w.abs().max() / 2688.0
-    t = nvfp4_weight_tensors(w, gs)
+    t = NVFP4_TENSOR.weight_tensors(w, gs)
     assert t["weight_scale_2"].shape == () and t["weight_scale_2"].dtype == torch.float32
     assert torch.equal(t["weight_scale_2"], gs.float())

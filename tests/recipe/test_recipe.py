@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from modelopt_k3.formats import KV_FP8
 from modelopt_k3.recipe import (
     DISABLED,
     FP8_PB_WO,
@@ -245,7 +246,7 @@ def test_router_and_expert_patterns_are_precise():
 
 def test_overrides_and_roundtrip():
     recipe = load_recipe("nvfp4", overrides=parse_overrides(["kv_cache=fp8", "calibrate_all_experts=true"]))
-    assert recipe.kv_cache == "fp8" and recipe.calibrate_all_experts
+    assert recipe.kv_cache is KV_FP8 and recipe.calibrate_all_experts
     recipe = load_recipe("nvfp4", overrides={"quant_cfg": [{"pattern": "*lm_head", "weights": "fp8",
                                                              "inputs": "fp8"}]})
     assert recipe.resolve("language_model.lm_head")[0] == QuantFormat("fp8", "fp8")

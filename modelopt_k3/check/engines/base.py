@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...formats import KV_FP8, SCHEMES, scheme_of_method
 from ...numerics import fp8 as fp8n
-from ...numerics.constants import NVFP4_BLOCK
 from ..layout import Layout, Linear
 from ..report import Deviation, EngineResult, Refusal
 
 # ModelOpt quant_algo -> the Linear.fmt a layer with that method must be stored as.
-ALGO_FORMATS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "w4a16_nvfp4", "FP8": "fp8", "FP8_PB_WO": "fp8_pb"}
+ALGO_FORMATS = {algo: scheme.engine_method for algo, scheme in SCHEMES.items()}
 
 
 class Refuse(Exception):
@@ -333,23 +333,19 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def standard_tensor_problem(method: str, piece: Linear) -> str | None:
     """The ModelOpt parameter layouts vLLM and SGLang create (``create_weights`` of their NVFP4/FP8
-    linear and MoE methods): NVFP4 ``weight`` U8 [out, in/2], ``weight_scale`` E4M3 [out, in/16],
-    per-tensor ``weight_scale_2``/``input_scale``; FP8 ``weight`` E4M3 [out, in], per-tensor scales."""
+    linear and MoE methods): the scheme's exported layout (``Scheme.layout``), per-tensor scales read
+    as one value whatever their shape: NVFP4 ``weight`` U8 [out, in/2], ``weight_scale`` E4M3
+    [out, in/16], per-tensor ``weight_scale_2``/``input_scale``; FP8 ``weight`` E4M3 [out, in],
+    per-tensor scales. Block formats are the engines' own business (``tensor_problem`` overrides)."""
+    scheme = scheme_of_method(method)
+    if scheme is None or not scheme.weights.per_tensor_scale:
+        return None
     out_f, in_f = piece.shape
-    checks: list[tuple[str, torch.dtype, tuple[int, ...] | None]] = []
-    if method in ("nvfp4", "w4a16_nvfp4"):
-        if in_f % NVFP4_BLOCK:
-            return f"in_features={in_f} is not a multiple of {NVFP4_BLOCK} (NVFP4 create_weights refuses it)"
-        checks = [("weight", torch.uint8, (out_f, in_f // 2)),
-                  ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // NVFP4_BLOCK)),
-                  ("weight_scale_2", torch.float32, None)]
-        if method == "nvfp4":
-            checks.append(("input_scale", torch.float32, None))
-    elif method == "fp8":
-        checks = [("weight", torch.float8_e4m3fn, (out_f, in_f)), ("weight_scale", torch.float32, None),
-                  ("input_scale", torch.float32, None)]
-    for part, dtype, shape in checks:
-        problem = _expect(piece, part, dtype, shape)
+    multiple = scheme.weights.in_features_multiple
+    if in_f % multiple:
+        return f"in_features={in_f} is not a multiple of {multiple} ({scheme.weights.name.upper()} create_weights refuses it)"
+    for part, dtype, shape in scheme.layout(piece.shape):
+        problem = _expect(piece, part, dtype, shape or None)  # shape (): one per-tensor value
         if problem:
             return problem
     return None
@@ -367,12 +363,15 @@ def fused_scale_deviations(layout: Layout, module: EngineModule, method: str) ->
     """
     out: list[Deviation] = []
     names = ", ".join(p.name.rpartition(".")[2] for p in module.pieces)
-    if method in ("nvfp4", "w4a16_nvfp4", "fp8"):
-        wkey = "weight_scale_2" if method != "fp8" else "weight_scale"
+    scheme = scheme_of_method(method)
+    if scheme is None:
+        return out
+    wkey = scheme.weights.global_scale_key
+    if wkey is not None:
         scales = [float(layout.value(p.tensor_name(wkey))) for p in module.pieces]
         top = max(scales)
         if any(s != top for s in scales):
-            if method == "fp8":
+            if scheme.weights.fused_requantized:
                 err = max(_fp8_requant_error(layout, p, s, top) for p, s in zip(module.pieces, scales))
                 what = f"{wkey} differ across {names} ({min(scales):.6g}..{top:.6g}); the engine requantizes to the max"
             else:
@@ -380,7 +379,7 @@ def fused_scale_deviations(layout: Layout, module: EngineModule, method: str) ->
                 what = (f"{wkey} differ across {names} ({min(scales):.6g}..{top:.6g}); the engine reads all "
                         f"with the max, block scales unchanged")
             out.append(Deviation(module.name, what, err))
-    if method in ("nvfp4", "fp8"):
+    if scheme.inputs is not None:
         inputs = [float(layout.value(p.tensor_name("input_scale"))) for p in module.pieces]
         top = max(inputs)
         if any(s != top for s in inputs):
@@ -406,7 +405,10 @@ def experts_scale_deviations(layout: Layout, module_name: str, per_expert: dict[
     when w3's differs), and one input scale per layer and GEMM (the max over experts and shards)."""
     out: list[Deviation] = []
     w1, w3 = gate_up
-    if method in ("nvfp4", "w4a16_nvfp4"):
+    scheme = scheme_of_method(method)
+    if scheme is None:
+        return out
+    if scheme.weights.shares_group_scales:
         worst, where = 0.0, ""
         for e, projs in sorted(per_expert.items()):
             if w1 in projs and w3 in projs:
@@ -418,7 +420,7 @@ def experts_scale_deviations(layout: Layout, module_name: str, per_expert: dict[
         if worst:
             out.append(Deviation(module_name, f"{w1}/{w3} weight_scale_2 differ ({where}); the engine reads "
                                               f"{w3} with {w1}'s", worst))
-    if method in ("nvfp4", "fp8"):
+    if scheme.inputs is not None:
         for gemm in ((w1, w3), tuple(p for p in next(iter(per_expert.values())) if p not in gate_up)):
             scales = [float(layout.value(projs[p].tensor_name("input_scale")))
                       for projs in per_expert.values() for p in gemm if p in projs]
@@ -450,7 +452,7 @@ def config_json_fields(cfg: dict, source: str, engine: str) -> tuple[str, str | 
         raise Refuse(source, f"quant_method is {cfg.get('quant_method')!r}, not modelopt: this check "
                              f"replays {engine}'s ModelOpt loader only")
     scheme = cfg.get("kv_cache_scheme")
-    kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
+    kv = KV_FP8.algo if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
     return str(cfg.get("quant_algo") or "").upper(), kv, cfg.get("ignore") or [], cfg.get("quantized_layers", {})
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+from ...formats import FP8, FP8_PB_WO, NVFP4
 from ..layout import Layout
 from .base import ModelOptEngine, ModelServing, QuantView, Refuse, config_json_fields, modelopt_config
 
@@ -25,7 +26,7 @@ FALLBACK_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 # modelopt.py is_layer_excluded: an exclude entry ending in one of these also excludes any module
 # whose last name contains it (q_a_proj in fused_qkv_a_proj_with_mqa), in every layer.
 FUSED_PATTERNS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-LINEAR_ALGOS = {"NVFP4": "nvfp4", "FP8": "fp8"}
+LINEAR_ALGOS = {s.algo: s.engine_method for s in (NVFP4, FP8)}
 
 
 def _module_path_match(ignored: str, prefix: str) -> bool:
@@ -52,8 +53,8 @@ class SglangEngine(ModelOptEngine):
     name = "sglang"
     mixed_methods = LINEAR_ALGOS  # ModelOptMixedPrecisionConfig.get_quant_method: FP8 and NVFP4 only
     # ModelOptFp4Config for NVFP4; ModelOptFp8Config (per-tensor linear and MoE) for every FP8* algo.
-    single_methods = single_expert_methods = {"NVFP4": "nvfp4", "FP8": "fp8", "FP8_PB_WO": "fp8",
-                                              "FP8_PER_CHANNEL_PER_TOKEN": "fp8"}
+    single_methods = single_expert_methods = {**LINEAR_ALGOS, FP8_PB_WO.algo: FP8.engine_method,
+                                              "FP8_PER_CHANNEL_PER_TOKEN": FP8.engine_method}
 
     def quant_view(self, layout: Layout, serving: ModelServing) -> QuantView:
         found = modelopt_config(layout)
@@ -78,12 +79,12 @@ class SglangEngine(ModelOptEngine):
         if algo == "MIXED_PRECISION":
             if not layers:
                 raise Refuse(source, "MIXED_PRECISION needs a non-empty quantized_layers map")
-        elif "NVFP4" in algo:
-            if algo != "NVFP4":  # ModelOptFp4Config.from_config: quant_algo must be FP8 or NVFP4
+        elif NVFP4.algo in algo:  # the engine's substring dispatch on the serialized name
+            if algo != NVFP4.algo:  # ModelOptFp4Config.from_config: quant_algo must be FP8 or NVFP4
                 raise Refuse(source, f"quant_algo {algo}: SGLang's ModelOpt FP4 config supports only FP8 and NVFP4")
             if group_size is None:
                 raise Refuse(source, "NVFP4 needs group_size (top level or in config_groups)")
-        elif "FP8" not in algo:
+        elif FP8.algo not in algo:
             raise Refuse(source, f"quant_algo {algo!r} is not one SGLang's ModelOpt configs read (FP8*, NVFP4, "
                                  "MIXED_PRECISION)")
         # apply_weight_name_mapper: the class's mapper, plus each name without "language_model.".

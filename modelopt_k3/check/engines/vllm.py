@@ -17,6 +17,7 @@ from fnmatch import fnmatch
 
 import torch
 
+from ...formats import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4, scheme_of_method
 from ...numerics.constants import FP8_BLOCK
 from ..layout import Layout, Linear
 from .base import (
@@ -33,10 +34,10 @@ from .base import (
 QUANT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION")
 # ModelOptMixedPrecisionConfig.get_quant_method: the per-layer algos it builds a method for; any other
 # layer gets UnquantizedLinearMethod (Linear) or None (MoE).
-MIXED_LINEAR_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "w4a16_nvfp4"}
-SINGLE_ALGOS = {"FP8": "fp8", "FP8_PB_WO": "fp8_pb", "NVFP4": "nvfp4", "W4A16_NVFP4": "w4a16_nvfp4"}
+MIXED_LINEAR_ALGOS = {s.algo: s.engine_method for s in (FP8, NVFP4, W4A16_NVFP4)}
+SINGLE_ALGOS = {s.algo: s.engine_method for s in (FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4)}
 # ModelOptFp8Config.FusedMoEMethodCls is the per-tensor ModelOptFp8MoEMethod whatever the FP8 algo.
-SINGLE_EXPERT_ALGOS = {"FP8": "fp8", "FP8_PB_WO": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "w4a16_nvfp4"}
+SINGLE_EXPERT_ALGOS = {**SINGLE_ALGOS, FP8_PB_WO.algo: FP8.engine_method}
 NVFP4_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
 # weight_utils.maybe_remap_kv_scale_name, in order (``{attn}`` is mla_attn.mla_attn when the model has one).
 KV_SCALE_PATTERNS = (
@@ -79,7 +80,7 @@ class VllmEngine(ModelOptEngine):
             exclude = quant.get("exclude_modules", [])
             layers = quant.get("quantized_layers", {})
             missing = [f for f in NVFP4_REQUIRED if f not in quant]
-            if "NVFP4" in algo and missing:
+            if NVFP4.algo in algo and missing:  # the engine's substring test on the serialized name
                 raise Refuse(source, f"vLLM's NVFP4 config requires {missing} in 'quantization'")
         else:
             algo, kv, exclude, layers = config_json_fields(cfg, source, "vLLM")
@@ -131,7 +132,7 @@ class VllmEngine(ModelOptEngine):
         return [prefix, "lm_head"] if prefix.endswith(".lm_head") else [prefix]
 
     def tensor_problem(self, method: str, piece: Linear) -> str | None:
-        if method != "fp8_pb":
+        if scheme_of_method(method) is not FP8_PB_WO:
             return super().tensor_problem(method, piece)
         # ModelOptFp8PbWoLinearMethod.create_weights: 128-divisible dims, scale [out/128, 1, in/128, 1].
         out_f, in_f = piece.shape

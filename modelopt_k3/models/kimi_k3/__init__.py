@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..spec import ExpertProjection, ModelSpec, register_spec
 from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
-from .kv_cache import attach_kv_cache
+from .kv_cache import kv_cache_sites
 from .layout import expert_layout
 from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, patched_placement, prepare
@@ -32,7 +32,7 @@ KIMI_K3_SPEC = register_spec(
         prepared_placement=patched_placement,
         source_formats=SUPPORTED_SOURCE_FORMATS,
         patches_process_wide=True,
-        attach_kv_cache=attach_kv_cache,
+        kv_cache_sites=kv_cache_sites,
         expert_layout=expert_layout,
         probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.

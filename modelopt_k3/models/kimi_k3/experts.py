@@ -15,6 +15,8 @@ cast to the input dtype at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
@@ -28,6 +30,10 @@ class KimiK3Experts(nn.Module):
     expert parallelism each rank holds a contiguous block; the ``torch_a2a`` implementation maps global
     ids to the owner and calls the local implementation with local ids.
     """
+
+    # Applied to the down projection's input (after the gate) by every implementation, via _apply_gate:
+    # the declared point where a quantization layer quantizes that input (quant/modules.py).
+    down_input_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -62,7 +68,8 @@ class KimiK3Experts(nn.Module):
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         # SituAndMul returns the input dtype, matching KimiBlockSparseMLP before its w2.
-        return self.act_fn(gate_up_out)
+        out = self.act_fn(gate_up_out)
+        return out if self.down_input_hook is None else self.down_input_hook(out)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -16,6 +16,7 @@ from types import ModuleType
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
 from ...checkpoint import CheckpointReader
+from ...numerics.constants import MXFP4_BLOCK
 from ..spec import ExpertPlacement, PrepareContext, SpecError
 from .converters import kimi_k3_converters
 from .experts import KimiK3Experts
@@ -75,8 +76,8 @@ def parse_source_scheme(config) -> str | None:
         )
     for name, group in parsed.config_groups.items():
         w = group.weights
-        if w is None or (w.num_bits, str(w.type), w.group_size) != (4, "float", 32):
-            raise SpecError(f"quantization_config group {name!r} is not MXFP4 (4-bit float, group 32): {w}")
+        if w is None or (w.num_bits, str(w.type), w.group_size) != (4, "float", MXFP4_BLOCK):
+            raise SpecError(f"quantization_config group {name!r} is not MXFP4 (4-bit float, group {MXFP4_BLOCK}): {w}")
     return formats.pop()
 
 

@@ -26,6 +26,7 @@ from ...check.engines import register_kv_scale_names, register_serving
 from ...check.engines.base import Fused, ModelServing, WeightsMapper, kv_deviations
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
+from ...formats import FP8, FP8_PB_WO, NVFP4
 from .kv_cache import KV_SCALE_NAMES
 
 EXPERT_RE = r"(?P<module>.+\.block_sparse_moe\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])"
@@ -129,9 +130,9 @@ TRT_EXPERT_RE = re.compile(
 TRT_KEY_PREFIXES = ("language_model.model.", "model.", "")
 TRT_KEY_SUFFIXES = ("block_sparse_moe.experts", "mlp.experts")
 # _K3_EXPERT_CKPT_SPECS: routed-expert quant algo -> the Linear.fmt its per-expert tensors must have.
-TRT_EXPERT_FORMATS = {"W4A8_MXFP4_MXFP8": "mxfp4", "NVFP4": "nvfp4"}
+TRT_EXPERT_FORMATS = {"W4A8_MXFP4_MXFP8": "mxfp4", NVFP4.algo: NVFP4.engine_method}
 TRT_DEFAULT_EXPERTS = "W4A8_MXFP4_MXFP8"  # _K3_DEFAULT_ROUTED_QUANT_ALGO: the moonshotai/Kimi-K3 source
-TRT_TRUNK_FORMATS = ("bf16", "fp8", "fp8_pb")
+TRT_TRUNK_FORMATS = ("bf16", FP8.engine_method, FP8_PB_WO.engine_method)
 TRT_KV_DROPPED = ("TensorRT-LLM's K3 loader keeps no KV-cache scale parameter; unmatched checkpoint keys only "
                   "warn (modeling_kimi_linear.py _validate_checkpoint_keys)")
 
