@@ -258,6 +258,8 @@ def run(ctx):
                 ours={"label": f"largest rank's {key} at EP {ep}", "value": worst / 2**20, "unit": "MiB"},
                 reference={"label": f"{key} at EP 1", "value": base[key] / 2**20, "unit": "MiB"},
                 ratio=base[key] / (ep * worst), target=1.0, target_text=">= 1 (scales as 1/EP)", unit="MiB",
+                bound=f"the largest rank's share of the {base[key] / 2**20:.1f} MiB of experts: {ep} ranks own "
+                      f"equal blocks of the experts, so the ratio is 1 exactly when no rank {what}s another's",
                 details={"per_rank": [r[key] for r in recs],
                          "dense_bytes_read_per_rank": [r["dense_bytes_read"] for r in recs]},
             ))

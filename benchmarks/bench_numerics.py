@@ -139,6 +139,11 @@ def copy_bandwidth(nbytes: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def _bandwidth_bound(kernel: str, io: int, gbps: float) -> str:
+    return (f"memory traffic: {kernel} reads and writes {io / MiB:.1f} MiB at {gbps:.2f} GB/s; the "
+            f"'{kernel} GB/s vs torch.clone' figure gives the fraction of this machine's copy bandwidth")
+
+
 def _shape_figures(ctx, i: int, shape: tuple[int, ...], kernel_gbps: dict[str, dict[str, float]]) -> list[Figure]:
     from modelopt_k3.numerics import mxfp4_decode, mxfp4_to_nvfp4, nvfp4_dequantize, nvfp4_quantize
 
@@ -167,6 +172,8 @@ def _shape_figures(ctx, i: int, shape: tuple[int, ...], kernel_gbps: dict[str, d
         "modelopt_k3.numerics.mxfp4_decode", "compressed_tensors MXFP4PackedCompressor.decompress" + loop,
         times, target=5.0, target_text=">= 5x faster",
         details={"bit_equal_to_reference": exact, "bytes_in_out": io, "ours_gbps": kernel_gbps["mxfp4_decode"][sname]},
+        bound=_bandwidth_bound("mxfp4_decode", io, kernel_gbps["mxfp4_decode"][sname]),
+        checks={"bit_equal_to_reference": exact},
     ))
 
     # -- NVFP4 quantize + pack from bf16
@@ -183,11 +190,12 @@ def _shape_figures(ctx, i: int, shape: tuple[int, ...], kernel_gbps: dict[str, d
         "modelopt_k3.numerics.nvfp4_quantize (amax, global scale, e4m3 scales, codes, packing)",
         "compressed_tensors generate_gparam + calculate_qparams + NVFP4PackedCompressor.compress" + loop,
         times, target=10.0, target_text=">= 10x faster",
+        bound=_bandwidth_bound("nvfp4_quantize", io, kernel_gbps["nvfp4_quantize"][sname]),
         details={
             "bytes_in_out": io, "ours_gbps": kernel_gbps["nvfp4_quantize"][sname],
             "global_scale_max_rel_diff": float(((ct_gs - q.global_scale.reshape(-1)).abs() / ct_gs).max()),
             "packed_byte_agreement_min": float(agree.min()),
-            "note": "bf16 ties may round one step apart (see tests/test_numerics.py "
+            "note": "bf16 ties may round one step apart (see tests/numerics/test_numerics.py "
                     "test_nvfp4_against_compressed_tensors); the work done is the same",
         },
     ))
@@ -224,6 +232,9 @@ def _shape_figures(ctx, i: int, shape: tuple[int, ...], kernel_gbps: dict[str, d
         times, target=2.0, target_text=">= 2x faster",
         details={"requantized_blocks": n_req, "dequant_equals_decode_bf16": lossless, "bytes_in_out": io,
                  "ours_gbps": kernel_gbps["mxfp4_to_nvfp4"][sname]},
+        bound=_bandwidth_bound("mxfp4_to_nvfp4", io, kernel_gbps["mxfp4_to_nvfp4"][sname]),
+        # a cast with no requantized block must dequantize to the decode, bit for bit
+        checks={} if lossless is None or n_req else {"dequant_equals_decode_bf16": lossless},
     ))
     return figures
 

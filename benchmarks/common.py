@@ -75,7 +75,12 @@ class Figure:
 
     ``ratio`` is "how many times better ours is" for timings (reference seconds / our seconds), or
     the fraction asked for (e.g. our GB/s / copy GB/s). ``target`` None means report-only; the
-    figure passes when ``ratio >= target`` (``ratio <= target`` if not ``higher_is_better``).
+    figure meets its target when ``ratio >= target`` (``ratio <= target`` if not ``higher_is_better``).
+
+    Every figure gets a verdict (``met``, ``missed`` or ``report``). A figure with a target must say
+    what bounds it (``bound``, or ``details["bound"]``), so that a miss is reported with its cause
+    rather than lowered. ``checks`` are correctness checks made on the measured outputs (e.g. bit
+    equality with the reference); a failed check, unlike a missed target, fails the run.
     """
 
     name: str
@@ -90,6 +95,15 @@ class Figure:
     unit: str = "s"
     higher_is_better: bool = True
     details: dict[str, Any] = field(default_factory=dict)
+    bound: str = ""  # what bounds the figure: the cause to report if the target is missed
+    checks: dict[str, bool] = field(default_factory=dict)  # correctness checks on the measured outputs
+
+    def __post_init__(self) -> None:
+        self.bound = self.bound or self.details.get("bound", "")
+        if self.target is not None and not self.bound:
+            raise ValueError(f"benchmark figure {self.name!r} has a target but no bound: say what limits it")
+        if not self.target_text:
+            raise ValueError(f"benchmark figure {self.name!r} has no target_text (say 'report only' if none)")
 
     @property
     def passed(self) -> bool | None:
@@ -97,9 +111,19 @@ class Figure:
             return None
         return bool(self.ratio >= self.target) if self.higher_is_better else bool(self.ratio <= self.target)
 
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "missed", None: "report"}[self.passed]
+
+    @property
+    def failed_checks(self) -> list[str]:
+        return [name for name, ok in self.checks.items() if not ok]
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["passed"] = self.passed
+        d["verdict"] = self.verdict
+        d["failed_checks"] = self.failed_checks
         if self.target is not None and not self.passed:
             if self.higher_is_better:
                 how = f"{self.ratio / self.target:.2f} of the target" + (
@@ -122,6 +146,8 @@ def timing_figure(
     target: float | None,
     target_text: str,
     details: dict[str, Any] | None = None,
+    bound: str = "",
+    checks: dict[str, bool] | None = None,
 ) -> Figure:
     """A speed-up figure from interleaved timings ``{"ours": [...], "ref": [...]}``."""
     ours, ref = times["ours"], times["ref"]
@@ -137,6 +163,8 @@ def timing_figure(
         target=target,
         target_text=target_text,
         details=details or {},
+        bound=bound,
+        checks=checks or {},
     )
 
 

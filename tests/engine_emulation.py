@@ -1,6 +1,6 @@
 """Test helpers for the engine checks: edit an export on disk, and read it the way vLLM does.
 
-``vllm_reading(rb)`` turns an independent read-back of an export (``test_quant_export.read_export``:
+``vllm_reading(rb)`` turns an independent read-back of an export (``export.test_model_export.read_export``:
 FORMATS.md in plain torch) into what vLLM's Kimi-K3 class computes with: its fused parameters take the
 max ``weight_scale_2``/``input_scale`` of their pieces and dequantize every piece with it (block scales as
 written), its routed experts read w3 with w1's ``weight_scale_2`` and quantize each GEMM's input with the
@@ -18,9 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from export.test_model_export import EXPERT_RE, ReadBack, decode_nvfp4
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_quant_export import EXPERT_RE, ReadBack, decode_nvfp4
 
 from modelopt_k3.check.engines.vllm import VLLM
 from modelopt_k3.models.kimi_k3.serving import VLLM_K3

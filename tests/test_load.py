@@ -112,6 +112,7 @@ def test_every_moe_block_has_fused_experts(loaded_f32: torch.nn.Module, tiny_ckp
     assert info.plan.kind == "whole" and info.spec is KIMI_K3_SPEC and info.checkpoint == tiny_ckpt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_logits_match_reference(
     impl: str, loaded_f32: torch.nn.Module, input_ids: torch.Tensor, ref_logits: torch.Tensor
@@ -520,6 +521,7 @@ def test_refuses_indivisible_ep_degree_before_reading(
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_prepare_is_idempotent_and_spares_existing_blocks(tiny_ckpt: Path, input_ids: torch.Tensor) -> None:
     from modelopt_k3.testing.reference import load_reference_model
 

@@ -68,7 +68,7 @@ Resume protocol (``dst`` is written in place so that a run can resume):
 from .api import convert_checkpoint, finalize_conversion
 from .plan import _build_plan as _build_plan  # private, used by tests/ and benchmarks/
 from .report import ConvertReport, ConvertStats
-from .shard import _ShardConverter as _ShardConverter  # private, patched by tests/test_convert.py
+from .shard import _ShardConverter as _ShardConverter  # private, patched by tests/convert/test_api.py
 from .state import COMPLETE_MARKER, STATE_DIR, ConvertError
 
 __all__ = [

@@ -14,7 +14,7 @@ other, so load only slows the work down by the share of CPU it takes.
 torch keeps the thread count in a process-wide value that each thread copies once, when it first
 asks for it; a worker makes that copy, then calls ``torch.set_num_threads(1)`` (its own copy and
 the process-wide value), and the pool's creator restores the process-wide value right after (its
-own copy never changed). ``tests/test_numerics.py`` checks both. Other
+own copy never changed). ``tests/numerics/test_numerics.py`` checks both. Other
 devices run the whole tensor as one slab on the calling thread. The loop is over large row slabs,
 never over quantization blocks or elements.
 """

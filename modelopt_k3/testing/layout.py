@@ -10,7 +10,7 @@ readers such as the memory planner accept it). About 1.5 TB apparent; a few MB o
 
 Names, shapes and dtypes come from the same place as the tiny checkpoint's: the stand-in remote code
 built on the meta device (with one routed expert per layer, then replicated to ``num_experts`` keys,
-so 82k expert modules are never built) and the tiny generator's dtype rules. ``tests/test_memory.py``
+so 82k expert modules are never built) and the tiny generator's dtype rules. ``tests/memory/test_planner.py``
 checks that at tiny sizes the layout equals a real tiny checkpoint's headers.
 """
 

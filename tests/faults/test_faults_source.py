@@ -154,6 +154,7 @@ def test_hf_ptq_refuses(case: str, copy_ckpt, tiny_ckpt: Path, tmp_path: Path, r
     assert not out.exists() and temp_leftovers(out) == []
 
 
+@pytest.mark.slow
 def test_passthrough_copies_a_kept_nan_unchanged_and_says_so(copy_ckpt, tiny_ckpt, tmp_path, run_tool, caplog) -> None:
     src = CASES["nan-in-kept-weight"].build(copy_ckpt, tiny_ckpt)
     before = tree_digest(src)
@@ -185,6 +186,7 @@ def test_passthrough_never_quantizes_a_nan(copy_ckpt, tiny_ckpt, tmp_path, run_t
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.slow
 def test_nan_activations_are_named_not_called_missing_data(copy_ckpt, tiny_ckpt, tmp_path, run_tool) -> None:
     """A NaN embedding (kept BF16, let through) makes every activation NaN: calibration says so."""
     src = copy_ckpt(replace=_with(tiny_ckpt, "language_model.model.embed_tokens.weight",

@@ -217,7 +217,7 @@ def check_decode_workspace(ckpt: Path, results: dict) -> None:
 
 
 def check_export(ckpt: Path, out: Path, results: dict) -> None:
-    from test_expert_parallel import assert_exports_equal
+    from dist.test_expert_parallel import assert_exports_equal
 
     args = [sys.executable, str(REPO / "examples/hf_ptq.py"), "--pyt_ckpt_path", str(ckpt), "--trust_remote_code",
             "--qformat", "nvfp4", "--kv_cache_qformat", "fp8", "--calib_size", "8", "--batch_size", "2",

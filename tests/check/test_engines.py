@@ -22,7 +22,7 @@ from engine_emulation import (
     set_exclude,
     vllm_reading,
 )
-from test_quant_export import (
+from export.test_model_export import (
     HELD_OUT,
     SEQ,
     load_f32,
@@ -51,7 +51,7 @@ from modelopt_k3.formats import NVFP4_TENSOR
 from modelopt_k3.recipe import load_recipe, recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
 
-pytestmark = pytest.mark.usefixtures("restore_remote_code")
+pytestmark = [pytest.mark.usefixtures("restore_remote_code"), pytest.mark.slow]  # exports and engine-emulating reads of whole models
 
 LM = "language_model.model"
 MLP0 = f"{LM}.layers.0.mlp"
@@ -109,7 +109,7 @@ def test_vllm_reading_of_a_passing_export_gives_the_fake_quant_logits(good: Path
     assert not kv
     err = rel_err(logits_of(reference_from_export(engine_rb), held_out_ids), fake_quant_logits)
     print(f"vLLM reading vs fake-quant relative logits error {err:.3g}")
-    assert err < 2e-3, err  # the bound of test_quant_export's W4A4 reader test (measured 0 there)
+    assert err < 2e-3, err  # the bound of export.test_model_export's W4A4 reader test (measured 0 there)
 
 
 def test_vllm_reading_of_unshared_w1_w3_scales_differs_and_the_check_says_so(good: Path, held_out_ids, tmp_path):

@@ -597,6 +597,7 @@ CONSTANT_W4A4 = {
 }
 
 
+@pytest.mark.slow
 def test_dense_nvfp4_groups_need_trust_remote_code_and_equal_the_model_path(ckpt: Path, tmp_path: Path):
     """Recipes that give dense Linears NVFP4 need the checkpoint's groups (a probe of its own code): refused
     without trust_remote_code; with it, the shared-input groups share weight_scale_2 and the max constant
@@ -652,7 +653,7 @@ def test_fp8_pb_wo_equals_modelopt_0_47(tmp_path: Path):
     scale of a one-block weight as a 0-d tensor (its amax has one element); we keep the 4-D shape there."""
     import hashlib
 
-    golden = json.loads((Path(__file__).parent / "data" / "modelopt_0_47_golden.json").read_text())["fp8_pb_wo"]
+    golden = json.loads((Path(__file__).parents[1] / "data" / "modelopt_0_47_golden.json").read_text())["fp8_pb_wo"]
     src = make_tiny_kimi_k3(tmp_path / "ckpt", seed=0, hidden_size=256, linear_head_dim=96, linear_num_heads=3,
                             q_lora_rank=192)
     out = tmp_path / "out"

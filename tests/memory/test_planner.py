@@ -81,6 +81,7 @@ def test_layout_generator_matches_a_real_tiny_checkpoint(tiny_ckpt: Path, tmp_pa
         assert not reader.get(key).any()
 
 
+@pytest.mark.slow
 def test_full_size_kimi_k3_fits_16_gpus_with_packed_experts_and_fsdp2_dense(full_size: Path) -> None:
     """Kimi-K3 (93 layers, 896 experts) calibrated in NVFP4 at batch 4 x 2048 tokens on 141 GiB GPUs:
     packed experts + FSDP2 dense fits 16; BF16 experts do not (the planner's numbers, in the README)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _mp import run_ranks
-from test_expert_parallel import EP_ENV, PTQ_ARGS, _buffers, _ep_ptq, assert_exports_equal
+from dist.test_expert_parallel import EP_ENV, PTQ_ARGS, _buffers, _ep_ptq, assert_exports_equal
 
 from modelopt_k3.models.kimi_k3.converters import EXPERT_KEY_RE
 

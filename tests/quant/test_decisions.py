@@ -87,7 +87,7 @@ def test_table_groups_only_quantized_members_and_refuses_mixed_formats(inventory
 
 def test_exclude_modules_equal_modelopt_0_47(inventory, rules) -> None:
     """The same choice of quantized modules as the golden ModelOpt run gives its hf_quant_config exactly."""
-    golden = json.loads((Path(__file__).parent / "data" / "modelopt_0_47_golden.json").read_text())
+    golden = json.loads((Path(__file__).parents[1] / "data" / "modelopt_0_47_golden.json").read_text())
     recipe = load_recipe("presets/w4a16_nvfp4", overrides={"quant_cfg": [
         {"pattern": "*.block_sparse_moe.experts*", "enable": False}]})
     table = decide(inventory, SPEC, recipe, rules)

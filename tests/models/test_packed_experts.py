@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_expert_parallel import assert_exports_equal
+from dist.test_expert_parallel import assert_exports_equal
 
 from modelopt_k3 import export_checkpoint, load_pretrained, quantize
 from modelopt_k3.dist.fsdp import full_amax
@@ -25,7 +25,7 @@ from modelopt_k3.models.packed_experts import (
 )
 from modelopt_k3.numerics import mxfp4_decode
 
-pytestmark = pytest.mark.usefixtures("restore_remote_code")
+pytestmark = [pytest.mark.usefixtures("restore_remote_code"), pytest.mark.slow]  # whole models under every experts implementation
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 
 

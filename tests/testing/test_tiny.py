@@ -70,6 +70,7 @@ def _shard_bytes(path: Path) -> dict[str, bytes]:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_deterministic_in_seed(ckpt: Path, tmp_path: Path) -> None:
     same = _shard_bytes(make_tiny_kimi_k3(tmp_path / "same", seed=0))
     assert same == _shard_bytes(ckpt)
@@ -380,6 +381,7 @@ def test_meta_instantiation_of_every_pretrained_class(ckpt: Path) -> None:
     assert "KimiDecoderLayer" in model._no_split_modules
 
 
+@pytest.mark.slow
 def test_many_experts(tmp_path: Path) -> None:
     with _Timer() as timer:
         path = make_tiny_kimi_k3(tmp_path / "e128", num_experts=128)
@@ -391,6 +393,7 @@ def test_many_experts(tmp_path: Path) -> None:
     assert logits.shape == (1, 16, 512) and torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sizes",
     [

@@ -25,6 +25,8 @@ from modelopt_k3.models.kimi_k3 import shims
 from modelopt_k3.models.kimi_k3.fla_cpu import install_fla_cpu, triton_available
 from modelopt_k3.testing.tiny import REMOTE_CODE_FILES, remote_code_source
 
+pytestmark = pytest.mark.slow  # fresh copies of the remote code, imported one by one
+
 HUB_CLASS_SHIMS = [
     "KimiK3ForConditionalGeneration.tie_weights",
     "KimiDynamicCache.get_query_offset/get_mask_sizes",

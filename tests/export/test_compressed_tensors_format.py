@@ -13,6 +13,8 @@ from safetensors import safe_open
 from modelopt_k3 import export_checkpoint, load_pretrained, quantize
 from modelopt_k3.numerics import mxfp4_decode
 
+pytestmark = pytest.mark.slow  # quantize + export of whole models
+
 
 def _tensors(path, prefix):
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]

@@ -23,7 +23,7 @@ from modelopt_k3.recipe import (
     recipes_roots,
 )
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 MIRROR = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"
 
 # Kimi-K3 quantizable (Linear) module names with their real [out, in] shapes. Layer 0 is KDA

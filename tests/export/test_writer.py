@@ -311,7 +311,7 @@ def test_multi_rank_uncaught_failure_in_body_script(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(_BODY_FAILS_SCRIPT))
     export = tmp_path / "out" / "ckpt"
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), *sys.path]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), *sys.path]))}
     results = run_ranks(2, script, str(export), timeout=90, env=env)
     assert [r.exitcode for r in results] == [1, 1], [r.output for r in results]
     for r in results:
