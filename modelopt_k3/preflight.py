@@ -139,16 +139,16 @@ def _stale_temp_data(ctx: PreflightContext) -> None:
 def _export_format(ctx: PreflightContext) -> None:
     """The recipe against the checkpoint's modules (the decision table, from headers), and what the
     export format can hold."""
-    from .export import compressed_tensors_format as ct_format
+    from .export.formats import export_format
     from .quant.decisions import decide
 
     spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
     with CheckpointReader(ctx.checkpoint) as reader:
         table = decide(reader.inventory(), spec, ctx.recipe, None)  # shared-input groups do not matter here
-    if ctx.args.export_format == "compressed-tensors":
-        why = ct_format.unexpressible(set(table.layer_algos().values()), ctx.recipe.kv_cache)
-        if why is not None:
-            raise PreflightError(f"--export_format compressed-tensors: {why}; use --export_format modelopt")
+    fmt = export_format(ctx.args.export_format)
+    why = fmt.unexpressible(set(table.layer_algos().values()), ctx.recipe.kv_cache)
+    if why is not None:
+        raise PreflightError(f"--export_format {fmt}: {why}; use --export_format modelopt")
 
 
 @register_check("calibration data")

@@ -206,3 +206,26 @@ def test_model_adapters_do_not_import_the_quantization_layer():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not node.module.lstrip(".").startswith("quant") and ".quant." not in f".{node.module}.", path
+
+
+def test_export_formats_resolve_once_and_refuse_unknown_names():
+    from modelopt_k3.cli.hf_ptq import build_parser
+    from modelopt_k3.export.formats import COMPRESSED_TENSORS, EXPORT_FORMATS, MODELOPT, export_format
+
+    assert export_format("modelopt") is MODELOPT and export_format(COMPRESSED_TENSORS) is COMPRESSED_TENSORS
+    assert MODELOPT.engine_checked and not COMPRESSED_TENSORS.engine_checked
+    with pytest.raises(ValueError, match="supported: \\['modelopt', 'compressed-tensors'\\]"):
+        export_format("gguf")
+    # The CLI lists the names without importing the registry (no torch before argument parsing).
+    action = next(a for a in build_parser()._actions if a.dest == "export_format")
+    assert list(action.choices) == list(EXPORT_FORMATS)
+
+
+def test_export_format_says_what_it_cannot_hold():
+    from modelopt_k3.export.formats import COMPRESSED_TENSORS, MODELOPT
+    from modelopt_k3.formats import KV_CACHE_FORMATS
+
+    assert MODELOPT.unexpressible({"NVFP4", "FP8_PB_WO"}, KV_CACHE_FORMATS["fp8"]) is None
+    assert COMPRESSED_TENSORS.unexpressible({"NVFP4"}, None) is None
+    assert "FP8_PB_WO" in COMPRESSED_TENSORS.unexpressible({"NVFP4", "FP8_PB_WO"}, None)
+    assert "kv_cache=fp8" in COMPRESSED_TENSORS.unexpressible({"NVFP4"}, KV_CACHE_FORMATS["fp8"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import read_config
+from ..export.formats import MODELOPT, export_format
 from ..preflight import PreflightContext, PreflightError, register_check
 from ..recipe import Recipe, load_recipe
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
@@ -99,8 +100,10 @@ def _serving_engines(ctx: PreflightContext) -> None:
     engines = getattr(ctx.args, "target_engines", None)
     if not engines:
         return
-    if getattr(ctx.args, "export_format", "modelopt") != "modelopt":
-        raise PreflightError("--target_engines replays the engines' ModelOpt loaders; it needs --export_format modelopt")
+    fmt = export_format(getattr(ctx.args, "export_format", MODELOPT))
+    if not fmt.engine_checked:
+        raise PreflightError(f"--target_engines replays the engines' ModelOpt loaders, not {fmt}'s; "
+                             "it needs --export_format modelopt")
     try:
         check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines)
     except EngineRefusal as e:

@@ -138,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
     from ..data import make_forward_loop, pack_sequences, rank_batches
     from ..dist.collectives import run_together
     from ..dist.group import run_group
+    from ..export.formats import export_format
     from ..quant.evaluate import kl_to_unquantized
 
+    args.export_format = export_format(args.export_format)  # resolved once; preflight and export take the object
     with run_group() as group:
         main_rank = group.is_main
         say = print if main_rank else (lambda *a, **k: None)
@@ -196,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
         say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
         if not main_rank:
             return 0
-        if args.export_format != "modelopt":
-            say("[modelopt_k3] modelopt-k3-check replays ModelOpt-format loading only; not run on this export")
+        if not args.export_format.engine_checked:
+            say(f"[modelopt_k3] modelopt-k3-check does not replay {args.export_format} loading; not run on this export")
             return 0
         from ..check import final_check, parse_engines
 

@@ -27,8 +27,8 @@ from ..dist.group import current_group
 from ..models.packed_experts import expert_weight_rows, release_decode_workspaces
 from ..paths import refuse_overlap
 from ..quant.modules import ExpertsQuantState
-from . import compressed_tensors_format as ct_format
-from .modelopt_format import config_quantization_config, hf_quant_config, input_scale_tensor
+from .formats import ExportFormat, export_format
+from .modelopt_format import input_scale_tensor
 from .writer import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardWriter,
@@ -40,8 +40,6 @@ from .writer import (
 )
 
 EXPERTS_PER_CAST = 16
-# Export format -> how one quantized Linear's ModelOpt-named tensors are laid out in that format.
-FORMATS = {"modelopt": lambda tensors: tensors, "compressed-tensors": ct_format.rename_tensors}
 
 
 def _kv_scales(model: nn.Module) -> dict[str, nn.Module]:
@@ -118,7 +116,7 @@ def export_checkpoint(
     model: nn.Module,
     export_dir: str | Path,
     *,
-    format: str = "modelopt",
+    format: str | ExportFormat = "modelopt",
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
@@ -127,33 +125,30 @@ def export_checkpoint(
 
     Call on every rank. Nothing is gathered: each rank writes its own shard files.
     """
-    info, qplan = _check_exportable(model, Path(export_dir), format)
+    fmt = export_format(format)
+    info, qplan = _check_exportable(model, Path(export_dir), fmt)
     group = current_group()
     export_dir = Path(export_dir)
-    job = _ExportJob(model, info, qplan, FORMATS[format], group)
+    job = _ExportJob(model, info, qplan, fmt, group)
     release_decode_workspaces(job.experts_modules.values())  # export never runs the experts: give it back first
     with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:
         weight_map, nbytes = run_together("export write shards", _write_rank_share, job, tmp, max_shard_bytes,
                                           progress, group=group)
         maps, total = gather_weight_maps(weight_map, nbytes, group=group)
-        run_together("export index and configs", _write_index_and_configs, job, tmp, maps, total, format,
-                     group=group)
+        run_together("export index and configs", _write_index_and_configs, job, tmp, maps, total, group=group)
     return export_dir
 
 
-def _check_exportable(model: nn.Module, export_dir: Path, format: str):
+def _check_exportable(model: nn.Module, export_dir: Path, fmt: ExportFormat):
     """Stage 1: refuse what cannot be exported before anything is written; returns (LoadInfo, QuantPlan)."""
-    if format not in FORMATS:
-        raise ValueError(f"unknown export format {format!r}; supported: {list(FORMATS)}")
     info = getattr(model, "modelopt_k3", None)
     qplan = getattr(model, "modelopt_k3_quant", None)
     if info is None or qplan is None:
         raise ValueError("export_checkpoint expects a model from load_pretrained that went through quantize")
     refuse_overlap(info.checkpoint, export_dir, flag="export_dir")  # the copies read the source to the end
-    if format == "compressed-tensors":
-        why = ct_format.unexpressible(set(qplan.table.layer_algos().values()), qplan.recipe.kv_cache)
-        if why is not None:
-            raise ValueError(f"{why}. Use format='modelopt' for it.")
+    why = fmt.unexpressible(set(qplan.table.layer_algos().values()), qplan.recipe.kv_cache)
+    if why is not None:
+        raise ValueError(f"{why}. Use format='modelopt' for it.")
     return info, qplan
 
 
@@ -161,8 +156,8 @@ class _ExportJob:
     """What every export stage reads: the model's modules, its load info and quantization plan, the layout
     of the export format and the run group. Whether this rank writes experts is the placement's word."""
 
-    def __init__(self, model: nn.Module, info, qplan, layout, group) -> None:
-        self.info, self.qplan, self.layout, self.group = info, qplan, layout, group
+    def __init__(self, model: nn.Module, info, qplan, fmt: ExportFormat, group) -> None:
+        self.info, self.qplan, self.fmt, self.group = info, qplan, fmt, group
         self.spec = info.spec
         self.modules = dict(model.named_modules())
         self.experts_modules = self.spec.experts_modules(model)
@@ -206,7 +201,7 @@ def _write_dense_items(job: _ExportJob, items: list[tuple[str, str]], reader: Ch
                 scale = job.kv_scales[name].kv_cache_quantizer.scale()
                 writer.add(name, job.qplan.recipe.kv_cache.scale_tensor(scale))
             else:
-                for key, tensor in job.layout(_quant_linear_tensors(job.modules[name], weight)).items():
+                for key, tensor in job.fmt.rename_tensors(_quant_linear_tensors(job.modules[name], weight)).items():
                     writer.add(f"{name}.{key}", tensor)
         except Exception as exc:
             failed = exc
@@ -219,25 +214,17 @@ def _write_experts(job: _ExportJob, writer: ShardWriter, bar: tqdm) -> None:
     for name, experts in job.experts_modules.items():
         projs = job.qplan.experts.get(name, {})
         for prefix, tensors, quantized in _expert_tensors(name, experts, job.spec, projs):
-            for key, tensor in (job.layout(tensors) if quantized else tensors).items():
+            for key, tensor in (job.fmt.rename_tensors(tensors) if quantized else tensors).items():
                 writer.add(f"{prefix}.{key}", tensor)
         bar.update(experts.num_experts)
 
 
-def _write_index_and_configs(job: _ExportJob, tmp: Path, maps, total: int, format: str) -> None:
+def _write_index_and_configs(job: _ExportJob, tmp: Path, maps, total: int) -> None:
     """Stage 3 (rank 0): the index, config.json with its quantization_config, hf_quant_config.json, side files."""
     if not job.group.is_main:
         return
     info, qplan = job.info, job.qplan
     write_index(tmp, maps, total)
-    layer_algos = qplan.table.layer_algos()
-    unquantized = qplan.table.unquantized_modules()
-    if format == "modelopt":
-        hf_quant = hf_quant_config(
-            layer_algos, kv_cache=qplan.recipe.kv_cache, unquantized=unquantized, recipe=qplan.recipe.name
-        )
-        write_configs(info.checkpoint, tmp, config_quantization_config(hf_quant), hf_quant)
-    else:
-        qcfg = ct_format.quantization_config(next(iter(layer_algos.values())), unquantized)
-        write_configs(info.checkpoint, tmp, qcfg, None)
+    qcfg, hf_quant = job.fmt.configs(qplan.table.layer_algos(), qplan.table.unquantized_modules(), qplan.recipe)
+    write_configs(info.checkpoint, tmp, qcfg, hf_quant)
     copy_side_files(info.checkpoint, tmp)
