@@ -39,8 +39,9 @@ from .source_check import SourceLayout, check_dense, check_experts
 EXPERTS_PER_READ = 16
 
 
-class LoadError(RuntimeError):
-    """Missing, unexpected or mismatched tensors; the message names them."""
+class LoadError(ValueError):
+    """Missing, unexpected or mismatched tensors: the checkpoint disagrees with its config (user input, a
+    ValueError); the message names them."""
 
 
 @dataclass

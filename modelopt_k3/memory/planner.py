@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..dist.placement import ExpertPlacement, PlanError
 from ..export.writer import DEFAULT_SPILL_BYTES
 from ..recipe import Recipe, load_recipe
 from .activations import ActivationModel
@@ -183,7 +184,7 @@ def _prepare(layout: CheckpointLayout, recipe: Recipe, dtype: torch.dtype) -> _P
 
 def _local_experts(group: ExpertGroup, cfg: Configuration) -> int:
     if cfg.kind == "expert_parallel":
-        return group.num_experts // cfg.ep
+        return ExpertPlacement(group.num_experts, cfg.ep).per_rank  # the run's own ownership rule
     if cfg.kind == "fsdp2":
         return _local_rows(group.num_experts, cfg.world_size)
     return group.num_experts
@@ -207,8 +208,12 @@ def _refusal(layout: CheckpointLayout, cfg: Configuration) -> str | None:
     if cfg.kind == "fsdp2" and e % cfg.world_size:
         return f"num_experts={e} is not divisible by {cfg.world_size} ranks"
     if cfg.kind == "expert_parallel":
-        if cfg.world_size % cfg.ep or e % cfg.ep:
-            return f"EP degree {cfg.ep} must divide the world size {cfg.world_size} and num_experts={e}"
+        if cfg.world_size % cfg.ep:
+            return f"EP degree {cfg.ep} must divide the world size {cfg.world_size}"
+        try:
+            ExpertPlacement(e, cfg.ep)  # the placement the run would build refuses what it cannot place
+        except PlanError as err:
+            return str(err)
         if cfg.dense == "fsdp2" and cfg.ep != cfg.world_size:
             return "an FSDP2-sharded dense part needs EP degree = world size"
     return None
