@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from .tiny import (
     _resolve_sizes,
     _stored_shape,
     checkpoint_config,
+    fresh_dir,
     mxfp4_quantization_config,
     remote_code_source,
 )
@@ -149,12 +149,7 @@ def make_kimi_k3_layout(
     shard_bytes: int = SHARD_BYTES,
 ) -> Path:
     """Write the header-only (or sparse) checkpoint of Kimi-K3 (``sizes`` overrides ``KIMI_K3_SIZES``)."""
-    path = Path(path)
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True to replace it)")
-        shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = fresh_dir(path, overwrite)
     config, tensors, ignore = layout_tensors({**KIMI_K3_SIZES, **(sizes or {})})
     config["text_config"]["quantization_config"] = mxfp4_quantization_config(ignore)
     shards = list(_shards(tensors, shard_bytes))

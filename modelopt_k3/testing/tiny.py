@@ -456,6 +456,18 @@ def generator_fingerprint() -> str:
     return digest.hexdigest()[:12]
 
 
+def fresh_dir(path: str | Path, overwrite: bool) -> Path:
+    """An empty directory at ``path`` for a generated checkpoint; a non-empty one is replaced only with
+    ``overwrite``."""
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True to replace it)")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def make_tiny_kimi_k3(
     path: str | Path,
     *,
@@ -473,12 +485,7 @@ def make_tiny_kimi_k3(
     """
     if remote_code not in REMOTE_CODE_VARIANTS:
         raise ValueError(f"remote_code={remote_code!r}; choose one of {list(REMOTE_CODE_VARIANTS)}")
-    path = Path(path)
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True to replace it)")
-        shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = fresh_dir(path, overwrite)
     s = _resolve_sizes(sizes)
 
     config = checkpoint_config(s)
