@@ -276,83 +276,135 @@ def estimate(
         return est
     recipe = recipe or load_recipe(shape.recipe)
     dtype = shape.dtype or layout.config_dtype
-    b = dtype.itemsize
-    prep = _prepare(layout, recipe, dtype)
     accel = shape.device != "cpu"
-    world = cfg.world_size
-    dense_world = world if cfg.dense_sharded else 1
-    impl = local_implementation or ("grouped_mm" if accel else "eager")
+    run = _Run(layout, cfg, recipe, _prepare(layout, recipe, dtype), dtype.itemsize, accel,
+               local_implementation or ("grouped_mm" if accel else "eager"))
     est.runtime = DEVICE_RUNTIME_BYTES if accel else HOST_RUNTIME_BYTES
-
-    # Resident parameters, by module.
-    by_module: dict[str, int] = {}
-    for t, size in prep.sizes:
-        by_module[t.module] = by_module.get(t.module, 0) + _dense_bytes(t, size, dense_world)
-    est.resident_dense = sum(by_module.values())
-    local_e = {g.module: _local_experts(g, cfg) for g in layout.experts}
-    for g in layout.experts:
-        by_module[g.module] = local_e[g.module] * _expert_bytes(g, cfg.residency, b)
-    est.resident_experts = sum(local_e[g.module] * _expert_bytes(g, cfg.residency, b) for g in layout.experts)
-    est.resident = est.resident_dense + est.resident_experts
-    est.largest_module = max(by_module.items(), key=lambda kv: kv[1]) if by_module else ("", 0)
-    biggest = max(layout.experts, key=lambda g: local_e[g.module] * g.decoded_numel_per_expert, default=None)
-    e_local = local_e[biggest.module] if biggest else 0
-
-    # FSDP2: the root stays gathered through the forward; the largest unit while it runs (an
-    # accelerator's next all-gather overlaps the current unit); the fsdp2 plan gathers experts too.
+    _resident(est, run)
     if cfg.dense_sharded:
-        full = dict(prep.unit_bytes)
-        root = full.pop("", 0)
-        unit, unit_bytes = max(full.items(), key=lambda kv: kv[1], default=("", 0))
-        experts_full = biggest.num_experts * biggest.decoded_numel_per_expert * b if (biggest and cfg.kind == "fsdp2") else 0
-        est.fsdp_gathered = root + unit_bytes * (2 if accel else 1) + experts_full
-        est.fsdp_unit = f"root + {unit}" + (" + its experts" if experts_full else "")
-
-    # Calibration: needed only when some input scale comes from data.
-    act = layout.spec.activation_memory(layout.text_config, shape.batch_size, shape.calib_seq, b) if (
-        prep.calibrates and layout.spec.activation_memory) else None
-    all_rows = act.tokens * cfg.ep if (act and recipe.calibrate_all_experts and biggest) else 0
+        _fsdp_gathered(est, run)
+    act = layout.spec.activation_memory(layout.text_config, shape.batch_size, shape.calib_seq, run.b) if (
+        run.prep.calibrates and layout.spec.activation_memory) else None  # calibration only when data sets a scale
     if act:
         est.activation_phase, phase = act.largest_phase
         est.activations = act.carried + phase
-
-    # Export: the writer's buffer (spill limit + one tensor), then the larger of a 16-expert cast
-    # (source bytes read or resident, NVFP4 out) and the largest dense quantization (gathered when sharded).
-    largest_q = max((t.numel for t in prep.quantized), default=0)
-    largest_tensor = max([t.nbytes for t in layout.dense] + [g.stored_bytes_per_expert for g in layout.experts] + [0])
-    cast = min(EXPERTS_PER_CAST, e_local) * biggest.stored_bytes_per_expert * 3 if biggest else 0
-    dense_q = largest_q * (b * (dense_world > 1) + (3 * F32 if accel else 1) + 1)
-    # This rank's output: its experts (NVFP4 is 4.5 bits a weight against MXFP4's 4.25) and its share of the rest.
-    output = sum(local_e[g.module] * g.stored_bytes_per_expert for g in layout.experts) * 18 // 17
-    output += sum(t.nbytes for t in layout.dense) // world
-    est.export = min(DEFAULT_SPILL_BYTES, output) + largest_tensor + max(cast, dense_q)
-
-    # Load: 16 experts converted at a time (bf16: decoded twice, stacked and concatenated), or the
-    # largest dense tensor read and cast.
-    if biggest:
-        per_read = min(EXPERTS_PER_READ, e_local)
-        conv = biggest.stored_bytes_per_expert * (3 if cfg.residency == "packed" else 1)
-        conv += 0 if cfg.residency == "packed" else 2 * biggest.decoded_numel_per_expert * b
-        est.load_transient = per_read * conv
-    est.load_transient = max(est.load_transient, max((t.nbytes for t in layout.dense), default=0))
-    # Quantize setup: weight amax in fp32, 16 experts at a time; a dense weight (its local rows) at once.
-    largest_dense_rows = max((_dense_bytes(t, F32, dense_world) for t in prep.quantized), default=0)
-    est.amax_transient = 2 * largest_dense_rows
-    if biggest:
-        out_in = max(o * i for o, i in biggest.fused_shapes(layout.spec).values())
-        per_expert = 2 * out_in * F32 if cfg.residency == "bf16" else out_in // 2 + out_in // 32 * 2 * F32
-        est.amax_transient = max(est.amax_transient, min(EXPERTS_PER_CAST, e_local) * per_expert)
-
+    est.export = _export_bytes(run)
+    est.load_transient = _load_transient(run)
+    est.amax_transient = _amax_transient(run)
     base = est.resident + est.runtime
     est.stages = {"load": base + est.load_transient, "quantize setup": base + est.amax_transient}
+    _calibration(est, run, act, base, budget, decode_chunk)
+    est.stages["export"] = base + est.export  # export releases the decode workspace first
+    return est
+
+
+@dataclass
+class _Run:
+    """What every part of one estimate reads: the layout, configuration, recipe and its preparation, the
+    weight itemsize, whether it runs on an accelerator, the owner's experts implementation, and the
+    experts per rank (``local_e``) with the layer whose local experts decode largest (``biggest``)."""
+
+    layout: CheckpointLayout
+    cfg: Configuration
+    recipe: Recipe
+    prep: _Prepared
+    b: int
+    accel: bool
+    impl: str
+    local_e: dict[str, int] = field(init=False)
+    biggest: ExpertGroup | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.local_e = {g.module: _local_experts(g, self.cfg) for g in self.layout.experts}
+        self.biggest = max(self.layout.experts, key=lambda g: self.local_e[g.module] * g.decoded_numel_per_expert,
+                           default=None)
+
+    @property
+    def e_local(self) -> int:
+        return self.local_e[self.biggest.module] if self.biggest else 0
+
+    @property
+    def dense_world(self) -> int:
+        return self.cfg.world_size if self.cfg.dense_sharded else 1
+
+
+def _resident(est: Estimate, run: _Run) -> None:
+    """Resident parameters, by module, and the largest of them."""
+    by_module: dict[str, int] = {}
+    for t, size in run.prep.sizes:
+        by_module[t.module] = by_module.get(t.module, 0) + _dense_bytes(t, size, run.dense_world)
+    est.resident_dense = sum(by_module.values())
+    for g in run.layout.experts:
+        by_module[g.module] = run.local_e[g.module] * _expert_bytes(g, run.cfg.residency, run.b)
+    est.resident_experts = sum(run.local_e[g.module] * _expert_bytes(g, run.cfg.residency, run.b)
+                               for g in run.layout.experts)
+    est.resident = est.resident_dense + est.resident_experts
+    est.largest_module = max(by_module.items(), key=lambda kv: kv[1]) if by_module else ("", 0)
+
+
+def _fsdp_gathered(est: Estimate, run: _Run) -> None:
+    """FSDP2: the root stays gathered through the forward; the largest unit while it runs (an
+    accelerator's next all-gather overlaps the current unit); the fsdp2 plan gathers experts too."""
+    full = dict(run.prep.unit_bytes)
+    root = full.pop("", 0)
+    unit, unit_bytes = max(full.items(), key=lambda kv: kv[1], default=("", 0))
+    biggest = run.biggest
+    experts_full = biggest.num_experts * biggest.decoded_numel_per_expert * run.b if (
+        biggest and run.cfg.kind == "fsdp2") else 0
+    est.fsdp_gathered = root + unit_bytes * (2 if run.accel else 1) + experts_full
+    est.fsdp_unit = f"root + {unit}" + (" + its experts" if experts_full else "")
+
+
+def _export_bytes(run: _Run) -> int:
+    """The writer's buffer (spill limit + one tensor), then the larger of a 16-expert cast (source bytes
+    read or resident, NVFP4 out) and the largest dense quantization (gathered when sharded)."""
+    layout, biggest = run.layout, run.biggest
+    largest_q = max((t.numel for t in run.prep.quantized), default=0)
+    largest_tensor = max([t.nbytes for t in layout.dense] + [g.stored_bytes_per_expert for g in layout.experts] + [0])
+    cast = min(EXPERTS_PER_CAST, run.e_local) * biggest.stored_bytes_per_expert * 3 if biggest else 0
+    dense_q = largest_q * (run.b * (run.dense_world > 1) + (3 * F32 if run.accel else 1) + 1)
+    # This rank's output: its experts (NVFP4 is 4.5 bits a weight against MXFP4's 4.25) and its share of the rest.
+    output = sum(run.local_e[g.module] * g.stored_bytes_per_expert for g in layout.experts) * 18 // 17
+    output += sum(t.nbytes for t in layout.dense) // run.cfg.world_size
+    return min(DEFAULT_SPILL_BYTES, output) + largest_tensor + max(cast, dense_q)
+
+
+def _load_transient(run: _Run) -> int:
+    """16 experts converted at a time (bf16: decoded twice, stacked and concatenated), or the largest
+    dense tensor read and cast."""
+    transient = 0
+    if run.biggest:
+        per_read = min(EXPERTS_PER_READ, run.e_local)
+        conv = run.biggest.stored_bytes_per_expert * (3 if run.cfg.residency == "packed" else 1)
+        conv += 0 if run.cfg.residency == "packed" else 2 * run.biggest.decoded_numel_per_expert * run.b
+        transient = per_read * conv
+    return max(transient, max((t.nbytes for t in run.layout.dense), default=0))
+
+
+def _amax_transient(run: _Run) -> int:
+    """Quantize setup: weight amax in fp32, 16 experts at a time; a dense weight (its local rows) at once."""
+    largest_dense_rows = max((_dense_bytes(t, F32, run.dense_world) for t in run.prep.quantized), default=0)
+    transient = 2 * largest_dense_rows
+    if run.biggest:
+        out_in = max(o * i for o, i in run.biggest.fused_shapes(run.layout.spec).values())
+        per_expert = 2 * out_in * F32 if run.cfg.residency == "bf16" else out_in // 2 + out_in // 32 * 2 * F32
+        transient = max(transient, min(EXPERTS_PER_CAST, run.e_local) * per_expert)
+    return transient
+
+
+def _calibration(est: Estimate, run: _Run, act, base: int, budget: int | None, decode_chunk: int | None) -> None:
+    """The calibration forward's peak (and the decode workspace); with a budget, packed experts decode the
+    largest chunk that fits."""
+    cfg, biggest, e_local = run.cfg, run.biggest, run.e_local
+    all_rows = act.tokens * cfg.ep if (act and run.recipe.calibrate_all_experts and biggest) else 0
 
     def calibration(chunk: int | None) -> tuple[int, int, int, str]:
         ws = 0
         if cfg.residency == "packed" and biggest:
-            ws = min(chunk or e_local, e_local) * biggest.decoded_numel_per_expert * b
+            ws = min(chunk or e_local, e_local) * biggest.decoded_numel_per_expert * run.b
         if not act:
             return ws, base + ws, 0, ""
-        moe, detail = _moe_phase(act, cfg, impl, e_local, biggest, b, chunk, all_rows) if biggest else (0, "")
+        moe, detail = _moe_phase(act, cfg, run.impl, e_local, biggest, run.b, chunk, all_rows) if biggest else (0, "")
         moe_total = act.carried + ws + moe
         forward = base + est.fsdp_gathered + max(est.activations, moe_total)
         return ws, forward, moe, detail
@@ -369,8 +421,6 @@ def estimate(
     est.decode_chunk = chunk if (chunk is not None and chunk < e_local) else None
     if act:
         est.stages["calibration"] = forward
-    est.stages["export"] = base + est.export  # export releases the decode workspace first
-    return est
 
 
 # ------------------------------------------------------------------------------ the report
