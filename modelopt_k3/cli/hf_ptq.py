@@ -132,78 +132,90 @@ def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
 
 def run(args: argparse.Namespace) -> int:
     """The whole job for parsed ``args``; raises on failure (``main`` turns that into a line and an exit code)."""
-    import torch
-
-    from .. import export_checkpoint, load_pretrained, quantize
-    from ..data import make_forward_loop, pack_sequences, rank_batches
+    from .. import export_checkpoint
     from ..dist.collectives import run_together
     from ..dist.group import run_group
     from ..export.formats import export_format
-    from ..quant.evaluate import kl_to_unquantized
 
     args.export_format = export_format(args.export_format)  # resolved once; preflight and export take the object
     with run_group() as group:
-        main_rank = group.is_main
-        say = print if main_rank else (lambda *a, **k: None)
-        progress = main_rank and not args.no_progress
+        say = print if group.is_main else (lambda *a, **k: None)
+        progress = group.is_main and not args.no_progress
         t0 = time.perf_counter()
-        ckpt = args.pyt_ckpt_path
-        trust = args.trust_remote_code
-        if ckpt is None:
-            ckpt, trust = _tiny_checkpoint(group), True
+        ckpt, trust = (args.pyt_ckpt_path, args.trust_remote_code) if args.pyt_ckpt_path is not None else (
+            _tiny_checkpoint(group), True)
         # One agreed step: a refusal prints once for all ranks, and nothing has been read yet.
         ctx = run_together("preflight", _preflight, args, group, ckpt, trust, group=group)
         for note in ctx.notes:
             say(f"[modelopt_k3] {note}")
-        recipe, export_path = ctx.recipe, ctx.export_path
-
-        def calibration_sequences() -> torch.Tensor:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-            return pack_sequences(tokenizer, ctx.texts, num_sequences=args.calib_size + args.eval_kl,
-                                  seq_len=args.calib_seq)
-
-        packed = run_together("calibration data", calibration_sequences, group=group)
-
-        dtype = getattr(torch, args.dtype) if args.dtype else None
-        memory = ctx.memory  # the planner's estimate (preflight): --experts auto resolved, the decode chunk
-        experts = memory.config.residency if not memory.refused else args.experts
-        model = load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust, dtype=dtype,
-                                ep_degree=args.ep_degree, dense=args.dense, experts=experts,
-                                decode_chunk=memory.decode_chunk, progress=progress,
-                                allow_nonfinite_passthrough=args.allow_nonfinite_passthrough)
-        info = model.modelopt_k3
+        sequences = run_together("calibration data", _calibration_sequences, args, ckpt, trust, ctx.texts, group=group)
+        model = _load(args, ctx, ckpt, trust, progress)
         t_load = time.perf_counter()
-        say(f"[modelopt_k3] loaded {ckpt} ({info.plan.describe()}), read {info.bytes_read / 2**20:.1f} MiB "
-            f"on rank {group.rank} in {t_load - t0:.1f}s")
-
-        # Held-out sequences come after the calibration ones in the token stream.
-        sequences, held_out = packed[: args.calib_size], packed[args.calib_size :]
-        batches = rank_batches(sequences, batch_size=args.batch_size, rank=group.rank, world_size=group.world_size)
-        forward_loop = make_forward_loop(batches, device=info.plan.device, progress=progress)
-        quantize(model, recipe, forward_loop, verbose=main_rank)
+        say(f"[modelopt_k3] loaded {ckpt} ({model.modelopt_k3.plan.describe()}), read "
+            f"{model.modelopt_k3.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
+        _calibrate_and_evaluate(args, model, ctx.recipe, sequences, group, progress, say)
         t_calib = time.perf_counter()
-        say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {t_calib - t_load:.1f}s")
-        if args.eval_kl:
-            eval_batches = rank_batches(held_out, batch_size=args.batch_size, rank=group.rank,
-                                        world_size=group.world_size)
-            kl = kl_to_unquantized(model, eval_batches, info.plan.device)
-            say(f"[modelopt_k3] KL(original || quantized) on {args.eval_kl} held-out sequences: {kl:.4f} nats/token")
-            t_calib = time.perf_counter()
-
-        out = export_checkpoint(model, export_path, format=args.export_format, overwrite=args.overwrite,
+        out = export_checkpoint(model, ctx.export_path, format=args.export_format, overwrite=args.overwrite,
                                 max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
         t_export = time.perf_counter()
         say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
-        if not main_rank:
-            return 0
-        if not args.export_format.engine_checked:
-            say(f"[modelopt_k3] modelopt-k3-check does not replay {args.export_format} loading; not run on this export")
-            return 0
-        from ..check import final_check, parse_engines
+        return _check_served(args, out, say) if group.is_main else 0
 
-        return final_check(out, parse_engines(args.target_engines) if args.target_engines else (), say=say)
+
+def _calibration_sequences(args: argparse.Namespace, ckpt: Path, trust: bool, texts):
+    """Token sequences for calibration, then ``--eval_kl`` held-out ones, from the checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..data import pack_sequences
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+    return pack_sequences(tokenizer, texts, num_sequences=args.calib_size + args.eval_kl, seq_len=args.calib_seq)
+
+
+def _load(args: argparse.Namespace, ctx, ckpt: Path, trust: bool, progress: bool):
+    """``load_pretrained`` with the plan's flags and the preflight's memory plan (``--experts auto``
+    resolved, the decode chunk)."""
+    import torch
+
+    from .. import load_pretrained
+
+    memory = ctx.memory
+    return load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust,
+                           dtype=getattr(torch, args.dtype) if args.dtype else None,
+                           ep_degree=args.ep_degree, dense=args.dense,
+                           experts=memory.config.residency if not memory.refused else args.experts,
+                           decode_chunk=memory.decode_chunk, progress=progress,
+                           allow_nonfinite_passthrough=args.allow_nonfinite_passthrough)
+
+
+def _calibrate_and_evaluate(args: argparse.Namespace, model, recipe, packed, group, progress: bool, say) -> None:
+    """Quantize with this rank's share of the calibration sequences; then, with ``--eval_kl``, the KL on
+    the held-out ones (they come after the calibration ones in the token stream)."""
+    from .. import quantize
+    from ..data import make_forward_loop, rank_batches
+    from ..quant.evaluate import kl_to_unquantized
+
+    device = model.modelopt_k3.plan.device
+    t0 = time.perf_counter()
+    batches = rank_batches(packed[: args.calib_size], batch_size=args.batch_size, rank=group.rank,
+                           world_size=group.world_size)
+    quantize(model, recipe, make_forward_loop(batches, device=device, progress=progress), verbose=group.is_main)
+    say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {time.perf_counter() - t0:.1f}s")
+    if args.eval_kl:
+        held_out = rank_batches(packed[args.calib_size :], batch_size=args.batch_size, rank=group.rank,
+                                world_size=group.world_size)
+        kl = kl_to_unquantized(model, held_out, device)
+        say(f"[modelopt_k3] KL(original || quantized) on {args.eval_kl} held-out sequences: {kl:.4f} nats/token")
+
+
+def _check_served(args: argparse.Namespace, out: Path, say) -> int:
+    """Rank 0: ``modelopt-k3-check``'s table for the export; the status follows ``--target_engines``."""
+    if not args.export_format.engine_checked:
+        say(f"[modelopt_k3] modelopt-k3-check does not replay {args.export_format} loading; not run on this export")
+        return 0
+    from ..check import final_check, parse_engines
+
+    return final_check(out, parse_engines(args.target_engines) if args.target_engines else (), say=say)
 
 
 if __name__ == "__main__":
