@@ -87,7 +87,10 @@ def final_check(export_dir: str | Path, target_engines=(), *, say=print) -> int:
     an engine the user did not target never turns a good export into a failure.
     """
     report = check_export(export_dir, ENGINE_NAMES)
-    say(report.table())
+    say(report.table(details=set(target_engines)))  # the details of untargeted engines are one command away
+    others = [e for e, r in report.results.items() if not r.ok and e not in target_engines]
+    if others:
+        say(f"(details: modelopt-k3-check {export_dir} --engine {','.join(others)})")
     failed = [e for e in target_engines if not report.results[e].ok]
     if failed:
         say(f"modelopt-k3-check: target engine(s) {', '.join(failed)} would not serve {export_dir} as calibrated")

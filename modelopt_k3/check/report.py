@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 LOADS = "loads correctly"
@@ -93,7 +94,9 @@ class CheckReport:
     def ok(self) -> bool:
         return all(r.ok for r in self.results.values())
 
-    def table(self, *, details: bool = True) -> str:
+    def table(self, *, details: bool | Collection[str] = True) -> str:
+        """The verdict per engine, then the details of each engine that does not load correctly (all of
+        them, or only those named in ``details``)."""
         width = max(len(e) for e in self.results) if self.results else 6
         lines = [f"modelopt-k3-check {self.source}", f"  {'engine':<{width}}  verdict"]
         for name, result in self.results.items():
@@ -101,7 +104,7 @@ class CheckReport:
             lines.append(f"  {name:<{width}}  {result.verdict}" + (f" -- {head}" if head else ""))
         if details:
             for name, result in self.results.items():
-                if not result.ok:
+                if not result.ok and (details is True or name in details):
                     lines.append(f"{name}:")
                     lines += result.details()
         return "\n".join(lines)

@@ -179,8 +179,15 @@ def test_unshared_group_scale_serves_different_numbers(good: Path, tiny_ckpt: Pa
         assert dev.module == f"{MLP0}.gate_up_proj" and "weight_scale_2 differ across gate_proj, up_proj" in dev.what
         assert dev.error == pytest.approx(max(gate, up) / min(gate, up) - 1, rel=1e-6)
         assert dev.error > 0
-    assert final_check(export, ()) == 0  # printed, but no engine was targeted
-    assert final_check(export, ("sglang",)) == 1
+    printed: list[str] = []
+    assert final_check(export, (), say=printed.append) == 0  # printed, but no engine was targeted
+    # Untargeted engines get their verdict line and the command that gives their details.
+    assert "weight_scale_2 differ" in printed[0] and "\nvllm:" not in printed[0]
+    assert printed[1] == f"(details: modelopt-k3-check {export} --engine vllm,sglang,trtllm)"
+    printed.clear()
+    assert final_check(export, ("sglang",), say=printed.append) == 1
+    assert "\nsglang:" in printed[0] and "\nvllm:" not in printed[0]
+    assert printed[1] == f"(details: modelopt-k3-check {export} --engine vllm,trtllm)"
 
 
 @pytest.fixture(scope="module")
