@@ -165,41 +165,13 @@ def decide_plan(
     dense: str = "replicated",
     dtype: torch.dtype | None = None,
 ) -> DistributionPlan:
-    if requested not in PLAN_KINDS:
-        raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
-    if dense not in DENSE_MODES:
-        raise PlanError(f"unknown dense sharding {dense!r}; choose one of {list(DENSE_MODES)}")
-    has_ep = bool(spec.ep_sharded_params)
-    kind = requested
-    if kind == "auto":
-        kind = "expert_parallel" if world_size > 1 and has_ep else ("fsdp2" if world_size > 1 else "whole")
-    if kind == "whole" and world_size > 1:
-        raise PlanError(
-            f"plan 'whole' runs in one process, but WORLD_SIZE={world_size}; use 'expert_parallel' or 'auto'"
-        )
+    """The plan for this run, decided once before any weight is read; refuses (``PlanError``) what cannot work."""
+    kind = _resolve_kind(requested, dense, spec, world_size)
     if kind == "fsdp2":
         _check_fsdp2(spec, num_experts, world_size, ep_degree, experts_implementation)
-    if kind == "expert_parallel" and not has_ep:
-        raise PlanError(f"model_type {spec.model_type!r} declares no expert-parallel plan")
     if kind == "expert_parallel":
-        if ep_degree is None:
-            ep_degree = int(os.environ.get(EP_DEGREE_ENV, world_size))
-        if ep_degree < 1 or world_size % ep_degree:
-            raise PlanError(
-                f"expert-parallel degree {ep_degree} must divide the world size {world_size}; choose one of "
-                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]} (CLI: --ep_degree)"
-            )
-        # Replica 0 (ranks below ep_degree) writes the experts; the constructor refuses an indivisible degree.
-        experts = ExpertPlacement(num_experts, ep_degree, rank % ep_degree, writes_experts=rank < ep_degree)
-        impl = "torch_a2a"
-        # A named implementation runs the owner's experts; torch_a2a dispatches to them.
-        local = experts_implementation if experts_implementation not in (None, impl) else None
-        local = local or default_local_implementation(device, dtype)
-        if dense == "fsdp2" and ep_degree != world_size:
-            raise PlanError(
-                f"an FSDP2-sharded dense part shards over all {world_size} ranks; with replicated expert groups "
-                f"(EP degree {ep_degree}) keep it replicated"
-            )
+        ep_degree, experts, impl, local = _expert_parallel_choice(
+            num_experts, rank, world_size, ep_degree, experts_implementation, dense, device, dtype)
     else:
         if dense != "replicated":
             raise PlanError(f"dense={dense!r} applies to plan 'expert_parallel' (plan '{kind}' decides it itself)")
@@ -213,6 +185,51 @@ def decide_plan(
     _check_local_implementation(local)
     dense = dense if kind == "expert_parallel" else "replicated"
     return DistributionPlan(kind, rank, world_size, ep_degree, device, impl, experts, dense, local)
+
+
+def _resolve_kind(requested: str, dense: str, spec: ModelSpec, world_size: int) -> str:
+    """The plan kind (``auto`` resolved), after checking the names and what the world size allows."""
+    if requested not in PLAN_KINDS:
+        raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
+    if dense not in DENSE_MODES:
+        raise PlanError(f"unknown dense sharding {dense!r}; choose one of {list(DENSE_MODES)}")
+    has_ep = bool(spec.ep_sharded_params)
+    kind = requested
+    if kind == "auto":
+        kind = "expert_parallel" if world_size > 1 and has_ep else ("fsdp2" if world_size > 1 else "whole")
+    if kind == "whole" and world_size > 1:
+        raise PlanError(
+            f"plan 'whole' runs in one process, but WORLD_SIZE={world_size}; use 'expert_parallel' or 'auto'"
+        )
+    if kind == "expert_parallel" and not has_ep:
+        raise PlanError(f"model_type {spec.model_type!r} declares no expert-parallel plan")
+    return kind
+
+
+def _expert_parallel_choice(
+    num_experts: int, rank: int, world_size: int, ep_degree: int | None, experts_implementation: str | None,
+    dense: str, device: torch.device, dtype: torch.dtype | None,
+) -> tuple[int, ExpertPlacement, str, str]:
+    """(EP degree, this rank's placement, ``torch_a2a``, the owner's implementation) for expert parallelism."""
+    if ep_degree is None:
+        ep_degree = int(os.environ.get(EP_DEGREE_ENV, world_size))
+    if ep_degree < 1 or world_size % ep_degree:
+        raise PlanError(
+            f"expert-parallel degree {ep_degree} must divide the world size {world_size}; choose one of "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]} (CLI: --ep_degree)"
+        )
+    # Replica 0 (ranks below ep_degree) writes the experts; the constructor refuses an indivisible degree.
+    experts = ExpertPlacement(num_experts, ep_degree, rank % ep_degree, writes_experts=rank < ep_degree)
+    impl = "torch_a2a"
+    # A named implementation runs the owner's experts; torch_a2a dispatches to them.
+    local = experts_implementation if experts_implementation not in (None, impl) else None
+    local = local or default_local_implementation(device, dtype)
+    if dense == "fsdp2" and ep_degree != world_size:
+        raise PlanError(
+            f"an FSDP2-sharded dense part shards over all {world_size} ranks; with replicated expert groups "
+            f"(EP degree {ep_degree}) keep it replicated"
+        )
+    return ep_degree, experts, impl, local
 
 
 def _warn_ineffective(kind: str, ep_degree: int | None, experts_implementation: str | None) -> None:
