@@ -137,6 +137,7 @@ def _fill_experts(
     experts: dict[str, nn.Module],
     progress: tqdm,
 ) -> tuple[set[str], set[str]]:
+    """Fill every fused experts parameter with this rank's experts; returns (keys read, targets filled)."""
     # Global ids this rank holds per module: its EP block, or the rows of its FSDP2 shard.
     ranges = {name: local_experts(module, spec) for name, module in experts.items()}
     reads, foreign = _plan_expert_reads(reader, spec, converters, ranges)
@@ -144,49 +145,58 @@ def _fill_experts(
     filled: set[str] = set()
     for conv in converters:
         target_suffix = conv.target_patterns[0]
+        param_name = target_suffix.rsplit(".", 1)[-1]
         for module_name, module in experts.items():
-            param_name = target_suffix.rsplit(".", 1)[-1]
             target = f"{module_name}.{param_name}"
             if not target.endswith(target_suffix) or param_name not in spec.ep_sharded_params:
                 continue
             by_pattern = reads.get(target, {})
-            local = ranges[module_name]
-            present = [p for p in conv.source_patterns if p in by_pattern]
-            if not present:
+            if not any(p in by_pattern for p in conv.source_patterns):
                 continue
-            missing = [
-                _missing_key(module_name, e, p, by_pattern.get(p, {}))
-                for p in conv.source_patterns
-                for e in local
-                if e not in by_pattern.get(p, {})
-            ]
-            if missing:
-                raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
-            destinations = _expert_destinations(module, param_name, conv)
-            for dest in destinations.values():
-                if dest.shape[0] != len(local):
-                    raise LoadError(f"{target}: parameter holds {dest.shape[0]} experts, this rank owns {len(local)}")
-            # A few experts at a time: peak memory stays near the parameter itself, not 3x it.
-            for start in range(0, len(local), EXPERTS_PER_READ):
-                ids = local[start : start + EXPERTS_PER_READ]
-                tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
-                consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
-                if not is_packed(module) and decodes_after_layout(conv):
-                    fields = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
-                    _decode_into(conv, fields, destinations[None][start : start + len(ids)], target)
-                    continue
-                if is_packed(module):
-                    converted = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
-                else:
-                    converted = {None: run_converter(conv, tensors, full_layer_name=target, model=model)}
-                for kind, value in converted.items():
-                    rows = destinations[kind][start : start + len(ids)]
-                    _check_rows(target, value.shape, rows)
-                    with torch.no_grad():
-                        rows.copy_(value.to(rows.dtype))
+            consumed |= _fill_expert_param(model, reader, conv, module_name, module, param_name, by_pattern,
+                                           ranges[module_name])
             filled.add(target)
             progress.update(1)
     return consumed | foreign, filled
+
+
+def _fill_expert_param(model: nn.Module, reader: CheckpointReader, conv, module_name: str, module: nn.Module,
+                       param_name: str, by_pattern: dict, local: range) -> set[str]:
+    """Read, convert and copy experts ``local`` of fused parameter ``module_name.param_name``; returns the
+    keys read."""
+    target = f"{module_name}.{param_name}"
+    missing = [
+        _missing_key(module_name, e, p, by_pattern.get(p, {}))
+        for p in conv.source_patterns
+        for e in local
+        if e not in by_pattern.get(p, {})
+    ]
+    if missing:
+        raise LoadError(f"{target}: missing expert tensors {_names(missing)}")
+    destinations = _expert_destinations(module, param_name, conv)
+    for dest in destinations.values():
+        if dest.shape[0] != len(local):
+            raise LoadError(f"{target}: parameter holds {dest.shape[0]} experts, this rank owns {len(local)}")
+    consumed: set[str] = set()
+    # A few experts at a time: peak memory stays near the parameter itself, not 3x it.
+    for start in range(0, len(local), EXPERTS_PER_READ):
+        ids = local[start : start + EXPERTS_PER_READ]
+        tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
+        consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
+        if not is_packed(module) and decodes_after_layout(conv):
+            fields = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
+            _decode_into(conv, fields, destinations[None][start : start + len(ids)], target)
+            continue
+        if is_packed(module):
+            converted = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
+        else:
+            converted = {None: run_converter(conv, tensors, full_layer_name=target, model=model)}
+        for kind, value in converted.items():
+            rows = destinations[kind][start : start + len(ids)]
+            _check_rows(target, value.shape, rows)
+            with torch.no_grad():
+                rows.copy_(value.to(rows.dtype))
+    return consumed
 
 
 def _check_rows(target: str, shape, rows: torch.Tensor) -> None:
