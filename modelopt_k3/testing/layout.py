@@ -17,7 +17,6 @@ checks that at tiny sizes the layout equals a real tiny checkpoint's headers.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,7 +168,3 @@ def make_kimi_k3_layout(
                         vocab_size=config["text_config"]["vocab_size"])
     return path
 
-
-def disk_usage(path: str | Path) -> int:
-    """Bytes actually allocated on disk under ``path`` (a sparse layout's apparent size is ~1.5 TB)."""
-    return sum(os.stat(p).st_blocks * 512 for p in Path(path).rglob("*") if p.is_file())

@@ -16,13 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...formats import KV_FP8, SCHEMES, scheme_of_method
+from ...formats import KV_FP8, scheme_of_method
 from ...numerics import fp8 as fp8n
 from ..layout import Layout, Linear
 from ..report import Deviation, EngineResult, Refusal
-
-# ModelOpt quant_algo -> the Linear.fmt a layer with that method must be stored as.
-ALGO_FORMATS = {algo: scheme.engine_method for algo, scheme in SCHEMES.items()}
 
 
 class Refuse(Exception):

@@ -27,7 +27,6 @@ from .experts import KimiK3Experts
 from .shims import apply_class_shims
 
 BLOCK_CLASS = "KimiSparseMoeBlock"
-EXPERT_CLASS = "KimiBlockSparseMLP"
 SUPPORTED_SOURCE_FORMATS = frozenset({"mxfp4-pack-quantized"})
 _PATCH_FLAG = "_modelopt_k3_fused"
 
