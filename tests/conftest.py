@@ -94,7 +94,7 @@ def copy_checkpoint(
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection imported (torch, transformers, the test modules): it lives for the whole run,
-    and every full ``gc.collect()`` (``destroy_run_group`` runs one per call) would rescan it, ~0.3 s each."""
+    and every full ``gc.collect()`` (``destroy_run_group`` runs one per destroyed group) would rescan it, ~0.3 s each."""
     gc.freeze()
 
 
