@@ -202,7 +202,7 @@ def planned_layout(checkpoint: str | Path, recipe: Recipe, *, kv_scale_names: It
     layer_algos = table.layer_algos()
     if layer_algos:
         hf = hf_quant_config(layer_algos, kv_cache=recipe.kv_cache, unquantized=table.unquantized_modules(),
-                             recipe=recipe.name)
+                             recipe=recipe.name, naming=table.naming)
         quant = config_quantization_config(hf)
     tensors = {f"{n}.{p}": m for n, lin in linears.items() for p, m in lin.tensors.items()}
     return Layout(config=config, quant=quant, hf_quant=hf, linears=linears, kv_scales=kv,
