@@ -64,7 +64,9 @@ class Linear:
         if weight.dtype == torch.uint8 and NVFP4_TENSOR.global_scale_key in t:
             return (NVFP4 if "input_scale" in t else W4A16_NVFP4).engine_method
         if weight.dtype == torch.float8_e4m3fn and scale is not None:
-            return (FP8 if _numel(scale.shape) == 1 else FP8_PB_WO).engine_method
+            # A 4-D scale is ModelOpt's block layout even when it holds one block (a Linear under 128x128).
+            per_tensor = _numel(scale.shape) == 1 and len(scale.shape) != 4
+            return (FP8 if per_tensor else FP8_PB_WO).engine_method
         if weight.dtype in _FLOAT_DTYPES and scale is None:
             return "bf16"
         return "unknown"
