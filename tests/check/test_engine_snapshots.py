@@ -9,6 +9,7 @@ block-FP8 kernels need multiples of 128 (the default tiny model is 64 wide).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,11 @@ def test_trtllm_is_a_target_for_the_mirror_and_the_experts_recipe(tiny_ckpt: Pat
                         "--export_path", str(out), "--target_engines", "trtllm", "--no_progress"]) == 0
     assert check_cli.main([str(out), "--engine", "trtllm"]) == 0
     capsys.readouterr()
+    # One writer: both exporters write exactly the manifest the plan declares (the golden test's subject).
+    planned = planned_layout(tiny_ckpt, load_recipe(MIRROR))
+    for export in (tmp_path / "nvfp4_experts-fp8_pb_attention", out):
+        assert json.loads((export / "hf_quant_config.json").read_text()) == planned.hf_quant
+        assert json.loads((export / "config.json").read_text())["quantization_config"] == planned.quant
     # The preset named for it: what TensorRT-LLM serves, served by the other two as well.
     layout = planned_layout(tiny_ckpt, load_recipe("trtllm"))
     assert _verdicts(layout) == dict.fromkeys(ENGINES, LOADS)

@@ -9,7 +9,9 @@ One snapshot per engine, as users install it:
   ``quant_config=None``; ``KimiK3ForConditionalGeneration.hf_to_vllm_mapper``), ``nvidia/kda.py``
   (``KimiK3DeltaAttention.__init__``: ``in_proj_qkvgfab`` padded per TP rank to 16 rows, or to 128
   when it resolves to FP8_PB_WO), ``nvidia/mla.py`` (``fused_qkv_a_g_proj`` with the output gate),
-  ``nvidia/latent_moe_runner.py`` (the fused tail only for an unquantized ``up_proj``).
+  ``nvidia/latent_moe_runner.py`` (the fused tail only for an unquantized ``up_proj``), and
+  ``model_executor/layers/fused_moe/oracle/nvfp4.py`` ``select_nvfp4_moe_backend`` (FLASHINFER_TRTLLM
+  first; ``experts/trtllm_nvfp4_moe.py`` runs ``situ``): NVFP4 K3 experts need no serve flag.
 * SGLang 0.5.23 (the PyPI wheel): ``sglang/srt/models/kimi_k3.py``
   (``KimiK3ForConditionalGeneration.{packed_modules_mapping, hf_to_sglang_mapper, __init__, load_weights}``:
   the language model is built with prefix ``""`` for ModelOpt configs and ``language_model.`` is dropped
