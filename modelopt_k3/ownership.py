@@ -15,6 +15,7 @@ Anything that cannot be decided counts as alive: data of a live run is never rem
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -74,18 +75,34 @@ class Owner:
 
 
 def write_record(path: Path, owner: Owner, extra: dict | None = None, *, exclusive: bool = False) -> None:
-    """Write ``path`` = the owner record (plus ``extra``). ``exclusive``: fail if it exists (a lock)."""
+    """Write ``path`` = the owner record (plus ``extra``), whole: written to a fresh name first, then
+    renamed (or, ``exclusive``: hard-linked, which fails if ``path`` exists: a lock). So a record on disk
+    is never half-written, and an empty or unreadable one was never a live run's."""
+    from .paths import staging_path, write_new
+
     body = (json.dumps({**asdict(owner), **(extra or {})}, indent=2) + "\n").encode()
-    if exclusive:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    tmp = staging_path(path, "new")
+    write_new(tmp, body)
+    try:
+        if not exclusive:
+            os.replace(tmp, path)
+            return
         try:
-            os.write(fd, body)
-        finally:
-            os.close(fd)
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
-    tmp.write_bytes(body)
-    os.replace(tmp, path)
+            os.link(tmp, path)
+        except OSError as e:
+            if isinstance(e, FileExistsError) or e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            _write_exclusive(path, body)  # a filesystem without hard links: O_EXCL, then the body
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_exclusive(path: Path, body: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, body)
+    finally:
+        os.close(fd)
 
 
 def read_record(path: Path) -> tuple[Owner, dict] | None:

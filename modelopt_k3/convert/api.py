@@ -17,7 +17,7 @@ import torch
 
 from ..dist.group import RunGroup
 from ..nonfinite import warn_passthrough
-from ..paths import refuse_overlap
+from ..paths import check_writable, refuse_overlap
 from ..recipe import Recipe, load_recipe
 from .jobs import _Plan
 from .lock import LOCK_DIR, RankLock, acquire_rank_lock, live_locks
@@ -182,6 +182,7 @@ def convert_checkpoint(
     if done is not None:
         report.total, report.complete, report.nothing_to_do = done, True, True
     else:
+        steps("check output is writable", check_writable, dst, flag="the output directory (--dst)", inside=True)
         if not trust_remote_code:
             report.notes.append(_DENSE_UNCHECKED)
         _convert_under_locks(steps, plan, dst, recipe, report, options)
