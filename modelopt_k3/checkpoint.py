@@ -345,6 +345,8 @@ class ReadLog:
     keys: list[str] = field(default_factory=list)
     bytes: int = 0
     invalid: dict[str, str] = field(default_factory=dict)  # key -> what is not a number in it
+    # key -> sha256 of the bytes read (``pread`` only, when not None): the converter's source identity.
+    hashes: dict[str, str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, key: str, tensor: torch.Tensor, nbytes: int, check_values: bool) -> None:
@@ -491,5 +493,24 @@ class CheckpointReader:
         if info.nbytes:
             self.pread_into(info.file, memoryview(buf.numpy()), info.offset)
         tensor = buf.view(info.dtype).reshape(info.shape)
-        (self.log if log is None else log).record(key, tensor, info.nbytes, self.check_values)
+        log = self.log if log is None else log
+        if log.hashes is not None:  # from the bytes just read: no second pass over the source
+            digest = hashlib.sha256(buf.numpy()).hexdigest()
+            with log._lock:
+                log.hashes[key] = digest
+        log.record(key, tensor, info.nbytes, self.check_values)
         return tensor
+
+    def sha256(self, key: str, chunk: int = 64 * 2**20) -> str:
+        """sha256 of tensor ``key``'s stored bytes, read in chunks (nothing recorded: a check, not a read)."""
+        info = self.info(key)
+        h = hashlib.sha256()
+        buf = bytearray(min(chunk, max(info.nbytes, 1)))
+        view = memoryview(buf)
+        done = 0
+        while done < info.nbytes:
+            n = min(len(view), info.nbytes - done)
+            self.pread_into(info.file, view[:n], info.offset + done)
+            h.update(view[:n])
+            done += n
+        return h.hexdigest()

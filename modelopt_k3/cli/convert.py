@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace a complete output, another job's partial output or foreign files in --dst")
     p.add_argument("--no_resume", action="store_true", help="rewrite this rank's shards even if complete")
     p.add_argument("--no_verify", action="store_true",
-                   help="on resume trust a completed shard's recorded size instead of re-hashing it")
+                   help="on resume trust a completed shard's recorded size instead of re-hashing it, and the "
+                   "source's file sizes and modification times instead of re-hashing the source bytes it was made from")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="threads converting one shard's tensors (default: min(4, CPU count))")
     p.add_argument("--finalize", action="store_true",

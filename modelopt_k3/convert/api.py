@@ -34,6 +34,7 @@ from .state import (
     _load_record,
     _prepare_dst,
     _record_path,
+    check_source,
 )
 
 log = logging.getLogger("modelopt_k3")
@@ -290,6 +291,7 @@ def _resumed(plan: _Plan, dst: Path, file: str, report: ConvertReport, options: 
     rec = _load_record(dst, file, plan.fingerprint, verify_hash=options.verify)
     if rec is None:
         return False
+    check_source(plan, dst, file, rec, verify_hash=options.verify)  # a changed source is refused, never mixed
     report.skipped.append(file)
     report.stats.add(ConvertStats.from_dict(rec["stats"]))
     return True

@@ -20,7 +20,7 @@ from ..numerics.mxfp4 import mxfp4_decode
 from ..paths import is_staging_name, staging_path
 from .jobs import _ModuleJob, _Plan
 from .report import ConvertStats
-from .state import RECORD_VERSION, _fsync, _record_path
+from .state import RECORD_VERSION, _fsync, _record_path, source_identity
 
 
 class _ShardConverter:
@@ -33,7 +33,7 @@ class _ShardConverter:
 
     def __init__(self, plan: _Plan):
         self.plan = plan
-        self.log = ReadLog()
+        self.log = ReadLog(hashes={})  # every source byte a job reads is hashed as it is read
         self.copied_invalid: dict[str, str] = {}
         self._group_scale: dict[tuple[str, ...], torch.Tensor] = {}
 
@@ -139,7 +139,7 @@ def _write_shard(
         raise
     shard.close()
     stats.bytes_out = shard.total_bytes
-    return shard.path, _shard_record(plan, file, shard, stats)
+    return shard.path, _shard_record(plan, file, shard, stats, {**converter.log.hashes, **shard.copied})
 
 
 def _remove_partials(dst: Path, file: str) -> None:
@@ -170,11 +170,15 @@ def _run_jobs(
         raise
 
 
-def _shard_record(plan: _Plan, file: str, shard: PlannedShard, stats: ConvertStats) -> dict:
+def _shard_record(plan: _Plan, file: str, shard: PlannedShard, stats: ConvertStats, read: dict[str, str]) -> dict:
+    """The completion record. ``source.read``: the sha256 of every source tensor the shard was made from
+    (its own file's and scale partners' in other files), taken while streaming; a resume checks them
+    (``state.check_source``), so a source changed since is refused, never mixed in."""
     return {
         "version": RECORD_VERSION,
         "fingerprint": plan.fingerprint,
-        "source": {"file": file, "size": plan.sizes[file]},
+        "source": {"file": file, "size": plan.sizes[file], "identity": source_identity(plan, read),
+                   "read": dict(sorted(read.items()))},
         "output": {"file": file, "size": shard.total_bytes, "digest": shard.digest.hexdigest()},
         "tensors": sorted(shard.planned),
         "tensor_bytes": shard.tensor_bytes,

@@ -37,7 +37,8 @@ STATE_DIR = ".modelopt_k3_convert"
 COMPLETE_MARKER = ".modelopt_k3_complete"
 JOB_FILE = "job.json"
 # 2: the output digest is computed from the bytes as they are written (``ShardDigest``), not read back.
-RECORD_VERSION = 2
+# 3: the source's identity (``source.read``: sha256 of every source tensor read; ``source.identity``).
+RECORD_VERSION = 3
 
 
 class ConvertError(ValueError):
@@ -73,6 +74,43 @@ def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -
     if verify_hash and file_digest(out) != rec["output"]["digest"]:
         return None
     return rec
+
+
+def source_identity(plan: _Plan, read: dict[str, str]) -> dict[str, list[int]]:
+    """``_stat_identity`` of every source file a shard read from: what says cheaply that it is unchanged."""
+    return {file: _stat_identity(plan.src / file) for file in sorted({plan.tensors[key].file for key in read})}
+
+
+def _stat_identity(path: Path) -> list[int] | None:
+    """(size, mtime, ctime in ns, inode): any write to the file changes its ctime, which no one can set back."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def check_source(plan: _Plan, dst: Path, file: str, rec: dict, *, verify_hash: bool) -> None:
+    """Refuse to keep output shard ``file`` when the source it was converted from changed since.
+
+    Every source tensor it read has its sha256 in the record (what the conversion hashed as it
+    streamed). ``verify_hash``: all are hashed again and compared; else only those in files whose
+    size, times or inode differ from the record (a copied or touched source is hashed; an untouched
+    one costs a ``stat``). A header change is caught before this (it changes the job's fingerprint).
+    """
+    source = rec.get("source") if isinstance(rec.get("source"), dict) else {}
+    read, identity = source.get("read"), source.get("identity")
+    if not isinstance(read, dict) or not isinstance(identity, dict):
+        raise ConvertError(f"{_record_path(dst, file)} records no source identity; pass --overwrite to convert again")
+    suspect = {f for f, ident in identity.items() if verify_hash or _stat_identity(plan.src / f) != ident}
+    for key, digest in read.items():
+        info = plan.tensors.get(key)
+        if info is None or (info.file in suspect and plan.reader.sha256(key) != digest):
+            raise ConvertError(
+                f"the source changed since output shard {file} was converted (tensor {key} no longer holds the "
+                "bytes it was converted from); a resume would mix old and new bytes: pass --overwrite "
+                "(overwrite=True) to convert everything again from the current source, or restore the source"
+            )
 
 
 def _complete_marker(dst: Path) -> dict | None:
@@ -231,6 +269,8 @@ def _fsync(paths: list[Path]) -> None:
 def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
     """Check every shard's record, then write index, configs, side files and (last) the marker."""
     records = _complete_records(plan, dst)
+    for file, rec in records.items():  # shards other processes made: their source still as they read it
+        check_source(plan, dst, file, rec, verify_hash=False)
     weight_map = {key: f for f, rec in records.items() for key in rec["tensors"]}
     write_index(dst, [weight_map], sum(rec["tensor_bytes"] for rec in records.values()), rename=False)
     hf_quant = hf_quant_config(

@@ -536,6 +536,7 @@ class PlannedShard:
         self.tensor_bytes = sum(t.nbytes for t in planned)
         self.total_bytes = len(header) + self.tensor_bytes
         self.digest = ShardDigest()
+        self.copied: dict[str, str] = {}  # source key -> sha256 of the bytes copied (the source's own)
         self._fd = create_new(path)
         try:
             pwrite_all(self._fd, header, 0)
@@ -566,6 +567,7 @@ class PlannedShard:
         info, offset = reader.info(key), self.offsets[key]
         sha, bad = _copy_chunks(reader, info, self._fd, offset, count_nonfinite=info.dtype.is_floating_point)
         self.digest.add(offset, key, sha)
+        self.copied[key] = sha.hex()
         return f"{bad} NaN/Inf value{'s' if bad != 1 else ''}" if bad else None
 
     def close(self) -> None:
