@@ -151,6 +151,30 @@ def _export_format(ctx: PreflightContext) -> None:
         raise PreflightError(f"--export_format {fmt}: {why}; use --export_format modelopt")
 
 
+@register_check("calibration reaches every calibrated module")
+def _calibration_reaches(ctx: PreflightContext) -> None:
+    """A recipe that needs activations of modules a text forward never runs (a vision tower) would fail only
+    after calibration ("no calibration data reached"): refused here, naming them."""
+    import re
+
+    from .quant.decisions import decide
+
+    spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
+    if spec.uncalibrated_module_regex is None:
+        return
+    unreachable = re.compile(spec.uncalibrated_module_regex)
+    with CheckpointReader(ctx.checkpoint) as reader:
+        table = decide(reader.inventory(), spec, ctx.recipe, None)
+    bad = sorted(name for name, d in table.decisions.items()
+                 if d.quantized and d.format.needs_calibration and unreachable.search(name))
+    if bad:
+        raise PreflightError(
+            f"recipe {ctx.recipe.name} quantizes the inputs of {len(bad)} module(s) that text calibration never "
+            f"runs, e.g. {bad[0]}; keep them BF16 (enable: false), give them weight-only formats or a constant "
+            "input_amax"
+        )
+
+
 @register_check("calibration data")
 def _calibration_data(ctx: PreflightContext) -> None:
     from .data import DataError, load_texts

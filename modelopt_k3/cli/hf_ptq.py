@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow_nonfinite_passthrough", action="store_true",
                    help="copy source tensors with NaN/Inf that stay unquantized unchanged (with a warning) instead "
                    "of refusing; a quantized one is always refused")
+    p.add_argument("--allow_unmatched", action="store_true",
+                   help="run even if a recipe pattern matches no module of the checkpoint (refused by default: a typo)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
     return p
@@ -122,6 +124,8 @@ def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
         overrides["kv_cache"] = args.kv_cache_qformat
     if args.calibrate_all_experts:
         overrides["calibrate_all_experts"] = True
+    if args.allow_unmatched:
+        overrides["allow_unmatched"] = True
     recipe = load_recipe(recipe_name, overrides=overrides or None)
     export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
     ctx = PreflightContext(args, ckpt, trust, export_path, recipe, rank=group.rank, world_size=group.world_size)

@@ -107,6 +107,9 @@ class ModelSpec:
     # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
     # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
     probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None
+    # Module names (regex, searched) that a text calibration forward never runs (a vision tower): a recipe
+    # that needs their activations is refused in the preflight, not after calibration.
+    uncalibrated_module_regex: str | None = None
 
     def check_transformers(self) -> None:
         import transformers

@@ -41,6 +41,8 @@ KIMI_K3_SPEC = register_spec(
         activation_memory=activation_memory,
         # A_log: declared [num_heads], stored [head_dim] zero-padded in the real checkpoint.
         dense_converters=(A_LOG_CONVERTER,),
+        # Text calibration never runs the vision tower or its projector (no image inputs).
+        uncalibrated_module_regex=r"(^|\.)(vision_tower|mm_projector)\.",
     ),
     overwrite=True,
 )
