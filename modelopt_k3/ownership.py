@@ -27,6 +27,9 @@ from pathlib import Path
 
 __all__ = [
     "HEARTBEAT_S",
+    "FileLock",
+    "LockHeld",
+    "acquire_lock",
     "STALE_AFTER_ENV",
     "Heartbeat",
     "Owner",
@@ -180,3 +183,46 @@ def heartbeat(path: Path, interval_s: float = HEARTBEAT_S) -> Iterator[Heartbeat
         yield beat
     finally:
         beat.stop()
+
+
+class LockHeld(ValueError):
+    """A live run holds the lock; the message names it (pid, host, start time) and what to do."""
+
+
+@dataclass
+class FileLock:
+    """A held lock file (an owner record, heartbeat running); ``release`` removes it. Idempotent."""
+
+    path: Path
+    beat: Heartbeat
+
+    def release(self) -> None:
+        self.beat.stop()
+        self.path.unlink(missing_ok=True)
+
+
+def acquire_lock(path: Path, extra: dict | None = None, notes: list[str] | None = None) -> FileLock:
+    """Take lock file ``path`` (an owner record created whole, ``write_record(exclusive=True)``), or raise
+    ``LockHeld`` naming the live holder. A lock of a dead owner, and an empty or unreadable one (never a live
+    run's: records are linked in whole), is removed first, with a note saying so."""
+    for _ in range(3):
+        try:
+            write_record(path, Owner.this_process(), extra, exclusive=True)
+        except FileExistsError:
+            pass
+        else:
+            return FileLock(path, Heartbeat(path).start())
+        found = read_record(path)
+        if found is None:
+            note = f"removed the lock file {path}: it is empty or unreadable, so no live run holds it (a crash left it)"
+        else:
+            owner, _ = found
+            alive, why = owner_status(owner, path)
+            if alive:
+                raise LockHeld(f"{path} is held by another run ({owner.describe()}; {why}); wait for it to end, "
+                               "or remove the file if that run is dead")
+            note = f"removed the stale lock {path} ({owner.describe()}; {why})"
+        path.unlink(missing_ok=True)
+        if notes is not None:
+            notes.append(note)
+    raise LockHeld(f"{path} reappears each time it is removed: another run is taking it; try again later")

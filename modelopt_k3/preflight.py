@@ -47,6 +47,12 @@ class PreflightContext:
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
     memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py), read by hf_ptq
     notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
+    cleanup: list[Callable[[], None]] = field(default_factory=list)  # what ``close`` undoes (the export lock)
+
+    def close(self) -> None:
+        """Undo what the checks hold for the run (the export path's lock), last first. Idempotent."""
+        while self.cleanup:
+            self.cleanup.pop()()
 
 
 @dataclass(frozen=True)
@@ -80,8 +86,12 @@ def register_check(name: str, *, after: str | None = None) -> Callable:
 def run_preflight(ctx: PreflightContext, checks: list[PreflightCheck] | None = None) -> float:
     """Run every check in order; the first refusal raises (``PreflightError``). Returns the seconds taken."""
     t0 = time.perf_counter()
-    for check in CHECKS if checks is None else checks:
-        check.run(ctx)
+    try:
+        for check in CHECKS if checks is None else checks:
+            check.run(ctx)
+    except BaseException:
+        ctx.close()  # a refused run holds nothing
+        raise
     return time.perf_counter() - t0
 
 
@@ -133,6 +143,37 @@ def _stale_temp_data(ctx: PreflightContext) -> None:
     if live:
         raise PreflightError(f"another run is exporting to {ctx.export_path}: {live[0]}; wait for it, or choose "
                              "another --export_path")
+    if ctx.rank == 0:
+        _lock_export_path(ctx)
+
+
+def export_lock_path(export_path: Path) -> Path:
+    return export_path.parent / f".{export_path.name}.lock"
+
+
+def _lock_export_path(ctx: PreflightContext) -> None:
+    """Rank 0 holds ``.<name>.lock`` next to the export path from here to the end of the run (``ctx.close``),
+    so two runs to one path cannot both pass the preflight. Parent directories it had to create are
+    removed again on release when still empty."""
+    from .ownership import LockHeld, acquire_lock
+
+    lock_path = export_lock_path(ctx.export_path.absolute())
+    made = [p for p in (lock_path.parent, *lock_path.parent.parents) if not p.exists()][::-1]
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def remove_made() -> None:
+        for p in reversed(made):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    ctx.cleanup.append(remove_made)
+    try:
+        lock = acquire_lock(lock_path, {"kind": "modelopt_k3 export lock"}, ctx.notes)
+    except LockHeld as e:
+        raise PreflightError(f"another run is exporting to {ctx.export_path}: {e}") from None
+    ctx.cleanup.append(lock.release)
 
 
 @register_check("export format")
