@@ -18,8 +18,8 @@ from pathlib import Path
 
 __all__ = ["DestinationError", "check_writable", "create_new", "refuse_overlap", "staging_path", "write_new"]
 
-# Mode of every file the tools write (before the umask), whatever writes it.
-FILE_MODE = 0o644
+# Mode of every file the tools write, before the umask (as any tool creating a file): 0644 under umask 022.
+FILE_MODE = 0o666
 _STAGING_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.(?P<kind>[a-z]+)$")
 
 
@@ -105,3 +105,25 @@ def write_new(path: Path, data: bytes) -> None:
         path.unlink(missing_ok=True)
         raise
     os.close(fd)
+
+
+def output_mode() -> int:
+    """The mode a file created now gets (``FILE_MODE`` less the umask): what ``fix_mode`` gives the files
+    written by a library that picks its own (safetensors' ``save_file`` writes 0600)."""
+    return FILE_MODE & ~_umask()
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask would, for every thread, for a moment)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def fix_mode(path: Path) -> None:
+    os.chmod(path, output_mode())

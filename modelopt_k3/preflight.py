@@ -14,6 +14,7 @@ own with ``register_check`` (in the module that owns the feature), e.g.::
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,11 +115,13 @@ def _not_the_source(ctx: PreflightContext) -> None:
 @register_check("checkpoint matches config.json")
 def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it."""
-    from .source_check import check_experts
+    from .source_check import check_config, check_experts
 
     raw = read_config(ctx.checkpoint)
     with CheckpointReader(ctx.checkpoint) as reader:
-        check_experts(reader.headers(), raw, get_spec(raw.get("model_type", "")))
+        spec = get_spec(raw.get("model_type", ""))
+        check_config(raw, spec)
+        check_experts(reader.headers(), raw, spec)
 
 
 @register_check("export path free")
@@ -224,3 +227,35 @@ def _calibration_data(ctx: PreflightContext) -> None:
         ctx.texts = load_texts(ctx.args.dataset)
     except DataError as e:
         raise PreflightError(f"--dataset {ctx.args.dataset}: {e}") from None
+
+
+# Files one of which every Hugging Face tokenizer directory holds.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+# Share of host memory the calibration token ids may take (they are held for the whole calibration).
+CALIB_MEMORY_SHARE = 0.25
+
+
+@register_check("tokenizer present", after="calibration data")
+def _tokenizer_present(ctx: PreflightContext) -> None:
+    if not any((ctx.checkpoint / name).is_file() for name in TOKENIZER_FILES):
+        raise PreflightError(f"{ctx.checkpoint} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); calibration "
+                             "tokenizes its texts with the checkpoint's own tokenizer: copy its tokenizer files there")
+
+
+@register_check("calibration size", after="tokenizer present")
+def _calibration_size(ctx: PreflightContext) -> None:
+    """The token ids of ``(--calib_size + --eval_kl) x --calib_seq`` are held in memory (8 bytes each, twice
+    while they are cut): refused when that passes a quarter of this host's memory, before any is made."""
+    args = ctx.args
+    sequences = args.calib_size + getattr(args, "eval_kl", 0)
+    need = sequences * args.calib_seq * 8 * 2
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > CALIB_MEMORY_SHARE * host:
+        raise PreflightError(
+            f"--calib_size {args.calib_size} (+ --eval_kl {getattr(args, 'eval_kl', 0)}) x --calib_seq {args.calib_seq} "
+            f"tokens need {need / 2**30:.1f} GiB for their ids alone, more than {CALIB_MEMORY_SHARE:.0%} of this "
+            f"host's {host / 2**30:.0f} GiB; lower --calib_size (repeating data adds nothing to max calibration)"
+        )

@@ -189,9 +189,12 @@ def _calibration_sequences(args: argparse.Namespace, ckpt: Path, trust: bool, te
     """Token sequences for calibration, then ``--eval_kl`` held-out ones, from the checkpoint's tokenizer."""
     from transformers import AutoTokenizer
 
-    from ..data import pack_sequences
+    from ..data import DataError, pack_sequences
 
-    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load the tokenizer of {ckpt}: {' '.join(str(e).split())[:300]}") from None
     return pack_sequences(tokenizer, texts, num_sequences=args.calib_size + args.eval_kl, seq_len=args.calib_seq)
 
 

@@ -69,7 +69,7 @@ from modelopt_k3.dist.group import RunGroup, current_group
 from modelopt_k3.export.modelopt_format import strip_source_quantization
 from modelopt_k3.export.staging import StagingDir, remove_tree, sweep_stale
 from modelopt_k3.numerics.finite import nonfinite_count
-from modelopt_k3.paths import create_new, write_new
+from modelopt_k3.paths import create_new, fix_mode, write_new
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -409,7 +409,7 @@ class ShardWriter:
         self._spill_file.close()
         header, _ = header_bytes(self.metadata, self._spilled)
         spill = self._spill_path()
-        out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        out_fd = create_new(path)  # a fresh name in our own staging directory
         try:
             pwrite_all(out_fd, header, 0)
             _copy_into(spill, out_fd, len(header), sum(nbytes for *_, nbytes in self._spilled))
@@ -429,6 +429,7 @@ class ShardWriter:
             self._flush_spilled(path)
         else:
             save_file(self._buffer, str(path), metadata=self.metadata)
+            fix_mode(path)  # safetensors creates it 0600; every other output file has the usual mode
         self.num_shards += 1
         self._buffer = {}
         self._buffer_storages = set()

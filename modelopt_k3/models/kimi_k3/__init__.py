@@ -6,7 +6,7 @@ from ..spec import ExpertProjection, ModelSpec, register_spec
 from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import kv_cache_sites
-from .layout import expert_layout
+from .layout import check_config_fields, dense_layout, expert_layout
 from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, place_experts, prepare
 from .probe import probe_model
@@ -33,6 +33,8 @@ KIMI_K3_SPEC = register_spec(
         source_formats=SUPPORTED_SOURCE_FORMATS,
         kv_cache_sites=kv_cache_sites,
         expert_layout=expert_layout,
+        dense_layout=dense_layout,
+        check_config=check_config_fields,
         probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
