@@ -126,10 +126,17 @@ def _checkpoint_matches_config(ctx: PreflightContext) -> None:
 
 @register_check("export path free")
 def _export_path_free(ctx: PreflightContext) -> None:
+    from .export.writer import refuse_replacing_a_non_checkpoint
+
     path = ctx.export_path
     if path.is_dir() and any(path.iterdir()) and not ctx.args.overwrite:
         raise PreflightError(f"--export_path {path} exists and is not empty; pass --overwrite to replace it "
                              "(only once the new export is complete), or choose another path")
+    if ctx.args.overwrite:
+        try:
+            refuse_replacing_a_non_checkpoint(path.absolute())
+        except FileExistsError as e:
+            raise PreflightError(f"--export_path --overwrite: {e}") from None
 
 
 @register_check("export path writable")

@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
                         "per local rank on CPU)")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a checkpoint at --export_path (deleted once the new export is complete; a "
+                   "non-empty directory that is not a checkpoint is refused)")
     p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
                    help="modelopt (hf_quant_config.json; vLLM/TRT-LLM/SGLang) or compressed-tensors nvfp4-pack-quantized")
     p.add_argument("--target_engines", default=None, metavar="ENGINES",

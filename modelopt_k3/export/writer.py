@@ -201,6 +201,22 @@ def _refuse_existing(export_dir: Path) -> None:
         )
 
 
+def refuse_replacing_a_non_checkpoint(export_dir: Path) -> None:
+    """``--overwrite`` replaces the export directory as a whole (deleting it once the new one is in place): the
+    command line replaces only a checkpoint directory (its ``config.json`` and index or single shard), never,
+    say, a home directory given by mistake. (``atomic_output_dir(overwrite=True)`` itself replaces any.)"""
+    if not _is_nonempty(export_dir):
+        return
+    is_checkpoint = export_dir.is_dir() and not export_dir.is_symlink() and (export_dir / "config.json").is_file() \
+        and ((export_dir / INDEX_NAME).is_file() or (export_dir / SINGLE_NAME).is_file())
+    if not is_checkpoint:
+        raise FileExistsError(
+            f"export directory {export_dir} is not empty and is not a checkpoint (no config.json with "
+            f"{INDEX_NAME} or {SINGLE_NAME}); overwrite replaces only a checkpoint directory, deleting the old "
+            "one: choose another path, or empty it yourself"
+        )
+
+
 def _make_tmp_dir(export_dir: Path, overwrite: bool) -> StagingDir:
     sweep_stale(export_dir)  # what dead runs left next to this export path
     if not overwrite:

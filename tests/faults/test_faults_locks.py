@@ -136,3 +136,17 @@ def test_sigterm_right_after_the_owner_record_leaves_neither(tmp_path, monkeypat
     with pytest.raises(Terminated), sigterm_unwinds():
         staging.StagingDir(export_dir, "tmp").mkdir()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_replaces_only_a_checkpoint_directory(tiny_ckpt, tmp_path, run_tool) -> None:
+    """--overwrite deletes the old export once the new one is complete: never a directory that is not a
+    checkpoint (a home directory given by mistake)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    t0 = time.perf_counter()
+    rc, _, err = run_tool("ptq", _ptq_args(tiny_ckpt, home, "--overwrite"))
+    assert time.perf_counter() - t0 < 5.0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "is not a checkpoint" in lines[0], err
+    assert [p.name for p in home.iterdir()] == ["thesis.tex"] and temp_leftovers(home) == []
