@@ -76,12 +76,14 @@ def _load_record(dst: Path, file: str, fingerprint: str, *, verify_hash: bool) -
     return rec
 
 
-def source_identity(plan: _Plan, read: dict[str, str]) -> dict[str, list[int]]:
-    """``_stat_identity`` of every source file a shard read from: what says cheaply that it is unchanged."""
-    return {file: _stat_identity(plan.src / file) for file in sorted({plan.tensors[key].file for key in read})}
+def source_identity(plan: _Plan, read: dict[str, str]) -> dict[str, list[int] | None]:
+    """``stat_identity`` of every source file a shard read from, as the plan took it before reading: what
+    says cheaply that it is unchanged."""
+    files = sorted({plan.tensors[key].file for key in read})
+    return {f: plan.identity[f] if f in plan.identity else stat_identity(plan.src / f) for f in files}
 
 
-def _stat_identity(path: Path) -> list[int] | None:
+def stat_identity(path: Path) -> list[int] | None:
     """(size, mtime, ctime in ns, inode): any write to the file changes its ctime, which no one can set back."""
     try:
         st = os.stat(path)
@@ -102,7 +104,7 @@ def check_source(plan: _Plan, dst: Path, file: str, rec: dict, *, verify_hash: b
     read, identity = source.get("read"), source.get("identity")
     if not isinstance(read, dict) or not isinstance(identity, dict):
         raise ConvertError(f"{_record_path(dst, file)} records no source identity; pass --overwrite to convert again")
-    suspect = {f for f, ident in identity.items() if verify_hash or _stat_identity(plan.src / f) != ident}
+    suspect = {f for f, ident in identity.items() if verify_hash or stat_identity(plan.src / f) != ident}
     for key, digest in read.items():
         info = plan.tensors.get(key)
         if info is None or (info.file in suspect and plan.reader.sha256(key) != digest):
