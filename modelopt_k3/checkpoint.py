@@ -1,9 +1,20 @@
 """The one reader of safetensors checkpoint directories: headers checked up front, tensors on request.
 
 ``CheckpointReader`` parses and checks every shard header when it is built (no tensor bytes are
-read): the index and the shards agree tensor for tensor, every dtype is known, every tensor's
-``data_offsets`` span exactly its dtype and shape, and no tensor ends past the end of its file.
-Errors name the file and the tensor. It also fingerprints the headers (``header_digest``), which the
+read), enforcing what safetensors itself enforces and what a PTQ tool must (the trust boundary: a
+lying checkpoint is refused in milliseconds, naming the file and the tensor):
+
+- every file it opens (config, index, shard) is a regular file (a FIFO or a device would hang or
+  stream forever), opened without blocking;
+- a header is at most ``MAX_HEADER_BYTES`` (safetensors' own cap), checked before it is read, and is
+  a JSON object without duplicate keys;
+- every dtype is known, every dim >= 0, ``numel x itemsize`` equals the tensor's ``data_offsets``
+  span, and the tensors tile the data exactly: sorted by offset they start at 0, each begins where
+  the previous ends (no overlap, no gap) and the last ends at the end of the file;
+- the index and the shards agree tensor for tensor, and every shard name the index gives stays
+  inside the checkpoint (``shard_path``: a plain file name; a shard that is a symlink must resolve
+  inside the checkpoint or, for a Hugging Face cache snapshot ``<repo>/snapshots/<rev>/``, inside
+  that repository's ``<repo>/blobs/``). It also fingerprints the headers (``header_digest``), which the
 streaming converter's resume protocol keys on.
 
 Two ways to read tensor bytes, both through the same checked headers:
@@ -26,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator, Mapping
@@ -40,6 +52,10 @@ from safetensors import safe_open
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# safetensors refuses larger headers (its MAX_HEADER_SIZE); checked before a byte of it is read.
+MAX_HEADER_BYTES = 100_000_000
+# config.json and the index are small; a bound keeps a planted multi-GB "config" from being read whole.
+MAX_JSON_BYTES = 256 * 2**20
 
 # safetensors dtype names (the header's "dtype") -> torch dtypes; the writer uses the inverse.
 SAFETENSORS_DTYPES = {
@@ -66,50 +82,170 @@ class TensorInfo(NamedTuple):  # a NamedTuple: a Kimi-K3 checkpoint has ~10**5 t
 def read_config(path: Path) -> dict:
     """A checkpoint directory's ``config.json``, parsed (no remote code runs); errors name the file."""
     config = Path(path) / "config.json"
-    if not config.is_file():
+    if not config.exists():
         raise CheckpointError(f"{path} has no config.json; is it a checkpoint directory?")
+    data = read_json(config)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{config} is not valid JSON: not a JSON object")
+    return data
+
+
+# --------------------------------------------------------------------------- files
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file (symlinks followed).
+
+    Opened with ``O_NONBLOCK`` (opening a FIFO for reading would otherwise wait for a writer) and
+    checked with ``fstat`` on the descriptor itself, so a file swapped after a ``stat`` is caught too.
+    """
     try:
-        return json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config} is not valid JSON: {e}") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"checkpoint file {path} is a directory, not a file") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be opened: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise CheckpointError(f"checkpoint file {path} is {kind}; only regular files are read")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_exactly(fd: int, n: int, offset: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), offset + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json`` object hook: refuse a key given twice (JSON allows it, and the last one would win silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def parse_json(text: bytes | str) -> object:
+    """Strict JSON: duplicate keys refused (``ValueError``), as is ``NaN``/``Infinity``."""
+    def no_constants(name: str) -> object:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=no_constants)
+
+
+def read_json(path: Path, *, limit: int = MAX_JSON_BYTES) -> object:
+    """A small JSON file of the checkpoint (config, index), read through ``open_regular``; errors name it."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointError(f"{path} is {size} bytes, more than the {limit} a JSON file of a checkpoint may be")
+        text = _read_exactly(fd, size, 0)
+    finally:
+        os.close(fd)
+    try:
+        return parse_json(text)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def shard_path(root: Path, name: object, where: Path) -> Path:
+    """The path of shard ``name`` (as the index gives it) in checkpoint ``root``, refused unless it stays inside.
+
+    The name must be a plain file name in ``root`` (no directory part: ``../x``, ``/abs``, ``sub/x`` and
+    ``sub/../../x`` are refused as written, before any file is touched; checkpoints are flat, and so is
+    every output the tools write). A shard that is a symlink must resolve inside ``root`` too, except
+    that a Hugging Face cache snapshot ``<repo>/snapshots/<rev>/`` may link into its own
+    ``<repo>/blobs/`` (how the hub cache stores every file). ``where``: the file that named it.
+    """
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{where}: shard name {name!r} is not a file name")
+    if "/" in name or "\\" in name or name in (".", ".."):
+        raise CheckpointError(f"{where}: shard name {name!r} leaves the checkpoint directory {root}; a shard "
+                              "must be named by a plain file name inside it (no directory part, no '..')")
+    path = root / name
+    if path.is_symlink():
+        real, base = path.resolve(), root.resolve()
+        allowed = [base]
+        if base.parent.name == "snapshots":  # <repo>/snapshots/<rev>
+            allowed.append(base.parent.parent / "blobs")
+        if not any(real.is_relative_to(a) for a in allowed):
+            raise CheckpointError(f"{where}: shard {name} resolves to {real}, outside the checkpoint directory "
+                                  f"{root}{' and its Hugging Face cache blobs' if len(allowed) > 1 else ''}")
+    return path
 
 
 # --------------------------------------------------------------------------- headers
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    """``weight_map`` of a safetensors index file: tensor name -> shard file name."""
+    """``weight_map`` of a safetensors index file: tensor name -> shard file name (every name checked
+    by ``shard_path``)."""
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
+        index = read_json(path)
+        weight_map = index["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise TypeError("weight_map is not a mapping of tensor names to file names")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except CheckpointError as e:
         raise CheckpointError(f"{path} is not a valid safetensors index: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a valid safetensors index: {e}") from None
+    for file in set(weight_map.values()):
+        shard_path(path.parent, file, path)
     return weight_map
+
+
+def read_weight_map(path: Path) -> dict[str, str]:
+    """Tensor name -> shard file of checkpoint ``path`` (its index, else the single file's header)."""
+    path = Path(path)
+    if (path / INDEX_NAME).exists():
+        return _read_index(path / INDEX_NAME)
+    if (path / SINGLE_NAME).exists():
+        return dict.fromkeys((k for k in read_header(path / SINGLE_NAME) if k != "__metadata__"), SINGLE_NAME)
+    raise CheckpointError(f"{path} has neither {INDEX_NAME} nor {SINGLE_NAME}")
 
 
 def _read_raw_header(path: Path) -> tuple[bytes, dict, int]:
     """(length prefix + JSON header bytes, the parsed header, file size) of one safetensors file."""
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointError(f"checkpoint shard {path} is missing")
+    fd = open_regular(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            (n,) = struct.unpack("<Q", f.read(8))
-            if 8 + n > size:
-                raise ValueError(f"the header claims {n} bytes but the file has {size}")
-            text = f.read(n)
-        header = json.loads(text)
+        size = os.fstat(fd).st_size
+        (n,) = struct.unpack("<Q", _read_exactly(fd, 8, 0))
+        if n > MAX_HEADER_BYTES:  # refused before a byte of it is read (or allocated)
+            raise ValueError(f"the header claims {n} bytes, more than safetensors' limit of {MAX_HEADER_BYTES}")
+        if 8 + n > size:
+            raise ValueError(f"the header claims {n} bytes but the file has {size}")
+        text = _read_exactly(fd, n, 8)
+        header = parse_json(text)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint shard {path} is missing") from None
     except (struct.error, ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"checkpoint shard {path} has a corrupt safetensors header: {e}") from None
+    finally:
+        os.close(fd)
     if not isinstance(header, dict):
         raise CheckpointError(f"checkpoint shard {path} has a corrupt safetensors header: not a JSON object")
     return struct.pack("<Q", n) + text, header, size
 
 
 def read_header(path: Path) -> dict:
-    """The parsed JSON header of one safetensors file (no tensor bytes are read); errors name the file."""
-    return _read_raw_header(Path(path))[1]
+    """The parsed JSON header of one safetensors file, every entry checked as ``read_shard`` does (no
+    tensor bytes are read); errors name the file."""
+    return read_shard(Path(path)).header
 
 
 class ShardHeader(NamedTuple):
@@ -124,23 +260,47 @@ def read_shard(path: Path, file: str | None = None) -> ShardHeader:
     the file); ``file`` is the name entries carry (default: the file's name)."""
     path = Path(path)
     raw, header, size = _read_raw_header(path)
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ is not a mapping of strings")
     tensors = {
         key: _tensor_info(path, file or path.name, key, meta, len(raw), size)
         for key, meta in header.items() if key != "__metadata__"
     }
+    _check_tiling(path, tensors, len(raw), size)
     return ShardHeader(raw, header, tensors, size)
+
+
+def _check_tiling(path: Path, tensors: dict[str, TensorInfo], data_start: int, size: int) -> None:
+    """The tensors' byte ranges tile the data exactly (safetensors' own rule): sorted by offset, each
+    starts where the previous ended, the first at 0, the last at the end of the file. Overlapping
+    ranges would hand two tensors the same bytes; a gap or a tail is bytes no tensor accounts for."""
+    pos = data_start
+    for key, t in sorted(tensors.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
+        if t.offset != pos:
+            what = "overlaps the tensor before it" if t.offset < pos else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {key}'s data_offsets [{t.offset - data_start}, "
+                                  f"{t.offset - data_start + t.nbytes}] {what} (expected to start at {pos - data_start})")
+        pos += t.nbytes
+    if pos != size:
+        raise CheckpointError(f"{path}: the tensors end at byte {pos} but the file has {size} bytes "
+                              "(trailing bytes no tensor accounts for)")
 
 
 def _tensor_info(path: Path, file: str, key: str, meta: object, data_start: int, size: int) -> TensorInfo:
     """One header entry, checked: known dtype, offsets spanning exactly dtype x shape, inside the file."""
     try:
-        dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
-        shape = tuple(int(d) for d in meta["shape"])
-        begin, end = (int(x) for x in meta["data_offsets"])
+        if not isinstance(meta, dict) or set(meta) != {"dtype", "shape", "data_offsets"}:
+            raise KeyError("want exactly dtype, shape and data_offsets")
+        dtype = SAFETENSORS_DTYPES.get(meta["dtype"]) if isinstance(meta["dtype"], str) else None
+        shape = tuple(_int(d) for d in meta["shape"])
+        begin, end = (_int(x) for x in meta["data_offsets"])
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: header entry of tensor {key} is malformed: {meta!r} ({e})") from None
+        raise CheckpointError(f"{path}: header entry of tensor {key} is malformed: {str(meta)[:200]} ({e})") from None
     if dtype is None:
         raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {meta['dtype']!r}")
+    if any(d < 0 for d in shape):
+        raise CheckpointError(f"{path}: tensor {key} has a negative dimension in its shape {list(shape)}")
     want = math.prod(shape) * dtype.itemsize
     if end - begin != want or begin < 0:
         raise CheckpointError(
@@ -152,6 +312,13 @@ def _tensor_info(path: Path, file: str, key: str, meta: object, data_start: int,
             f"{path} is truncated: tensor {key} ends at byte {data_start + end} but the file has {size} bytes"
         )
     return TensorInfo(file, dtype, shape, end - begin, data_start + begin)
+
+
+def _int(value: object) -> int:
+    """A JSON integer (not a bool, a float or a string, which ``int()`` would accept)."""
+    if type(value) is not int:
+        raise TypeError(f"{value!r} is not an integer")
+    return value
 
 
 def _check_listed(path: Path, header: dict, listed: set[str], weight_map: Mapping[str, str]) -> None:
@@ -178,6 +345,8 @@ class ReadLog:
     keys: list[str] = field(default_factory=list)
     bytes: int = 0
     invalid: dict[str, str] = field(default_factory=dict)  # key -> what is not a number in it
+    # key -> sha256 of the bytes read (``pread`` only, when not None): the converter's source identity.
+    hashes: dict[str, str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, key: str, tensor: torch.Tensor, nbytes: int, check_values: bool) -> None:
@@ -230,7 +399,7 @@ class CheckpointReader:
             listed_in[file].add(key)
         digest = hashlib.sha256()
         for file in self.files:
-            shard = read_shard(self.path / file, file)
+            shard = read_shard(shard_path(self.path, file, self.path / INDEX_NAME), file)
             if weight_map is not None:
                 _check_listed(self.path / file, shard.header, listed_in[file], weight_map)
             self.sizes[file] = shard.size
@@ -305,10 +474,7 @@ class CheckpointReader:
         """A read-only descriptor of shard ``file`` (opened once, closed by ``close``)."""
         with self._lock:
             if file not in self._fds:
-                try:
-                    self._fds[file] = os.open(self.path / file, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise CheckpointError(f"checkpoint shard {self.path / file} is missing") from None
+                self._fds[file] = open_regular(self.path / file)
             return self._fds[file]
 
     def pread_into(self, file: str, view: memoryview, offset: int) -> None:
@@ -327,5 +493,24 @@ class CheckpointReader:
         if info.nbytes:
             self.pread_into(info.file, memoryview(buf.numpy()), info.offset)
         tensor = buf.view(info.dtype).reshape(info.shape)
-        (self.log if log is None else log).record(key, tensor, info.nbytes, self.check_values)
+        log = self.log if log is None else log
+        if log.hashes is not None:  # from the bytes just read: no second pass over the source
+            digest = hashlib.sha256(buf.numpy()).hexdigest()
+            with log._lock:
+                log.hashes[key] = digest
+        log.record(key, tensor, info.nbytes, self.check_values)
         return tensor
+
+    def sha256(self, key: str, chunk: int = 64 * 2**20) -> str:
+        """sha256 of tensor ``key``'s stored bytes, read in chunks (nothing recorded: a check, not a read)."""
+        info = self.info(key)
+        h = hashlib.sha256()
+        buf = bytearray(min(chunk, max(info.nbytes, 1)))
+        view = memoryview(buf)
+        done = 0
+        while done < info.nbytes:
+            n = min(len(view), info.nbytes - done)
+            self.pread_into(info.file, view[:n], info.offset + done)
+            h.update(view[:n])
+            done += n
+        return h.hexdigest()

@@ -34,7 +34,7 @@ from .models.conversion import decode_op, decodes_after_layout, run_converter, r
 from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
 from .nonfinite import source_refusal, warn_passthrough
-from .source_check import SourceLayout, check_dense, check_experts
+from .source_check import SourceLayout, check_config, check_dense, check_experts
 
 EXPERTS_PER_READ = 16
 
@@ -494,6 +494,7 @@ def _open_source(path: Path, trust_remote_code: bool) -> _Source:
     spec = get_spec(raw.get("model_type", ""))
     spec.check_transformers()
     reader = CheckpointReader(path)  # headers only, until a tensor is asked for
+    check_config(raw, spec)
     layout = check_experts(reader.headers(), raw, spec)  # the converter runs the same check
     spec.build(path)
     model_cls, config = resolve_model_class(path, raw, trust_remote_code)

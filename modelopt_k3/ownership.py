@@ -15,6 +15,7 @@ Anything that cannot be decided counts as alive: data of a live run is never rem
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -26,6 +27,9 @@ from pathlib import Path
 
 __all__ = [
     "HEARTBEAT_S",
+    "FileLock",
+    "LockHeld",
+    "acquire_lock",
     "STALE_AFTER_ENV",
     "Heartbeat",
     "Owner",
@@ -74,18 +78,34 @@ class Owner:
 
 
 def write_record(path: Path, owner: Owner, extra: dict | None = None, *, exclusive: bool = False) -> None:
-    """Write ``path`` = the owner record (plus ``extra``). ``exclusive``: fail if it exists (a lock)."""
+    """Write ``path`` = the owner record (plus ``extra``), whole: written to a fresh name first, then
+    renamed (or, ``exclusive``: hard-linked, which fails if ``path`` exists: a lock). So a record on disk
+    is never half-written, and an empty or unreadable one was never a live run's."""
+    from .paths import staging_path, write_new
+
     body = (json.dumps({**asdict(owner), **(extra or {})}, indent=2) + "\n").encode()
-    if exclusive:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    tmp = staging_path(path, "new")
+    write_new(tmp, body)
+    try:
+        if not exclusive:
+            os.replace(tmp, path)
+            return
         try:
-            os.write(fd, body)
-        finally:
-            os.close(fd)
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
-    tmp.write_bytes(body)
-    os.replace(tmp, path)
+            os.link(tmp, path)
+        except OSError as e:
+            if isinstance(e, FileExistsError) or e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            _write_exclusive(path, body)  # a filesystem without hard links: O_EXCL, then the body
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_exclusive(path: Path, body: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, body)
+    finally:
+        os.close(fd)
 
 
 def read_record(path: Path) -> tuple[Owner, dict] | None:
@@ -163,3 +183,46 @@ def heartbeat(path: Path, interval_s: float = HEARTBEAT_S) -> Iterator[Heartbeat
         yield beat
     finally:
         beat.stop()
+
+
+class LockHeld(ValueError):
+    """A live run holds the lock; the message names it (pid, host, start time) and what to do."""
+
+
+@dataclass
+class FileLock:
+    """A held lock file (an owner record, heartbeat running); ``release`` removes it. Idempotent."""
+
+    path: Path
+    beat: Heartbeat
+
+    def release(self) -> None:
+        self.beat.stop()
+        self.path.unlink(missing_ok=True)
+
+
+def acquire_lock(path: Path, extra: dict | None = None, notes: list[str] | None = None) -> FileLock:
+    """Take lock file ``path`` (an owner record created whole, ``write_record(exclusive=True)``), or raise
+    ``LockHeld`` naming the live holder. A lock of a dead owner, and an empty or unreadable one (never a live
+    run's: records are linked in whole), is removed first, with a note saying so."""
+    for _ in range(3):
+        try:
+            write_record(path, Owner.this_process(), extra, exclusive=True)
+        except FileExistsError:
+            pass
+        else:
+            return FileLock(path, Heartbeat(path).start())
+        found = read_record(path)
+        if found is None:
+            note = f"removed the lock file {path}: it is empty or unreadable, so no live run holds it (a crash left it)"
+        else:
+            owner, _ = found
+            alive, why = owner_status(owner, path)
+            if alive:
+                raise LockHeld(f"{path} is held by another run ({owner.describe()}; {why}); wait for it to end, "
+                               "or remove the file if that run is dead")
+            note = f"removed the stale lock {path} ({owner.describe()}; {why})"
+        path.unlink(missing_ok=True)
+        if notes is not None:
+            notes.append(note)
+    raise LockHeld(f"{path} reappears each time it is removed: another run is taking it; try again later")

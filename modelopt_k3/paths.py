@@ -1,13 +1,26 @@
-"""Destination checks shared by ``hf_ptq`` and the converter: never write over the source, and find an
-unwritable destination before the run instead of after it."""
+"""Destination checks shared by ``hf_ptq`` and the converter: never write over the source, find an
+unwritable destination before the run instead of after it, and create files only where nothing was
+planted.
+
+Every file the tools write goes first to a new name nobody can predict (``staging_path``: 128 random
+bits), created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (``create_new``): a file or symlink planted at
+that name makes the create fail instead of being opened, truncated or followed. It is then renamed
+over its final name; ``rename`` replaces a symlink there rather than writing through it.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import uuid
 from pathlib import Path
 
-__all__ = ["DestinationError", "check_writable", "refuse_overlap"]
+__all__ = ["DestinationError", "check_writable", "create_new", "refuse_overlap", "staging_path", "write_new"]
+
+# Mode of every file the tools write, before the umask (as any tool creating a file): 0644 under umask 022.
+FILE_MODE = 0o666
+_STAGING_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.(?P<kind>[a-z]+)$")
 
 
 class DestinationError(ValueError):
@@ -60,3 +73,57 @@ def check_writable(dest: Path, *, flag: str = "--export_path", inside: bool = Fa
         raise DestinationError(
             f"{flag} {dest} is not writable ({where}: {e.strerror or e}); choose a writable location"
         ) from None
+
+
+def staging_path(final: Path, kind: str = "partial") -> Path:
+    """A fresh name next to ``final`` that a planted file cannot anticipate: ``.<name>.<32 hex>.<kind>``."""
+    return final.with_name(f".{final.name}.{uuid.uuid4().hex}.{kind}")
+
+
+def is_staging_name(name: str, final: str | None = None, kind: str | None = None) -> bool:
+    """Whether ``name`` is one of ``staging_path``'s (for ``final``, of ``kind``, when given)."""
+    m = _STAGING_RE.match(name)
+    return bool(m) and (final is None or name.startswith(f".{final}.") and len(name) == len(final) + 35 + len(m["kind"])) \
+        and (kind is None or m["kind"] == kind)
+
+
+def create_new(path: Path, mode: int = FILE_MODE) -> int:
+    """A write descriptor of a file created at ``path`` now: never one that exists, nor a symlink's target."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.open(path, flags, mode)
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` to a file created at ``path`` (``create_new``); removed again if writing fails."""
+    fd = create_new(path)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def output_mode() -> int:
+    """The mode a file created now gets (``FILE_MODE`` less the umask): what ``fix_mode`` gives the files
+    written by a library that picks its own (safetensors' ``save_file`` writes 0600)."""
+    return FILE_MODE & ~_umask()
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask would, for every thread, for a moment)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def fix_mode(path: Path) -> None:
+    os.chmod(path, output_mode())

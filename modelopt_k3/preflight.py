@@ -14,6 +14,7 @@ own with ``register_check`` (in the module that owns the feature), e.g.::
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,12 @@ class PreflightContext:
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
     memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py), read by hf_ptq
     notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
+    cleanup: list[Callable[[], None]] = field(default_factory=list)  # what ``close`` undoes (the export lock)
+
+    def close(self) -> None:
+        """Undo what the checks hold for the run (the export path's lock), last first. Idempotent."""
+        while self.cleanup:
+            self.cleanup.pop()()
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,12 @@ def register_check(name: str, *, after: str | None = None) -> Callable:
 def run_preflight(ctx: PreflightContext, checks: list[PreflightCheck] | None = None) -> float:
     """Run every check in order; the first refusal raises (``PreflightError``). Returns the seconds taken."""
     t0 = time.perf_counter()
-    for check in CHECKS if checks is None else checks:
-        check.run(ctx)
+    try:
+        for check in CHECKS if checks is None else checks:
+            check.run(ctx)
+    except BaseException:
+        ctx.close()  # a refused run holds nothing
+        raise
     return time.perf_counter() - t0
 
 
@@ -104,19 +115,28 @@ def _not_the_source(ctx: PreflightContext) -> None:
 @register_check("checkpoint matches config.json")
 def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it."""
-    from .source_check import check_experts
+    from .source_check import check_config, check_experts
 
     raw = read_config(ctx.checkpoint)
     with CheckpointReader(ctx.checkpoint) as reader:
-        check_experts(reader.headers(), raw, get_spec(raw.get("model_type", "")))
+        spec = get_spec(raw.get("model_type", ""))
+        check_config(raw, spec)
+        check_experts(reader.headers(), raw, spec)
 
 
 @register_check("export path free")
 def _export_path_free(ctx: PreflightContext) -> None:
+    from .export.writer import refuse_replacing_a_non_checkpoint
+
     path = ctx.export_path
     if path.is_dir() and any(path.iterdir()) and not ctx.args.overwrite:
         raise PreflightError(f"--export_path {path} exists and is not empty; pass --overwrite to replace it "
                              "(only once the new export is complete), or choose another path")
+    if ctx.args.overwrite:
+        try:
+            refuse_replacing_a_non_checkpoint(path.absolute())
+        except FileExistsError as e:
+            raise PreflightError(f"--export_path --overwrite: {e}") from None
 
 
 @register_check("export path writable")
@@ -133,6 +153,37 @@ def _stale_temp_data(ctx: PreflightContext) -> None:
     if live:
         raise PreflightError(f"another run is exporting to {ctx.export_path}: {live[0]}; wait for it, or choose "
                              "another --export_path")
+    if ctx.rank == 0:
+        _lock_export_path(ctx)
+
+
+def export_lock_path(export_path: Path) -> Path:
+    return export_path.parent / f".{export_path.name}.lock"
+
+
+def _lock_export_path(ctx: PreflightContext) -> None:
+    """Rank 0 holds ``.<name>.lock`` next to the export path from here to the end of the run (``ctx.close``),
+    so two runs to one path cannot both pass the preflight. Parent directories it had to create are
+    removed again on release when still empty."""
+    from .ownership import LockHeld, acquire_lock
+
+    lock_path = export_lock_path(ctx.export_path.absolute())
+    made = [p for p in (lock_path.parent, *lock_path.parent.parents) if not p.exists()][::-1]
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def remove_made() -> None:
+        for p in reversed(made):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    ctx.cleanup.append(remove_made)
+    try:
+        lock = acquire_lock(lock_path, {"kind": "modelopt_k3 export lock"}, ctx.notes)
+    except LockHeld as e:
+        raise PreflightError(f"another run is exporting to {ctx.export_path}: {e}") from None
+    ctx.cleanup.append(lock.release)
 
 
 @register_check("export format")
@@ -151,6 +202,30 @@ def _export_format(ctx: PreflightContext) -> None:
         raise PreflightError(f"--export_format {fmt}: {why}; use --export_format modelopt")
 
 
+@register_check("calibration reaches every calibrated module")
+def _calibration_reaches(ctx: PreflightContext) -> None:
+    """A recipe that needs activations of modules a text forward never runs (a vision tower) would fail only
+    after calibration ("no calibration data reached"): refused here, naming them."""
+    import re
+
+    from .quant.decisions import decide
+
+    spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
+    if spec.uncalibrated_module_regex is None:
+        return
+    unreachable = re.compile(spec.uncalibrated_module_regex)
+    with CheckpointReader(ctx.checkpoint) as reader:
+        table = decide(reader.inventory(), spec, ctx.recipe, None)
+    bad = sorted(name for name, d in table.decisions.items()
+                 if d.quantized and d.format.needs_calibration and unreachable.search(name))
+    if bad:
+        raise PreflightError(
+            f"recipe {ctx.recipe.name} quantizes the inputs of {len(bad)} module(s) that text calibration never "
+            f"runs, e.g. {bad[0]}; keep them BF16 (enable: false), give them weight-only formats or a constant "
+            "input_amax"
+        )
+
+
 @register_check("calibration data")
 def _calibration_data(ctx: PreflightContext) -> None:
     from .data import DataError, load_texts
@@ -159,3 +234,35 @@ def _calibration_data(ctx: PreflightContext) -> None:
         ctx.texts = load_texts(ctx.args.dataset)
     except DataError as e:
         raise PreflightError(f"--dataset {ctx.args.dataset}: {e}") from None
+
+
+# Files one of which every Hugging Face tokenizer directory holds.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+# Share of host memory the calibration token ids may take (they are held for the whole calibration).
+CALIB_MEMORY_SHARE = 0.25
+
+
+@register_check("tokenizer present", after="calibration data")
+def _tokenizer_present(ctx: PreflightContext) -> None:
+    if not any((ctx.checkpoint / name).is_file() for name in TOKENIZER_FILES):
+        raise PreflightError(f"{ctx.checkpoint} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); calibration "
+                             "tokenizes its texts with the checkpoint's own tokenizer: copy its tokenizer files there")
+
+
+@register_check("calibration size", after="tokenizer present")
+def _calibration_size(ctx: PreflightContext) -> None:
+    """The token ids of ``(--calib_size + --eval_kl) x --calib_seq`` are held in memory (8 bytes each, twice
+    while they are cut): refused when that passes a quarter of this host's memory, before any is made."""
+    args = ctx.args
+    sequences = args.calib_size + getattr(args, "eval_kl", 0)
+    need = sequences * args.calib_seq * 8 * 2
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > CALIB_MEMORY_SHARE * host:
+        raise PreflightError(
+            f"--calib_size {args.calib_size} (+ --eval_kl {getattr(args, 'eval_kl', 0)}) x --calib_seq {args.calib_seq} "
+            f"tokens need {need / 2**30:.1f} GiB for their ids alone, more than {CALIB_MEMORY_SHARE:.0%} of this "
+            f"host's {host / 2**30:.0f} GiB; lower --calib_size (repeating data adds nothing to max calibration)"
+        )

@@ -89,6 +89,13 @@ def _want(kind: str, out_f: int, in_f: int) -> tuple[torch.dtype | None, tuple[i
     return None, (out_f, in_f)
 
 
+def check_config(config: Mapping[str, Any], spec: ModelSpec) -> None:
+    """Every config field the tools read, checked before any of them reads it (``spec.check_config``): a missing
+    ``hidden_size`` is one line naming it, not a KeyError deep in the memory planner."""
+    if spec.check_config is not None:
+        spec.check_config(config)
+
+
 def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> SourceLayout:
     """Check every routed-expert tensor the config asks for against the checkpoint's headers.
 
@@ -170,3 +177,26 @@ def check_dense(
     unexpected = [name for name in tensors if name not in accounted]
     _raise("the checkpoint does not match the model built from config.json", missing, mismatched, unexpected,
            " (unexpected: tensors the model has no place for)" if unexpected else "")
+
+
+def check_dense_against_config(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> None:
+    """The dense tensors whose shapes config.json fixes (``spec.dense_layout``), without building the model:
+    the converter's check when it runs no remote code (``load_pretrained`` checks against the model itself)."""
+    if spec.dense_layout is None:
+        return
+    rules = [(re.compile(rx), shape, why) for rx, shape, why in spec.dense_layout(config)]
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    layers = text.get("num_hidden_layers")
+    mismatched, unexpected = [], []
+    for key, meta in tensors.items():
+        for rx, shape, why in rules:
+            m = rx.fullmatch(key) if shape is not None else rx.match(key)
+            if m is None:
+                continue
+            if shape is None:
+                if int(m["layer"]) >= layers:
+                    unexpected.append(f"{key} (layer {m['layer']} >= num_hidden_layers={layers})")
+            elif tuple(meta.shape) != shape:
+                mismatched.append(f"{key} stored as {list(meta.shape)}, config.json needs {list(shape)} ({why})")
+            break
+    _raise("the checkpoint's dense tensors do not match config.json", [], mismatched, unexpected, "")

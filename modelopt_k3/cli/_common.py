@@ -5,13 +5,17 @@ step) end with one line per group of ranks that failed the same way, printed onc
 ranks agreed), and exit code 2 on every rank; ``--debug`` adds the traceback. Anything else is a bug:
 its traceback is printed and the exit code is 1. SIGTERM (what torchrun sends the surviving ranks
 when one dies) becomes ``Terminated``, a ``SystemExit`` that unwinds the stack, so context managers
-remove their temporary data; the exit code is 128 + 15.
+remove their temporary data; the exit code is 128 + 15. SIGINT (Ctrl-C) unwinds the same way as
+``KeyboardInterrupt`` and exits 128 + 2, with one line. An ``OSError`` of the environment (disk full,
+read-only filesystem, a path component that is a file, no permission) is a refusal too: one line
+naming the file, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import signal
 import sys
 import traceback
@@ -19,6 +23,12 @@ from collections.abc import Callable, Iterator
 
 EXIT_REFUSED = 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+# What the machine, not the program, gets wrong: reported in one line, like any refusal.
+ENVIRONMENT_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+    errno.ENAMETOOLONG, errno.EMFILE, errno.ENFILE, errno.EIO, errno.ELOOP, errno.EXDEV, errno.ENOENT,
+})
 
 
 class Terminated(SystemExit):
@@ -118,6 +128,15 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _os_error_line(exc: OSError) -> str:
+    where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    why = exc.strerror or str(exc)
+    hint = {errno.ENOSPC: "free space or choose another output directory", errno.EDQUOT: "free quota",
+            errno.EROFS: "choose a writable output directory", errno.ENOTDIR: "a component of the path is a file"}
+    tip = f"; {hint[exc.errno]}" if exc.errno in hint else ""
+    return f"{why}{f': {where}' if where else ''}{tip}"
+
+
 def run_cli(prog: str, body: Callable[[], int], *, debug: bool = False) -> int:
     """Run ``body`` under SIGTERM unwinding; turn expected failures into one line and exit code 2."""
     try:
@@ -126,10 +145,20 @@ def run_cli(prog: str, body: Callable[[], int], *, debug: bool = False) -> int:
     except Terminated:
         print(f"{prog}: terminated (SIGTERM); temporary data removed", file=sys.stderr)
         return EXIT_TERMINATED
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (SIGINT); temporary data removed", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except expected_errors() as exc:
         if debug:
             traceback.print_exc()
         lines = failure_lines(exc)
         for line in lines or ():
             print(f"{prog}: error: {line}", file=sys.stderr)
+        return EXIT_REFUSED
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {_one_line(_os_error_line(exc))}", file=sys.stderr)
         return EXIT_REFUSED

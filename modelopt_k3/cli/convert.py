@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace a complete output, another job's partial output or foreign files in --dst")
     p.add_argument("--no_resume", action="store_true", help="rewrite this rank's shards even if complete")
     p.add_argument("--no_verify", action="store_true",
-                   help="on resume trust a completed shard's recorded size instead of re-hashing it")
+                   help="on resume trust a completed shard's recorded size instead of re-hashing it, and the "
+                   "source's file sizes and modification times instead of re-hashing the source bytes it was made from")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="threads converting one shard's tensors (default: min(4, CPU count))")
     p.add_argument("--finalize", action="store_true",
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated serving engines (vllm, sglang, trtllm) the output must load in as converted: "
                         "a recipe one of them cannot serve is refused before anything is written, and the exit "
                         "status is 1 when the final modelopt-k3-check finds one of them does not load it correctly")
+    p.add_argument("--allow_unmatched", action="store_true",
+                   help="run even if a recipe pattern matches no module of the checkpoint (refused by default: a typo)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
     return p
@@ -79,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ..check import check_recipe_for_engines, final_check, parse_engines
     from ..convert import convert_checkpoint, finalize_conversion
+    from ..recipe import load_recipe
+
+    args.recipe = load_recipe(args.recipe, overrides={"allow_unmatched": True} if args.allow_unmatched else None)
 
     targets = parse_engines(args.target_engines) if args.target_engines else ()
     if targets:  # before anything is read or written: names and headers only

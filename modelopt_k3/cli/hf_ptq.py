@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
                         "per local rank on CPU)")
     p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a checkpoint at --export_path (deleted once the new export is complete; a "
+                   "non-empty directory that is not a checkpoint is refused)")
     p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
                    help="modelopt (hf_quant_config.json; vLLM/TRT-LLM/SGLang) or compressed-tensors nvfp4-pack-quantized")
     p.add_argument("--target_engines", default=None, metavar="ENGINES",
@@ -77,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow_nonfinite_passthrough", action="store_true",
                    help="copy source tensors with NaN/Inf that stay unquantized unchanged (with a warning) instead "
                    "of refusing; a quantized one is always refused")
+    p.add_argument("--allow_unmatched", action="store_true",
+                   help="run even if a recipe pattern matches no module of the checkpoint (refused by default: a typo)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
     return p
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli("modelopt-k3-ptq", lambda: run(args), debug=args.debug)
 
 
-def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
+def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool, made: list | None = None):
     """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``)."""
     from .. import check  # noqa: F401  registers the "serving engines" check (--target_engines)
     from ..memory import preflight as _memory  # noqa: F401 - registers the "memory plan fits" check
@@ -122,9 +126,13 @@ def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
         overrides["kv_cache"] = args.kv_cache_qformat
     if args.calibrate_all_experts:
         overrides["calibrate_all_experts"] = True
+    if args.allow_unmatched:
+        overrides["allow_unmatched"] = True
     recipe = load_recipe(recipe_name, overrides=overrides or None)
     export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
     ctx = PreflightContext(args, ckpt, trust, export_path, recipe, rank=group.rank, world_size=group.world_size)
+    if made is not None:
+        made.append(ctx)
     seconds = run_preflight(ctx)
     ctx.notes.append(f"preflight passed in {seconds:.2f}s")
     return ctx
@@ -132,7 +140,6 @@ def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool):
 
 def run(args: argparse.Namespace) -> int:
     """The whole job for parsed ``args``; raises on failure (``main`` turns that into a line and an exit code)."""
-    from .. import export_checkpoint
     from ..dist.collectives import run_together
     from ..dist.group import run_group
     from ..export.formats import export_format
@@ -145,30 +152,51 @@ def run(args: argparse.Namespace) -> int:
         ckpt, trust = (args.pyt_ckpt_path, args.trust_remote_code) if args.pyt_ckpt_path is not None else (
             _tiny_checkpoint(group), True)
         # One agreed step: a refusal prints once for all ranks, and nothing has been read yet.
-        ctx = run_together("preflight", _preflight, args, group, ckpt, trust, group=group)
-        for note in ctx.notes:
-            say(f"[modelopt_k3] {note}")
-        sequences = run_together("calibration data", _calibration_sequences, args, ckpt, trust, ctx.texts, group=group)
-        model = _load(args, ctx, ckpt, trust, progress)
-        t_load = time.perf_counter()
-        say(f"[modelopt_k3] loaded {ckpt} ({model.modelopt_k3.plan.describe()}), read "
-            f"{model.modelopt_k3.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
-        _calibrate_and_evaluate(args, model, ctx.recipe, sequences, group, progress, say)
-        t_calib = time.perf_counter()
-        out = export_checkpoint(model, ctx.export_path, format=args.export_format, overwrite=args.overwrite,
-                                max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
-        t_export = time.perf_counter()
-        say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
-        return _check_served(args, out, say) if group.is_main else 0
+        made: list = []  # the context this rank built: closed even when another rank's preflight failed
+        try:
+            ctx = run_together("preflight", _preflight, args, group, ckpt, trust, made, group=group)
+        except BaseException:
+            for c in made:
+                c.close()
+            raise
+        try:
+            return _after_preflight(args, group, ctx, ckpt, trust, say, progress, t0)
+        finally:
+            ctx.close()  # the export path's lock (rank 0), however the run ends
+
+
+def _after_preflight(args: argparse.Namespace, group, ctx, ckpt: Path, trust: bool, say, progress: bool,
+                     t0: float) -> int:
+    """What ``run`` does once the preflight passed (rank 0 holding the export path's lock)."""
+    from .. import export_checkpoint
+    from ..dist.collectives import run_together
+
+    for note in ctx.notes:
+        say(f"[modelopt_k3] {note}")
+    sequences = run_together("calibration data", _calibration_sequences, args, ckpt, trust, ctx.texts, group=group)
+    model = _load(args, ctx, ckpt, trust, progress)
+    t_load = time.perf_counter()
+    say(f"[modelopt_k3] loaded {ckpt} ({model.modelopt_k3.plan.describe()}), read "
+        f"{model.modelopt_k3.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
+    _calibrate_and_evaluate(args, model, ctx.recipe, sequences, group, progress, say)
+    t_calib = time.perf_counter()
+    out = export_checkpoint(model, ctx.export_path, format=args.export_format, overwrite=args.overwrite,
+                            max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
+    t_export = time.perf_counter()
+    say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
+    return _check_served(args, out, say) if group.is_main else 0
 
 
 def _calibration_sequences(args: argparse.Namespace, ckpt: Path, trust: bool, texts):
     """Token sequences for calibration, then ``--eval_kl`` held-out ones, from the checkpoint's tokenizer."""
     from transformers import AutoTokenizer
 
-    from ..data import pack_sequences
+    from ..data import DataError, pack_sequences
 
-    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load the tokenizer of {ckpt}: {' '.join(str(e).split())[:300]}") from None
     return pack_sequences(tokenizer, texts, num_sequences=args.calib_size + args.eval_kl, seq_len=args.calib_seq)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..dist.group import RunGroup
 from ..nonfinite import warn_passthrough
-from ..paths import refuse_overlap
+from ..paths import check_writable, refuse_overlap
 from ..recipe import Recipe, load_recipe
 from .jobs import _Plan
 from .lock import LOCK_DIR, RankLock, acquire_rank_lock, live_locks
@@ -34,11 +34,13 @@ from .state import (
     _load_record,
     _prepare_dst,
     _record_path,
+    check_source,
 )
 
 log = logging.getLogger("modelopt_k3")
 
-_DENSE_UNCHECKED = ("dense tensors were checked against their headers only: the model was not built "
+_DENSE_UNCHECKED = ("dense tensors were checked against their headers and the shapes config.json fixes (embedding, "
+                    "lm_head, norms, dense MLP, layer count) only: the model was not built "
                     "(trust_remote_code / --trust_remote_code builds it on meta and checks each one, as hf_ptq does)")
 
 
@@ -182,6 +184,7 @@ def convert_checkpoint(
     if done is not None:
         report.total, report.complete, report.nothing_to_do = done, True, True
     else:
+        steps("check output is writable", check_writable, dst, flag="the output directory (--dst)", inside=True)
         if not trust_remote_code:
             report.notes.append(_DENSE_UNCHECKED)
         _convert_under_locks(steps, plan, dst, recipe, report, options)
@@ -289,6 +292,7 @@ def _resumed(plan: _Plan, dst: Path, file: str, report: ConvertReport, options: 
     rec = _load_record(dst, file, plan.fingerprint, verify_hash=options.verify)
     if rec is None:
         return False
+    check_source(plan, dst, file, rec, verify_hash=options.verify)  # a changed source is refused, never mixed
     report.skipped.append(file)
     report.stats.add(ConvertStats.from_dict(rec["stats"]))
     return True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +50,9 @@ class _Plan:
     dtype: torch.dtype
     fingerprint: str
     source: SourceLayout  # what the shared source check found (load_pretrained runs the same one)
+    # file -> its stat identity (size, mtime, ctime, inode) taken before any tensor byte was read: a change
+    # during or after the conversion shows in it (``state.check_source``)
+    identity: dict[str, list[int] | None] = field(default_factory=dict)
 
     @property
     def files(self) -> list[str]:

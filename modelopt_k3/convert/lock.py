@@ -41,7 +41,14 @@ def live_locks(locks: Path, notes: list[str] | None = None) -> list[tuple[Path, 
     for path in sorted(locks.glob("rank-*.json")) if locks.is_dir() else ():
         found = read_record(path)
         if found is None:
-            continue  # being written, or garbage: O_EXCL creation keeps it from mattering
+            # A lock is created whole (``write_record``: written aside, then linked in), so one that is
+            # empty or unreadable was never a live run's: a crash or a full disk left it.
+            if path.exists():
+                path.unlink(missing_ok=True)
+                if notes is not None:
+                    notes.append(f"removed the lock file {path}: it is empty or unreadable, so no live run holds it "
+                                 "(a crash or a full disk left it)")
+            continue
         owner, record = found
         alive, why = owner_status(owner, path)
         if alive:
@@ -69,10 +76,10 @@ def acquire_rank_lock(
     dst: Path, state_dir: Path, *, rank: int, world_size: int, fingerprint: str, notes: list[str]
 ) -> RankLock:
     """Take this rank's lock on ``dst`` or raise ``ConvertError`` naming who holds the destination."""
-    from .state import ConvertError
+    from .state import ConvertError, make_state_dirs
 
     locks = state_dir / LOCK_DIR
-    locks.mkdir(parents=True, exist_ok=True)
+    make_state_dirs(dst)  # refuses a symlink or a file planted where our state directories go
     live_locks(locks, notes)  # clear dead owners' locks first (noted)
     problem = _conflict(dst, rank, world_size, fingerprint, locks)
     if problem is None:

@@ -20,18 +20,21 @@ from ..numerics.constants import MXFP4_BLOCK
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import SharedInputRule, discover_shared_inputs
 from ..recipe import Recipe, RecipeError
-from ..source_check import check_experts
+from ..source_check import check_config, check_dense_against_config, check_experts
 from .jobs import _ModuleJob, _Plan
-from .state import RECORD_VERSION
+from .state import RECORD_VERSION, stat_identity
 
 _PACKED, _SCALE = "weight_packed", "weight_scale"
 
 
 def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -> _Plan:
     reader = CheckpointReader(src)
+    identity = {f: stat_identity(src / f) for f in reader.files}  # before any tensor byte is read
     raw = read_config(src)
     spec = get_spec(raw.get("model_type", ""))
+    check_config(raw, spec)  # every field read below, named when missing
     source = check_experts(reader.headers(), raw, spec)  # every routed expert the config asks for, as load_pretrained
+    check_dense_against_config(reader.headers(), raw, spec)  # the dense shapes config.json fixes (no model built)
     dtype = _model_dtype(raw)
     _refuse_kv_cache(recipe)
     if any(key.endswith(f".{_PACKED}") for key in reader.headers()):
@@ -49,6 +52,7 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
         dtype=dtype,
         fingerprint=_fingerprint(recipe, reader.header_digest, table),
         source=source,
+        identity=identity,
     )
 
 

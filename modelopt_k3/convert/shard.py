@@ -17,9 +17,10 @@ from ..nonfinite import source_refusal
 from ..numerics.constants import NVFP4_BLOCK
 from ..numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
 from ..numerics.mxfp4 import mxfp4_decode
+from ..paths import is_staging_name, staging_path
 from .jobs import _ModuleJob, _Plan
 from .report import ConvertStats
-from .state import RECORD_VERSION, _fsync, _record_path
+from .state import RECORD_VERSION, _fsync, _record_path, source_identity
 
 
 class _ShardConverter:
@@ -32,7 +33,7 @@ class _ShardConverter:
 
     def __init__(self, plan: _Plan):
         self.plan = plan
-        self.log = ReadLog()
+        self.log = ReadLog(hashes={})  # every source byte a job reads is hashed as it is read
         self.copied_invalid: dict[str, str] = {}
         self._group_scale: dict[tuple[str, ...], torch.Tensor] = {}
 
@@ -114,7 +115,9 @@ def _write_shard(
     plan: _Plan, file: str, dst: Path, pool: ThreadPoolExecutor | None, on_item: Callable[[], None], *,
     allow_nonfinite_passthrough: bool = False,
 ) -> tuple[Path, dict]:
-    """Write source shard ``file`` into ``dst/.<file>.partial``; return it and its record.
+    """Write source shard ``file`` into a fresh staging file ``dst/.<file>.<32 hex>.partial``
+    (``paths.staging_path``, created with O_EXCL | O_NOFOLLOW: a planted file or symlink is never
+    opened); return it and its record.
 
     Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges and adds their
     sha256 to the shard's digest (``ShardDigest``), so the file is never read back to be hashed. Source
@@ -123,7 +126,8 @@ def _write_shard(
     On any failure the partial file is removed: a rerun rewrites the whole shard anyway.
     """
     stats = ConvertStats(shards=1, bytes_in=plan.sizes[file])
-    shard = PlannedShard(dst / f".{file}.partial", plan.outputs(file))
+    _remove_partials(dst, file)  # a killed run's: this rank owns ``file`` (its lock) and rewrites it whole
+    shard = PlannedShard(staging_path(dst / file), plan.outputs(file))
     converter = _ShardConverter(plan)
     try:
         _run_jobs(converter, plan.jobs[file], shard, pool, allow_nonfinite_passthrough, stats, on_item)
@@ -135,7 +139,13 @@ def _write_shard(
         raise
     shard.close()
     stats.bytes_out = shard.total_bytes
-    return shard.path, _shard_record(plan, file, shard, stats)
+    return shard.path, _shard_record(plan, file, shard, stats, {**converter.log.hashes, **shard.copied})
+
+
+def _remove_partials(dst: Path, file: str) -> None:
+    for path in dst.iterdir():
+        if is_staging_name(path.name, file, "partial"):
+            path.unlink(missing_ok=True)  # the name itself: a symlink is removed, never followed
 
 
 def _run_jobs(
@@ -160,11 +170,15 @@ def _run_jobs(
         raise
 
 
-def _shard_record(plan: _Plan, file: str, shard: PlannedShard, stats: ConvertStats) -> dict:
+def _shard_record(plan: _Plan, file: str, shard: PlannedShard, stats: ConvertStats, read: dict[str, str]) -> dict:
+    """The completion record. ``source.read``: the sha256 of every source tensor the shard was made from
+    (its own file's and scale partners' in other files), taken while streaming; a resume checks them
+    (``state.check_source``), so a source changed since is refused, never mixed in."""
     return {
         "version": RECORD_VERSION,
         "fingerprint": plan.fingerprint,
-        "source": {"file": file, "size": plan.sizes[file]},
+        "source": {"file": file, "size": plan.sizes[file], "identity": source_identity(plan, read),
+                   "read": dict(sorted(read.items()))},
         "output": {"file": file, "size": shard.total_bytes, "digest": shard.digest.hexdigest()},
         "tensors": sorted(shard.planned),
         "tensor_bytes": shard.tensor_bytes,

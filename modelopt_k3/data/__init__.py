@@ -24,9 +24,16 @@ class DataError(ValueError):
     pass
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"calibration file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
 def _read_txt(path: Path) -> list[str]:
     # Paragraphs (blank-line separated) are samples; a file without blank lines gives one per line.
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     parts = [p.strip() for p in text.split("\n\n")]
     if len(parts) <= 1:
         parts = [line.strip() for line in text.splitlines()]
@@ -35,7 +42,7 @@ def _read_txt(path: Path) -> list[str]:
 
 def _read_jsonl(path: Path, field: str = "text") -> list[str]:
     out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -90,9 +97,10 @@ def pack_sequences(tokenizer, texts: list[str], *, num_sequences: int, seq_len: 
     if not stream:
         raise DataError("the tokenizer produced no tokens from the calibration texts")
     need = num_sequences * seq_len
-    while len(stream) < need:
-        stream += stream[: need - len(stream)]
-    return torch.tensor(stream[:need], dtype=torch.long).view(num_sequences, seq_len)
+    tokens = torch.tensor(stream, dtype=torch.long)
+    if len(stream) < need:  # cycled in one tensor op: the request is bounded up front (preflight)
+        tokens = tokens.repeat(-(-need // len(stream)))
+    return tokens[:need].view(num_sequences, seq_len)
 
 
 def rank_batches(sequences: torch.Tensor, *, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:

@@ -52,8 +52,13 @@ class StagingDir:
         return self
 
     def mkdir(self) -> Path:
-        self.claim()
-        self.path.mkdir()
+        """Claim, then create the directory; a failure or a signal in between leaves neither behind."""
+        try:
+            self.claim()
+            self.path.mkdir()
+        except BaseException:
+            self.discard()
+            raise
         return self.path
 
     def release(self) -> None:

@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import threading
@@ -55,6 +56,7 @@ from modelopt_k3.checkpoint import (
     CheckpointError,
     CheckpointReader,
     TensorInfo,
+    read_config,
     read_shard,
 )
 from modelopt_k3.dist.collectives import (
@@ -67,6 +69,7 @@ from modelopt_k3.dist.group import RunGroup, current_group
 from modelopt_k3.export.modelopt_format import strip_source_quantization
 from modelopt_k3.export.staging import StagingDir, remove_tree, sweep_stale
 from modelopt_k3.numerics.finite import nonfinite_count
+from modelopt_k3.paths import create_new, fix_mode, write_new
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -94,6 +97,7 @@ DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # What a writer writes itself, or never copies: everything else in a source checkpoint directory
 # that is not a safetensors shard (remote code, tokenizer, generation config) is copied as it is.
 _NOT_SIDE_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", "hf_quant_config.json"}
+_TMP_RE = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 
 
 # --------------------------------------------------------------------------- bytes and files
@@ -130,31 +134,48 @@ def pwrite_all(fd: int, data, offset: int) -> None:
 
 
 def _tmp_name(path: Path) -> Path:
-    # Unique per writer: ranks on different hosts may share a pid and write to one shared filesystem.
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # Unique per writer: ranks on different hosts may share a pid and write to one shared filesystem;
+    # unpredictable, and created with O_EXCL | O_NOFOLLOW (``paths.create_new``): nothing planted is opened.
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def is_tmp_name(name: str) -> tuple[bool, int]:
+    """(whether ``name`` is one of ``_tmp_name``'s, the pid that made it)."""
+    m = _TMP_RE.match(name)
+    return (True, int(m["pid"])) if m else (False, 0)
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     """``path`` holds the old content or all of ``obj`` (indented JSON), never a part of it."""
     tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_new(tmp, (json.dumps(obj, indent=2) + "\n").encode())
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def copy_side_files(src: Path, dst: Path) -> None:
     """Copy every file of checkpoint ``src`` that is not a shard, the index or a config (remote code,
-    tokenizer, generation config) into ``dst``, each atomically."""
+    tokenizer, generation config) into ``dst``, each atomically, with the mode every output file has."""
     for path in sorted(src.iterdir()):
         if path.is_file() and path.name not in _NOT_SIDE_FILES and not path.name.endswith(".safetensors"):
             tmp = _tmp_name(dst / path.name)
-            shutil.copy2(path, tmp)
-            os.replace(tmp, dst / path.name)
+            fd = create_new(tmp)
+            try:
+                with open(path, "rb") as fin, open(fd, "wb", closefd=True) as fout:
+                    shutil.copyfileobj(fin, fout, COPY_CHUNK)
+                os.replace(tmp, dst / path.name)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
 
 
 def write_configs(src: Path, dst: Path, quantization_config: dict, hf_quant: dict | None) -> None:
     """``config.json`` (the source's, its quantization replaced by ``quantization_config``) and, when
     given, ``hf_quant_config.json``."""
-    config = strip_source_quantization(json.loads((src / "config.json").read_text()))
+    config = strip_source_quantization(read_config(src))
     config["quantization_config"] = quantization_config
     write_json_atomic(dst / "config.json", config)
     if hf_quant is not None:
@@ -177,6 +198,22 @@ def _refuse_existing(export_dir: Path) -> None:
         raise FileExistsError(
             f"export directory {export_dir} already exists and is not empty; "
             "pass overwrite=True (the CLI's --overwrite) to replace it, or choose another path"
+        )
+
+
+def refuse_replacing_a_non_checkpoint(export_dir: Path) -> None:
+    """``--overwrite`` replaces the export directory as a whole (deleting it once the new one is in place): the
+    command line replaces only a checkpoint directory (its ``config.json`` and index or single shard), never,
+    say, a home directory given by mistake. (``atomic_output_dir(overwrite=True)`` itself replaces any.)"""
+    if not _is_nonempty(export_dir):
+        return
+    is_checkpoint = export_dir.is_dir() and not export_dir.is_symlink() and (export_dir / "config.json").is_file() \
+        and ((export_dir / INDEX_NAME).is_file() or (export_dir / SINGLE_NAME).is_file())
+    if not is_checkpoint:
+        raise FileExistsError(
+            f"export directory {export_dir} is not empty and is not a checkpoint (no config.json with "
+            f"{INDEX_NAME} or {SINGLE_NAME}); overwrite replaces only a checkpoint directory, deleting the old "
+            "one: choose another path, or empty it yourself"
         )
 
 
@@ -388,7 +425,7 @@ class ShardWriter:
         self._spill_file.close()
         header, _ = header_bytes(self.metadata, self._spilled)
         spill = self._spill_path()
-        out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        out_fd = create_new(path)  # a fresh name in our own staging directory
         try:
             pwrite_all(out_fd, header, 0)
             _copy_into(spill, out_fd, len(header), sum(nbytes for *_, nbytes in self._spilled))
@@ -408,6 +445,7 @@ class ShardWriter:
             self._flush_spilled(path)
         else:
             save_file(self._buffer, str(path), metadata=self.metadata)
+            fix_mode(path)  # safetensors creates it 0600; every other output file has the usual mode
         self.num_shards += 1
         self._buffer = {}
         self._buffer_storages = set()
@@ -502,7 +540,8 @@ class PlannedShard:
 
     Tensors are laid out by element size (largest first), then planned order, so every tensor starts
     at a multiple of its element size, as safetensors' own writer does. ``digest`` covers every byte
-    written (``ShardDigest``). ``discard`` removes the file.
+    written (``ShardDigest``). ``discard`` removes the file. ``path`` is created new (``paths.create_new``:
+    a file or symlink already there refuses it), so it must be a fresh name (``paths.staging_path``).
     """
 
     def __init__(self, path: Path, planned: Sequence[PlannedTensor]):
@@ -514,7 +553,8 @@ class PlannedShard:
         self.tensor_bytes = sum(t.nbytes for t in planned)
         self.total_bytes = len(header) + self.tensor_bytes
         self.digest = ShardDigest()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.copied: dict[str, str] = {}  # source key -> sha256 of the bytes copied (the source's own)
+        self._fd = create_new(path)
         try:
             pwrite_all(self._fd, header, 0)
             self.digest.add(0, "", hashlib.sha256(header).digest())
@@ -544,6 +584,7 @@ class PlannedShard:
         info, offset = reader.info(key), self.offsets[key]
         sha, bad = _copy_chunks(reader, info, self._fd, offset, count_nonfinite=info.dtype.is_floating_point)
         self.digest.add(offset, key, sha)
+        self.copied[key] = sha.hex()
         return f"{bad} NaN/Inf value{'s' if bad != 1 else ''}" if bad else None
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ The model spec says which keys are routed experts (``expert_key_regex``), how th
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
@@ -18,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, CheckpointError, read_header
+from ..checkpoint import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    read_config,
+    read_header,
+    read_weight_map,
+    shard_path,
+)
 from ..models.spec import ModelSpec, get_spec
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
@@ -122,30 +129,18 @@ class CheckpointLayout:
         return {t.module: (t.shape[0], t.shape[1]) for t in self.dense if t.name.endswith(".weight") and len(t.shape) == 2}
 
 
-def _weight_map(path: Path) -> dict[str, str]:
-    index = path / INDEX_NAME
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    if (path / SINGLE_NAME).exists():
-        return dict.fromkeys((k for k in read_header(path / SINGLE_NAME) if k != "__metadata__"), SINGLE_NAME)
-    raise CheckpointError(f"{path} has neither {INDEX_NAME} nor {SINGLE_NAME}")
-
-
 def read_layout(path: str | Path) -> CheckpointLayout:
     """Parse ``config.json`` and every shard's header (nothing else) into a ``CheckpointLayout``."""
     path = Path(path)
-    cfg_path = path / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"{path} has no config.json")
-    config = json.loads(cfg_path.read_text())
+    config = read_config(path)  # the one reader's checks: a regular file, strict JSON
     spec = get_spec(config.get("model_type", ""))
     key_re = re.compile(spec.expert_key_regex)
-    weight_map = _weight_map(path)
+    weight_map = read_weight_map(path)  # shard names checked to stay inside
     dense: list[TensorMeta] = []
     groups: dict[str, ExpertGroup] = {}
     experts_seen: dict[str, set[str]] = defaultdict(set)
     for file in sorted(set(weight_map.values())):
-        for name, meta in read_header(path / file).items():
+        for name, meta in read_header(shard_path(path, file, path / INDEX_NAME)).items():
             if name == "__metadata__" or weight_map.get(name) != file:
                 continue
             dtype = SAFETENSORS_DTYPES.get(meta["dtype"])

@@ -131,6 +131,16 @@ class ModelSpec:
     probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None
     # How engines spell this model's modules in a MIXED_PRECISION manifest (None: checkpoint names only).
     manifest_naming: ManifestNaming | None = None
+    # Module names (regex, searched) that a text calibration forward never runs (a vision tower): a recipe
+    # that needs their activations is refused in the preflight, not after calibration.
+    uncalibrated_module_regex: str | None = None
+    # config.json -> (key regex (fullmatch), shape or None, the config fields behind it) for dense tensors whose
+    # shape the config fixes, and (shape None) the keys whose ``layer`` group must be < num_hidden_layers:
+    # what the converter checks when it does not build the model (``source_check.check_dense_against_config``).
+    dense_layout: Callable[[Mapping[str, Any]], tuple[tuple[str, tuple[int, ...] | None, str], ...]] | None = None
+    # config.json -> None, or SpecError naming the first field the tools read that is missing or invalid
+    # (run before anything reads the config: ``source_check.check_config``).
+    check_config: Callable[[Mapping[str, Any]], None] | None = None
 
     def check_transformers(self) -> None:
         import transformers

@@ -270,7 +270,7 @@ def decide(
     for name in _routers(dense_parts, experts_modules) - set(decisions):
         decisions[name] = Decision(name, "router", dense_parts[name]["weight"][1], None, "router")
     recipe.check_against({m: d.shape for d in decisions.values() if d.kind in ("linear", "experts")
-                          for m in d.module_names()})
+                          for m in d.module_names()}, dense_parts)
     if callable(rules):
         rules = rules() if _needs_groups(decisions) else None
     groups = _shared_groups(recipe, decisions, rules)

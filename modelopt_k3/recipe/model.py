@@ -134,6 +134,8 @@ class Recipe:
     kv_cache: KvCacheFormat | None = None
     calibrate_all_experts: bool = False
     description: str | None = None
+    # A run's choice (--allow_unmatched), not part of the recipe: a pattern that matches no module passes.
+    allow_unmatched: bool = field(default=False, compare=False)
 
     def resolve(self, module_name: str) -> tuple[QuantFormat | None, RecipeEntry | None]:
         """The last entry matching ``module_name`` and its format; format None = leave BF16."""
@@ -152,21 +154,36 @@ class Recipe:
                 return True
         return False
 
-    def check_against(self, module_names_with_shapes: Mapping[str, tuple[int, int]]) -> None:
-        """Validate against a model's quantizable modules, ``{name: (out_features, in_features)}``.
+    def check_against(
+        self, module_names_with_shapes: Mapping[str, tuple[int, int]], other_modules: Iterable[str] = ()
+    ) -> None:
+        """Validate against a model's quantizable modules, ``{name: (out_features, in_features)}`` (and
+        ``other_modules``: the names of its other modules, norms, embeddings, convolutions, routers).
 
-        Checks that every ``must_match`` pattern matches some module, and that every module's
-        format can take its shape (NVFP4 needs in_features % 16 == 0; FP8 and 128x128 block
-        FP8 take any shape, block FP8 with partial edge blocks). Raises one RecipeError
-        listing every problem.
+        Every pattern must match some module, or it is refused by name (a typo such as ``*self_atn*``
+        would otherwise quantize nothing without a word): a ``must_match`` entry always; unless
+        ``allow_unmatched``, every entry that enables quantization (matching a quantizable module) and
+        every entry written in the recipe itself (any module). Disabled entries of imported units may
+        match nothing: they are shared safety nets naming modules of other models. And every module's
+        format can take its shape (NVFP4 needs in_features % 16 == 0; FP8 and 128x128 block FP8 take
+        any shape, block FP8 with partial edge blocks). Raises one RecipeError listing every problem.
         """
         problems: list[str] = []
+        quantizable = list(module_names_with_shapes)
+        everything = [*quantizable, *other_modules]
         for entry in self.entries:
-            if entry.must_match and not any(entry.matches(n) for n in module_names_with_shapes):
+            enabled, own = entry.format.enabled, "(imported at " not in entry.source
+            if entry.must_match and not any(entry.matches(n) for n in quantizable):
                 problems.append(
                     f"{entry.source} pattern {entry.pattern!r}: must_match is set but the pattern matches "
                     f"none of the model's {len(module_names_with_shapes)} quantizable modules"
                 )
+            elif not self.allow_unmatched and (enabled or own) and not entry.must_match:
+                names = quantizable if enabled else everything
+                if not any(entry.matches(n) for n in names):
+                    what = f"{len(quantizable)} quantizable modules" if enabled else f"{len(names)} modules"
+                    problems.append(f"{entry.source} pattern {entry.pattern!r} matches none of the model's {what} "
+                                    "(a typo?); fix the pattern, or pass --allow_unmatched to run anyway")
         for name, shape in module_names_with_shapes.items():
             fmt, entry = self.resolve(name)
             if fmt is None:

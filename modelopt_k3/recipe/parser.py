@@ -6,7 +6,7 @@ Errors are ``RecipeError`` naming the file (as it sits under its recipes root), 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,10 @@ from .model import (
 
 _RECIPE_KEYS = ("description", "imports", "algorithm", "kv_cache", "calibrate_all_experts", "quant_cfg")
 _UNIT_KEYS = ("description", "imports", "quant_cfg")
-_OVERRIDE_KEYS = ("name", "algorithm", "kv_cache", "calibrate_all_experts", "quant_cfg")
+_OVERRIDE_KEYS = ("name", "algorithm", "kv_cache", "calibrate_all_experts", "quant_cfg", "allow_unmatched")
+MAX_RECIPE_BYTES = 1 << 20
+# Imports nest at most this deep: a recipe is a few units, and a deeper chain is a mistake or a trap.
+MAX_IMPORT_DEPTH = 16
 _ENTRY_KEYS = (
     "pattern", "enable", "weights", "inputs", "input_amax", "scheme", "must_match", "reason",
 )
@@ -42,10 +45,17 @@ def load_recipe(name_or_path: str | Path, *, overrides: Mapping[str, Any] | None
     """Load a recipe by file path, or by name under a recipes root (as-is, then under presets/).
 
     ``overrides`` takes the recipe keys ``algorithm``, ``kv_cache``, ``calibrate_all_experts``
-    and ``name`` (replacing the file's) and ``quant_cfg`` (appended, so its entries win).
+    and ``name`` (replacing the file's), ``quant_cfg`` (appended, so its entries win) and
+    ``allow_unmatched`` (a pattern that matches no module is then not refused).
+
+    Imports resolve only inside the recipes roots, and inside the directory of a recipe file given
+    by path outside them (its own units): an import that resolves elsewhere is refused before it is
+    read, and no error quotes a file's content.
     """
-    parser = _Parser(RecipeRoots.current())
-    path = parser.roots.find_recipe(name_or_path)
+    roots = RecipeRoots.current()
+    path = roots.find_recipe(name_or_path)
+    inside_roots = any(path.is_relative_to(r) for r in roots.dirs)
+    parser = _Parser(roots, roots.dirs if inside_roots else (*roots.dirs, path.parent))
     data = parser.read_yaml(path, ())
     return parser.build(data, name=parser.roots.name_of(path), path=path, overrides=overrides)
 
@@ -57,7 +67,8 @@ def recipe_from_dict(
     against the recipes roots)."""
     if not isinstance(data, Mapping):
         raise RecipeError(f"<{name}>: a recipe must be a mapping, got {type(data).__name__}")
-    return _Parser(RecipeRoots.current()).build(data, name=name, path=None, overrides=overrides)
+    roots = RecipeRoots.current()
+    return _Parser(roots, roots.dirs).build(data, name=name, path=None, overrides=overrides)
 
 
 # --------------------------------------------------------------------------- files and imports
@@ -65,22 +76,31 @@ def recipe_from_dict(
 
 @dataclass(frozen=True)
 class _Parser:
-    """One load: the recipes roots it resolves names against (found once, shared by every import)."""
+    """One load: the recipes roots it resolves names against (found once, shared by every import), and
+    each imported unit's entries, parsed once (a unit imported along many paths, a diamond, costs one
+    parse: without it, ``n`` levels of diamonds parse the bottom unit ``2**n`` times)."""
 
     roots: RecipeRoots
+    confine: tuple[Path, ...]  # every import must resolve inside one of these
+    _units: dict[Path, list[RecipeEntry]] = field(default_factory=dict)
 
     def read_yaml(self, path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
         shown = self.roots.display(path)
         try:
+            size = path.stat().st_size
+            if not path.is_file() or size > MAX_RECIPE_BYTES:
+                raise RecipeError(f"{shown}: not a recipe file (a regular file of at most {MAX_RECIPE_BYTES} bytes)")
             text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise RecipeError(f"{shown}: not valid (safe) YAML: not UTF-8 text") from None
         except OSError as exc:
-            raise RecipeError(f"{shown}: cannot read: {exc}") from exc
+            raise RecipeError(f"{shown}: cannot read: {exc.strerror or exc}") from None
         try:
             # safe_load only: recipe files are data; tags such as !!python/object are refused.
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             via = f" (imported via {' -> '.join(self.roots.display(p) for p in chain)})" if chain else ""
-            raise RecipeError(f"{shown}{via}: not valid (safe) YAML: {exc}") from exc
+            raise RecipeError(f"{shown}{via}: not valid (safe) YAML: {_yaml_problem(exc)}") from None
         if data is None:
             raise RecipeError(f"{shown}: the file is empty")
         if not isinstance(data, dict):
@@ -121,7 +141,7 @@ class _Parser:
             for i, spec in enumerate(imports):
                 entries += self.import_entries(spec, f"{shown}: imports[{i}]", path, chain)
         entries += self.quant_cfg(data.get("quant_cfg"), shown, path, chain)
-        return entries
+        return _last_of_each(entries)
 
     def quant_cfg(self, items: Any, where: str, importer: Path | None, chain: tuple[Path, ...]) -> list[RecipeEntry]:
         if items is None:
@@ -146,13 +166,21 @@ class _Parser:
         """The entries of an imported unit, tagged with where they were imported."""
         spec = _want(spec, str, where, "import", "a recipe path")
         path = self.roots.find_import(spec, importer, where)
+        if not any(path.is_relative_to(r.resolve()) for r in self.confine):
+            raise RecipeError(f"{where}: import {spec!r} resolves to {path}, outside the recipes roots "
+                              f"({', '.join(str(r) for r in self.confine)}); imports stay inside them")
         if path in chain:
             cycle = " -> ".join(self.roots.display(p) for p in (*chain, path))
             raise RecipeError(f"{where}: circular import: {cycle}")
-        data = self.read_yaml(path, chain)
-        shown = self.roots.display(path)
-        _check_keys(data, _UNIT_KEYS, shown, "an imported unit (a unit holds only quant_cfg and imports)")
-        entries = self.file_entries(data, shown, path, (*chain, path))
+        if len(chain) >= MAX_IMPORT_DEPTH:
+            raise RecipeError(f"{where}: imports nest deeper than {MAX_IMPORT_DEPTH} levels "
+                              f"({' -> '.join(self.roots.display(p) for p in chain[:3])} -> ...)")
+        if path not in self._units:
+            data = self.read_yaml(path, chain)
+            shown = self.roots.display(path)
+            _check_keys(data, _UNIT_KEYS, shown, "an imported unit (a unit holds only quant_cfg and imports)")
+            self._units[path] = self.file_entries(data, shown, path, (*chain, path))
+        entries = self._units[path]
         # Tag imported entries with who imported them, so errors trace back to the recipe.
         return [
             RecipeEntry(e.pattern, e.format, e.reason, e.must_match, f"{e.source} (imported at {where})")
@@ -161,6 +189,26 @@ class _Parser:
 
 
 # --------------------------------------------------------------------------- keys and values
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where, without the snippet of the file that PyYAML quotes."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
+def _last_of_each(entries: list[RecipeEntry]) -> list[RecipeEntry]:
+    """Drop an entry that an identical one (pattern, format, flags) follows: the last matching entry wins,
+    so an earlier copy never decides anything; a unit imported along many paths then counts once."""
+    seen: set[tuple] = set()
+    out: list[RecipeEntry] = []
+    for e in reversed(entries):
+        key = (e.pattern, e.format, e.reason, e.must_match)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out[::-1]
 
 
 def _check_keys(data: Mapping[str, Any], allowed: tuple[str, ...], where: str, what: str) -> None:
@@ -302,6 +350,8 @@ def _settings(data: Mapping[str, Any], where: str) -> dict[str, Any]:
         )
     if data.get("description") is not None:
         out["description"] = _want(data["description"], str, where, "description", "a string")
+    if "allow_unmatched" in data and where == "overrides":  # a run's choice (--allow_unmatched), never a file's
+        out["allow_unmatched"] = _want(data["allow_unmatched"], bool, where, "allow_unmatched", "true or false")
     return out
 
 

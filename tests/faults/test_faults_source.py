@@ -208,11 +208,70 @@ def test_converter_checks_dense_tensors_only_against_a_model_it_may_build(copy_c
     before = tree_digest(src)
     argv = ["--src", src, "--recipe", MIRROR, "--no_progress"]
     rc, text, err = run_tool("convert", [*argv, "--dst", tmp_path / "unchecked"])
-    assert rc == 0 and "dense tensors were checked against their headers only" in text, err
+    assert rc == 0 and "dense tensors were checked against their headers and the shapes config.json fixes" in text, err
     rc, _, err = run_tool("convert", [*argv, "--dst", tmp_path / "checked", "--trust_remote_code"])
     line = _one_error_line(err, "modelopt-k3-convert")
     assert rc == 2 and f"does not match the model built from config.json: 1 missing: {key}" in line, err
     assert not (tmp_path / "checked").exists() and tree_digest(src) == before
     rc, text, err = run_tool("convert", ["--src", copy_ckpt(), "--recipe", MIRROR, "--no_progress",
                                          "--dst", tmp_path / "trusted", "--trust_remote_code"])
-    assert rc == 0 and "checked against their headers only" not in text, err
+    assert rc == 0 and "checked against their headers and the shapes" not in text, err
+
+
+# --------------------------------------------------------------------------- a source changed between a run and its resume
+
+
+def _flip_low_bit(ckpt: Path, file: str, *, keep_mtime: bool) -> str:
+    """Flip the lowest bit of one floating tensor of ``file`` (header and size unchanged, still finite);
+    return its name. ``keep_mtime``: put the modification time back, so only the bytes tell."""
+    from modelopt_k3.checkpoint import CheckpointReader
+
+    with CheckpointReader(ckpt) as reader:
+        key, info = next((k, i) for k, i in reader.headers().items() if i.file == file and i.dtype == torch.bfloat16)
+    path = ckpt / file
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        byte = f.read(1)[0]
+        f.seek(info.offset)
+        f.write(bytes([byte ^ 1]))
+    if keep_mtime:
+        import os
+
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return key
+
+
+@pytest.mark.parametrize("keep_mtime", [True, False], ids=["same-mtime", "new-mtime"])
+def test_a_source_changed_before_the_resume_is_refused_never_mixed(keep_mtime, copy_ckpt, tmp_path, run_tool) -> None:
+    """Rank 0 of 2 converted its shards, then a shard it read changed (same header and size; even its mtime
+    put back): its resume re-hashes what each kept shard was made from and refuses; rank 1's finalize
+    re-hashes what changed by size, times or inode (the ctime always moves) and refuses too; --overwrite
+    converts everything from the current source."""
+    import time
+
+    from modelopt_k3.convert import convert_checkpoint
+
+    src = copy_ckpt()
+    dst = tmp_path / "out"
+    convert_checkpoint(src, dst, MIRROR, rank=0, world_size=2)
+    files = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+    key = _flip_low_bit(src, files[0], keep_mtime=keep_mtime)  # files[0] is rank 0's
+    before = tree_digest(src)
+    args = ["--src", src, "--dst", dst, "--recipe", MIRROR, "--no_progress", "--world_size", "2"]
+    t0 = time.perf_counter()
+    rc, _, err = run_tool("convert", [*args, "--rank", "0"])
+    assert rc == 2 and time.perf_counter() - t0 < 5.0
+    line = _one_error_line(err, "modelopt-k3-convert")
+    assert re.search(rf"the source changed since output shard {re.escape(files[0])} was converted \(tensor "
+                     rf"{re.escape(key)} no longer holds the bytes", line), line
+    rc, _, err = run_tool("convert", [*args, "--rank", "1"])  # converts its own shards, then cannot finalize
+    assert rc == 2 and re.search(rf"output shard {re.escape(files[0])} was converted \(tensor {re.escape(key)} ",
+                                 _one_error_line(err, "modelopt-k3-convert"))
+    assert not (dst / ".modelopt_k3_complete").exists() and not (dst / INDEX).exists()
+    assert tree_digest(src) == before and temp_leftovers(dst) == []
+    for rank in (0, 1):
+        assert run_tool("convert", [*args, "--rank", str(rank), "--overwrite"])[0] == 0
+    fresh = tmp_path / "fresh"
+    convert_checkpoint(src, fresh, MIRROR)
+    assert tree_digest(dst)[files[0]] == tree_digest(fresh)[files[0]]

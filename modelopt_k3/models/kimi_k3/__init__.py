@@ -6,7 +6,7 @@ from ..spec import ExpertProjection, ModelSpec, register_spec
 from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import kv_cache_sites
-from .layout import expert_layout
+from .layout import check_config_fields, dense_layout, expert_layout
 from .manifest import KIMI_K3_MANIFEST
 from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, place_experts, prepare
@@ -34,6 +34,8 @@ KIMI_K3_SPEC = register_spec(
         source_formats=SUPPORTED_SOURCE_FORMATS,
         kv_cache_sites=kv_cache_sites,
         expert_layout=expert_layout,
+        dense_layout=dense_layout,
+        check_config=check_config_fields,
         probe_model=probe_model,
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
@@ -43,6 +45,8 @@ KIMI_K3_SPEC = register_spec(
         # A_log: declared [num_heads], stored [head_dim] zero-padded in the real checkpoint.
         dense_converters=(A_LOG_CONVERTER,),
         manifest_naming=KIMI_K3_MANIFEST,
+        # Text calibration never runs the vision tower or its projector (no image inputs).
+        uncalibrated_module_regex=r"(^|\.)(vision_tower|mm_projector)\.",
     ),
     overwrite=True,
 )

@@ -30,6 +30,43 @@ def _field(text: Mapping[str, Any], name: str) -> int:
     return value
 
 
+# Every text_config field the tools read without building the model (source check, memory planner, the
+# converter's dense check), each a positive integer: checked up front, so a missing one is one line naming it.
+CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "qk_nope_head_dim",
+                 "qk_rope_head_dim", "v_head_dim")
+MOE_CONFIG_FIELDS = ("num_experts", "moe_intermediate_size", "num_experts_per_token")
+
+
+def check_config_fields(config: Mapping[str, Any]) -> None:
+    text = _text_config(config)
+    for name in CONFIG_FIELDS + (MOE_CONFIG_FIELDS if text.get("num_experts") is not None else ()):
+        _field(text, name)
+    if (text.get("first_k_dense_replace") or 0) > 0:
+        _field(text, "intermediate_size")
+
+
+_LAYERS = r"language_model\.model\.layers\.(?P<layer>\d+)\."
+
+
+def dense_layout(config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...] | None, str], ...]:
+    """(key regex, shape, the config fields it follows) for the dense tensors whose shapes config.json fixes;
+    shape None: the key only needs its layer < num_hidden_layers. What the converter checks without a model."""
+    text = _text_config(config)
+    d, vocab = _field(text, "hidden_size"), _field(text, "vocab_size")
+    rules: list[tuple[str, tuple[int, ...] | None, str]] = [
+        (r"language_model\.model\.embed_tokens\.weight", (vocab, d), "vocab_size x hidden_size"),
+        (r"language_model\.lm_head\.weight", (vocab, d), "vocab_size x hidden_size"),
+        (r"language_model\.model\.norm\.weight", (d,), "hidden_size"),
+        (_LAYERS + r"(input|post_attention)_layernorm\.weight", (d,), "hidden_size"),
+    ]
+    if (text.get("first_k_dense_replace") or 0) > 0:
+        inter = _field(text, "intermediate_size")
+        rules += [(_LAYERS + r"mlp\.(gate|up)_proj\.weight", (inter, d), "intermediate_size x hidden_size"),
+                  (_LAYERS + r"mlp\.down_proj\.weight", (d, inter), "hidden_size x intermediate_size")]
+    rules.append((_LAYERS, None, f"num_hidden_layers={_field(text, 'num_hidden_layers')}"))
+    return tuple(rules)
+
+
 def expert_layout(config: Mapping[str, Any]) -> tuple[ExpertsLayout, ...]:
     text = _text_config(config)
     if text.get("num_experts") is None:
