@@ -86,15 +86,24 @@ def normalize(source: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]
     return keep(phys), keep(logical)
 
 
-def shared_runs(ours: list[str], ref: list[str], min_run: int) -> set[int]:
-    """Indices of `ours` inside a run of >= min_run consecutive lines also consecutive in `ref`."""
-    where: dict[str, list[int]] = defaultdict(list)
-    for j, s in enumerate(ref):
-        where[s].append(j)
+Index = dict[str, list[tuple[int, int]]]
+
+
+def build_index(ref_lines: list[list[str]]) -> Index:
+    """normalized line -> every (reference file, position) holding it."""
+    where: Index = defaultdict(list)
+    for r, lines in enumerate(ref_lines):
+        for j, s in enumerate(lines):
+            where[s].append((r, j))
+    return where
+
+
+def shared_runs(ours: list[str], where: Index, min_run: int) -> set[int]:
+    """Indices of `ours` inside a run of >= min_run consecutive lines also consecutive in one reference."""
     marked: set[int] = set()
-    prev: dict[int, int] = {}
+    prev: dict[tuple[int, int], int] = {}
     for i, s in enumerate(ours):
-        cur = {j: prev.get(j - 1, 0) + 1 for j in where.get(s, ())}
+        cur = {(r, j): prev.get((r, j - 1), 0) + 1 for r, j in where.get(s, ())}
         for length in cur.values():
             if length >= min_run:
                 marked.update(range(i - length + 1, i + 1))
@@ -106,21 +115,23 @@ def python_files(path: Path) -> list[Path]:
     return sorted(path.rglob("*.py")) if path.is_dir() else [path]
 
 
-def compare(ours: Path, refs: list[Path], min_run: int) -> tuple[int, list[tuple[int, str]]]:
-    """(count, the counted lines) for one file of ours against every reference file."""
-    views = normalize(ours.read_text())
-    ref_views = [normalize(r.read_text(errors="replace")) for r in refs]
+def compare(ours: Path, indexes: tuple[Index, Index], min_run: int) -> tuple[int, list[tuple[int, str]]]:
+    """(count, the counted lines) for one file of ours against the indexed reference files."""
     best: tuple[int, list[tuple[int, str]]] = (0, [])
-    for k in range(2):  # physical, logical
-        lines = views[k]
-        texts = [s for _, s in lines]
-        marked: set[int] = set()
-        for rv in ref_views:
-            marked |= shared_runs(texts, [s for _, s in rv[k]], min_run)
+    for lines, where in zip(normalize(ours.read_text()), indexes):  # physical, then logical
+        marked = shared_runs([s for _, s in lines], where, min_run)
         counted = [lines[i] for i in sorted(marked) if not is_declarative(lines[i][1])]
         if len(counted) > best[0]:
             best = (len(counted), counted)
     return best
+
+
+def _normalize_or_skip(path: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    try:
+        return normalize(path.read_text(errors="replace"))
+    except (tokenize.TokenError, SyntaxError):  # a reference file that does not even tokenize
+        print(f"skipped (does not tokenize): {path}", file=sys.stderr)
+        return [], []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print each counted line")
     args = parser.parse_args(argv)
     refs = python_files(args.reference)
+    views = [_normalize_or_skip(r) for r in refs]
+    indexes = tuple(build_index([[s for _, s in v[k]] for v in views]) for k in range(2))
     total = 0
     for path in python_files(args.ours):
-        count, lines = compare(path, refs, args.min_run)
+        count, lines = compare(path, indexes, args.min_run)
         total += count
         if count:
             print(f"{count:5d}  {path}")

@@ -585,8 +585,8 @@ def _apply_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, proj
     wide = candidates.float()
     inv_rms = wide.square().mean(dim=-1, keepdim=True).add(norm.variance_epsilon).rsqrt()
     query = norm.weight.float() * proj.weight.float().flatten()
-    mix = torch.einsum("nid,d->ni", wide * inv_rms, query).softmax(dim=-1)
-    return torch.einsum("ni,nid->nd", mix, wide).to(candidates.dtype)
+    mix = ((wide * inv_rms) * query).sum(dim=-1).softmax(dim=-1)  # [N, n + 1]
+    return torch.bmm(mix.unsqueeze(1), wide)[:, 0].to(candidates.dtype)
 
 
 class KimiDecoderLayer(nn.Module):
