@@ -91,8 +91,7 @@ class KimiLinearConfig(PretrainedConfig):
         self.moe_renormalize = moe_renormalize
         self.num_shared_experts = num_shared_experts
         self.routed_scaling_factor = routed_scaling_factor
-        if moe_router_activation_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"moe_router_activation_func must be sigmoid or softmax, got {moe_router_activation_func}")
+        assert moe_router_activation_func in ("softmax", "sigmoid"), moe_router_activation_func  # as the real file
         self.moe_router_activation_func = moe_router_activation_func
         self.moe_intermediate_size = moe_intermediate_size
         self.first_k_dense_replace = first_k_dense_replace
@@ -108,10 +107,9 @@ class KimiLinearConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.routed_expert_hidden_size = routed_expert_hidden_size
         self.topk_method = topk_method
-        if linear_attn_config is not None:
-            missing = [k for k in ("kda_layers", "full_attn_layers") if linear_attn_config.get(k) is None]
-            if missing:
-                raise ValueError(f"linear_attn_config lacks {missing}")
+        # Asserted like the real file: a missing key is a KeyError, a null list an AssertionError.
+        for required in ("kda_layers", "full_attn_layers") if linear_attn_config is not None else ():
+            assert linear_attn_config[required] is not None, f"linear_attn_config[{required!r}] is null"
         self.linear_attn_config = linear_attn_config
         super().__init__(
             pad_token_id=pad_token_id,

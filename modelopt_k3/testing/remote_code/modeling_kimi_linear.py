@@ -227,8 +227,7 @@ class KimiMLAAttention(nn.Module):
 
     def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
-        if not config.mla_use_nope:
-            raise ValueError("Kimi MLA layers need mla_use_nope=True: they apply no rotary embedding")
+        assert config.mla_use_nope, "Kimi MLA layers apply no rotary embedding: mla_use_nope must be True"
         self.config = config
         self.layer_idx = layer_idx
         self.hidden_size = config.hidden_size
@@ -478,6 +477,8 @@ class KimiMoEGate(nn.Module):
         assert not self.training, "KimiMoEGate is inference-only"
         b, t, d = hidden_states.shape  # the real router needs 3-D input as well
         logits = hidden_states.reshape(b * t, d).float() @ self.weight.float().t()
+        if self.moe_router_activation_func not in ("sigmoid", "softmax"):
+            raise NotImplementedError(f"router activation {self.moe_router_activation_func!r}")
         scores = logits.sigmoid() if self.moe_router_activation_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.e_score_correction_bias.unsqueeze(0)  # the bias picks experts, never weighs them
         if self.num_expert_group > max(1, self.topk_group):
@@ -758,6 +759,8 @@ class KimiLinearModel(KimiPreTrainedModel):
         )
         kda_mask = _kda_padding_mask(attention_mask, cache_position)
 
+        if past_key_values is not None:  # the real model accepts its own cache class only
+            assert isinstance(past_key_values, KimiDynamicCache), type(past_key_values).__name__
         h = inputs_embeds
         stack = h.new_zeros((h.shape[0] * h.shape[1], 0, h.shape[2])) if self.use_attn_residuals else None
         for layer in self.layers:
