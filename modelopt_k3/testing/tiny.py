@@ -44,21 +44,22 @@ TRANSFORMERS5_EDITS: tuple[tuple[str, str, str], ...] = (
     (
         "modeling_kimi_linear.py",
         "    def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:\n"
-        '        """(kv_length, kv_offset) for the mask; the 4.x protocol passes the cache_position tensor."""\n'
-        "        query_length = cache_position.shape[0]\n",
+        '        """(kv_length, kv_offset) of the mask; transformers 4 hands over the cache_position tensor."""\n'
+        "        new_tokens = len(cache_position)\n",
         "    def get_query_offset(self, layer_idx: int = 0) -> int:\n"
         "        return self.get_seq_length(layer_idx)\n\n"
         "    def get_mask_sizes(self, cache_position: int | torch.Tensor, layer_idx: int) -> tuple[int, int]:\n"
-        '        """(kv_length, kv_offset) for the mask; transformers 5 passes the query length as an int."""\n'
-        "        query_length = cache_position if isinstance(cache_position, int) else cache_position.shape[0]\n",
+        '        """(kv_length, kv_offset) of the mask; transformers 5 passes the query length as an int."""\n'
+        "        new_tokens = cache_position if isinstance(cache_position, int) else len(cache_position)\n",
     ),
     (
         "modeling_kimi_linear.py",
-        "        # As the hub's file: whatever was asked for, use flash_attention_2.\n"
-        '        if getattr(config, "_attn_implementation", None) is not None:\n'
-        '            if config._attn_implementation != "flash_attention_2":\n'
-        '                logger.warning_once(f"Ignoring the provided attention implementation {config._attn_implementation}")\n'
-        '                config._attn_implementation = "flash_attention_2"\n',
+        "        # Hub behaviour: flash attention is imposed, whatever the caller asked for.\n"
+        '        requested = getattr(config, "_attn_implementation", None)\n'
+        "        if requested is not None:\n"
+        "            if requested != FLASH:\n"
+        '                logger.warning_once(f"KimiLinearModel: attention implementation {requested!r} replaced by {FLASH}")\n'
+        '            config._attn_implementation = "flash_attention_2"\n',
         "        # flash_attention_2 only where flash-attn is installed.\n"
         "        from transformers.utils import is_flash_attn_2_available\n\n"
         '        requested = getattr(config, "_attn_implementation", None)\n'

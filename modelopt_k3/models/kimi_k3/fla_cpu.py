@@ -87,16 +87,9 @@ class ShortConvolution(nn.Conv1d):
         dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            hidden_size,
-            hidden_size,
-            kernel_size,
-            padding=kernel_size - 1,
-            groups=hidden_size,
-            bias=bias,
-            device=device,
-            dtype=dtype,
-        )
+        # Depthwise (one filter per channel); the causal left context is handled in causal_conv1d.
+        depthwise = dict(groups=hidden_size, bias=bias, device=device, dtype=dtype)
+        super().__init__(hidden_size, hidden_size, kernel_size, padding=kernel_size - 1, **depthwise)
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"Activation `{activation}` not supported yet.")
         self.hidden_size = hidden_size
@@ -161,7 +154,7 @@ def _sequences(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[torch.T
     if cu_seqlens is None:
         return [x]
     if x.shape[0] != 1:
-        raise ValueError(f"The batch size is expected to be 1 rather than {x.shape[0]} when using `cu_seqlens`.")
+        raise ValueError(f"cu_seqlens packs every sequence into one row: batch size must be 1, got {x.shape[0]}")
     bounds = cu_seqlens.tolist()
     return [x[:, bos:eos] for bos, eos in zip(bounds[:-1], bounds[1:])]
 
@@ -248,15 +241,14 @@ def kda_gate(
 
 
 def _check_varlen(q: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
+    # The same two refusals as fla's varlen kernels (messages ours): one packed row, one state per sequence.
     if cu_seqlens is None:
         return
+    sequences = len(cu_seqlens) - 1
     if q.shape[0] != 1:
-        raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
-    if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
-        raise ValueError(
-            f"The number of initial states is expected to be equal to the number of input sequences, "
-            f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}."
-        )
+        raise ValueError(f"cu_seqlens packs every sequence into one row: batch size must be 1, got {q.shape[0]}")
+    if initial_state is not None and initial_state.shape[0] != sequences:
+        raise ValueError(f"cu_seqlens holds {sequences} sequences but initial_state has {initial_state.shape[0]}")
 
 
 def _unsupported(options: dict[str, Any]) -> None:

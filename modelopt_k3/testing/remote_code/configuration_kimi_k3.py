@@ -1,7 +1,7 @@
-# Stand-in for the Kimi-K3 checkpoint's own configuration code (tiny test checkpoints).
-# Same class names, model types, fields and defaults as the real remote code, including what the real
-# one lacks: KimiK3Config declares no `sub_configs` and does not default its sub-configs. Written for
-# this project. This file ships inside generated checkpoints: it must not import modelopt_k3.
+# Tiny-checkpoint stand-in for the configuration file of Kimi-K3's remote code, written for modelopt_k3.
+# Same class names, model types, fields and defaults as the real file, including what the real one lacks:
+# KimiK3Config declares no `sub_configs` and does not default its sub-configs.
+# This file is copied into generated checkpoints: it must not import modelopt_k3.
 from __future__ import annotations
 
 from typing import Any
@@ -91,8 +91,7 @@ class KimiLinearConfig(PretrainedConfig):
         self.moe_renormalize = moe_renormalize
         self.num_shared_experts = num_shared_experts
         self.routed_scaling_factor = routed_scaling_factor
-        if moe_router_activation_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"moe_router_activation_func must be sigmoid or softmax, got {moe_router_activation_func}")
+        assert moe_router_activation_func in ("softmax", "sigmoid"), moe_router_activation_func  # as the real file
         self.moe_router_activation_func = moe_router_activation_func
         self.moe_intermediate_size = moe_intermediate_size
         self.first_k_dense_replace = first_k_dense_replace
@@ -108,10 +107,9 @@ class KimiLinearConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.routed_expert_hidden_size = routed_expert_hidden_size
         self.topk_method = topk_method
-        if linear_attn_config is not None:
-            for key in ("kda_layers", "full_attn_layers"):
-                if linear_attn_config.get(key) is None:
-                    raise ValueError(f"linear_attn_config needs {key!r}")
+        # Asserted like the real file: a missing key is a KeyError, a null list an AssertionError.
+        for required in ("kda_layers", "full_attn_layers") if linear_attn_config is not None else ():
+            assert linear_attn_config[required] is not None, f"linear_attn_config[{required!r}] is null"
         self.linear_attn_config = linear_attn_config
         super().__init__(
             pad_token_id=pad_token_id,
@@ -218,16 +216,14 @@ class KimiK3Config(PretrainedConfig):
         pad_token_id: int = 0,
         **kwargs: Any,
     ) -> None:
-        if isinstance(text_config, dict):
-            text_config = KimiLinearConfig(**text_config)
-        if isinstance(vision_config, dict):
-            vision_config = KimiK3VisionConfig(**vision_config)
-        self.text_config = text_config
-        self.vision_config = vision_config
+        # Sub-configs arrive as plain dicts from config.json (there are no sub_configs to do it).
+        self.text_config = KimiLinearConfig(**text_config) if isinstance(text_config, dict) else text_config
+        self.vision_config = KimiK3VisionConfig(**vision_config) if isinstance(vision_config, dict) else vision_config
         self.ignore_index = ignore_index
         self.media_placeholder_token_id = media_placeholder_token_id
-        # The checkpoint stores quantization_config inside text_config; from_pretrained (and every
-        # quantization tool) looks for it at the top level.
-        if getattr(self.text_config, "quantization_config", None) is not None:
-            self.quantization_config = self.text_config.quantization_config
+        # The checkpoint keeps quantization_config inside text_config; from_pretrained (and every
+        # quantization tool) reads it at the top level, so it is lifted there.
+        lifted = getattr(self.text_config, "quantization_config", None)
+        if lifted is not None:
+            self.quantization_config = lifted
         super().__init__(pad_token_id=pad_token_id, **kwargs)

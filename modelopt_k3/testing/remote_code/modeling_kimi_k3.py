@@ -1,12 +1,13 @@
-# Stand-in for the Kimi-K3 checkpoint's own multimodal wrapper (tiny test checkpoints).
-# Same class names, parameter names, buffers and transformers API calls as the real remote code
-# (kimi_k3_reference.md section 5); written for this project. The vision tower exists with the real key
-# names and the real non-persistent buffer (`pos_emb.time_weight`, a sin-cos table built in __init__,
-# never in a checkpoint), but only text-only forwards are implemented.
-# This file ships inside generated checkpoints: it must not import modelopt_k3.
+# Tiny-checkpoint stand-in for the multimodal wrapper file of Kimi-K3's remote code, written for modelopt_k3.
+#
+# Same contract as the real file (kimi_k3_reference.md section 5): class names, the vision tower's and
+# projector's key names and shapes, the non-persistent `pos_emb.time_weight` buffer (a sin-cos table made
+# in __init__, never in a checkpoint), the tower and projector following the language model's dtype, the
+# delegation to the language model, and the hub's 4.x-style `tie_weights(self)`. Only text-only forwards
+# run: the tower is built but never executed, like in a text-only run of the real model.
+# This file is copied into generated checkpoints: it must not import modelopt_k3.
 from __future__ import annotations
 
-from copy import deepcopy
 from typing import Any
 
 import torch
@@ -19,24 +20,35 @@ from transformers.models.llava.modeling_llava import LlavaCausalLMOutputWithPast
 from .configuration_kimi_k3 import KimiK3Config
 from .modeling_kimi_linear import KimiLinearForCausalLM
 
+TEXT_ONLY = "the tiny Kimi-K3 stand-in runs text-only forwards (no vision tower forward)"
+
 
 def sincos_table(dim: int, length: int) -> torch.Tensor:
-    """[length, dim]: sin(p * w) | cos(p * w) with w_i = 10000^(-2i/dim), fp32 (MoonViT's temporal table)."""
-    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float32) / (dim / 2.0))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), omega)
-    return torch.cat([angles.sin(), angles.cos()], dim=1)
+    """fp32 [length, dim]: position p gets sin(p * f_i) for the first half, cos(p * f_i) for the second,
+    with f_i = 10000^(-i / (dim/2)), i < dim/2."""
+    half = dim // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float32) / half)
+    phase = torch.arange(length, dtype=torch.float32).unsqueeze(1) * freqs.unsqueeze(0)
+    return torch.cat((torch.sin(phase), torch.cos(phase)), dim=-1)
+
+
+def _norm_cls(norm_type: str | None) -> type[nn.Module]:
+    return nn.RMSNorm if norm_type == "rmsnorm" else nn.LayerNorm
 
 
 class Learnable2DInterpPosEmbDivided_fixed(nn.Module):
-    """Learnable 2-D table `weight` [H, W, D] plus a fixed temporal table `time_weight` [T, 1, D]."""
+    """Learned spatial table ``weight`` [height, width, dim]; fixed temporal table ``time_weight``
+    [num_frames, 1, dim] kept as a non-persistent buffer."""
 
     def __init__(self, height: int, width: int, num_frames: int, dim: int, interpolation_mode: str = "bicubic") -> None:
         super().__init__()
-        self.height, self.width, self.num_frames, self.dim = height, width, num_frames, dim
+        self.height = height
+        self.width = width
+        self.num_frames = num_frames
+        self.dim = dim
         self.interpolation_mode = interpolation_mode
-        self.weight = nn.Parameter(torch.empty(height, width, dim))
-        self.register_buffer("time_weight", sincos_table(dim, num_frames).unsqueeze(1), persistent=False)
-        nn.init.normal_(self.weight)
+        self.weight = nn.Parameter(torch.randn(height, width, dim))
+        self.register_buffer("time_weight", sincos_table(dim, num_frames)[:, None, :], persistent=False)
 
 
 class MoonVision3dPatchEmbed(nn.Module):
@@ -54,22 +66,28 @@ class MoonVision3dPatchEmbed(nn.Module):
     ) -> None:
         super().__init__()
         if pos_emb_type != "divided_fixed":
-            raise NotImplementedError(f"Not support pos_emb_type: {pos_emb_type}")
-        self.proj = nn.Conv2d(in_dim, out_dim, kernel_size=patch_size, stride=patch_size, bias=patch_embed_proj_bias)
+            raise NotImplementedError(f"pos_emb_type {pos_emb_type!r}: the stand-in has only 'divided_fixed'")
+        # Non-overlapping patches: kernel = stride = patch_size.
+        self.proj = nn.Conv2d(in_dim, out_dim, patch_size, stride=patch_size, bias=patch_embed_proj_bias)
         self.pos_emb = Learnable2DInterpPosEmbDivided_fixed(
             pos_emb_height, pos_emb_width, pos_emb_time, out_dim, interpolation_mode=pos_emb_interpolation_mode
         )
 
 
 class MLP2(nn.Module):
+    """fc0 [dims[1], dims[0]] -> activation -> fc1 [dims[2], dims[1]]."""
+
     def __init__(self, dims: list[int], activation: nn.Module, bias: bool = True) -> None:
         super().__init__()
-        self.fc0 = nn.Linear(dims[0], dims[1], bias=bias)
-        self.fc1 = nn.Linear(dims[1], dims[2], bias=bias)
+        d_in, d_mid, d_out = dims
+        self.fc0 = nn.Linear(d_in, d_mid, bias=bias)
+        self.fc1 = nn.Linear(d_mid, d_out, bias=bias)
         self.activation = activation
 
 
 class MoonViTEncoderLayer(nn.Module):
+    """Pre-norm ViT block: norm0 -> fused wqkv [3*qkv, hidden] -> wo [hidden, qkv]; norm1 -> MLP2."""
+
     def __init__(
         self,
         num_heads: int,
@@ -85,21 +103,21 @@ class MoonViTEncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.qkv_hidden_size = hidden_dim if qkv_hidden_size is None else qkv_hidden_size
         self.attn_implementation = attn_implementation
-        norm = nn.RMSNorm if norm_type == "rmsnorm" else nn.LayerNorm
-        self.norm0, self.norm1 = norm(hidden_dim), norm(hidden_dim)
+        self.qkv_hidden_size = qkv_hidden_size or hidden_dim
+        norm = _norm_cls(norm_type)
+        self.norm0 = norm(hidden_dim)
+        self.norm1 = norm(hidden_dim)
         self.mlp = MLP2([hidden_dim, mlp_dim, hidden_dim], activation, bias=linear_bias)
-        self.wqkv = nn.Linear(hidden_dim, self.qkv_hidden_size * 3, bias=attn_bias)
+        self.wqkv = nn.Linear(hidden_dim, 3 * self.qkv_hidden_size, bias=attn_bias)
         self.wo = nn.Linear(self.qkv_hidden_size, hidden_dim, bias=attn_bias)
 
 
 class MoonViT3dEncoder(nn.Module):
     def __init__(self, hidden_dim: int, num_layers: int, block_cfg: dict) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(MoonViTEncoderLayer(**block_cfg) for _ in range(num_layers))
-        norm = nn.RMSNorm if block_cfg.get("norm_type") == "rmsnorm" else nn.LayerNorm
-        self.final_layernorm = norm(hidden_dim)
+        self.blocks = nn.ModuleList([MoonViTEncoderLayer(**block_cfg) for _ in range(num_layers)])
+        self.final_layernorm = _norm_cls(block_cfg.get("norm_type"))(hidden_dim)
 
 
 class MoonViT3dPretrainedModel(PreTrainedModel):
@@ -111,51 +129,50 @@ class MoonViT3dPretrainedModel(PreTrainedModel):
 
     def __init__(self, config: PretrainedConfig, *inputs: Any, **kwargs: Any) -> None:
         super().__init__(config, *inputs, **kwargs)
-        config = deepcopy(config)
-        self.merge_kernel_size = config.merge_kernel_size
+        opt = lambda name, default: getattr(config, name, default)  # noqa: E731  (older configs lack fields)
         self.patch_size = config.patch_size
+        self.merge_kernel_size = config.merge_kernel_size
         self.merge_type = config.merge_type
         self.patch_embed = MoonVision3dPatchEmbed(
-            out_dim=config.hidden_size,
+            config.hidden_size,
             patch_size=config.patch_size,
             pos_emb_height=config.init_pos_emb_height,
             pos_emb_width=config.init_pos_emb_width,
             pos_emb_time=config.init_pos_emb_time,
             pos_emb_type=config.pos_emb_type,
-            patch_embed_proj_bias=getattr(config, "patch_embed_proj_bias", True),
-            pos_emb_interpolation_mode=getattr(config, "pos_emb_interpolation_mode", "bicubic"),
+            patch_embed_proj_bias=opt("patch_embed_proj_bias", True),
+            pos_emb_interpolation_mode=opt("pos_emb_interpolation_mode", "bicubic"),
         )
-        self.encoder = MoonViT3dEncoder(
+        layer_kwargs = dict(
+            num_heads=config.num_attention_heads,
             hidden_dim=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            block_cfg={
-                "num_heads": config.num_attention_heads,
-                "hidden_dim": config.hidden_size,
-                "qkv_hidden_size": getattr(config, "qkv_hidden_size", None),
-                "mlp_dim": config.intermediate_size,
-                "norm_type": getattr(config, "norm_type", "layernorm"),
-                "activation": PytorchGELUTanh(),
-                "attn_bias": getattr(config, "attn_bias", True),
-                "linear_bias": getattr(config, "linear_bias", True),
-                "attn_implementation": config._attn_implementation,
-            },
+            mlp_dim=config.intermediate_size,
+            qkv_hidden_size=opt("qkv_hidden_size", None),
+            norm_type=opt("norm_type", "layernorm"),
+            attn_implementation=config._attn_implementation,
+            activation=PytorchGELUTanh(),
+            attn_bias=opt("attn_bias", True),
+            linear_bias=opt("linear_bias", True),
         )
+        self.encoder = MoonViT3dEncoder(config.hidden_size, config.num_hidden_layers, layer_kwargs)
 
     def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("the tiny Kimi-K3 stand-in supports text-only forwards")
+        raise NotImplementedError(TEXT_ONLY)
 
 
 class PatchMergerMLPV2(nn.Module):
-    """Merged 2x2 patches (4m) -> Linear(4m, 4m) -> exact GELU -> Linear(4m, text_hidden) -> RMSNorm."""
+    """Each 2x2 group of patches (4m wide) -> Linear(4m, 4m) -> exact GELU -> Linear(4m, text) -> RMSNorm."""
 
     def __init__(self, config: ProjectorConfig) -> None:
         super().__init__()
-        self.hidden_size = config.mm_hidden_size * (config.merge_kernel_size[0] * config.merge_kernel_size[1])
-        self.proj = nn.Sequential(
+        kh, kw = config.merge_kernel_size
+        self.hidden_size = kh * kw * config.mm_hidden_size
+        layers = [
             nn.Linear(self.hidden_size, self.hidden_size, bias=False),
             nn.GELU(),
             nn.Linear(self.hidden_size, config.hidden_size, bias=False),
-        )
+        ]
+        self.proj = nn.Sequential(*layers)
         self.post_norm = nn.RMSNorm(config.hidden_size, eps=config.projector_ln_eps)
 
 
@@ -173,17 +190,20 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_flash_attn_2 = True
     _supports_sdpa = False
 
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """N(0, initializer_range) weights for Linear, Conv2d and Embedding; zero biases."""
+        if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
+            return
         std = getattr(self.config, "initializer_range", None) or self.config.text_config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Conv2d)):
-            module.weight.data.normal_(mean=0.0, std=std)
-            if module.bias is not None:
-                module.bias.data.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.data.normal_(mean=0.0, std=std)
+        nn.init.normal_(module.weight, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
 
 
 class VisionTowerConfig(PretrainedConfig):
+    """The tower's view of ``vision_config``: the ``vt_*`` fields under plain names."""
+
     model_type = "moonvit3d"
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
@@ -200,13 +220,17 @@ class VisionTowerConfig(PretrainedConfig):
         self.merge_kernel_size = config.merge_kernel_size
         self.merge_type = config.merge_type
         self._attn_implementation = config._attn_implementation
-        self.qkv_hidden_size = getattr(config, "qkv_hidden_size", None)
-        self.norm_type = getattr(config, "norm_type", "layernorm")
-        self.attn_bias = getattr(config, "attn_bias", True)
-        self.patch_embed_proj_bias = getattr(config, "patch_embed_proj_bias", True)
-        self.mlp_type = getattr(config, "mlp_type", "mlp2")
-        self.linear_bias = getattr(config, "linear_bias", True)
-        self.pos_emb_interpolation_mode = getattr(config, "pos_emb_interpolation_mode", "bilinear")
+        optional = {
+            "qkv_hidden_size": None,
+            "norm_type": "layernorm",
+            "attn_bias": True,
+            "patch_embed_proj_bias": True,
+            "mlp_type": "mlp2",
+            "linear_bias": True,
+            "pos_emb_interpolation_mode": "bilinear",
+        }
+        for name, default in optional.items():
+            setattr(self, name, getattr(config, name, default))
 
 
 class ProjectorConfig:
@@ -219,6 +243,15 @@ class ProjectorConfig:
         self.projector_ln_eps = config.projector_ln_eps
 
 
+def _shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Next-token loss over the positions whose target the attention mask keeps."""
+    pred, target = logits[:, :-1], labels[:, 1:]
+    if attention_mask is not None:
+        keep = attention_mask[:, 1:].ne(0)
+        pred, target = pred[keep], target[keep]
+    return nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1))
+
+
 class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -227,17 +260,19 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
     def __init__(self, config: KimiK3Config) -> None:
         super().__init__(config)
         self.vision_tower = MoonViT3dPretrainedModel(VisionTowerConfig(config.vision_config))
-        projector_config = ProjectorConfig(config.vision_config)
-        if projector_config.mm_projector_type != "patchmergerv2":
-            raise ValueError(f"Unsupported mm_projector_type: {projector_config.mm_projector_type}")
-        self.mm_projector = PatchMergerMLPV2(projector_config)
+        projector = ProjectorConfig(config.vision_config)
+        if projector.mm_projector_type != "patchmergerv2":
+            raise ValueError(f"mm_projector_type {projector.mm_projector_type!r} is not supported")
+        self.mm_projector = PatchMergerMLPV2(projector)
         self.language_model = KimiLinearForCausalLM(config.text_config)
         self.post_init()
-        # As upstream: the tower and projector follow the language model's dtype (buffers included).
-        if hasattr(self.language_model, "dtype"):
-            self.vision_tower = self.vision_tower.to(dtype=self.language_model.dtype)
-            self.mm_projector = self.mm_projector.to(dtype=self.language_model.dtype)
+        # The tower and the projector (buffers included) take the language model's dtype.
+        lm_dtype = getattr(self.language_model, "dtype", None)
+        if lm_dtype is not None:
+            self.vision_tower.to(dtype=lm_dtype)
+            self.mm_projector.to(dtype=lm_dtype)
 
+    # Embeddings and decoder belong to the language model.
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
 
@@ -250,11 +285,11 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         self.language_model.set_output_embeddings(new_embeddings)
 
-    def set_decoder(self, decoder: nn.Module) -> None:
-        self.language_model.set_decoder(decoder)
-
     def get_decoder(self) -> nn.Module:
         return self.language_model.get_decoder()
+
+    def set_decoder(self, decoder: nn.Module) -> None:
+        self.language_model.set_decoder(decoder)
 
     def tie_weights(self):
         return self.language_model.tie_weights()
@@ -274,40 +309,32 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
     ) -> LlavaCausalLMOutputWithPast | tuple:
-        assert self.vision_tower is not None, "vision_tower is not loaded"
-        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        return_dict = self.config.use_return_dict if return_dict is None else return_dict
+        if self.vision_tower is None:
+            raise AssertionError("vision_tower is not loaded")
         if pixel_values is not None and len(pixel_values) > 0:
-            raise NotImplementedError("the tiny Kimi-K3 stand-in supports text-only forwards")
-        if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings()(input_ids)
-        outputs = self.language_model(
+            raise NotImplementedError(TEXT_ONLY)
+        cfg = self.config
+        as_dict = cfg.use_return_dict if return_dict is None else return_dict
+        embeds = self.get_input_embeddings()(input_ids) if inputs_embeds is None else inputs_embeds
+        lm_out = self.language_model(
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
+            inputs_embeds=embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=return_dict,
+            output_attentions=cfg.output_attentions if output_attentions is None else output_attentions,
+            output_hidden_states=cfg.output_hidden_states if output_hidden_states is None else output_hidden_states,
+            return_dict=as_dict,
         )
-        logits = outputs[0]
-        loss = None
-        if labels is not None:
-            # Shifted cross-entropy over the positions the attention mask keeps.
-            shift_logits, shift_labels = logits[..., :-1, :], labels[..., 1:]
-            if attention_mask is not None:
-                keep = attention_mask[..., 1:] != 0
-                shift_logits, shift_labels = shift_logits[keep], shift_labels[keep]
-            loss = nn.CrossEntropyLoss()(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1))
-        if not return_dict:
-            output = (logits,) + tuple(outputs[1:])
-            return (loss,) + output if loss is not None else output
-        return LlavaCausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        logits = lm_out.logits if as_dict else lm_out[0]
+        loss = None if labels is None else _shifted_cross_entropy(logits, labels, attention_mask)
+        if as_dict:
+            return LlavaCausalLMOutputWithPast(
+                loss=loss,
+                logits=logits,
+                past_key_values=lm_out.past_key_values,
+                hidden_states=lm_out.hidden_states,
+                attentions=lm_out.attentions,
+            )
+        rest = (logits, *lm_out[1:])
+        return rest if loss is None else (loss, *rest)

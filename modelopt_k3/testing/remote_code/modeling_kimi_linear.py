@@ -1,13 +1,12 @@
-# Stand-in for the Kimi-K3 checkpoint's own language-model code (tiny test checkpoints).
-# Written for this project from kimi_k3_reference.md and the public behaviour of the real remote code:
-# same class names, constructor signatures, attribute names, module tree, parameter names and shapes,
-# forward math, and the same outside dependencies -- fla-core's kernels imported at module load (no
-# triton, no import), and the transformers API calls the hub's files make. This default ("hub") file
-# calls the transformers-4-era APIs the hub ships with (they break on transformers 5.x); the tiny
-# generator's `remote_code="transformers5"` variant rewrites those lines the way llm-compressor's
-# vendored copy does. The vision tower exists with the real key names and a non-persistent buffer, but
-# only text-only forwards are implemented.
-# This file ships inside generated checkpoints: it must not import modelopt_k3.
+# Tiny-checkpoint stand-in for the language-model file of Kimi-K3's remote code, written for modelopt_k3.
+#
+# What is the same as the real file is the contract, not the text: class and function names, constructor
+# signatures, attribute names, the module tree with its parameter names/shapes/dtypes (A_log declared
+# [num_heads] while checkpoints store [head_dim]), the forward math of kimi_k3_reference.md section 3, the
+# fla-core kernels imported at module load, and the transformers-4-era calls of the hub's file (they fail
+# on transformers 5.x; modelopt_k3.models.kimi_k3.shims adapts them, and the tiny generator's
+# "transformers5" variant rewrites the same spots). The code itself is ours.
+# This file is copied into generated checkpoints: it must not import modelopt_k3.
 from __future__ import annotations
 
 import math
@@ -23,7 +22,7 @@ from fla.ops.utils.index import prepare_cu_seqlens_from_mask, prepare_lens_from_
 from fla.utils import tensor_cache
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache  # noqa: F401  (imported by the real file too)
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -36,13 +35,27 @@ from .configuration_kimi_k3 import KimiLinearConfig
 
 logger = logging.get_logger(__name__)
 
+FLASH = "flash_attention_2"
+MLA_NORM_EPS = 1e-6  # the q_a / kv_a norms ignore rms_norm_eps
+
+
+def _bias_free(n_in: int, n_out: int) -> nn.Linear:
+    """Every projection of the model is a bias-free Linear [n_out, n_in]."""
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+def _split_heads(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t.unflatten(-1, (-1, width))
+
+
 # ----------------------------------------------------------------------------------------------
-# Activations, norms, MLPs
+# Activation, RMSNorm, gated feed-forwards
 # ----------------------------------------------------------------------------------------------
 
 
 class SituAndMul(nn.Module):
-    """x = [g | u] -> beta*tanh(g/beta)*sigmoid(g) * (beta_lin*tanh(u/beta_lin) | u), in fp32."""
+    """y = beta*tanh(g/beta)*sigmoid(g) * clamp(u), x = [g | u]; clamp(u) = lbeta*tanh(u/lbeta), or u without
+    lbeta. Evaluated in fp32, returned in the input dtype."""
 
     def __init__(self, beta: float = 1.0, linear_beta: float | None = None) -> None:
         super().__init__()
@@ -50,28 +63,28 @@ class SituAndMul(nn.Module):
         self.linear_beta = linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        gate, up = x[..., :half].float(), x[..., half:].float()
-        act = self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate)
+        gate_half, up_half = x.float().chunk(2, dim=-1)
+        soft_gate = torch.sigmoid(gate_half) * (self.beta * torch.tanh(gate_half / self.beta))
         if self.linear_beta is not None:
-            up = self.linear_beta * torch.tanh(up / self.linear_beta)
-        return (act * up).to(x.dtype)
+            up_half = torch.tanh(up_half / self.linear_beta) * self.linear_beta
+        return (soft_gate * up_half).type_as(x)
 
 
-# As upstream: registered globally, but ACT2FN["situ"] is SituAndMul() with beta=1 and no linear clamp,
-# so the modules below build their own from the config.
+# The hub file registers the class itself: ACT2FN["situ"] is then a default SituAndMul (beta 1, no clamp).
+# The feed-forwards below build theirs from the config instead.
 ACT2FN["situ"] = SituAndMul
 
 
-def _situ_params(config: KimiLinearConfig) -> tuple[float, float | None]:
-    return config.activation_situ_beta or 1.0, config.activation_situ_linear_beta
+def _activation_for(config: KimiLinearConfig) -> nn.Module:
+    if config.hidden_act != "situ":
+        return ACT2FN[config.hidden_act]
+    beta = config.activation_situ_beta if config.activation_situ_beta else 1.0
+    return SituAndMul(beta=beta, linear_beta=config.activation_situ_linear_beta)
 
 
-def _make_act(config: KimiLinearConfig) -> nn.Module:
-    if config.hidden_act == "situ":
-        beta, linear_beta = _situ_params(config)
-        return SituAndMul(beta=beta, linear_beta=linear_beta)
-    return ACT2FN[config.hidden_act]
+def _gated(act: nn.Module, is_situ: bool, gate_out: torch.Tensor, up_out: torch.Tensor) -> torch.Tensor:
+    # SituAndMul takes both halves at once; any other activation only sees the gate.
+    return act(torch.cat((gate_out, up_out), dim=-1)) if is_situ else act(gate_out) * up_out
 
 
 class KimiRMSNorm(nn.Module):
@@ -81,81 +94,75 @@ class KimiRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        # Multiply after casting back: an fp32 weight promotes a bf16 input to fp32 (as upstream).
-        return self.weight * x.to(dtype)
+        wide = hidden_states.float()
+        inv_rms = wide.square().mean(dim=-1, keepdim=True).add(self.variance_epsilon).rsqrt()
+        # The weight multiplies after the cast back: an fp32 weight promotes a bf16 activation to fp32.
+        return self.weight * (wide * inv_rms).type_as(hidden_states)
 
 
 ALL_LAYERNORM_LAYERS.append(KimiRMSNorm)
 
 
 class KimiBlockSparseMLP(nn.Module):
-    """One routed expert: w1 (gate) [I, D], w3 (up) [I, D], w2 (down) [D, I]."""
+    """One routed expert: w1 (gate) and w3 (up) are [I, D], w2 (down) is [D, I]."""
 
     def __init__(
         self, config: KimiLinearConfig, hidden_size: int | None = None, intermediate_size: int | None = None
     ) -> None:
         super().__init__()
         self.config = config
-        self.ffn_dim = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.hidden_dim = config.hidden_size if hidden_size is None else hidden_size
-        self.w1 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
-        self.w2 = nn.Linear(self.ffn_dim, self.hidden_dim, bias=False)
-        self.w3 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
-        self.act_fn = _make_act(config)
+        self.hidden_dim = hidden_size or config.hidden_size
+        self.ffn_dim = intermediate_size or config.intermediate_size
+        self.w1 = _bias_free(self.hidden_dim, self.ffn_dim)
+        self.w2 = _bias_free(self.ffn_dim, self.hidden_dim)
+        self.w3 = _bias_free(self.hidden_dim, self.ffn_dim)
+        self.act_fn = _activation_for(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.config.hidden_act == "situ":
-            h = self.act_fn(torch.cat([self.w1(hidden_states), self.w3(hidden_states)], dim=-1))
-        else:
-            h = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
-        return self.w2(h)
+        inner = _gated(self.act_fn, self.config.hidden_act == "situ", self.w1(hidden_states), self.w3(hidden_states))
+        return self.w2(inner)
 
 
 class KimiMLP(nn.Module):
-    """Dense gated MLP (layer-0 `mlp` and the `shared_experts`)."""
+    """Dense gated feed-forward: layer 0's ``mlp`` and every MoE layer's ``shared_experts``."""
 
     def __init__(
         self, config: KimiLinearConfig, hidden_size: int | None = None, intermediate_size: int | None = None
     ) -> None:
         super().__init__()
         self.config = config
-        self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        self.hidden_size = hidden_size or config.hidden_size
         self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
-        self.act_fn = _make_act(config)
+        self.gate_proj = _bias_free(self.hidden_size, self.intermediate_size)
+        self.up_proj = _bias_free(self.hidden_size, self.intermediate_size)
+        self.down_proj = _bias_free(self.intermediate_size, self.hidden_size)
+        self.act_fn = _activation_for(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.config.hidden_act == "situ":
-            return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_gated(self.act_fn, self.config.hidden_act == "situ", self.gate_proj(x), self.up_proj(x)))
 
 
 # ----------------------------------------------------------------------------------------------
-# Cache (not a transformers Cache, as upstream)
+# Cache: a plain object, not a transformers Cache (as in the real file)
 # ----------------------------------------------------------------------------------------------
 
 
 class KimiDynamicCache:
-    """Per-layer MLA key/value cache and KDA conv/recurrent states."""
+    """MLA layers keep key/value tensors [B, H, T, d]; KDA layers keep conv tails and the recurrent state."""
 
     is_compileable = False
 
     def __init__(self, config: KimiLinearConfig) -> None:
         self.config = config
-        n = config.num_hidden_layers
-        self.layer_types = ["linear_attention" if config.is_kda_layer(i) else "full_attention" for i in range(n)]
-        self.transformer_layers = [i for i in range(n) if self.layer_types[i] == "full_attention"]
-        linear = [i for i in range(n) if self.layer_types[i] == "linear_attention"]
-        self.last_linear_layer = linear[-1] if linear else -1
-        self.conv_states: list[Any] = [None] * n
-        self.recurrent_states: list[Any] = [None] * n
-        self.key_cache: list[Any] = [None] * n
-        self.value_cache: list[Any] = [None] * n
+        depth = config.num_hidden_layers
+        self.layer_types = [("linear_attention" if config.is_kda_layer(i) else "full_attention") for i in range(depth)]
+        self.transformer_layers = [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
+        kda = [i for i, kind in enumerate(self.layer_types) if kind == "linear_attention"]
+        self.last_linear_layer = kda[-1] if kda else -1
+        self.key_cache: list[Any] = [None for _ in range(depth)]
+        self.value_cache: list[Any] = [None for _ in range(depth)]
+        self.conv_states: list[Any] = [None for _ in range(depth)]
+        self.recurrent_states: list[Any] = [None for _ in range(depth)]
 
     def __len__(self) -> int:
         return len(self.layer_types)
@@ -163,33 +170,32 @@ class KimiDynamicCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.key_cache[layer_idx] is None:
-            self.key_cache[layer_idx], self.value_cache[layer_idx] = key_states, value_states
-        else:
-            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=2)
+        """Append this step's keys/values along the time axis; return everything cached for the layer."""
+        for store, new in ((self.key_cache, key_states), (self.value_cache, value_states)):
+            old = store[layer_idx]
+            store[layer_idx] = new if old is None else torch.cat((old, new), dim=-2)
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
-        # KDA layers keep no per-token state: fall back to the first MLA layer, as upstream.
-        if layer_idx not in self.transformer_layers:
-            layer_idx = self.transformer_layers[0]
-        if len(self.key_cache) <= layer_idx or self.key_cache[layer_idx] is None:
-            return 0
-        return self.key_cache[layer_idx].shape[-2]
+        # KDA layers hold no per-token tensors: count on the first MLA layer instead.
+        mla = layer_idx if layer_idx in self.transformer_layers else self.transformer_layers[0]
+        keys = self.key_cache[mla] if mla < len(self.key_cache) else None
+        return 0 if keys is None else int(keys.shape[2])
 
     def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) for the mask; the 4.x protocol passes the cache_position tensor."""
-        query_length = cache_position.shape[0]
-        return query_length + self.get_seq_length(layer_idx), 0
+        """(kv_length, kv_offset) of the mask; transformers 4 hands over the cache_position tensor."""
+        new_tokens = len(cache_position)
+        return self.get_seq_length(layer_idx) + new_tokens, 0
 
     @property
     def has_previous_state(self) -> bool:
-        return self.last_linear_layer != -1 and self.conv_states[self.last_linear_layer] is not None
+        if self.last_linear_layer < 0:
+            return False
+        return self.conv_states[self.last_linear_layer] is not None
 
 
 # ----------------------------------------------------------------------------------------------
-# Multi-head latent attention (no RoPE)
+# MLA: multi-head latent attention, no rotary embedding at all
 # ----------------------------------------------------------------------------------------------
 
 
@@ -203,58 +209,70 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention with an additive mask; scores in the query dtype, softmax in fp32."""
-    groups = module.num_key_value_groups
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    """softmax(q k^T * scaling + mask) v for [B, H, T, d] inputs; returns ([B, T, H, dv], probabilities)."""
+    repeat = module.num_key_value_groups
+    key, value = (t if repeat == 1 else t.repeat_interleave(repeat, dim=1) for t in (key, value))
+    logits = torch.einsum("bhqd,bhkd->bhqk", query, key) * scaling
     if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = F.dropout(probs, p=dropout, training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+        logits = logits + attention_mask[..., : key.size(2)]
+    weights = logits.float().softmax(dim=-1).to(query.dtype)
+    if module.training and dropout > 0:
+        weights = F.dropout(weights, p=dropout)
+    return torch.einsum("bhqk,bhkd->bqhd", weights, value).contiguous(), weights
 
 
 class KimiMLAAttention(nn.Module):
-    """Multi-head latent attention without RoPE (mla_use_nope=True), optional sigmoid output gate."""
+    """Latent (low-rank) queries and keys/values; the rope slice of K is one vector shared by all heads,
+    used as is (mla_use_nope). Optional sigmoid output gate ``g_proj``."""
 
     def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
+        assert config.mla_use_nope, "Kimi MLA layers apply no rotary embedding: mla_use_nope must be True"
         self.config = config
         self.layer_idx = layer_idx
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.attention_dropout = getattr(config, "attention_dropout", 0.0)
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
-        self.q_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.q_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         self.use_nope = config.mla_use_nope
-        self.scaling = self.q_head_dim**-0.5
-        if not self.use_nope:
-            raise ValueError("Kimi MLA needs mla_use_nope=True (no RoPE)")
-
-        if self.q_lora_rank is not None:
-            self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = KimiRMSNorm(self.q_lora_rank)  # eps 1e-6, not rms_norm_eps
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.q_head_dim, bias=False)
-        else:
-            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.q_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = KimiRMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
-        )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=False)
+        self.scaling = 1.0 / math.sqrt(self.q_head_dim)
         self.is_causal = True
-        self.use_output_gate = getattr(config, "mla_use_output_gate", False)
+        self.rotary_emb = None
+
+        width, heads = self.hidden_size, self.num_heads
+        if self.q_lora_rank is None:
+            self.q_proj = _bias_free(width, heads * self.q_head_dim)
+        else:
+            self.q_a_proj = _bias_free(width, self.q_lora_rank)
+            self.q_a_layernorm = KimiRMSNorm(self.q_lora_rank, eps=MLA_NORM_EPS)
+            self.q_b_proj = _bias_free(self.q_lora_rank, heads * self.q_head_dim)
+        self.kv_a_proj_with_mqa = _bias_free(width, self.kv_lora_rank + self.qk_rope_head_dim)
+        self.kv_a_layernorm = KimiRMSNorm(self.kv_lora_rank, eps=MLA_NORM_EPS)
+        self.kv_b_proj = _bias_free(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = _bias_free(heads * self.v_head_dim, width)
+        self.use_output_gate = bool(getattr(config, "mla_use_output_gate", False))
         if self.use_output_gate:
-            self.g_proj = nn.Linear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
-        self.rotary_emb = None  # no RoPE anywhere in Kimi-K3
+            self.g_proj = _bias_free(width, heads * self.v_head_dim)
+
+    def _queries(self, h: torch.Tensor) -> torch.Tensor:
+        flat = self.q_proj(h) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        return _split_heads(flat, self.q_head_dim).transpose(1, 2)  # [B, H, T, dq]
+
+    def _keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        compressed = self.kv_a_proj_with_mqa(h)
+        latent, shared_rope = compressed[..., : self.kv_lora_rank], compressed[..., self.kv_lora_rank :]
+        per_head = _split_heads(self.kv_b_proj(self.kv_a_layernorm(latent)), self.qk_nope_head_dim + self.v_head_dim)
+        per_head = per_head.transpose(1, 2)  # [B, H, T, nope + v]
+        k_nope, values = per_head[..., : self.qk_nope_head_dim], per_head[..., self.qk_nope_head_dim :]
+        rope = shared_rope.unsqueeze(1).expand(-1, k_nope.size(1), -1, -1)
+        return torch.cat((k_nope, rope), dim=-1), values
 
     def forward(
         self,
@@ -264,104 +282,98 @@ class KimiMLAAttention(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        bsz, seq = hidden_states.shape[:-1]
-        if self.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(bsz, seq, -1, self.q_head_dim).transpose(1, 2)
-        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(bsz, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, value_states = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        # The rope part of K is one vector shared by every head; no rotation is applied.
-        k_rot = k_rot.view(bsz, 1, seq, self.qk_rope_head_dim).expand(*k_nope.shape[:-1], -1)
-        query_states = q
-        key_states = torch.cat([k_nope, k_rot], dim=-1)
+        queries = self._queries(hidden_states)
+        keys, values = self._keys_values(hidden_states)
         if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            keys, values = past_key_values.update(keys, values, self.layer_idx)
 
-        flash = self.config._attn_implementation == "flash_attention_2"
-        if flash and self.q_head_dim != self.v_head_dim:
-            value_states = F.pad(value_states, [0, self.q_head_dim - self.v_head_dim])
-        attention: Callable = eager_attention_forward
-        if self.config._attn_implementation != "eager":
-            attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        out, _ = attention(
+        impl = self.config._attn_implementation
+        # Flash kernels want equal q/k and v head widths: pad V with zeros and cut the output back.
+        pad_v = self.q_head_dim - self.v_head_dim if impl == FLASH else 0
+        if pad_v > 0:
+            values = F.pad(values, (0, pad_v))
+        attend: Callable = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        context, _ = attend(
             self,
-            query_states,
-            key_states,
-            value_states,
+            queries,
+            keys,
+            values,
             attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
+            dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             **kwargs,
         )
-        if flash and self.q_head_dim != self.v_head_dim:
-            out = out[:, :, :, : self.v_head_dim]
-        out = out.reshape(bsz, seq, -1).contiguous()
+        if pad_v > 0:
+            context = context[..., : self.v_head_dim]
+        context = context.flatten(2)  # [B, T, H * v]
         if self.use_output_gate:
-            out = out * self.g_proj(hidden_states).sigmoid()
-        return self.o_proj(out)
+            context = context * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(context)
 
 
 # ----------------------------------------------------------------------------------------------
-# Kimi delta attention (fla-core kernels)
+# KDA: Kimi delta attention on fla-core's kernels
 # ----------------------------------------------------------------------------------------------
 
 
 @tensor_cache
 def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(indices of kept tokens, cu_seqlens, longest sequence) for a [B, T] 0/1 mask."""
-    lens = prepare_lens_from_mask(attention_mask)
-    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
-    return indices, prepare_cu_seqlens_from_mask(attention_mask), int(lens.max().item())
+    """Flat positions of the kept tokens of a [B, T] 0/1 mask, its cu_seqlens, and the longest length."""
+    kept = attention_mask.reshape(-1).nonzero().squeeze(-1)
+    longest = int(prepare_lens_from_mask(attention_mask).max())
+    return kept, prepare_cu_seqlens_from_mask(attention_mask), longest
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch_size: int, seq_len: int) -> torch.Tensor:
-    out = hidden_states.new_zeros(batch_size * seq_len, *hidden_states.shape[1:])
-    out[indices] = hidden_states
-    return out.view(batch_size, seq_len, *hidden_states.shape[1:])
+    """Inverse of the unpadding: rows back at ``indices`` of a zero [B * T, ...] tensor, as [B, T, ...]."""
+    full = torch.zeros((batch_size * seq_len, *hidden_states.shape[1:]), dtype=hidden_states.dtype, device=hidden_states.device)
+    full.index_copy_(0, indices, hidden_states)
+    return full.unflatten(0, (batch_size, seq_len))
 
 
 class KimiDeltaAttention(nn.Module):
-    """Gated delta rule with per-channel decay and short convolutions (fla's chunk/fused_recurrent KDA)."""
+    """Short causal convolutions on q/k/v, a per-channel decay gate (A_log, dt_bias, low-rank f_a/f_b),
+    a sigmoid beta, the delta-rule recurrence, and a sigmoid-gated RMSNorm on the output."""
 
     def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
+        spec = config.linear_attn_config
         self.config = config
-        self.mode = "chunk"
         self.layer_idx = layer_idx
+        self.mode = "chunk"
         self.hidden_size = config.hidden_size
-        lac = config.linear_attn_config
-        self.conv_size = lac["short_conv_kernel_size"]
-        self.head_dim = lac["head_dim"]
-        self.num_heads = lac["num_heads"]
-        self.head_k_dim = self.head_dim
-        self.num_k_heads = self.num_heads
-        projection_k_size = self.head_k_dim * self.num_k_heads
-        projection_size = self.head_dim * self.num_heads
+        self.conv_size = spec["short_conv_kernel_size"]
+        self.head_dim = spec["head_dim"]
+        self.num_heads = spec["num_heads"]
+        self.head_k_dim = spec["head_dim"]
+        self.num_k_heads = spec["num_heads"]
+        self.use_full_rank_gate = spec.get("use_full_rank_gate", False)
+        self.gate_lower_bound = spec.get("gate_lower_bound")
+        width, inner, rank = self.hidden_size, self.num_heads * self.head_dim, self.head_dim
 
-        self.q_proj = nn.Linear(self.hidden_size, projection_k_size, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, projection_k_size, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
-        self.q_conv1d = ShortConvolution(hidden_size=projection_k_size, kernel_size=self.conv_size, activation="silu")
-        self.k_conv1d = ShortConvolution(hidden_size=projection_k_size, kernel_size=self.conv_size, activation="silu")
-        self.v_conv1d = ShortConvolution(hidden_size=projection_size, kernel_size=self.conv_size, activation="silu")
-        # Declared [num_heads]; the real checkpoint stores F32 [head_dim] with zeros past num_heads.
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_heads, dtype=torch.float32).uniform_(1, 16)))
-        self.f_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
-        self.f_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
-        self.dt_bias = nn.Parameter(torch.empty(projection_size, dtype=torch.float32))
-        self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
-        self.use_full_rank_gate = lac.get("use_full_rank_gate", False)
-        self.gate_lower_bound = lac.get("gate_lower_bound", None)
+        self.q_proj = _bias_free(width, inner)
+        self.k_proj = _bias_free(width, inner)
+        self.v_proj = _bias_free(width, inner)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            ShortConvolution(hidden_size=inner, kernel_size=self.conv_size, activation="silu") for _ in range(3)
+        )
+        # [num_heads] as declared by the real code (its checkpoint stores [head_dim], zero past num_heads).
+        a_init = torch.empty(self.num_heads, dtype=torch.float32).uniform_(1.0, 16.0)
+        self.A_log = nn.Parameter(a_init.log())
+        self.f_a_proj = _bias_free(width, rank)
+        self.f_b_proj = _bias_free(rank, inner)
+        self.dt_bias = nn.Parameter(torch.empty(inner, dtype=torch.float32))
+        self.b_proj = _bias_free(width, self.num_heads)
         if self.use_full_rank_gate:
-            self.g_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
+            self.g_proj = _bias_free(width, inner)
         else:
-            self.g_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
-            self.g_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
+            self.g_a_proj = _bias_free(width, rank)
+            self.g_b_proj = _bias_free(rank, inner)
         self.o_norm = FusedRMSNormGated(self.head_dim, eps=config.rms_norm_eps, activation="sigmoid")
-        self.o_proj = nn.Linear(projection_size, self.hidden_size, bias=False)
+        self.o_proj = _bias_free(inner, width)
+
+    def _output_gate(self, h: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(h) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(h))
 
     def forward(
         self,
@@ -370,42 +382,37 @@ class KimiDeltaAttention(nn.Module):
         cache_params: KimiDynamicCache | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """attention_mask: 2-D padding mask [B, T] (1 = keep) or None."""
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("attention_mask must be a 0-1 matrix of shape [batch_size, seq_len]")
-        use_cache = cache_params is not None
-        bsz, q_len, _ = hidden_states.shape
-        mode = "fused_recurrent" if use_cache and q_len == 1 else self.mode
+        """attention_mask: None or a 2-D [B, T] padding mask (1 keeps a token)."""
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError("KDA takes a 2-D [batch, seq_len] 0/1 padding mask")
+        batch, steps = hidden_states.shape[0], hidden_states.shape[1]
+        caching = cache_params is not None
+        decode = caching and steps == 1
 
-        cu_seqlens = kwargs.get("cu_seqlens")
-        indices = None
-        if attention_mask is not None:  # unpad: one packed row, sequences delimited by cu_seqlens
-            indices, cu_seqlens, _ = get_unpad_data(attention_mask[:, -q_len:])
-            hidden_states = rearrange(hidden_states, "b s ... -> (b s) ...")[indices].unsqueeze(0)
+        # With padding, every kept token goes into one packed row and cu_seqlens marks the sequences.
+        cu_seqlens, kept = kwargs.get("cu_seqlens"), None
+        if attention_mask is not None:
+            kept, cu_seqlens, _ = get_unpad_data(attention_mask[:, -steps:])
+            hidden_states = hidden_states.flatten(0, 1).index_select(0, kept).unsqueeze(0)
 
-        conv_q = conv_k = conv_v = recurrent_state = None
-        if cache_params is not None:
-            if cache_params.conv_states[self.layer_idx] is not None:
-                conv_q, conv_k, conv_v = cache_params.conv_states[self.layer_idx]
-            recurrent_state = cache_params.recurrent_states[self.layer_idx]
+        conv_in, state_in = (None, None, None), None
+        if caching:
+            conv_in = cache_params.conv_states[self.layer_idx] or conv_in
+            state_in = cache_params.recurrent_states[self.layer_idx]
 
-        q, conv_q = self.q_conv1d(x=self.q_proj(hidden_states), cache=conv_q, output_final_state=use_cache, cu_seqlens=cu_seqlens)
-        k, conv_k = self.k_conv1d(x=self.k_proj(hidden_states), cache=conv_k, output_final_state=use_cache, cu_seqlens=cu_seqlens)
-        v, conv_v = self.v_conv1d(x=self.v_proj(hidden_states), cache=conv_v, output_final_state=use_cache, cu_seqlens=cu_seqlens)
-        g = rearrange(self.f_b_proj(self.f_a_proj(hidden_states)), "... (h d) -> ... h d", d=self.head_dim)
-        beta = self.b_proj(hidden_states).float()
-        q, k = (rearrange(t, "... (h d) -> ... h d", d=self.head_k_dim) for t in (q, k))
-        v = rearrange(v, "... (h d) -> ... h d", d=self.head_dim)
+        streams, conv_out = [], []
+        for proj, conv, tail in zip(
+            (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_in
+        ):
+            mixed, new_tail = conv(x=proj(hidden_states), cache=tail, output_final_state=caching, cu_seqlens=cu_seqlens)
+            streams.append(rearrange(mixed, "... (h d) -> ... h d", d=self.head_dim))
+            conv_out.append(new_tail)
+        q, k, v = streams
+        raw_decay = rearrange(self.f_b_proj(self.f_a_proj(hidden_states)), "... (h d) -> ... h d", d=self.head_dim)
+        raw_beta = self.b_proj(hidden_states).float()
 
-        kernel_kwargs: dict[str, Any] = dict(
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta,
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
-            initial_state=recurrent_state,
+        common = dict(
+            initial_state=state_in,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
@@ -414,29 +421,31 @@ class KimiDeltaAttention(nn.Module):
             transpose_state_layout=True,
             cu_seqlens=cu_seqlens,
         )
-        if mode == "chunk":
-            o, recurrent_state = chunk_kda(safe_gate=self.gate_lower_bound is not None, **kernel_kwargs)
+        if decode:
+            o, state_out = fused_recurrent_kda(
+                q, k, v, raw_decay, raw_beta, A_log=self.A_log, dt_bias=self.dt_bias, **common
+            )
         else:
-            o, recurrent_state = fused_recurrent_kda(**kernel_kwargs)
-        if cache_params is not None:
-            cache_params.recurrent_states[self.layer_idx] = recurrent_state
-            cache_params.conv_states[self.layer_idx] = (conv_q, conv_k, conv_v)
+            o, state_out = chunk_kda(
+                q, k, v, raw_decay, raw_beta, A_log=self.A_log, dt_bias=self.dt_bias,
+                safe_gate=self.gate_lower_bound is not None, **common,
+            )  # fmt: skip
+        if caching:
+            cache_params.conv_states[self.layer_idx] = tuple(conv_out)
+            cache_params.recurrent_states[self.layer_idx] = state_out
 
-        gate = self.g_proj(hidden_states) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(hidden_states))
-        o = self.o_norm(o, rearrange(gate, "... (h d) -> ... h d", d=self.head_dim))
-        o = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-        if attention_mask is not None:
-            o = pad_input(o.squeeze(0), indices, bsz, q_len)
-        return o
+        gate = rearrange(self._output_gate(hidden_states), "... (h d) -> ... h d", d=self.head_dim)
+        out = self.o_proj(self.o_norm(o, gate).flatten(-2))
+        return out if kept is None else pad_input(out[0], kept, batch, steps)
 
 
 # ----------------------------------------------------------------------------------------------
-# MoE
+# Mixture of experts
 # ----------------------------------------------------------------------------------------------
 
 
 class KimiMoEGate(nn.Module):
-    """Router: sigmoid (or softmax) scores; bias-corrected top-k selection; returns (idx, fp32 weights)."""
+    """Router. Returns (topk_idx [N, k] int64, topk_weight [N, k] fp32) for a [B, T, D] input, no logits."""
 
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__()
@@ -449,40 +458,41 @@ class KimiMoEGate(nn.Module):
         self.topk_group = getattr(config, "topk_group", 1)
         self.moe_renormalize = config.moe_renormalize
         self.gating_dim = config.hidden_size
-        self.weight = nn.Parameter(torch.empty(self.num_experts, self.gating_dim))
-        self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts))
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Grouped selection: keep the topk_group groups with the best top-2 sums, the rest at -inf."""
+        grouped = choice.unflatten(-1, (self.num_expert_group, -1))  # [N, G, E/G]
+        strength = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        winners = strength.topk(self.topk_group, dim=-1).indices
+        dropped = torch.ones_like(strength, dtype=torch.bool).scatter(1, winners, False)
+        return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(1)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        assert not self.training  # inference only, as upstream
-        bsz, seq_len, dim = hidden_states.shape  # 3-D input only
-        n = bsz * seq_len
-        logits = F.linear(hidden_states.view(-1, dim).float(), self.weight.float())
-        if self.moe_router_activation_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=1)
-        # The correction bias only decides which experts are picked, not their weights.
-        choice = scores + self.e_score_correction_bias.unsqueeze(0)
-        if self.num_expert_group > 1 and self.num_expert_group > self.topk_group:
-            groups = self.num_expert_group
-            group_scores = choice.view(n, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
-            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-            keep = group_mask.unsqueeze(-1).expand(n, groups, self.num_experts // groups).reshape(n, -1)
-            choice = choice.masked_fill(~keep.bool(), float("-inf"))
-        topk_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-        topk_weight = scores.gather(1, topk_idx)
-        if self.top_k > 1 and self.moe_renormalize:
-            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx, topk_weight * self.routed_scaling_factor
+        assert not self.training, "KimiMoEGate is inference-only"
+        b, t, d = hidden_states.shape  # the real router needs 3-D input as well
+        logits = hidden_states.reshape(b * t, d).float() @ self.weight.float().t()
+        if self.moe_router_activation_func not in ("sigmoid", "softmax"):
+            raise NotImplementedError(f"router activation {self.moe_router_activation_func!r}")
+        scores = logits.sigmoid() if self.moe_router_activation_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias.unsqueeze(0)  # the bias picks experts, never weighs them
+        if self.num_expert_group > max(1, self.topk_group):
+            choice = self._mask_groups(choice)
+        picked = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = torch.gather(scores, 1, picked)
+        if self.moe_renormalize and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return picked, self.routed_scaling_factor * weights
 
 
 class KimiSparseMoeBlock(nn.Module):
-    """Latent MoE: route on h, project to latent, routed experts, norm, project back, + shared experts(h)."""
+    """Route on h; the routed experts work in the latent width (down-projection, experts, norm,
+    up-projection); the shared experts see h itself."""
 
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__()
@@ -494,146 +504,134 @@ class KimiSparseMoeBlock(nn.Module):
         self.use_latent_moe = getattr(config, "routed_expert_hidden_size", None) is not None
         self.moe_hidden_size = config.routed_expert_hidden_size if self.use_latent_moe else config.hidden_size
         self.latent_moe_use_norm = getattr(config, "latent_moe_use_norm", False)
-        self.ep_size = 1
+        # Expert parallelism of the real code: this rank owns experts [ep_rank * experts_per_rank, ...).
+        self.ep_size, self.ep_rank = 1, 0
         self.experts_per_rank = config.num_experts
-        self.ep_rank = 0
         self.experts = nn.ModuleList(
-            KimiBlockSparseMLP(config, hidden_size=self.moe_hidden_size, intermediate_size=config.moe_intermediate_size)
-            for _ in range(config.num_experts)
+            [
+                KimiBlockSparseMLP(config, hidden_size=self.moe_hidden_size, intermediate_size=config.moe_intermediate_size)
+                for _ in range(config.num_experts)
+            ]
         )
         self.gate = KimiMoEGate(config)
         if config.num_shared_experts is not None:
-            self.shared_experts = KimiMLP(
-                config=config, intermediate_size=config.moe_intermediate_size * config.num_shared_experts
-            )
+            shared_width = config.num_shared_experts * config.moe_intermediate_size
+            self.shared_experts = KimiMLP(config=config, intermediate_size=shared_width)
         if self.use_latent_moe:
-            self.routed_expert_down_proj = nn.Linear(config.hidden_size, self.moe_hidden_size, bias=False)
-            self.routed_expert_up_proj = nn.Linear(self.moe_hidden_size, config.hidden_size, bias=False)
+            self.routed_expert_down_proj = _bias_free(config.hidden_size, self.moe_hidden_size)
+            self.routed_expert_up_proj = _bias_free(self.moe_hidden_size, config.hidden_size)
             if self.latent_moe_use_norm:
                 self.routed_expert_norm = KimiRMSNorm(self.moe_hidden_size, eps=config.rms_norm_eps)
 
+    def _to_latent(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed_expert_down_proj(x) if self.use_latent_moe else x
+
+    def _from_latent(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.use_latent_moe:
+            return y
+        if self.latent_moe_use_norm:
+            y = self.routed_expert_norm(y)
+        return self.routed_expert_up_proj(y)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        identity = hidden_states
-        orig_shape = hidden_states.shape
         topk_idx, topk_weight = self.gate(hidden_states)
-        x = hidden_states.view(-1, hidden_states.shape[-1])
-        if self.use_latent_moe:
-            x = self.routed_expert_down_proj(x)
-        if not self.training:
-            y = self.moe_infer(x, topk_idx, topk_weight)
-        else:
-            y = self.moe_train(x, topk_idx, topk_weight)
-        if self.use_latent_moe:
-            if self.latent_moe_use_norm:
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
-        y = y.view(*orig_shape)
-        if self.config.num_shared_experts is not None:
-            y = y + self.shared_experts(identity)  # the shared experts see the un-projected h
-        return y
+        tokens = self._to_latent(hidden_states.flatten(0, -2))
+        dispatch = self.moe_train if self.training else self.moe_infer
+        routed = self._from_latent(dispatch(tokens, topk_idx, topk_weight)).view_as(hidden_states)
+        if self.config.num_shared_experts is None:
+            return routed
+        return routed + self.shared_experts(hidden_states)
 
     def moe_train(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """Per-expert masked dispatch with gradients; accumulates in x's dtype."""
-        y = torch.zeros_like(x)
-        with torch.no_grad():
-            routed = F.one_hot(topk_ids, self.num_experts).permute(2, 1, 0)  # [E, k, N]
-        for expert_idx, expert in enumerate(self.experts):
-            slot, token = torch.where(routed[expert_idx])
-            out = expert(x[token]) * topk_weight[token, slot, None]
-            y.index_add_(0, token, out.to(y.dtype))
-        return y
+        """Differentiable dispatch: one masked pass per expert, accumulated in x's dtype."""
+        acc = x.new_zeros(x.shape)
+        for e, expert in enumerate(self.experts):
+            token, slot = (topk_ids == e).nonzero(as_tuple=True)
+            if token.numel():
+                contrib = expert(x[token]) * topk_weight[token, slot].unsqueeze(-1)
+                acc = acc.index_add(0, token, contrib.to(acc.dtype))
+        return acc
 
     @torch.no_grad()
     def moe_infer(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """x [N, D], topk_ids [N, k], topk_weight [N, k] fp32 -> [N, D] in x's dtype."""
-        counts = topk_ids.new_zeros(topk_ids.shape[0], len(self.experts)).scatter_(1, topk_ids, 1).sum(dim=0)
-        order = topk_ids.view(-1).argsort()
-        sorted_tokens = x[order // topk_ids.shape[1]]
-        outputs, start = [], 0
-        for i, count in enumerate(counts.cpu().tolist()):  # host sync, as upstream
-            if count == 0:
-                continue
-            expert = self.experts[i + self.ep_rank * self.experts_per_rank]
-            outputs.append(expert(sorted_tokens[start : start + count]))
-            start += count
-        outs = torch.cat(outputs, dim=0) if outputs else sorted_tokens.new_empty(0)
-        unsorted = torch.empty_like(outs)
-        unsorted[order] = outs
-        # Combine in fp32 (the routing weights' dtype), then cast back.
-        combined = unsorted.view(*topk_ids.shape, -1).to(topk_weight.dtype) * topk_weight.unsqueeze(-1)
-        return combined.sum(dim=1).to(unsorted.dtype)
+        """x [N, D] (latent width), topk_ids [N, k], topk_weight [N, k] fp32 -> [N, D] in x's dtype.
+
+        Token copies are grouped by expert, each expert runs once on its contiguous group, and the results
+        are weighted and summed per token in fp32 (the weights' dtype)."""
+        n, k = topk_ids.shape
+        flat = topk_ids.flatten()
+        order = flat.argsort()
+        sizes = torch.bincount(flat, minlength=len(self.experts)).cpu().tolist()  # host sync, as upstream
+        offset = self.ep_rank * self.experts_per_rank
+        groups = x.index_select(0, order // k).split(sizes)
+        ran = [self.experts[e + offset](group) for e, group in enumerate(groups) if group.shape[0] > 0]
+        by_expert = torch.cat(ran) if ran else x.new_empty((0, x.shape[-1]))
+        by_slot = torch.empty_like(by_expert).index_copy_(0, order, by_expert)
+        weighted = by_slot.view(n, k, -1).to(topk_weight.dtype) * topk_weight.unsqueeze(-1)
+        return weighted.sum(dim=1).to(by_slot.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention residuals and decoder layer
+# Attention residuals (AttnRes) and the decoder layer
 # ----------------------------------------------------------------------------------------------
 
 
 def _apply_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, proj: nn.Linear, norm: KimiRMSNorm) -> torch.Tensor:
-    """Softmax-over-depth mix of [R_1..R_n, p]. prefix_sum [N, D]; block_residual [N, n, D] -> [N, D].
+    """Softmax over depth of the candidates V = [R_1 .. R_n, p]: prefix_sum p [N, D], block_residual [N, n, D].
 
-    Scores: s_i = sum_d rmsnorm(V_i)_d * norm.weight_d * proj.weight_d (proj's forward is never called).
+    Candidate i scores sum_d rmsnorm(V_i)_d * norm.weight_d * proj.weight_d; ``proj`` is only a weight
+    vector here (its forward is never called). Computed in fp32, returned in the candidates' dtype.
     """
-    v = torch.cat([block_residual, prefix_sum.unsqueeze(1)], dim=1)
-    vf = v.float()
-    normed = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    scores = (normed * (norm.weight.float() * proj.weight.squeeze(0).float())).sum(-1)
-    return torch.matmul(scores.softmax(-1).unsqueeze(1), vf).squeeze(1).to(v.dtype)
+    candidates = torch.cat((block_residual, prefix_sum.unsqueeze(1)), dim=1)
+    wide = candidates.float()
+    inv_rms = wide.square().mean(dim=-1, keepdim=True).add(norm.variance_epsilon).rsqrt()
+    query = norm.weight.float() * proj.weight.float().flatten()
+    mix = ((wide * inv_rms) * query).sum(dim=-1).softmax(dim=-1)  # [N, n + 1]
+    return torch.bmm(mix.unsqueeze(1), wide)[:, 0].to(candidates.dtype)
 
 
 class KimiDecoderLayer(nn.Module):
     def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
-        self.hidden_size = config.hidden_size
         self.config = config
         self.layer_idx = layer_idx
-        if config.is_kda_layer(layer_idx):
-            self.is_linear_attn = True
-            self.self_attn = KimiDeltaAttention(config=config, layer_idx=layer_idx)
-        elif config.is_mla:
-            self.is_linear_attn = False
-            self.self_attn = KimiMLAAttention(config=config, layer_idx=layer_idx)
-        else:
-            raise NotImplementedError("every Kimi layer is KDA or MLA")
-        moe_layer = layer_idx >= config.first_k_dense_replace and layer_idx % getattr(config, "moe_layer_freq", 1) == 0
-        if config.num_experts is not None and moe_layer:
+        self.hidden_size = config.hidden_size
+        # linear_attn_config lists are 1-indexed; a layer missing from kda_layers is MLA.
+        self.is_linear_attn = config.is_kda_layer(layer_idx)
+        if not self.is_linear_attn and not config.is_mla:
+            raise NotImplementedError(f"layer {layer_idx} is neither a KDA nor an MLA layer")
+        attention_cls = KimiDeltaAttention if self.is_linear_attn else KimiMLAAttention
+        self.self_attn = attention_cls(config=config, layer_idx=layer_idx)
+        freq = getattr(config, "moe_layer_freq", 1)
+        sparse = config.num_experts is not None and layer_idx >= config.first_k_dense_replace and layer_idx % freq == 0
+        if sparse:
             self.block_sparse_moe = KimiSparseMoeBlock(config)
         else:
             self.mlp = KimiMLP(config)
-        self.input_layernorm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        width, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = KimiRMSNorm(width, eps=eps)
+        self.post_attention_layernorm = KimiRMSNorm(width, eps=eps)
         self.use_attn_residuals = getattr(config, "attn_res_block_size", None) is not None
         if self.use_attn_residuals:
             self.attn_res_block_size = config.attn_res_block_size
-            self.self_attention_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.mlp_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.self_attention_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
-            self.mlp_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.self_attention_res_norm = KimiRMSNorm(width, eps=eps)
+            self.mlp_res_norm = KimiRMSNorm(width, eps=eps)
+            self.self_attention_res_proj = _bias_free(width, 1)
+            self.mlp_res_proj = _bias_free(width, 1)
 
-    def _attention(self, hidden_states, attention_mask, position_ids, past_key_values, output_attentions, use_cache, **kwargs):
+    def _mix(self, partial: torch.Tensor, residuals: torch.Tensor, proj: nn.Linear, norm: KimiRMSNorm) -> torch.Tensor:
+        shape = partial.shape
+        return _apply_attn_res(partial.flatten(0, 1), residuals, proj, norm).view(shape)
+
+    def _attend(self, x: torch.Tensor, mask: Any, position_ids: Any, cache: Any, **kwargs: Any) -> torch.Tensor:
+        x = self.input_layernorm(x)
         if self.is_linear_attn:
-            return self.self_attn(
-                hidden_states=hidden_states,
-                attention_mask=attention_mask,
-                cache_params=past_key_values,
-                output_attentions=output_attentions,
-                use_cache=use_cache,
-                **kwargs,
-            )
-        return self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            output_attentions=output_attentions,
-            use_cache=use_cache,
-            **kwargs,
-        )
+            return self.self_attn(hidden_states=x, attention_mask=mask, cache_params=cache, **kwargs)
+        return self.self_attn(hidden_states=x, attention_mask=mask, position_ids=position_ids, past_key_values=cache, **kwargs)
 
-    def _ffn(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "block_sparse_moe"):
-            return self.block_sparse_moe(hidden_states)
-        return self.mlp(hidden_states)
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.post_attention_layernorm(x)
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
     def forward(
         self,
@@ -646,50 +644,24 @@ class KimiDecoderLayer(nn.Module):
         block_residual: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With AttnRes: hidden_states is the running block sum, returns (it, block_residual). Without: h."""
-        if self.use_attn_residuals:
-            return self._forward_attn_residual(
-                hidden_states, attention_mask, position_ids, past_key_values, output_attentions, use_cache,
-                block_residual, **kwargs,
-            )  # fmt: skip
-        residual = hidden_states
-        hidden_states = self._attention(
-            self.input_layernorm(hidden_states), attention_mask, position_ids, past_key_values, output_attentions,
-            use_cache, **kwargs,
-        )  # fmt: skip
-        hidden_states = residual + hidden_states
-        return hidden_states + self._ffn(self.post_attention_layernorm(hidden_states))
+        """Plain pre-norm residual layer -> h. With AttnRes, ``hidden_states`` is the running sum of the
+        current block and ``block_residual`` [B*T, n, D] the finished blocks -> (running sum, block_residual)."""
+        kwargs.update(output_attentions=output_attentions, use_cache=use_cache)
+        if not self.use_attn_residuals:
+            h = hidden_states + self._attend(hidden_states, attention_mask, position_ids, past_key_values, **kwargs)
+            return h + self._feed_forward(h)
 
-    def _forward_attn_residual(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.LongTensor | None,
-        past_key_values: Any,
-        output_attentions: bool | None,
-        use_cache: bool | None,
-        block_residual: torch.Tensor,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        bsz, seq, dim = hidden_states.shape
-        prefix_sum = hidden_states
-        is_block_start = self.layer_idx % self.attn_res_block_size == 0
-        if block_residual.shape[1] > 0:
-            hidden_states = _apply_attn_res(
-                prefix_sum.view(-1, dim), block_residual, self.self_attention_res_proj, self.self_attention_res_norm
-            ).view(bsz, seq, dim)
-        if is_block_start:
-            block_residual = torch.cat([block_residual, prefix_sum.view(-1, dim).unsqueeze(1)], dim=1)
-        hidden_states = self._attention(
-            self.input_layernorm(hidden_states), attention_mask, position_ids, past_key_values, output_attentions,
-            use_cache, **kwargs,
-        )  # fmt: skip
-        prefix_sum = hidden_states if is_block_start else prefix_sum + hidden_states
-        hidden_states = _apply_attn_res(
-            prefix_sum.view(-1, dim), block_residual, self.mlp_res_proj, self.mlp_res_norm
-        ).view(bsz, seq, dim)
-        prefix_sum = prefix_sum + self._ffn(self.post_attention_layernorm(hidden_states))
-        return prefix_sum, block_residual
+        running = hidden_states
+        opens_block = self.layer_idx % self.attn_res_block_size == 0
+        attn_in = running
+        if block_residual.size(1):
+            attn_in = self._mix(running, block_residual, self.self_attention_res_proj, self.self_attention_res_norm)
+        if opens_block:  # the finished block joins the residual stack after it fed this layer's input
+            block_residual = torch.cat((block_residual, running.flatten(0, 1).unsqueeze(1)), dim=1)
+        attn_out = self._attend(attn_in, attention_mask, position_ids, past_key_values, **kwargs)
+        running = attn_out if opens_block else running + attn_out
+        ffn_in = self._mix(running, block_residual, self.mlp_res_proj, self.mlp_res_norm)
+        return running + self._feed_forward(ffn_in), block_residual
 
 
 # ----------------------------------------------------------------------------------------------
@@ -711,16 +683,25 @@ class KimiPreTrainedModel(PreTrainedModel):
     }
     _is_stateful = True
 
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            module.weight.data.normal_(mean=0.0, std=std)
-            if module.bias is not None:
-                module.bias.data.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.data.normal_(mean=0.0, std=std)
-            if module.padding_idx is not None:
-                module.weight.data[module.padding_idx].zero_()
+        """N(0, initializer_range) for Linear and Embedding weights; zero biases and the padding row."""
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            return
+        nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            nn.init.zeros_(bias)
+        pad = getattr(module, "padding_idx", None)
+        if pad is not None:
+            module.weight[pad].fill_(0.0)
+
+
+def _kda_padding_mask(attention_mask: torch.Tensor | None, cache_position: torch.Tensor) -> torch.Tensor | None:
+    """KDA layers take the 2-D mask only on a first (prefill) pass that really pads something."""
+    if attention_mask is None or cache_position[0] > 0 or bool(attention_mask.all()):
+        return None
+    return attention_mask
 
 
 class KimiLinearModel(KimiPreTrainedModel):
@@ -728,26 +709,21 @@ class KimiLinearModel(KimiPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList([KimiDecoderLayer(config, idx) for idx in range(config.num_hidden_layers)])
         self.norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.use_attn_residuals = getattr(config, "attn_res_block_size", None) is not None
         if self.use_attn_residuals:
             self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
-        # As the hub's file: whatever was asked for, use flash_attention_2.
-        if getattr(config, "_attn_implementation", None) is not None:
-            if config._attn_implementation != "flash_attention_2":
-                logger.warning_once(f"Ignoring the provided attention implementation {config._attn_implementation}")
-                config._attn_implementation = "flash_attention_2"
+            self.output_attn_res_proj = _bias_free(config.hidden_size, 1)
+        # Hub behaviour: flash attention is imposed, whatever the caller asked for.
+        requested = getattr(config, "_attn_implementation", None)
+        if requested is not None:
+            if requested != FLASH:
+                logger.warning_once(f"KimiLinearModel: attention implementation {requested!r} replaced by {FLASH}")
+            config._attn_implementation = "flash_attention_2"
         self.gradient_checkpointing = False
         self.post_init()
-
-    def _update_linear_attn_mask(self, attention_mask: torch.Tensor | None, cache_position: torch.Tensor) -> torch.Tensor | None:
-        """KDA layers need the 2-D mask only for a prefill with padding."""
-        if cache_position[0] > 0 or (attention_mask is not None and torch.all(attention_mask == 1)):
-            return None
-        return attention_mask
 
     @check_model_inputs
     def forward(
@@ -761,18 +737,17 @@ class KimiLinearModel(KimiPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if (input_ids is None) and (inputs_embeds is None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("KimiLinearModel needs input_ids or inputs_embeds")
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
+        if past_key_values is None and (self.config.use_cache if use_cache is None else use_cache):
             past_key_values = KimiDynamicCache(config=self.config)
         if cache_position is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            cache_position = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
+            seen = 0 if past_key_values is None else past_key_values.get_seq_length()
+            cache_position = seen + torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
         if position_ids is None:
-            position_ids = cache_position.unsqueeze(0)
+            position_ids = cache_position[None]
 
         causal_mask = create_causal_mask(
             config=self.config,
@@ -782,38 +757,26 @@ class KimiLinearModel(KimiPreTrainedModel):
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-        linear_attn_mask = self._update_linear_attn_mask(attention_mask, cache_position)
+        kda_mask = _kda_padding_mask(attention_mask, cache_position)
 
-        hidden_states = inputs_embeds
-        block_residual = None
-        if self.use_attn_residuals:
-            block_residual = hidden_states.new_zeros(hidden_states.shape[0] * hidden_states.shape[1], 0, hidden_states.shape[2])
+        if past_key_values is not None:  # the real model accepts its own cache class only
+            assert isinstance(past_key_values, KimiDynamicCache), type(past_key_values).__name__
+        h = inputs_embeds
+        stack = h.new_zeros((h.shape[0] * h.shape[1], 0, h.shape[2])) if self.use_attn_residuals else None
         for layer in self.layers:
-            layer_mask = linear_attn_mask if layer.is_linear_attn else causal_mask
-            if self.use_attn_residuals:
-                hidden_states, block_residual = layer(
-                    hidden_states,
-                    attention_mask=layer_mask,
-                    past_key_values=past_key_values,
-                    cache_position=cache_position,
-                    block_residual=block_residual,
-                    **kwargs,
-                )
+            step_kwargs = dict(
+                attention_mask=kda_mask if layer.is_linear_attn else causal_mask,
+                past_key_values=past_key_values,
+                cache_position=cache_position,
+                **kwargs,
+            )
+            if stack is None:
+                h = layer(h, **step_kwargs)
             else:
-                hidden_states = layer(
-                    hidden_states,
-                    attention_mask=layer_mask,
-                    past_key_values=past_key_values,
-                    cache_position=cache_position,
-                    **kwargs,
-                )
-        if self.use_attn_residuals:
-            bsz, seq, dim = hidden_states.shape
-            hidden_states = _apply_attn_res(
-                hidden_states.view(-1, dim), block_residual, self.output_attn_res_proj, self.output_attn_res_norm
-            ).view(bsz, seq, dim)
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+                h, stack = layer(h, block_residual=stack, **step_kwargs)
+        if stack is not None:
+            h = _apply_attn_res(h.flatten(0, 1), stack, self.output_attn_res_proj, self.output_attn_res_norm).view_as(h)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=past_key_values)
 
 
 class KimiLinearForCausalLM(KimiPreTrainedModel, GenerationMixin):
@@ -825,9 +788,9 @@ class KimiLinearForCausalLM(KimiPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__(config)
-        self.model = KimiLinearModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = KimiLinearModel(config)
+        self.lm_head = _bias_free(config.hidden_size, config.vocab_size)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -865,32 +828,26 @@ class KimiLinearForCausalLM(KimiPreTrainedModel, GenerationMixin):
         cache_position: torch.LongTensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        return_dict = self.config.use_return_dict if return_dict is None else return_dict
-        outputs = self.model(
+        cfg = self.config
+        base = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=return_dict,
+            output_attentions=cfg.output_attentions if output_attentions is None else output_attentions,
+            output_hidden_states=cfg.output_hidden_states if output_hidden_states is None else output_hidden_states,
+            return_dict=cfg.use_return_dict if return_dict is None else return_dict,
             cache_position=cache_position,
         )
-        hidden = outputs[0]
-        if generation_mode:
-            hidden = hidden[:, -1:]
-        logits = self.lm_head(hidden)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        last = base.last_hidden_state
+        logits = self.lm_head(last[:, -1:] if generation_mode else last)
+        loss = None if labels is None else self.loss_function(logits, labels, self.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+            past_key_values=base.past_key_values,
+            hidden_states=base.hidden_states,
+            attentions=base.attentions,
         )
