@@ -72,33 +72,6 @@ def set_exclude(hf_q: dict, cfg_q: dict, exclude: list[str]) -> None:
     hf_q["exclude_modules"] = cfg_q["ignore"] = sorted(exclude)
 
 
-def modelopt_k3_converter_layers(layers: dict[str, dict]) -> dict[str, dict]:
-    """``quantized_layers`` spelled as ModelOpt's own Kimi-K3 converter writes it (NVIDIA/Model-Optimizer
-    224bbd03 ``examples/kimi/kimi_k3/quantize_to_nvfp4.py`` ``_build_hf_quant_config``): one entry per
-    experts *bank* (``…experts``), the engines' fused attention names, and every name under each of its
-    runtime spellings (``_module_name_aliases``: ``mlp`` for ``block_sparse_moe``, ``model.`` and no prefix
-    for ``language_model.model.``)."""
-
-    def aliases(name: str) -> set[str]:
-        names = {name, name.replace("block_sparse_moe", "mlp")}
-        tail = [n[len("language_model.model."):] for n in names if n.startswith("language_model.model.")]
-        return names | set(tail) | {f"model.{t}" for t in tail}
-
-    fused_of = {"fused_qkvg_proj": {"q_proj", "k_proj", "v_proj", "g_proj"},
-                "in_proj_qkvgfab": {"q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"},
-                "fused_qkv_a_proj_with_mqa": {"q_a_proj", "kv_a_proj_with_mqa"},
-                "fused_qkv_a_proj": {"q_a_proj", "kv_a_proj_with_mqa"}}
-    out: dict[str, dict] = {}
-    for name, entry in layers.items():
-        match = EXPERT_RE.match(name)
-        parent, _, proj = name.rpartition(".")
-        names = {match["layer"]} if match else {name}
-        names |= {f"{parent}.{fused}" for fused, pieces in fused_of.items() if not match and proj in pieces}
-        for n in names:
-            out.update(dict.fromkeys(aliases(n), dict(entry)))
-    return out
-
-
 def quantized_modules(export: Path) -> set[str]:
     index = json.loads((export / INDEX).read_text())["weight_map"]
     return {k.rpartition(".")[0] for k in index if k.endswith(".weight_scale")}

@@ -64,7 +64,9 @@ class Linear:
         if weight.dtype == torch.uint8 and NVFP4_TENSOR.global_scale_key in t:
             return (NVFP4 if "input_scale" in t else W4A16_NVFP4).engine_method
         if weight.dtype == torch.float8_e4m3fn and scale is not None:
-            return (FP8 if _numel(scale.shape) == 1 else FP8_PB_WO).engine_method
+            # A 4-D scale is ModelOpt's block layout even when it holds one block (a Linear under 128x128).
+            per_tensor = _numel(scale.shape) == 1 and len(scale.shape) != 4
+            return (FP8 if per_tensor else FP8_PB_WO).engine_method
         if weight.dtype in _FLOAT_DTYPES and scale is None:
             return "bf16"
         return "unknown"
@@ -202,7 +204,7 @@ def planned_layout(checkpoint: str | Path, recipe: Recipe, *, kv_scale_names: It
     layer_algos = table.layer_algos()
     if layer_algos:
         hf = hf_quant_config(layer_algos, kv_cache=recipe.kv_cache, unquantized=table.unquantized_modules(),
-                             recipe=recipe.name)
+                             recipe=recipe.name, naming=table.naming)
         quant = config_quantization_config(hf)
     tensors = {f"{n}.{p}": m for n, lin in linears.items() for p, m in lin.tensors.items()}
     return Layout(config=config, quant=quant, hf_quant=hf, linears=linears, kv_scales=kv,

@@ -44,6 +44,8 @@ class EngineResult:
     engine: str
     refusals: list[Refusal] = field(default_factory=list)
     deviations: list[Deviation] = field(default_factory=list)
+    # Flags the serve command needs for this export (each "flag: why"); they do not change the verdict.
+    serve_flags: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -102,6 +104,7 @@ class CheckReport:
         for name, result in self.results.items():
             head = result.headline()
             lines.append(f"  {name:<{width}}  {result.verdict}" + (f" -- {head}" if head else ""))
+            lines += [f"  {'':<{width}}  serve with {flag}" for flag in result.serve_flags]
         if details:
             for name, result in self.results.items():
                 if not result.ok and (details is True or name in details):

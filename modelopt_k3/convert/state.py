@@ -142,7 +142,7 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
     write_index(dst, [weight_map], sum(rec["tensor_bytes"] for rec in records.values()), rename=False)
     hf_quant = hf_quant_config(
         plan.table.layer_algos(), kv_cache=recipe.kv_cache, unquantized=plan.table.unquantized_modules(),
-        recipe=recipe.name,
+        recipe=recipe.name, naming=plan.table.naming,
     )
     write_configs(plan.src, dst, config_quantization_config(hf_quant), hf_quant)
     copy_side_files(plan.src, dst)

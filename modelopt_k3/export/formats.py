@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import KvCacheFormat
+from ..models.spec import ManifestNaming
 from ..recipe import Recipe
 from . import compressed_tensors_format as ct_format
 from .modelopt_format import config_quantization_config, hf_quant_config
@@ -41,9 +42,11 @@ class ExportFormat:
         raise NotImplementedError
 
     def configs(
-        self, layer_algos: Mapping[str, str], unquantized: Iterable[str], recipe: Recipe
+        self, layer_algos: Mapping[str, str], unquantized: Iterable[str], recipe: Recipe,
+        naming: ManifestNaming | None = None,
     ) -> tuple[dict, dict | None]:
-        """``config.json``'s ``quantization_config`` and ``hf_quant_config.json`` (None: not written)."""
+        """``config.json``'s ``quantization_config`` and ``hf_quant_config.json`` (None: not written);
+        ``naming``: how the model's engines spell its modules in a manifest (the spec's)."""
         raise NotImplementedError
 
 
@@ -54,8 +57,9 @@ class _ModelOptFormat(ExportFormat):
     def unexpressible(self, algos, kv_cache):
         return None  # per-layer entries (MIXED_PRECISION) and KV scales: ModelOpt's layout holds any recipe
 
-    def configs(self, layer_algos, unquantized, recipe):
-        hf_quant = hf_quant_config(layer_algos, kv_cache=recipe.kv_cache, unquantized=unquantized, recipe=recipe.name)
+    def configs(self, layer_algos, unquantized, recipe, naming=None):
+        hf_quant = hf_quant_config(layer_algos, kv_cache=recipe.kv_cache, unquantized=unquantized, recipe=recipe.name,
+                                   naming=naming)
         return config_quantization_config(hf_quant), hf_quant
 
 
@@ -66,7 +70,7 @@ class _CompressedTensorsFormat(ExportFormat):
     def unexpressible(self, algos, kv_cache):
         return ct_format.unexpressible(algos, kv_cache)
 
-    def configs(self, layer_algos, unquantized, recipe):
+    def configs(self, layer_algos, unquantized, recipe, naming=None):
         return ct_format.quantization_config(next(iter(layer_algos.values())), list(unquantized)), None
 
 

@@ -225,6 +225,7 @@ def _write_index_and_configs(job: _ExportJob, tmp: Path, maps, total: int) -> No
         return
     info, qplan = job.info, job.qplan
     write_index(tmp, maps, total)
-    qcfg, hf_quant = job.fmt.configs(qplan.table.layer_algos(), qplan.table.unquantized_modules(), qplan.recipe)
+    qcfg, hf_quant = job.fmt.configs(qplan.table.layer_algos(), qplan.table.unquantized_modules(), qplan.recipe,
+                                     qplan.table.naming)
     write_configs(info.checkpoint, tmp, qcfg, hf_quant)
     copy_side_files(info.checkpoint, tmp)

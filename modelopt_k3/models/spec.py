@@ -62,6 +62,28 @@ class PrepareContext:
 
 
 @dataclass(frozen=True)
+class ManifestNaming:
+    """How serving engines look one model's modules up in a ModelOpt ``MIXED_PRECISION`` manifest.
+
+    The manifest's keys are checkpoint names, but each engine asks for its own runtime names (another
+    prefix, a renamed MoE, fused parameters that hold several checkpoint Linears). ``export/modelopt_format``
+    writes every entry under every spelling given here, so one manifest serves every engine.
+    """
+
+    # A checkpoint module name (or exclude pattern) -> every spelling an engine may look it up by (itself first).
+    aliases: Callable[[str], list[str]]
+    # fullmatch on one routed expert's Linear name, group ``bank``: its experts module, which engines key
+    # the whole bank's format on (one entry per bank replaces the per-expert ones).
+    expert_bank_regex: str
+    # (engine fused module, the checkpoint Linears it holds): listed under the parent when every member
+    # the checkpoint has there is quantized with one algo.
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Exclude patterns of modules this model keeps BF16 in its usual recipes, written (in every spelling)
+    # unless one matches a module the recipe quantizes.
+    never_quantized: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     model_type: str
     min_transformers: str
@@ -107,6 +129,8 @@ class ModelSpec:
     # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
     # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
     probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None
+    # How engines spell this model's modules in a MIXED_PRECISION manifest (None: checkpoint names only).
+    manifest_naming: ManifestNaming | None = None
 
     def check_transformers(self) -> None:
         import transformers

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from ..models.spec import ModelSpec
+from ..models.spec import ManifestNaming, ModelSpec
 from ..numerics.constants import MXFP4_BLOCK
 from ..recipe import QuantFormat, Recipe, RecipeEntry, RecipeError
 from .shared_inputs import SharedInputRule, apply_rules
@@ -87,6 +87,7 @@ class DecisionTable:
     # group id (its members joined by "+") -> members sharing weight_scale_2 and input_scale
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
     rules: tuple[SharedInputRule, ...] | None = None  # the shared-input rules used (None: not needed or not known)
+    naming: ManifestNaming | None = None  # how engines spell the model's modules in a manifest (the spec's)
 
     def of_kind(self, kind: Kind) -> dict[str, Decision]:
         return {n: d for n, d in self.decisions.items() if d.kind == kind}
@@ -276,4 +277,4 @@ def decide(
     for gid, members in groups.items():
         for m in members:
             decisions[m] = Decision(m, "linear", decisions[m].shape, decisions[m].format, group=gid)
-    return DecisionTable(recipe, dict(sorted(decisions.items())), groups, rules)
+    return DecisionTable(recipe, dict(sorted(decisions.items())), groups, rules, spec.manifest_naming)

@@ -17,7 +17,6 @@ import pytest
 import torch
 from engine_emulation import (
     edit_export,
-    modelopt_k3_converter_layers,
     quantized_modules,
     set_exclude,
     vllm_reading,
@@ -46,7 +45,11 @@ from modelopt_k3.check import (
 from modelopt_k3.cli import check as check_cli
 from modelopt_k3.cli import convert as convert_cli
 from modelopt_k3.cli import hf_ptq
-from modelopt_k3.export.modelopt_format import summarize_exclusions
+from modelopt_k3.export.modelopt_format import (
+    config_quantization_config,
+    hf_quant_config,
+    summarize_exclusions,
+)
 from modelopt_k3.formats import NVFP4_TENSOR
 from modelopt_k3.recipe import load_recipe, recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
@@ -84,15 +87,26 @@ def experts_only(tiny_ckpt: Path, tokenizer, held_out_ids, tmp_path_factory):
     return out, logits
 
 
+def _single_format(hf: dict, cfg: dict, quantized: set[str], unquantized: list[str]) -> None:
+    """Rewrite both configs in place as ModelOpt's single-format NVFP4 manifest (the one writer without a
+    model's naming) for ``quantized`` modules."""
+    new_hf = hf_quant_config(dict.fromkeys(quantized, "NVFP4"), kv_cache=None, unquantized=unquantized)
+    hf.clear()
+    hf.update(new_hf["quantization"])
+    cfg.clear()
+    cfg.update(config_quantization_config(new_hf))
+
+
 @pytest.fixture(scope="module")
 def good(experts_only, tmp_path_factory) -> Path:
-    """The experts-only export, its exclude list rewritten from the exact names of its BF16 Linears as
-    ModelOpt summarizes them (prefix wildcards: what the engines need to leave the fused attention
-    parameters BF16), so the good case is built here whatever the exporter writes."""
+    """The experts-only export as a single-format NVFP4 manifest (vLLM's and SGLang's single-algo ModelOpt
+    configs, which the broken-one-rule exports below each break once), its exclude list summarized from the
+    exact names of its BF16 Linears as ModelOpt does (prefix wildcards: what the engines need to leave the
+    fused attention parameters BF16), so the good case is built here whatever the exporter writes."""
     src, _ = experts_only
     quantized = quantized_modules(src)
     return edit_export(src, tmp_path_factory.mktemp("good") / "export",
-                       quant=lambda hf, cfg: set_exclude(hf, cfg, summarize_exclusions(_exact_excludes(src), quantized)))
+                       quant=lambda hf, cfg: _single_format(hf, cfg, quantized, _exact_excludes(src)))
 
 
 def verdicts(report) -> dict[str, str]:
@@ -271,20 +285,20 @@ def test_layers_an_engines_k3_class_cannot_take_quantized(good: Path, tiny_ckpt:
 
     latent = f"{LM}.layers.1.block_sparse_moe.routed_expert_down_proj"
     report = check_export(export_with(latent, tmp_path / "latent"), ("vllm", "sglang"))
-    for engine in ("vllm", "sglang"):
-        first = report.results[engine].refusals[0]
-        assert first.tensor == f"{latent}.weight" and "quant_config=None" in first.reason, first
+    # SGLang 0.5.23 gives the latent projections a quant config only when it supports quantized latent
+    # projections (ModelOpt's does not); vLLM 0.33.0 builds them with its quant config.
+    first = report.results["sglang"].refusals[0]
+    assert first.tensor == f"{latent}.weight" and "quant_config=None" in first.reason, first
+    assert report.results["vllm"].verdict == LOADS, report.results["vllm"].headline()
 
     kv_b = f"{MLA3}.kv_b_proj"
     report = check_export(export_with(kv_b, tmp_path / "kv_b"), ("vllm", "sglang"))
     sglang = report.results["sglang"]
     assert sglang.verdict == REFUSES and [r.tensor for r in sglang.refusals] == [f"{kv_b}.weight"]
-    assert "w_kc/w_vc from kv_b_proj.weight" in sglang.refusals[0].reason
-    # vLLM's MLA dequantizes kv_b_proj for its absorbed matrices, but with kv_b quantized the exclude list
-    # can no longer cover fused_qkv_a_proj with a pattern: q_a/kv_a are refused instead.
-    vllm = report.results["vllm"]
-    assert vllm.verdict == REFUSES and vllm.refusals[0].tensor == f"{MLA3}.q_a_proj.weight"
-    assert "fused_qkv_a_proj as nvfp4" in vllm.refusals[0].reason
+    assert "w_kc/w_vc from kv_b_proj.weight, dequantizing only block FP8" in sglang.refusals[0].reason
+    # vLLM's MLA dequantizes kv_b_proj for its absorbed matrices; with kv_b quantized the exclude list names
+    # q_a/kv_a/g exactly, which leaves fused_qkv_a_g_proj BF16 because 0.33.0's packed_modules_mapping lists it.
+    assert report.results["vllm"].verdict == LOADS, report.results["vllm"].headline()
 
 
 def test_trtllm_reads_the_mxfp4_source_and_nvfp4_experts_only_when_declared(tiny_ckpt: Path, good: Path, tmp_path):
@@ -302,24 +316,33 @@ def test_trtllm_reads_the_mxfp4_source_and_nvfp4_experts_only_when_declared(tiny
     assert check_export(declared, ("trtllm",)).results["trtllm"].verdict == LOADS
 
 
-def test_the_mirror_spelled_as_modelopts_k3_converter_loads_in_trtllm(tiny_ckpt: Path, tmp_path):
-    """The mirror recipe's layout is what TensorRT-LLM's K3 loader is written for, once quantized_layers
-    names the experts banks as ModelOpt's own K3 converter does; vLLM and SGLang still build FP8_PB_WO
-    layers unquantized (their MIXED_PRECISION configs dispatch only FP8/NVFP4(/W4A16_NVFP4))."""
+MIRROR = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"
+
+
+def test_the_converters_mirror_loads_in_trtllm_and_the_tiny_dims_decide_vllm_and_sglang(tiny_ckpt: Path, tmp_path):
+    """The mirror as the converter writes it: TensorRT-LLM loads it (banks declared NVFP4, FP8_PB_WO trunk
+    dequantized); vLLM 0.33.0 and SGLang 0.5.23 dispatch FP8_PB_WO but the 64-wide tiny model misses their
+    128 alignments (at 128-aligned sizes they load it: tests/check/test_engine_snapshots.py)."""
     from modelopt_k3 import convert_checkpoint
 
-    mirror = convert_checkpoint(tiny_ckpt, tmp_path / "mirror", "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention",
-                                progress=False).dst
-    trt = check_export(mirror, ("trtllm",)).results["trtllm"]
-    assert trt.verdict == REFUSES and "no <prefix>layers.{i}.block_sparse_moe.experts entry" in trt.refusals[0].reason
-
-    def respell(hf, cfg):
-        hf["quantized_layers"] = cfg["quantized_layers"] = modelopt_k3_converter_layers(hf["quantized_layers"])
-
-    report = check_export(edit_export(mirror, tmp_path / "respelled", quant=respell), ("vllm", "sglang", "trtllm"))
+    mirror = convert_checkpoint(tiny_ckpt, tmp_path / "mirror", MIRROR, progress=False).dst
+    assert check_cli.main([str(mirror), "--engine", "trtllm"]) == 0
+    report = check_export(mirror, ("vllm", "sglang", "trtllm"))
     assert verdicts(report) == {"vllm": REFUSES, "sglang": REFUSES, "trtllm": LOADS}
-    assert "does not dispatch" in report.results["vllm"].refusals[0].reason  # FP8_PB_WO f_b_proj
-    assert "directly as BF16" in report.results["sglang"].refusals[0].reason  # KDA b/f_a/f_b_proj
+    assert "FP8_PB_WO requires in divisible by 128, got 32" in report.results["vllm"].refusals[0].reason  # f_b_proj
+    assert "validate_block_quant_shapes" in report.results["sglang"].refusals[0].reason  # fused_qkvg_proj
+    (flag,) = report.results["sglang"].serve_flags
+    assert flag.startswith("--moe-runner-backend flashinfer_trtllm") and "{'w2': 64}" in flag
+    assert report.results["vllm"].serve_flags == [] and report.results["trtllm"].serve_flags == []
+
+    def per_expert(hf, cfg):  # the bank entries replaced by per-expert ones: what TensorRT-LLM never reads
+        layers = {k: v for k, v in hf["quantized_layers"].items() if not k.endswith(".experts")}
+        layers.update({f"{LM}.layers.{i}.block_sparse_moe.experts.{e}.{p}": {"quant_algo": "NVFP4", "group_size": 16}
+                       for i in (1, 2, 3) for e in range(8) for p in ("w1", "w2", "w3")})
+        hf["quantized_layers"] = cfg["quantized_layers"] = layers
+
+    trt = check_export(edit_export(mirror, tmp_path / "per_expert", quant=per_expert), ("trtllm",)).results["trtllm"]
+    assert trt.verdict == REFUSES and "no <prefix>layers.{i}.block_sparse_moe.experts entry" in trt.refusals[0].reason
 
 
 def test_producer_name_matters_only_on_sglangs_hf_quant_config_fallback(good: Path, tmp_path):
@@ -367,7 +390,7 @@ def test_recipe_refused_up_front_names_layers_and_rule(tiny_ckpt: Path):
     with pytest.raises(EngineRefusal) as err:
         check_recipe_for_engines(tiny_ckpt, recipe, "vllm,sglang")
     text = str(err.value)
-    assert "cannot be served as calibrated by vllm, sglang" in text
+    assert "cannot be served as calibrated by sglang:" in text
     assert f"{LM}.layers.1.block_sparse_moe.routed_expert_down_proj.weight" in text
     assert "builds the latent-expert projections with quant_config=None" in text
     kv = load_recipe("nvfp4_experts_only", overrides={"kv_cache": "fp8"})
@@ -386,13 +409,13 @@ def test_hf_ptq_refuses_before_loading(tiny_ckpt: Path, tmp_path: Path, monkeypa
     recipe.write_text(json.dumps(LATENT_NVFP4))  # JSON is YAML
     argv = ["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--recipe", str(recipe),
             "--export_path", str(tmp_path / "out"), "--no_progress"]
-    assert hf_ptq.main([*argv, "--target_engines", "vllm"]) == 2
+    assert hf_ptq.main([*argv, "--target_engines", "sglang"]) == 2
     err = capsys.readouterr().err
     assert "routed_expert_down_proj" in err and "quant_config=None" in err
     assert not (tmp_path / "out").exists()
     assert hf_ptq.main([*argv, "--target_engines", "tgi"]) == 2
     assert "unknown serving engine" in capsys.readouterr().err
-    assert hf_ptq.main([*argv, "--target_engines", "vllm", "--export_format", "compressed-tensors"]) == 2
+    assert hf_ptq.main([*argv, "--target_engines", "sglang", "--export_format", "compressed-tensors"]) == 2
 
 
 def test_convert_refuses_before_writing(tiny_ckpt: Path, tmp_path: Path, capsys):
@@ -400,7 +423,8 @@ def test_convert_refuses_before_writing(tiny_ckpt: Path, tmp_path: Path, capsys)
     rc = convert_cli.main(["--src", str(tiny_ckpt), "--dst", str(tmp_path / "out"), "--recipe", mirror,
                            "--target_engines", "sglang", "--no_progress"])
     assert rc == 2 and not (tmp_path / "out").exists()
-    assert "reads f_a/b/f_b_proj.weight directly as BF16" in capsys.readouterr().err
+    # FP8_PB_WO fused_qkvg_proj: the tiny model's 64-row pieces are not 128-row partitions.
+    assert "validate_block_quant_shapes refuses output partitions not divisible by 128" in capsys.readouterr().err
 
 
 def test_check_cli_exit_codes(good: Path, tiny_ckpt: Path, tmp_path: Path, capsys):

@@ -644,7 +644,9 @@ def test_default_recipe_is_calibration_free_nvfp4_experts(ckpt: Path, tmp_path: 
     theirs = _model_path_export(ckpt, "models/moonshotai/Kimi-K3/nvfp4_experts", tmp_path / "model_path")
     assert _differing(mine, _read_all(theirs)) == []
     assert _json(out / "hf_quant_config.json") == _json(theirs / "hf_quant_config.json")
-    assert _json(out / "hf_quant_config.json")["quantization"]["quant_algo"] == "NVFP4"
+    # Experts alone: MIXED_PRECISION with one entry per bank, which TensorRT-LLM's K3 loader needs.
+    quant = _json(out / "hf_quant_config.json")["quantization"]
+    assert quant["quant_algo"] == "MIXED_PRECISION" and not [k for k in quant["quantized_layers"] if ".experts." in k]
 
 
 def test_fp8_pb_wo_equals_modelopt_0_47(tmp_path: Path):

@@ -49,11 +49,11 @@ def test_hf_quant_config_single_and_mixed():
     mixed = hf_quant_config({"e.w1": "NVFP4", "a.q_proj": "FP8_PB_WO", "a.k_proj": "FP8_PB_WO"}, kv_cache=None,
                             unquantized=["lm_head"])
     q = mixed["quantization"]
-    assert q == {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": {
+    assert q == {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": 16, "quantized_layers": {
         "a.k_proj": {"quant_algo": "FP8_PB_WO"}, "a.q_proj": {"quant_algo": "FP8_PB_WO"},
-        "e.w1": {"quant_algo": "NVFP4", "group_size": 16}}}
+        "e.w1": {"quant_algo": "NVFP4", "group_size": 16}}, "exclude_modules": ["lm_head"]}
     cfg = config_quantization_config(mixed)
-    assert cfg["quant_method"] == "modelopt_mixed" and cfg["ignore"] == [] and "kv_cache_scheme" not in cfg
+    assert cfg["quant_method"] == "modelopt_mixed" and cfg["ignore"] == ["lm_head"] and "kv_cache_scheme" not in cfg
     assert cfg["config_groups"] == {
         "group_0": {"quant_algo": "FP8_PB_WO", "targets": ["a.k_proj", "a.q_proj"]},
         "group_1": {"input_activations": fp4, "weights": fp4, "targets": ["e.w1"]},

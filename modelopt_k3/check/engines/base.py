@@ -54,6 +54,7 @@ class Fused:
 
     engine_name: str  # e.g. "in_proj_qkvgfab"
     pieces: tuple[str, ...]  # checkpoint last names in shard order, e.g. ("q_proj", "k_proj", ...)
+    merged: bool = True  # a merged Linear with one output partition per piece (False: one replicated Linear)
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,9 @@ class ModelServing:
     # (regex searched in the checkpoint module name, reason): modules the engine's class builds without
     # a quant config -- always unquantized, whatever the checkpoint's configs say.
     unquantized: tuple[tuple[str, str], ...]
-    # (regex, reason): modules built with the quant config whose BF16 weight the class reads directly,
-    # so they must be stored BF16 (and the config must leave them unquantized).
-    bf16_only: tuple[tuple[str, str], ...]
+    # (regex, stored formats the class can read there besides BF16, reason): modules built with the quant
+    # config whose weight the class also reads directly (or copies by rows), so only those formats work.
+    formats_only: tuple[tuple[str, tuple[str, ...], str], ...]
     # fused engine name -> checkpoint piece names, as the engine's quant config sees it (exclusions,
     # per-layer algos); None: taken from the checkpoint's quantization_config (SGLang).
     packed_modules_mapping: Mapping[str, tuple[str, ...]] | None
@@ -87,8 +88,12 @@ class ModelServing:
     def unquantized_reason(self, name: str) -> str | None:
         return _first_match(self.unquantized, name)
 
-    def bf16_reason(self, name: str) -> str | None:
-        return _first_match(self.bf16_only, name)
+    def format_reason(self, name: str, fmt: str) -> str | None:
+        """Why ``fmt`` cannot be stored at module ``name`` (None: it can)."""
+        for pattern, allowed, reason in self.formats_only:
+            if re.search(pattern, name) and fmt != "bf16" and fmt not in allowed:
+                return reason
+        return None
 
 
 def _first_match(rules: tuple[tuple[str, str], ...], name: str) -> str | None:
@@ -116,6 +121,7 @@ class EngineModule:
 
     name: str  # checkpoint-side name: parent + engine name
     pieces: tuple[Linear, ...]
+    merged: bool = False  # one output partition per piece (a merged Linear of several pieces)
 
 
 class ModelOptEngine:
@@ -150,6 +156,14 @@ class ModelOptEngine:
     def tensor_problem(self, method: str, piece: Linear) -> str | None:
         """Why ``piece``'s tensors do not fit the parameters ``method`` creates (None: they fit)."""
         return standard_tensor_problem(method, piece)
+
+    def module_problem(self, method: str, module: EngineModule, serving: ModelServing) -> str | None:
+        """Why the engine's one (possibly fused) module refuses ``method`` as a whole (None: it does not)."""
+        return None
+
+    def serve_flags(self, layout: Layout, serving: ModelServing) -> list[str]:
+        """Serve-command flags this export needs on this engine (each with its reason)."""
+        return []
 
     def remap_kv_scale(self, name: str, params: set[str]) -> tuple[str, bool]:
         """The engine's ``maybe_remap_kv_scale_name``: the parameter name it tries, and whether it exists
@@ -225,6 +239,7 @@ class ModelOptEngine:
                 result.refusals.append(r.refusal)
         result.deviations += self._kv_scales(layout, serving, qv, numerics)
         result.refusals.sort(key=lambda r: r.tensor)
+        result.serve_flags = self.serve_flags(layout, serving)
         return result
 
     def _kv_scales(self, layout: Layout, serving: ModelServing, qv: QuantView, numerics: bool) -> list[Deviation]:
@@ -242,9 +257,10 @@ class ModelOptEngine:
     def _dense(self, layout, serving, qv, module: EngineModule, numerics: bool) -> list[Deviation]:
         quantized = [p for p in module.pieces if p.fmt != "bf16"]
         built_plain = serving.unquantized_reason(module.name)
-        reason = built_plain or serving.bf16_reason(module.name)
-        if quantized and reason:
-            raise Refuse(quantized[0].tensor_name(), f"stored {quantized[0].fmt}, but {reason}")
+        for piece in quantized:
+            reason = built_plain or serving.format_reason(module.name, piece.fmt)
+            if reason:
+                raise Refuse(piece.tensor_name(), f"stored {piece.fmt}, but {reason}")
         if built_plain:
             return []
         try:
@@ -260,6 +276,9 @@ class ModelOptEngine:
             problem = self.tensor_problem(method, piece)
             if problem:
                 raise Refuse(piece.tensor_name(), problem)
+        problem = self.module_problem(method, module, serving)
+        if problem:
+            raise Refuse(module.pieces[0].tensor_name(), problem)
         if numerics and len(module.pieces) > 1 and method != "bf16":
             return fused_scale_deviations(layout, module, method)
         return []
@@ -302,7 +321,7 @@ def split_modules(layout: Layout, serving: ModelServing) -> tuple[list[EngineMod
         for fused in serving.fused:
             if all(p in children for p in fused.pieces):
                 modules.append(EngineModule(f"{parent}.{fused.engine_name}",
-                                            tuple(children.pop(p) for p in fused.pieces)))
+                                            tuple(children.pop(p) for p in fused.pieces), fused.merged))
         modules += [EngineModule(f"{parent}.{last}", (lin,)) for last, lin in children.items()]
     modules.sort(key=lambda m: m.pieces[0].name)
     return modules, experts

@@ -1,14 +1,15 @@
 """SGLang's ModelOpt loading rules, replayed.
 
-Written from sgl-project/sglang ``python/sglang/srt/layers/quantization/modelopt/`` --
-``modelopt.py`` @ 3d2509d8 (``ModelOptQuantConfig._get_quant_method``, ``is_layer_excluded``,
-``apply_weight_name_mapper``), ``schemes/modelopt_fp4.py`` @ 09bd8898 (``ModelOptFp4Config.from_config``,
-``ModelOptFp4LinearMethod``, ``ModelOptNvFp4FusedMoEMethod``), ``schemes/modelopt_fp8.py`` @ 578ca2f6
-(``ModelOptFp8Config``: any quant_algo containing "FP8" is per-tensor FP8), ``schemes/
-modelopt_mixed_precision.py`` @ 717e1203 (``_resolve_quant_algo``: FP8 and NVFP4 only) --,
-``python/sglang/srt/layers/quantization/utils`` ``is_layer_skipped`` / ``_module_path_match`` (read
-from a mirror; commit not pinned) and ``python/sglang/srt/model_loader/weight_utils.py``
-@ 00b08c49 (``get_quant_config``: the hf_quant_config.json fallback requires
+Written from the SGLang 0.5.23 wheel on PyPI (``pip download --no-deps sglang==0.5.23``; one snapshot):
+``sglang/srt/layers/quantization/modelopt_quant.py`` -- ``ModelOptQuantConfig.{_get_quant_method,
+apply_weight_name_mapper, is_layer_excluded}``, ``ModelOptFp8Config`` (any quant_algo containing "FP8"),
+``ModelOptFp4Config.from_config``, ``ModelOptMixedPrecisionConfig.{override_quantization_method (only
+quant_method "modelopt_mixed"), from_config, _resolve_quant_algo, _quantized_layer_prefix_candidates,
+get_quant_method}`` (FP8, FP8_PB_WO / FP8_BLOCK_SCALES as block FP8, MXFP8, NVFP4, W4A16_NVFP4 for Linears
+and routed experts), ``ModelOptNvFp4FusedMoEMethod.apply`` (``situ`` only on the flashinfer_trtllm /
+flashinfer_megamoe runner backends) --, ``layers/quantization/fp8.py`` ``Fp8LinearMethod.
+validate_block_quant_shapes``, ``layers/quantization/utils.py`` ``is_layer_skipped`` / ``_module_path_match`` and
+``model_loader/weight_utils.py`` (``get_quant_config``: the hf_quant_config.json fallback requires
 ``producer.name == "modelopt"``; ``maybe_remap_kv_scale_name``). The Kimi-K3 class is in
 ``models/kimi_k3/serving.py``.
 """
@@ -17,9 +18,18 @@ from __future__ import annotations
 
 import re
 
-from ...formats import FP8, FP8_PB_WO, NVFP4
+from ...formats import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4
+from ...numerics.constants import FP8_BLOCK
 from ..layout import Layout
-from .base import ModelOptEngine, ModelServing, QuantView, Refuse, config_json_fields, modelopt_config
+from .base import (
+    EngineModule,
+    ModelOptEngine,
+    ModelServing,
+    QuantView,
+    Refuse,
+    config_json_fields,
+    modelopt_config,
+)
 
 # Fused shards SGLang's is_layer_skipped assumes when the config ships no packed_modules_mapping.
 FALLBACK_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -27,6 +37,11 @@ FALLBACK_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 # whose last name contains it (q_a_proj in fused_qkv_a_proj_with_mqa), in every layer.
 FUSED_PATTERNS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 LINEAR_ALGOS = {s.algo: s.engine_method for s in (NVFP4, FP8)}
+# ModelOptMixedPrecisionConfig.get_quant_method, of this project's schemes (Linear and FusedMoE alike).
+MIXED_ALGOS = {s.algo: s.engine_method for s in (FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4)}
+# The runner backends whose ModelOpt NVFP4 MoE takes the situ activation (ModelOptNvFp4FusedMoEMethod.apply).
+SITU_BACKEND = "flashinfer_trtllm"
+SHUFFLE_ROWS = 128  # flashinfer's shuffle of the NVFP4 expert weights: rows (N) of w13 and w2 % 128
 
 
 def _module_path_match(ignored: str, prefix: str) -> bool:
@@ -51,7 +66,7 @@ def is_layer_skipped(prefix: str, ignored: list[str], fused: dict[str, tuple[str
 
 class SglangEngine(ModelOptEngine):
     name = "sglang"
-    mixed_methods = LINEAR_ALGOS  # ModelOptMixedPrecisionConfig.get_quant_method: FP8 and NVFP4 only
+    mixed_methods = MIXED_ALGOS
     # ModelOptFp4Config for NVFP4; ModelOptFp8Config (per-tensor linear and MoE) for every FP8* algo.
     single_methods = single_expert_methods = {**LINEAR_ALGOS, FP8_PB_WO.algo: FP8.engine_method,
                                               "FP8_PER_CHANNEL_PER_TOKEN": FP8.engine_method}
@@ -79,6 +94,9 @@ class SglangEngine(ModelOptEngine):
         if algo == "MIXED_PRECISION":
             if not layers:
                 raise Refuse(source, "MIXED_PRECISION needs a non-empty quantized_layers map")
+            if "quantization" not in cfg and cfg.get("quant_method") != "modelopt_mixed":
+                raise Refuse(source, f"quant_algo MIXED_PRECISION with quant_method {cfg.get('quant_method')!r}: SGLang "
+                                     "picks its mixed-precision config only for quant_method 'modelopt_mixed'")
         elif NVFP4.algo in algo:  # the engine's substring dispatch on the serialized name
             if algo != NVFP4.algo:  # ModelOptFp4Config.from_config: quant_algo must be FP8 or NVFP4
                 raise Refuse(source, f"quant_algo {algo}: SGLang's ModelOpt FP4 config supports only FP8 and NVFP4")
@@ -95,9 +113,69 @@ class SglangEngine(ModelOptEngine):
             exclude=list(dict.fromkeys(mapped)),
             quantized_layers={serving.mapper(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items()},
             kv_algo=kv,
-            packed=cfg.get("packed_modules_mapping") or {},
+            # the config's mapping, updated with the K3 class's (KimiK3LinearForCausalLM.__init__)
+            packed={**(cfg.get("packed_modules_mapping") or {}), **(serving.packed_modules_mapping or {})},
             source=source,
         )
+
+    def mixed_candidates(self, prefix: str) -> list[str]:
+        """ModelOptMixedPrecisionConfig._quantized_layer_prefix_candidates (no candidate adds ``language_model.``
+        back to a runtime ``model.`` name)."""
+        out = [prefix, "lm_head"] if prefix.endswith(".lm_head") else [prefix]
+        if prefix.startswith("language_model.model."):
+            out.append("model.language_model." + prefix[len("language_model.model."):])
+        elif prefix.startswith("model.language_model."):
+            rest = prefix[len("model.language_model."):]
+            out += ["language_model.model." + rest, "model." + rest]
+        elif prefix.startswith("model."):
+            out.append("model.language_model." + prefix[len("model."):])
+        return out
+
+    def tensor_problem(self, method, piece):
+        if method != FP8_PB_WO.engine_method:
+            return super().tensor_problem(method, piece)
+        # Fp8LinearMethod (block) weight_scale_inv [ceil(out/128), ceil(in/128)]; the K3 loader takes the
+        # checkpoint's 4-D [ceil(out/128), 1, ceil(in/128), 1] as [:, 0, :, 0].
+        import torch
+
+        from .base import _expect
+
+        out_f, in_f = piece.shape
+        blocks = (-(-out_f // FP8_BLOCK), 1, -(-in_f // FP8_BLOCK), 1)
+        return _expect(piece, "weight", torch.float8_e4m3fn, (out_f, in_f)) or _expect(
+            piece, "weight_scale", torch.float32, blocks)
+
+    def module_problem(self, method: str, module: EngineModule, serving: ModelServing) -> str | None:
+        """fp8.py validate_block_quant_shapes: a merged block-FP8 Linear needs every output partition divisible
+        by 128 (at any TP size)."""
+        if method != FP8_PB_WO.engine_method or not module.merged:
+            return None
+        bad = [f"{p.name.rpartition('.')[2]} ({p.shape[0]})" for p in module.pieces if p.shape[0] % FP8_BLOCK]
+        if bad:
+            return (f"SGLang builds {module.name} as block FP8 and Fp8LinearMethod.validate_block_quant_shapes "
+                    f"refuses output partitions not divisible by {FP8_BLOCK}: {', '.join(bad)}")
+        return None
+
+    def serve_flags(self, layout: Layout, serving: ModelServing) -> list[str]:
+        """NVFP4 routed experts with K3's situ activation: only the flashinfer_trtllm (or flashinfer_megamoe)
+        runner backend runs them; the default ``auto`` passes loading and fails at the first forward."""
+        text = layout.config.get("text_config") if isinstance(layout.config.get("text_config"), dict) else layout.config
+        expert_re = re.compile(serving.expert_re)
+        experts = [lin for name, lin in layout.linears.items() if expert_re.fullmatch(name)]
+        nvfp4 = [lin for lin in experts if lin.fmt in (NVFP4.engine_method, W4A16_NVFP4.engine_method)]
+        if not nvfp4 or text.get("hidden_act") != "situ":
+            return []
+        flag = (f"--moe-runner-backend {SITU_BACKEND} (ModelOpt NVFP4 MoE takes the situ activation only on "
+                "flashinfer_trtllm/flashinfer_megamoe; the default auto fails at the first forward)")
+        rows = {}
+        for lin in nvfp4:
+            proj = expert_re.fullmatch(lin.name)["proj"]
+            rows[proj] = lin.shape[0] * (2 if proj in serving.gate_up else 1)
+        short = {p: n for p, n in sorted(rows.items()) if n % SHUFFLE_ROWS}
+        if short:
+            flag += (f"; note: flashinfer's post-load shuffle needs routed-expert rows divisible by {SHUFFLE_ROWS} "
+                     f"(w13, w2), this export has {short}: not replayed here, SGLang refuses it after loading")
+        return [flag]
 
     def remap_kv_scale(self, name: str, params: set[str]) -> tuple[str, bool]:
         """weight_utils.maybe_remap_kv_scale_name: ...self_attn.{k,v}_proj.{k,v}_scale (ModelOpt) and any

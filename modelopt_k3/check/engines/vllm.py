@@ -1,13 +1,15 @@
 """vLLM's ModelOpt loading rules, replayed.
 
-Written from vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py`` @ 00155cde
-(``ModelOptQuantConfigBase.from_config`` / ``is_layer_excluded`` / ``apply_vllm_mapper``,
-``ModelOptNvFp4LinearMethod``, ``ModelOptFp8LinearMethod``, ``ModelOptFp8PbWoLinearMethod``,
-``ModelOptNvFp4FusedMoE``, ``ModelOptMixedPrecisionConfig._resolve_quant_algo``),
-``vllm/model_executor/layers/quantization/utils/quant_utils.py::is_layer_skipped`` and
-``vllm/model_executor/model_loader/weight_utils.py::{get_quant_config, maybe_remap_kv_scale_name}``.
-The Kimi-K3 class itself (its fused parameters and what it builds unquantized) is in
-``models/kimi_k3/serving.py``.
+Written from the vLLM 0.33.0 wheel on PyPI (``pip download --no-deps vllm==0.33.0``; one snapshot),
+``vllm/model_executor/layers/quantization/modelopt.py``: ``LINEAR_ALGOS`` / ``QUANT_ALGOS``,
+``ModelOptQuantConfigBase.{from_config, is_layer_excluded, get_quant_method, apply_vllm_mapper}``,
+``ModelOptNvFp4Config._from_config`` (the fields NVFP4 requires), ``ModelOptMixedPrecisionConfig.
+{_resolve_quant_algo, _quantized_layer_prefix_candidates, get_quant_method}`` (FP8, FP8_PB_WO, NVFP4,
+W4A16_NVFP4, MXFP8 for Linears; the same for routed experts, FP8_PB_WO as block-FP8 ``Fp8MoEMethod``),
+``KFp8Block128.create_weights`` (FP8_PB_WO: in divisible by 128, scale ``[ceil(out/128), 1, in/128, 1]``
+fp32, a partial last output block padded by ``_Fp8PbWoPartialBlock``); ``utils/quant_utils.py::
+is_layer_skipped``; ``model_loader/weight_utils.py::{get_quant_config, maybe_remap_kv_scale_name}``.
+The Kimi-K3 class (``vllm/models/kimi_k3/nvidia/``, same wheel) is in ``models/kimi_k3/serving.py``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from .base import (
     modelopt_config,
 )
 
-# modelopt.py QUANT_ALGOS: any other quant_algo makes ModelOptQuantConfigBase.from_config raise.
+# modelopt.py QUANT_ALGOS (LINEAR_ALGOS + MIXED_PRECISION): any other quant_algo makes from_config raise.
 QUANT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION")
-# ModelOptMixedPrecisionConfig.get_quant_method: the per-layer algos it builds a method for; any other
+# ModelOptMixedPrecisionConfig.get_quant_method: the per-layer algos (of this project's schemes) it builds a
+# Linear / routed-experts method for (LINEAR_ALGOS; FP8_PB_WO experts as block-FP8 Fp8MoEMethod); any other
 # layer gets UnquantizedLinearMethod (Linear) or None (MoE).
-MIXED_LINEAR_ALGOS = {s.algo: s.engine_method for s in (FP8, NVFP4, W4A16_NVFP4)}
+MIXED_LINEAR_ALGOS = {s.algo: s.engine_method for s in (FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4)}
 SINGLE_ALGOS = {s.algo: s.engine_method for s in (FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4)}
 # ModelOptFp8Config.FusedMoEMethodCls is the per-tensor ModelOptFp8MoEMethod whatever the FP8 algo.
 SINGLE_EXPERT_ALGOS = {**SINGLE_ALGOS, FP8_PB_WO.algo: FP8.engine_method}
@@ -48,9 +51,12 @@ KV_SCALE_PATTERNS = (
 
 
 def is_layer_skipped(prefix: str, ignored: list[str], fused: dict[str, tuple[str, ...]]) -> bool:
-    """quant_utils.is_layer_skipped: a fused layer is skipped iff all its shards are listed exactly
-    (some but not all raises); an experts layer iff some listed ``experts`` name contains it."""
+    """quant_utils.is_layer_skipped (match_mode "exact"): a fused layer is skipped when its own name is
+    listed, else iff all its shards are listed exactly (some but not all raises); an experts layer iff
+    some listed ``experts`` name contains it."""
     proj = prefix.split(".")[-1]
+    if proj in fused and prefix in ignored:
+        return True
     if proj in fused:
         skipped = {prefix.replace(proj, shard) in ignored for shard in fused[proj]}
         if len(skipped) > 1:
@@ -102,7 +108,7 @@ class VllmEngine(ModelOptEngine):
     def linear_excluded(self, qv: QuantView, prefix: str) -> bool:
         """ModelOptQuantConfigBase.is_layer_excluded: exact/fused match, substring, then fnmatch; vision
         towers are hard-coded unquantized after it (``get_quant_method``)."""
-        if "vision_tower" in prefix:
+        if any(tower in prefix for tower in ("vision_tower", "vision_model", "vit_large_projector")):
             return True
         if not qv.exclude:
             return False
@@ -128,18 +134,41 @@ class VllmEngine(ModelOptEngine):
         return name, False
 
     def mixed_candidates(self, prefix: str) -> list[str]:
-        # _quantized_layer_prefix_candidates
-        return [prefix, "lm_head"] if prefix.endswith(".lm_head") else [prefix]
+        """ModelOptMixedPrecisionConfig._quantized_layer_prefix_candidates."""
+        out = [prefix, "lm_head"] if prefix.endswith(".lm_head") else [prefix]
+        for a, b in (("language_model.model.", "model.language_model."), ("model.language_model.", "language_model.model.")):
+            if prefix.startswith(a):
+                out.append(b + prefix[len(a):])
+                break
+        return out
+
+    def mixed_algo(self, qv: QuantView, prefix: str) -> str | None:
+        """_resolve_quant_algo after the direct, packed and child lookups: routed experts take the algo of
+        any entry under their parent (``...block_sparse_moe.``, e.g. a quantized shared expert), and a
+        fused ``qkv_proj``/``gate_up_proj`` the one algo of its listed shards."""
+        algo = super().mixed_algo(qv, prefix)
+        if algo is not None:
+            return algo
+        if prefix.endswith(".experts"):
+            parent = prefix.rsplit(".experts", 1)[0] + "."
+            return next((a for key, a in qv.quantized_layers.items() if key.startswith(parent)), None)
+        base, _, proj = prefix.rpartition(".")
+        shards = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(proj, ())
+        algos = {qv.quantized_layers[f"{base}.{s}"] for s in shards if f"{base}.{s}" in qv.quantized_layers}
+        if len(algos) > 1:
+            raise Refuse(prefix, f"vllm: mixed quant_algo within fused layer {prefix}: {sorted(algos)}")
+        return algos.pop() if algos else None
 
     def tensor_problem(self, method: str, piece: Linear) -> str | None:
         if scheme_of_method(method) is not FP8_PB_WO:
             return super().tensor_problem(method, piece)
-        # ModelOptFp8PbWoLinearMethod.create_weights: 128-divisible dims, scale [out/128, 1, in/128, 1].
+        # KFp8Block128.create_weights: in divisible by 128 (a partial last output block is padded at
+        # load), scale [ceil(out/128), 1, in/128, 1] fp32.
         out_f, in_f = piece.shape
-        if out_f % FP8_BLOCK or in_f % FP8_BLOCK:
-            return f"FP8_PB_WO needs out and in features divisible by {FP8_BLOCK}, got [{out_f}, {in_f}]"
+        if in_f % FP8_BLOCK:
+            return f"FP8_PB_WO requires in divisible by {FP8_BLOCK}, got {in_f} (KFp8Block128.create_weights raises)"
         return _expect(piece, "weight", torch.float8_e4m3fn, (out_f, in_f)) or _expect(
-            piece, "weight_scale", torch.float32, (out_f // FP8_BLOCK, 1, in_f // FP8_BLOCK, 1))
+            piece, "weight_scale", torch.float32, (-(-out_f // FP8_BLOCK), 1, in_f // FP8_BLOCK, 1))
 
 
 def _split_prefix_wildcards(patterns: list[str]) -> list[str]:

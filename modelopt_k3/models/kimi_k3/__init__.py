@@ -7,6 +7,7 @@ from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import kv_cache_sites
 from .layout import expert_layout
+from .manifest import KIMI_K3_MANIFEST
 from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, place_experts, prepare
 from .probe import probe_model
@@ -41,6 +42,7 @@ KIMI_K3_SPEC = register_spec(
         activation_memory=activation_memory,
         # A_log: declared [num_heads], stored [head_dim] zero-padded in the real checkpoint.
         dense_converters=(A_LOG_CONVERTER,),
+        manifest_naming=KIMI_K3_MANIFEST,
     ),
     overwrite=True,
 )

@@ -1,18 +1,33 @@
 """How each serving engine's Kimi-K3 class loads a checkpoint: the rules ``modelopt-k3-check`` replays.
 
-Read from the engines' own Kimi-K3 code (the commit each rule was read at is cited with it):
+One snapshot per engine, as users install it:
 
-* vLLM: vllm-project/vllm ``vllm/models/kimi_k3/nvidia/model.py`` @ 006193b5 (``KimiLinearModel``:
-  ``load_weights`` stacked params, ``packed_modules_mapping``; ``KimiMoE``; ``KimiDecoderLayer``;
-  ``KimiK3ForConditionalGeneration.hf_to_vllm_mapper``), ``nvidia/kda.py`` @ 055e47c2
-  (``KimiK3DeltaAttention.in_proj_qkvgfab``), ``nvidia/mla.py`` @ 01b867e8
-  (``MultiHeadLatentAttention``). The registry maps ``KimiK3ForConditionalGeneration`` to
-  ``vllm.models.kimi_k3`` (its ``__init__`` picks ``nvidia/`` off ROCm).
-* SGLang: sgl-project/sglang ``python/sglang/srt/models/kimi_k3.py`` @ 0000e9b4
-  (``KimiK3ForConditionalGeneration.hf_to_sglang_mapper``/``load_weights``,
-  ``KimiK3LinearForCausalLM.load_weights``/``post_load_weights``, ``KimiK3DeltaAttention``,
-  ``KimiK3MoE``, ``KimiK3DecoderLayer``); MLA is ``DeepseekV2AttentionMLA`` (``deepseek_v2.py``).
-* TensorRT-LLM: NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_kimi_linear.py`` @ cf328e85.
+* vLLM 0.33.0 (the PyPI wheel): ``vllm/models/kimi_k3/__init__.py`` (``nvidia/`` off ROCm/TPU),
+  ``nvidia/model.py`` (``KimiLinearModel.packed_modules_mapping`` and ``load_weights``'
+  ``stacked_params_mapping``; ``KimiMoE``: ``GateLinear`` router without a quant config, latent
+  projections built with it; ``KimiDecoderLayer``: attention-residual projections with
+  ``quant_config=None``; ``KimiK3ForConditionalGeneration.hf_to_vllm_mapper``), ``nvidia/kda.py``
+  (``KimiK3DeltaAttention.__init__``: ``in_proj_qkvgfab`` padded per TP rank to 16 rows, or to 128
+  when it resolves to FP8_PB_WO), ``nvidia/mla.py`` (``fused_qkv_a_g_proj`` with the output gate),
+  ``nvidia/latent_moe_runner.py`` (the fused tail only for an unquantized ``up_proj``), and
+  ``model_executor/layers/fused_moe/oracle/nvfp4.py`` ``select_nvfp4_moe_backend`` (FLASHINFER_TRTLLM
+  first; ``experts/trtllm_nvfp4_moe.py`` runs ``situ``): NVFP4 K3 experts need no serve flag.
+* SGLang 0.5.23 (the PyPI wheel): ``sglang/srt/models/kimi_k3.py``
+  (``KimiK3ForConditionalGeneration.{packed_modules_mapping, hf_to_sglang_mapper, __init__, load_weights}``:
+  the language model is built with prefix ``""`` for ModelOpt configs and ``language_model.`` is dropped
+  from checkpoint names; ``KimiK3LinearForCausalLM.{load_weights, post_load_weights}``:
+  ``_maybe_map_fp8_pb_scale_name`` maps FP8_PB_WO ``weight_scale`` to ``weight_scale_inv``,
+  ``fused_qkv_a_proj_with_mqa`` is filled by rows, ``kv_b_proj`` dequantized by ``_get_k3_dense_weight``
+  (block FP8 only); ``KimiK3MoE``: router ``MoEGate`` and -- the ModelOpt configs lacking
+  ``supports_kimi_k3_quantized_latent_projections`` -- latent projections without a quant config;
+  ``KimiK3DeltaAttention``: ``fused_qkvg_proj``, the ``[f_a | b]`` merge only for BF16 or block FP8),
+  ``deepseek_v2.py`` (``fused_qkv_a_proj_with_mqa`` is one ``ReplicatedLinear``), ``layers/quantization/
+  modelopt_quant.py`` (``ModelOptNvFp4FusedMoEMethod.apply``: ``situ`` only on the ``flashinfer_trtllm``
+  / ``flashinfer_megamoe`` runner backends) and ``layers/quantization/fp8.py``
+  (``validate_block_quant_shapes``: each output partition of a merged block-FP8 Linear divisible by 128).
+* TensorRT-LLM: NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_kimi_linear.py`` @ cf328e85
+  (``KimiK3MoERuntime._resolve_routed_quant_config``, ``_K3_EXPERT_CKPT_SPECS``, ``load_weights``); no
+  PyPI release has Kimi-K3.
 
 The engines' generic ModelOpt rules (config parsing, exclusions, scale use) are in
 ``modelopt_k3/check/engines``.
@@ -31,6 +46,7 @@ from .kv_cache import KV_SCALE_NAMES
 
 EXPERT_RE = r"(?P<module>.+\.block_sparse_moe\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])"
 GATE_UP = ("w1", "w3")  # fused into w13 by both engines' make_expert_params_mapping(w1, w2, w3)
+BLOCK_FP8 = (FP8_PB_WO.engine_method,)
 
 VLLM_K3 = ModelServing(
     engine="vllm",
@@ -46,36 +62,38 @@ VLLM_K3 = ModelServing(
     fused=(
         # KimiLinearModel.load_weights stacked_params_mapping (use_full_rank_gate: g_proj is shard 3).
         Fused("in_proj_qkvgfab", ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")),
+        # MLA q_a/kv_a, plus the output gate g_proj when mla_use_output_gate (the only MLA with a g_proj).
+        Fused("fused_qkv_a_g_proj", ("q_a_proj", "kv_a_proj_with_mqa", "g_proj")),
         Fused("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")),
         Fused("gate_up_proj", ("gate_proj", "up_proj")),  # dense MLP and shared experts (KimiMLP)
     ),
     unquantized=(
-        (r"\.routed_expert_(down|up)_proj$", "vLLM's K3 builds the latent-expert projections with "
-                                            "quant_config=None (model.py KimiMoE)"),
         (r"_res_proj$", "vLLM's K3 builds the attention-residual projections with quant_config=None "
-                        "and reads their weight as a vector (model.py attn_res)"),
+                        "(model.py KimiDecoderLayer, KimiLinearModel)"),
         (r"\.block_sparse_moe\.gate$", "vLLM's K3 router is a GateLinear without quant_config (model.py KimiMoE)"),
     ),
-    bf16_only=(
-        (r"\.self_attn\.in_proj_qkvgfab$",
-         "vLLM's K3 fuses KDA q/k/v/g/f_a/b into in_proj_qkvgfab and pads it to a multiple of 16 rows per "
-         "TP rank with an extra shard whose weight_scale_2/input_scale are never loaded (torch.empty) yet "
-         "enter the max() over shards (kda.py; K3 pads at TP 4 and 8, the tiny model at TP 1)"),
+    formats_only=(
+        (r"\.self_attn\.in_proj_qkvgfab$", BLOCK_FP8,
+         "vLLM's K3 fuses KDA q/k/v/g/f_a/b into in_proj_qkvgfab and pads it per TP rank with an extra shard "
+         "(to 16 rows, to 128 for FP8_PB_WO): with per-tensor scales that shard's never-loaded "
+         "weight_scale_2/input_scale enter the max() over shards (nvidia/kda.py KimiK3DeltaAttention)"),
     ),
-    # KimiLinearModel.packed_modules_mapping (its SupportsQuant mapping; g_proj and fused_qkv_a_proj are
-    # absent, so the exclude list must match ``fused_qkv_a_proj`` itself to leave q_a/kv_a BF16).
+    # KimiLinearModel.packed_modules_mapping (its SupportsQuant mapping; g_proj is absent from
+    # in_proj_qkvgfab, so a per-shard lookup of that fused name never sees g_proj).
     packed_modules_mapping={
         "gate_up_proj": ("gate_proj", "up_proj"),
         "in_proj_qkvgfab": ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"),
+        "conv1d": ("q_conv1d", "k_conv1d", "v_conv1d"),
+        "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+        "fused_qkv_a_g_proj": ("q_a_proj", "kv_a_proj_with_mqa", "g_proj"),
     },
     expert_re=EXPERT_RE,
     gate_up=GATE_UP,
-    # mla.py: the MLA layer is the attention layer itself (MultiHeadLatentAttention, an AttentionLayerBase
-    # that is neither Attention nor MLAAttention), and ModelOpt's get_quant_method gives a KV-cache method
-    # (which creates k_scale/v_scale) only to those two classes: no KV-scale parameter exists.
+    # mla.py: the MLA layer is the attention layer itself (neither Attention nor MLAAttention), and the
+    # ModelOpt configs give a KV-cache method (which creates k_scale/v_scale) only to those classes.
     kv_scale_params=(),
     kv_note="vLLM's K3 MLA layer is neither Attention nor MLAAttention, so the ModelOpt config creates no "
-            "k_scale/v_scale for it (mla.py _init_kv_cache_quant, modelopt.py get_quant_method)",
+            "k_scale/v_scale for it (nvidia/mla.py, modelopt.py get_quant_method)",
 )
 
 SGLANG_K3 = ModelServing(
@@ -86,33 +104,42 @@ SGLANG_K3 = ModelServing(
                          substrs={"block_sparse_moe": "mlp"}),
     strip_prefix="language_model.",
     fused=(
-        # KimiK3DeltaAttention with use_full_rank_gate and attn_tp == tp: fused_qkvg_proj [q, k, v, g].
+        # KimiK3DeltaAttention with use_full_rank_gate: fused_qkvg_proj [q, k, v, g] (MergedColumnParallelLinear).
         Fused("fused_qkvg_proj", ("q_proj", "k_proj", "v_proj", "g_proj")),
-        # load_weights: q_a_proj / kv_a_proj_with_mqa rows of fused_qkv_a_proj_with_mqa (DeepseekV2AttentionMLA).
-        Fused("fused_qkv_a_proj_with_mqa", ("q_a_proj", "kv_a_proj_with_mqa")),
+        # load_weights: q_a_proj / kv_a_proj_with_mqa rows of one ReplicatedLinear (deepseek_v2.py).
+        Fused("fused_qkv_a_proj_with_mqa", ("q_a_proj", "kv_a_proj_with_mqa"), merged=False),
         Fused("gate_up_proj", ("gate_proj", "up_proj")),  # KimiK3MLP (dense MLP and shared experts)
     ),
     unquantized=(
         (r"\.routed_expert_(down|up)_proj$", "SGLang's K3 builds the latent-expert projections with "
-                                            "quant_config=None (kimi_k3.py KimiK3MoE)"),
+                                             "quant_config=None for ModelOpt configs (kimi_k3.py KimiK3MoE: "
+                                             "no supports_kimi_k3_quantized_latent_projections)"),
         (r"_res_proj$", "SGLang's K3 builds the attention-residual projections with quant_config=None"),
         (r"\.gate$", "SGLang's K3 router MoEGate is built with quant_config=None"),
-        (r"(^|\.)lm_head$", "SGLang's ModelOpt config quantizes only LinearBase layers; ParallelLMHead is not one "
-                            "(modelopt.py _get_quant_method)"),
         (r"^(vision_tower|mm_projector)\.", "SGLang's K3 vision tower and projector are built without a quant config"),
     ),
-    bf16_only=(
-        (r"\.self_attn\.(f_a_proj|b_proj|f_b_proj)$",
-         "SGLang's K3 KDA reads f_a/b/f_b_proj.weight directly as BF16 (_merge_bfa_weights, kimi_k3_tiny_gemm)"),
-        (r"\.self_attn\.fused_qkv_a_proj_with_mqa$",
-         "SGLang's K3 load_weights copies q_a_proj/kv_a_proj_with_mqa tensors into fused_qkv_a_proj_with_mqa by "
-         "row-narrowing (param.data[:rows]); a per-tensor weight_scale_2/input_scale has no rows and one fused "
+    formats_only=(
+        (r"\.self_attn\.(f_a_proj|b_proj|f_b_proj)$", BLOCK_FP8,
+         "SGLang's K3 KDA merges f_a/b(/f_b)_proj weights into one [f_a | b] GEMM operand, BF16 or block FP8 "
+         "only (kimi_k3.py KimiK3DeltaAttention, _bfa_uses_block_fp8)"),
+        (r"\.self_attn\.fused_qkv_a_proj_with_mqa$", BLOCK_FP8,
+         "SGLang's K3 load_weights copies q_a_proj/kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa by rows "
+         "(block scales by 128-row blocks); a per-tensor weight_scale_2/input_scale has no rows and one fused "
          "scalar cannot hold two"),
-        (r"\.self_attn\.kv_b_proj$",
-         "SGLang's K3 post_load_weights builds the absorbed w_kc/w_vc from kv_b_proj.weight as stored, with no "
-         "dequantization"),
+        (r"\.self_attn\.kv_b_proj$", BLOCK_FP8,
+         "SGLang's K3 post_load_weights builds the absorbed w_kc/w_vc from kv_b_proj.weight, dequantizing only "
+         "block FP8 (_get_k3_dense_weight)"),
     ),
-    packed_modules_mapping=None,  # ModelOptFp4Config.from_config: config.get("packed_modules_mapping")
+    # KimiK3ForConditionalGeneration.packed_modules_mapping, merged with the config's own (the loader seeds
+    # the quant config's mapping from the class; KimiK3LinearForCausalLM adds fused_qkvg_proj).
+    packed_modules_mapping={
+        "gate_up_proj": ("gate_proj", "up_proj"),
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "qkv_conv1d": ("q_conv1d", "k_conv1d", "v_conv1d"),
+        "fused_qkvg_proj": ("q_proj", "k_proj", "v_proj", "g_proj"),
+        "fused_qkvbfg_a_proj": ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj"),
+        "fused_fg_b_proj": ("f_b_proj", "g_b_proj"),
+    },
     expert_re=EXPERT_RE,
     gate_up=GATE_UP,
     # DeepseekV2AttentionMLA's RadixAttention modules get ModelOpt's KV-cache method (k_scale/v_scale) when
