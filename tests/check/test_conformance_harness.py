@@ -129,6 +129,9 @@ def test_observed_verdicts():
     assert observed_verdict({**ran, "post_load": {"mismatches": [{"rel": 0.5}]}}) == DIFFERENT
     assert observed_verdict({"outcome": "raised", "error": {"stage": "load_weights"}}) == REFUSES
     assert observed_verdict({"outcome": "raised", "error": {"stage": "import"}}) is None
+    cuda_op = {"stage": "post_process", "type": "NotImplementedError",
+               "message": "Could not run '_C::static_scaled_fp8_quant' with arguments from the 'CPU' backend"}
+    assert observed_verdict({"outcome": "raised", "error": cuda_op}) is None  # the CPU's answer, not the engine's
     assert observed_verdict({"outcome": "driver timed out"}) is None
 
 

@@ -53,6 +53,7 @@ CELLS: tuple[Cell, ...] = (
     Cell("preset-nvfp4_experts_only", "hf_ptq", "presets/nvfp4_experts_only", about="hf_ptq --qformat nvfp4_experts_only"),
     Cell("preset-w4a16_nvfp4", "hf_ptq", "presets/w4a16_nvfp4", about="hf_ptq --qformat w4a16_nvfp4"),
     Cell("preset-fp8", "hf_ptq", "presets/fp8", about="hf_ptq --qformat fp8"),
+    Cell("preset-trtllm", "hf_ptq", "presets/trtllm", about="hf_ptq --recipe presets/trtllm (what TensorRT-LLM serves)"),
     Cell("convert-default", "convert", CONVERTER_DEFAULT, about="modelopt-k3-convert's default recipe"),
     Cell("convert-mirror", "convert", MIRROR, about="the Kimi-K3 mirror recipe through the converter"),
     Cell("wide-preset-nvfp4", "hf_ptq", "presets/nvfp4", tiny="wide",
@@ -60,13 +61,13 @@ CELLS: tuple[Cell, ...] = (
     Cell("wide-convert-default", "convert", CONVERTER_DEFAULT, tiny="wide",
          about="the converter's default on the 128-wide tiny model"),
     Cell("wide-convert-mirror", "convert", MIRROR, tiny="wide", about="the mirror recipe on the 128-wide tiny model"),
-    Cell("broken-w3-scale", "broken", CONVERTER_DEFAULT, base="convert-default", edit="w3_scale",
+    Cell("broken-w3-scale", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="w3_scale",
          about="layer 1 expert 2's w3 weight_scale_2 doubled (w1/w3 no longer share the global scale)"),
-    Cell("broken-latent-nvfp4", "broken", CONVERTER_DEFAULT, base="convert-default", edit="latent_nvfp4",
+    Cell("broken-latent-nvfp4", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="latent_nvfp4",
          about="layer 1's routed_expert_down_proj written NVFP4 (both engines build it unquantized)"),
-    Cell("broken-kv-scales", "broken", CONVERTER_DEFAULT, base="convert-default", edit="kv_scales",
+    Cell("broken-kv-scales", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="kv_scales",
          about="FP8 KV-cache scales on the MLA layer (no such parameter in either K3 class)"),
-    Cell("broken-no-quant-config", "broken", CONVERTER_DEFAULT, base="convert-default", edit="no_quant_config",
+    Cell("broken-no-quant-config", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="no_quant_config",
          about="config.json without quantization_config and producer.name modelopt_k3"),
     Cell("mlp0-fp8_pb", "convert", "inline:mlp0_fp8_pb",
          about="layer 0's dense MLP 128x128 block FP8 (FP8_PB_WO), scales [nr, 1, nc, 1] as ModelOpt writes"),
@@ -95,14 +96,20 @@ def recipe_of(name: str):
     return load_recipe(name)
 
 
-def build_export(cell: Cell, root: Path, built: dict[str, Path]) -> Path:
-    """Write ``cell``'s export under ``root/exports`` (replacing an older one) and return its path."""
+def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool = False) -> Path:
+    """Write ``cell``'s export under ``root/exports`` (replacing an older one) and return its path.
+    ``reuse``: keep an export a previous build finished (its ``<id>.built`` stamp beside it)."""
     dst = root / "exports" / cell.id
+    stamp = dst.with_name(f"{cell.id}.built")
+    if reuse and stamp.exists() and dst.exists():
+        built[cell.id] = dst
+        return dst
+    stamp.unlink(missing_ok=True)
     if dst.exists():
         shutil.rmtree(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if cell.how == "broken":
-        base = built.get(cell.base) or build_export(CELL_BY_ID[cell.base], root, built)
+        base = built.get(cell.base) or build_export(CELL_BY_ID[cell.base], root, built, reuse=reuse)
         EDITS[cell.edit](base, dst)
     elif cell.how == "convert":
         from ...convert import convert_checkpoint
@@ -118,6 +125,7 @@ def build_export(cell: Cell, root: Path, built: dict[str, Path]) -> Path:
             raise RuntimeError(f"hf_ptq exited {rc} for {cell.id}")
     else:
         raise ValueError(f"cell {cell.id}: unknown how={cell.how!r}")
+    stamp.write_text(f"{cell}\n")
     built[cell.id] = dst
     return dst
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .drivers.stub_list import STUBS
+from .run import cpu_limit
 
 SCHEMA = 1
 
@@ -44,11 +45,24 @@ def _strip_tracebacks(value):
     return value
 
 
+def rederive(doc: dict) -> dict:
+    """The observed verdicts again from the recorded observations (after the rules that read them change)."""
+    from .run import observed_verdict
+
+    for row in doc["cells"]:
+        for r in row["observed"].values():
+            r["verdict"] = observed_verdict(r)
+    return doc
+
+
 def write_report(result: dict, json_path: Path, md_path: Path) -> None:
     cells = []
     for row in result["cells"]:
         row = dict(row)
         row["observed"] = {e: _trim(r) for e, r in row["observed"].items()}
+        for r in row["observed"].values():
+            if r.get("error") and cpu_limit(r["error"]):
+                r.setdefault("not_observable", []).insert(0, f"{r['error']['stage']} (needs a GPU here)")
         row["agree"] = {e: agreement(row, e) for e in row["observed"]}
         cells.append(row)
     doc = {"schema": SCHEMA, "generated": datetime.date.today().isoformat(), "engines": result["engines"],
@@ -153,3 +167,21 @@ def markdown(doc: dict) -> str:
         lines += [f"- `{s['name']}`: {s['why']}" for s in doc["stubs"][e]]
         lines.append("")
     return "\n".join(lines)
+
+
+def compare_runs(before: dict, after: dict, *, title: str) -> str:
+    """Markdown: the cells whose check verdict or engine observation differs between two matrix runs."""
+    old = {r["id"]: r for r in before["cells"]}
+    lines = [f"## {title}", "", "| cell | engine | check before -> after | engine before -> after |", "|---|---|---|---|"]
+    for row in after["cells"]:
+        prev = old.get(row["id"])
+        for e in after["engines"]:
+            if prev is None:
+                lines.append(f"| `{row['id']}` | {e} | (new cell) -> {row['check'][e]['verdict']} | "
+                             f"(new cell) -> {row['observed'][e].get('verdict')} |")
+                continue
+            c0, c1 = prev["check"][e]["verdict"], row["check"][e]["verdict"]
+            o0, o1 = prev["observed"].get(e, {}).get("verdict"), row["observed"][e].get("verdict")
+            if c0 != c1 or o0 != o1:
+                lines.append(f"| `{row['id']}` | {e} | {c0} -> {c1} | {o0} -> {o1} |")
+    return "\n".join(lines) + "\n"

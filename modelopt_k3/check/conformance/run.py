@@ -97,10 +97,22 @@ def _driver_process(spec: EngineSpec, venv: Path, exports: list[Path], timeout: 
     return answered
 
 
+# Errors that are the CPU's, not the engine's answer: a CUDA op without a CPU kernel, torch.compile of a
+# GPU path, a kernel entry point that did not load, a call that needs the GPU driver.
+CPU_LIMITS = ("from the 'CPU' backend", "InternalTorchDynamoError", "'NoneType' object is not callable",
+              "Found no NVIDIA driver", "Torch not compiled with CUDA")
+
+
+def cpu_limit(error: dict) -> bool:
+    return any(s in f"{error.get('type')}: {error.get('message')}" for s in CPU_LIMITS)
+
+
 def observed_verdict(result: dict) -> str | None:
-    """The check-vocabulary verdict the engine's behaviour amounts to (None: the driver did not get far
-    enough to say)."""
+    """The check-vocabulary verdict the engine's behaviour amounts to (None: not observed, because the
+    driver did not get far enough or the step needs a GPU)."""
     if result.get("error"):
+        if cpu_limit(result["error"]):
+            return None
         return REFUSES if result["error"]["stage"] in ("build", "load_weights", "post_process") else None
     if result.get("outcome") != "ran":
         return None
@@ -127,7 +139,7 @@ def check_verdicts(export: Path) -> dict:
 
 
 def run_matrix(engines: list[EngineSpec], *, venv_root: Path, work: Path, cell_ids: list[str] | None,
-               timeout: float, say=print) -> dict:
+               timeout: float, reuse_exports: bool = False, say=print) -> dict:
     from .matrix import CELLS, build_export
 
     cells = [c for c in CELLS if not cell_ids or c.id in cell_ids]
@@ -135,7 +147,7 @@ def run_matrix(engines: list[EngineSpec], *, venv_root: Path, work: Path, cell_i
     rows = []
     for cell in cells:
         say(f"[export] {cell.id}")
-        export = build_export(cell, work, built)
+        export = build_export(cell, work, built, reuse=reuse_exports)
         rows.append({"id": cell.id, "how": cell.how, "recipe": cell.recipe, "tiny": cell.tiny, "about": cell.about,
                      "check": check_verdicts(export), "observed": {}, "_export": export})
     versions = {}
@@ -169,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="scratch directory for the tiny checkpoints and the matrix's exports")
     p.add_argument("--cells", default=None, help=f"comma-separated subset of: {', '.join(c.id for c in CELLS)}")
     p.add_argument("--timeout", type=float, default=900, help="seconds per (engine, cell)")
+    p.add_argument("--reuse_exports", action="store_true",
+                   help="keep the exports a previous run under --work finished building (same code only)")
     p.add_argument("--json", type=Path, default=Path("tests/data/engine_conformance.json"))
     p.add_argument("--report", type=Path, default=Path("docs/ENGINE_CONFORMANCE.md"))
     args = p.parse_args(argv)
@@ -177,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engines = [EngineSpec.parse(e) for e in (args.engine or PINNED)]
     result = run_matrix(engines, venv_root=args.venv_root or DEFAULT_ROOT, work=args.work,
-                        cell_ids=args.cells.split(",") if args.cells else None, timeout=args.timeout)
+                        cell_ids=args.cells.split(",") if args.cells else None, timeout=args.timeout,
+                        reuse_exports=args.reuse_exports)
     if args.cells and args.json.exists():  # a subset updates its cells in the committed matrix
         old = json.loads(args.json.read_text())
         fresh = {r["id"]: r for r in result["cells"]}

@@ -29,6 +29,19 @@ PLATFORM = {"is_cuda": True, "is_blackwell": True, "is_sm100": True, "is_sm100_o
             "has_flashinfer": True, "device_sm": 100, "device_capability": (10, 0)}
 
 
+# What SGLang 0.5.23's kernels read after post-processing. Linear (modelopt_quant.py ModelOptFp4LinearMethod):
+# weight_scale_2 = max over shards, input_scale = max, alpha, input_scale_inv. Routed experts on
+# flashinfer_trtllm (ModelOptNvFp4FusedMoEMethod.apply builds FlashInferTrtllmFp4MoeQuantInfo from
+# g1_alphas, g2_alphas, w13_input_scale_quant): g1_alphas is w1's alpha and serves both GEMM1 halves;
+# g1_alphas_up (w3's) is not passed to that kernel, so it is not a scale the engine computes with.
+SGLANG_RULES = {
+    "weight_scale_2": ("lin", C.W), "input_scale": ("lin", C.A), "alpha": ("lin", C.WA),
+    "input_scale_inv": ("lin", C.INV_A),
+    "g1_alphas": ("w13", C.WA), "g2_alphas": ("w2", C.WA),
+    "w13_input_scale_quant": ("w13", C.INV_A), "w2_input_scale_quant": ("w2", C.INV_A),
+}
+
+
 class _Inert:
     def __init__(self, *args, **kwargs):
         pass
@@ -41,6 +54,7 @@ def apply_stubs():
     torch.cuda.Stream = _Inert
     torch.cuda.Event = _Inert
     torch.cuda.current_stream = lambda *a, **k: _Inert()
+    C.CudaToCpu().__enter__()  # for the whole driver process
     C.patch_flashinfer_interleave()
     from sglang.srt.runtime_context import override_platform
 
@@ -191,8 +205,8 @@ def run(export: Path, options: dict) -> dict:
         stage = "report"
         result["quant_method"] = type(model.quant_config).__name__ if getattr(model, "quant_config", None) else None
         result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
-        scales = C.post_load_scales(model, C.SCALE_RULES)
-        result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours))
+        scales = C.post_load_scales(model, SGLANG_RULES)
+        result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours), SGLANG_RULES)
         result["outcome"] = "ran"
         result["first_forward"] = experts_forward(model)
     except BaseException as exc:  # noqa: BLE001 - every failure is the observation
