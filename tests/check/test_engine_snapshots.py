@@ -122,3 +122,23 @@ def test_trtllm_is_a_target_for_the_mirror_and_the_experts_recipe(tiny_ckpt: Pat
     # The preset named for it: what TensorRT-LLM serves, served by the other two as well.
     layout = planned_layout(tiny_ckpt, load_recipe("trtllm"))
     assert _verdicts(layout) == dict.fromkeys(ENGINES, LOADS)
+
+
+def test_sglang_reads_a_single_format_w4a16_nvfp4_manifest(tiny_ckpt: Path):
+    """SGLang 0.5.23's ModelOptFp4Config takes W4A16_NVFP4 (FP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4)."""
+    from modelopt_k3.export.modelopt_format import config_quantization_config, hf_quant_config
+
+    recipe = recipe_from_dict({"quant_cfg": [
+        {"pattern": "*.block_sparse_moe.experts*", "weights": "nvfp4", "inputs": None},
+        {"import": "units/default_disabled"},
+    ]}, name="experts_w4a16")
+    layout = copy.deepcopy(planned_layout(tiny_ckpt, recipe))
+    experts = [n for n, lin in layout.linears.items() if lin.fmt == "w4a16_nvfp4"]
+    unquantized = [n for n, lin in layout.linears.items() if lin.fmt == "bf16"]
+    layout.hf_quant = hf_quant_config(dict.fromkeys(experts, "W4A16_NVFP4"), kv_cache=None, unquantized=unquantized)
+    layout.quant = config_quantization_config(layout.hf_quant)
+    assert layout.quant["quant_algo"] == "W4A16_NVFP4"
+    sglang = check_layout(layout, ("sglang",), numerics=False).results["sglang"]
+    assert sglang.verdict == LOADS, sglang.headline()
+    layout.quant["quant_algo"] = "NVFP4_GPTQ"
+    assert "supports only FP8, NVFP4" in check_layout(layout, ("sglang",), numerics=False).results["sglang"].headline()

@@ -68,7 +68,8 @@ class SglangEngine(ModelOptEngine):
     name = "sglang"
     mixed_methods = MIXED_ALGOS
     # ModelOptFp4Config for NVFP4; ModelOptFp8Config (per-tensor linear and MoE) for every FP8* algo.
-    single_methods = single_expert_methods = {**LINEAR_ALGOS, FP8_PB_WO.algo: FP8.engine_method,
+    single_methods = single_expert_methods = {**LINEAR_ALGOS, W4A16_NVFP4.algo: W4A16_NVFP4.engine_method,
+                                              FP8_PB_WO.algo: FP8.engine_method,
                                               "FP8_PER_CHANNEL_PER_TOKEN": FP8.engine_method}
 
     def quant_view(self, layout: Layout, serving: ModelServing) -> QuantView:
@@ -98,9 +99,12 @@ class SglangEngine(ModelOptEngine):
                 raise Refuse(source, f"quant_algo MIXED_PRECISION with quant_method {cfg.get('quant_method')!r}: SGLang "
                                      "picks its mixed-precision config only for quant_method 'modelopt_mixed'")
         elif NVFP4.algo in algo:  # the engine's substring dispatch on the serialized name
-            if algo != NVFP4.algo:  # ModelOptFp4Config.from_config: quant_algo must be FP8 or NVFP4
-                raise Refuse(source, f"quant_algo {algo}: SGLang's ModelOpt FP4 config supports only FP8 and NVFP4")
-            if group_size is None:
+            # ModelOptFp4Config.from_config: FP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4; group_size (config.json: 16
+            # by default for an NVFP4 name; hf_quant_config.json: common_group_size, required).
+            if algo not in (NVFP4.algo, W4A16_NVFP4.algo, "NVFP4_AWQ"):
+                raise Refuse(source, f"quant_algo {algo}: SGLang's ModelOpt FP4 config supports only FP8, NVFP4, "
+                                     "NVFP4_AWQ and W4A16_NVFP4")
+            if group_size is None and "quantization" in cfg:
                 raise Refuse(source, "NVFP4 needs group_size (top level or in config_groups)")
         elif FP8.algo not in algo:
             raise Refuse(source, f"quant_algo {algo!r} is not one SGLang's ModelOpt configs read (FP8*, NVFP4, "
