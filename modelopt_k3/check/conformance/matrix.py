@@ -1,0 +1,227 @@
+"""The conformance matrix: which exports the engines' own loaders are run on, and how each is built.
+
+Every cell is an export of a tiny Kimi-K3 stand-in (``make_tiny_kimi_k3``) written under a scratch
+work directory, never inside an existing export: the presets through ``hf_ptq`` (calibrated), the
+converter's default and the mirror recipe through ``convert_checkpoint`` (calibration-free), the same
+on a 128-wide variant (flashinfer's weight shuffle, which SGLang's NVFP4 MoE post-processing runs, needs
+routed-expert rows that are multiples of 128; the default tiny model's 64 are not), and copies of the
+converter's export that break one engine rule each (the cases ``tests/check/test_engines.py`` builds).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+CONVERTER_DEFAULT = "models/moonshotai/Kimi-K3/nvfp4_experts"
+MIRROR = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"
+LM = "language_model.model"
+# The real model's MLA head sizes: vLLM 0.33's MLA prefill backends accept only those (and 192/64/256),
+# so a smaller tiny model stops vLLM before any weight is read.
+MLA_SIZES = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+# Routed-expert rows (w13: 2 x moe_intermediate_size, w2: routed_expert_hidden_size) a multiple of 128.
+WIDE_SIZES = {"moe_intermediate_size": 128, "routed_expert_hidden_size": 128}
+TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES}}
+MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One export of the matrix. ``how``: ``hf_ptq`` (a calibrated preset), ``convert`` (a recipe through
+    the converter) or ``broken`` (``base``'s export with ``edit`` applied to a copy)."""
+
+    id: str
+    how: str
+    recipe: str
+    tiny: str = "default"  # a TINY_VARIANTS key
+    base: str | None = None
+    edit: str | None = None
+    about: str = ""
+    tags: tuple[str, ...] = field(default=())
+
+
+CELLS: tuple[Cell, ...] = (
+    Cell("preset-nvfp4", "hf_ptq", "presets/nvfp4", about="hf_ptq --qformat nvfp4 (the default)"),
+    Cell("preset-nvfp4_experts_only", "hf_ptq", "presets/nvfp4_experts_only", about="hf_ptq --qformat nvfp4_experts_only"),
+    Cell("preset-w4a16_nvfp4", "hf_ptq", "presets/w4a16_nvfp4", about="hf_ptq --qformat w4a16_nvfp4"),
+    Cell("preset-fp8", "hf_ptq", "presets/fp8", about="hf_ptq --qformat fp8"),
+    Cell("preset-trtllm", "hf_ptq", "presets/trtllm", about="hf_ptq --recipe presets/trtllm (what TensorRT-LLM serves)"),
+    Cell("convert-default", "convert", CONVERTER_DEFAULT, about="modelopt-k3-convert's default recipe"),
+    Cell("convert-mirror", "convert", MIRROR, about="the Kimi-K3 mirror recipe through the converter"),
+    Cell("wide-preset-nvfp4", "hf_ptq", "presets/nvfp4", tiny="wide",
+         about="hf_ptq --qformat nvfp4 on the 128-wide tiny model (SGLang post-processing reachable)"),
+    Cell("wide-convert-default", "convert", CONVERTER_DEFAULT, tiny="wide",
+         about="the converter's default on the 128-wide tiny model"),
+    Cell("wide-convert-mirror", "convert", MIRROR, tiny="wide", about="the mirror recipe on the 128-wide tiny model"),
+    Cell("broken-w3-scale", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="w3_scale",
+         about="layer 1 expert 2's w3 weight_scale_2 doubled (w1/w3 no longer share the global scale)"),
+    Cell("broken-latent-nvfp4", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="latent_nvfp4",
+         about="layer 1's routed_expert_down_proj written NVFP4 (both engines build it unquantized)"),
+    Cell("broken-kv-scales", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="kv_scales",
+         about="FP8 KV-cache scales on the MLA layer (no such parameter in either K3 class)"),
+    Cell("broken-no-quant-config", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default", edit="no_quant_config",
+         about="config.json without quantization_config and producer.name modelopt_k3"),
+    Cell("mlp0-fp8_pb", "convert", "inline:mlp0_fp8_pb",
+         about="layer 0's dense MLP 128x128 block FP8 (FP8_PB_WO), scales [nr, 1, nc, 1] as ModelOpt writes"),
+    Cell("broken-fp8_pb-2d-scale", "broken", "inline:mlp0_fp8_pb", base="mlp0-fp8_pb", edit="fp8_pb_2d",
+         about="the FP8_PB_WO export with its block scales written [nr, nc]"),
+)
+CELL_BY_ID = {c.id: c for c in CELLS}
+
+
+def tiny_checkpoint(root: Path, tiny: str) -> Path:
+    """The tiny Kimi-K3 source of a cell (generated once under ``root``; same seed, same bytes)."""
+    from ...testing import make_tiny_kimi_k3
+
+    path = root / f"tiny-{tiny}"
+    if not (path / INDEX).exists():
+        make_tiny_kimi_k3(path, overwrite=True, **TINY_VARIANTS[tiny])
+    return path
+
+
+def recipe_of(name: str):
+    """A cell's recipe: a recipe name, or ``inline:<name>`` for the matrix's own inline recipes."""
+    from ...recipe import load_recipe, recipe_from_dict
+
+    if name == "inline:mlp0_fp8_pb":
+        return recipe_from_dict(MLP0_FP8_PB, name="mlp0_fp8_pb")
+    return load_recipe(name)
+
+
+def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool = False) -> Path:
+    """Write ``cell``'s export under ``root/exports`` (replacing an older one) and return its path.
+    ``reuse``: keep an export a previous build finished (its ``<id>.built`` stamp beside it)."""
+    dst = root / "exports" / cell.id
+    stamp = dst.with_name(f"{cell.id}.built")
+    if reuse and stamp.exists() and dst.exists():
+        built[cell.id] = dst
+        return dst
+    stamp.unlink(missing_ok=True)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if cell.how == "broken":
+        base = built.get(cell.base) or build_export(CELL_BY_ID[cell.base], root, built, reuse=reuse)
+        EDITS[cell.edit](base, dst)
+    elif cell.how == "convert":
+        from ...convert import convert_checkpoint
+
+        convert_checkpoint(tiny_checkpoint(root, cell.tiny), dst, recipe_of(cell.recipe), progress=False)
+    elif cell.how == "hf_ptq":
+        from ...cli import hf_ptq
+
+        rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_checkpoint(root, cell.tiny)), "--trust_remote_code",
+                          "--recipe", cell.recipe, "--calib_size", "4", "--calib_seq", "32", "--no_progress",
+                          "--export_path", str(dst)])
+        if rc != 0:
+            raise RuntimeError(f"hf_ptq exited {rc} for {cell.id}")
+    else:
+        raise ValueError(f"cell {cell.id}: unknown how={cell.how!r}")
+    stamp.write_text(f"{cell}\n")
+    built[cell.id] = dst
+    return dst
+
+
+# ----------------------------------------------------------------------------------- broken copies
+
+
+def copy_with(src: Path, dst: Path, *, tensors: dict[str, torch.Tensor] | None = None,
+              quant: Callable[[dict, dict], None] | None = None, config: Callable[[dict], None] | None = None) -> Path:
+    """A copy of export ``src`` at ``dst`` with ``tensors`` replaced or added (new ones go into the first
+    shard); ``quant(hf_quant_config["quantization"], config["quantization_config"])`` and ``config(config)``
+    edit the JSON files in place. ``src`` is only read."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / INDEX).read_text())
+    where = index["weight_map"]
+    first = min(where.values())
+    changed: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in (tensors or {}).items():
+        where.setdefault(key, first)
+        changed.setdefault(where[key], {})[key] = value.contiguous()
+    for shard, new in changed.items():
+        with safe_open(str(dst / shard), framework="pt") as f:
+            kept = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+            meta = f.metadata()
+        save_file({**kept, **new}, str(dst / shard), metadata=meta)
+    (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    cfg = json.loads((dst / "config.json").read_text())
+    if quant is not None:
+        hf = json.loads((dst / "hf_quant_config.json").read_text())
+        quant(hf["quantization"], cfg["quantization_config"])
+        (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if config is not None:
+        config(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dst
+
+
+def _read(export: Path, key: str) -> torch.Tensor:
+    shard = json.loads((export / INDEX).read_text())["weight_map"][key]
+    with safe_open(str(export / shard), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _w3_scale(src: Path, dst: Path) -> Path:
+    key = f"{LM}.layers.1.block_sparse_moe.experts.2.w3.weight_scale_2"
+    return copy_with(src, dst, tensors={key: _read(src, key) * 2})
+
+
+def _latent_nvfp4(src: Path, dst: Path) -> Path:
+    from ...formats import NVFP4_TENSOR
+
+    module = f"{LM}.layers.1.block_sparse_moe.routed_expert_down_proj"
+    w = _read(src, f"{module}.weight").float()
+    new = {f"{module}.{k}": v for k, v in NVFP4_TENSOR.weight_tensors(w, w.abs().amax() / (6 * 448)).items()}
+    new[f"{module}.input_scale"] = torch.tensor(0.01)  # its "weight" (BF16) is replaced by the packed codes
+
+    def unexclude(hf: dict, cfg: dict) -> None:
+        for q, key in ((hf, "exclude_modules"), (cfg, "ignore")):
+            q[key] = [m for m in q.get(key) or [] if m != module]
+
+    return copy_with(src, dst, tensors=new, quant=unexclude)
+
+
+def _kv_scales(src: Path, dst: Path) -> Path:
+    attn = f"{LM}.layers.3.self_attn"
+
+    def fp8_kv(hf: dict, cfg: dict) -> None:
+        hf["kv_cache_quant_algo"] = "FP8"
+        cfg["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "dynamic": False}
+
+    return copy_with(src, dst, tensors={f"{attn}.k_proj.k_scale": torch.tensor(0.25),
+                                        f"{attn}.v_proj.v_scale": torch.tensor(0.25)}, quant=fp8_kv)
+
+
+def _no_quant_config(src: Path, dst: Path) -> Path:
+    out = copy_with(src, dst, config=lambda cfg: cfg.pop("quantization_config"))
+    hf = json.loads((out / "hf_quant_config.json").read_text())
+    hf["producer"]["name"] = "modelopt_k3"
+    (out / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out
+
+
+def _fp8_pb_2d(src: Path, dst: Path) -> Path:
+    keys = [k for k in json.loads((src / INDEX).read_text())["weight_map"]
+            if k.startswith(f"{LM}.layers.0.mlp.") and k.endswith(".weight_scale")]
+    flat = {}
+    for k in keys:
+        s = _read(src, k)
+        flat[k] = s.reshape(s.shape[0], s.shape[2]) if s.dim() == 4 else s
+    return copy_with(src, dst, tensors=flat)
+
+
+EDITS: dict[str, Callable[[Path, Path], Path]] = {
+    "w3_scale": _w3_scale,
+    "latent_nvfp4": _latent_nvfp4,
+    "kv_scales": _kv_scales,
+    "no_quant_config": _no_quant_config,
+    "fp8_pb_2d": _fp8_pb_2d,
+}

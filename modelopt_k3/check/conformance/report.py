@@ -1,0 +1,187 @@
+"""The committed matrix (JSON, compared by the CI test) and its human-readable report (Markdown)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from .drivers.stub_list import STUBS
+from .run import cpu_limit
+
+SCHEMA = 1
+
+
+def agreement(row: dict, engine: str) -> bool | None:
+    """Whether the check's verdict equals the engine's observed one (None: the engine's was not observed)."""
+    seen = row["observed"].get(engine, {}).get("verdict")
+    return None if seen is None else seen == row["check"][engine]["verdict"]
+
+
+def _trim(result: dict) -> dict:
+    """What the committed JSON keeps of a driver's result (the per-tensor landing map stays out: it is
+    long; the count, the misses and the never-written parameters stay)."""
+    keep = {k: v for k, v in result.items() if k not in ("load", "seconds", "error")}
+    if "error" in result:
+        keep["error"] = {k: result["error"][k] for k in ("stage", "type", "message", "where")}
+    if "load" in result:
+        load = result["load"]
+        keep["load"] = {k: load[k] for k in ("tensors", "landed_byte_equal", "landed_lossless_other_form",
+                                             "landed_rounded", "not_landed", "params_never_written",
+                                             "engine_owned_never_written") if k in load}
+    if "post_load" in result:
+        post = dict(result["post_load"])
+        post["mismatches"] = post.get("mismatches", [])[:5]
+        keep["post_load"] = post
+    for key in ("first_forward", "other_backends"):
+        if result.get(key):
+            keep[key] = _strip_tracebacks(result[key])
+    return keep
+
+
+def _strip_tracebacks(value):
+    if isinstance(value, dict):
+        return {k: _strip_tracebacks(v) for k, v in value.items() if k != "traceback"}
+    return value
+
+
+def rederive(doc: dict) -> dict:
+    """The observed verdicts again from the recorded observations (after the rules that read them change)."""
+    from .run import observed_verdict
+
+    for row in doc["cells"]:
+        for r in row["observed"].values():
+            r["verdict"] = observed_verdict(r)
+    return doc
+
+
+def write_report(result: dict, json_path: Path, md_path: Path) -> None:
+    cells = []
+    for row in result["cells"]:
+        row = dict(row)
+        row["observed"] = {e: _trim(r) for e, r in row["observed"].items()}
+        for r in row["observed"].values():
+            if r.get("error") and cpu_limit(r["error"]):
+                r.setdefault("not_observable", []).insert(0, f"{r['error']['stage']} (needs a GPU here)")
+        row["agree"] = {e: agreement(row, e) for e in row["observed"]}
+        cells.append(row)
+    doc = {"schema": SCHEMA, "generated": datetime.date.today().isoformat(), "engines": result["engines"],
+           "stubs": {e: [{"name": n, "why": w} for n, w in STUBS[e]] for e in result["engines"]},
+           "cells": cells}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    md_path.write_text(markdown(doc))
+
+
+def _cell_text(row: dict, engine: str) -> str:
+    r = row["observed"].get(engine)
+    if r is None:
+        return "not run"
+    verdict = r.get("verdict") or r.get("outcome", "?")
+    parts = [f"**{verdict}**"]
+    if "error" in r:
+        e = r["error"]
+        parts.append(f"at {e['stage']}: `{e['type']}: {e['message'][:160]}`")
+    if "load" in r:
+        load = r["load"]
+        parts.append(f"{load['landed_byte_equal']}/{load['tensors']} tensors byte-equal")
+        if load["not_landed"]:
+            parts.append(f"not landed: {', '.join('`' + n + '`' for n in load['not_landed'][:3])}"
+                         + (" ..." if len(load["not_landed"]) > 3 else ""))
+        if load["params_never_written"]:
+            names = list(load["params_never_written"])
+            parts.append(f"never written: {', '.join('`' + n + '`' for n in names[:3])}" + (" ..." if len(names) > 3 else ""))
+    if "load" in r and r["load"].get("landed_rounded"):
+        worst = max(v["max_rel"] for v in r["load"]["landed_rounded"].values())
+        parts.append(f"{len(r['load']['landed_rounded'])} source-F32 tensors rounded to the engine's dtype "
+                     f"(max rel {worst:.2g}; the source checkpoint reads the same way)")
+    post = r.get("post_load")
+    if post:
+        if post.get("compared"):
+            parts.append(f"post-load scales: {post['compared']} compared, max rel err {post['max_rel']:.2g}")
+        for m in post.get("mismatches", [])[:2]:
+            parts.append(f"`{m['param']}` rel err {m['rel']:.3g}")
+    ff = r.get("first_forward")
+    if ff:
+        err = ff.get("error") or {}
+        parts.append(f"first forward of `{ff.get('layer')}` (routed experts): {ff.get('outcome')}"
+                     + (f" (`{err.get('type')}: {err.get('message', '')[:100]}`)" if err else ""))
+    for backend, o in (r.get("other_backends") or {}).items():
+        ffo = o.get("first_forward") or {}
+        err = ffo.get("error") or o.get("error") or {}
+        parts.append(f"with --moe-runner-backend {backend}: {ffo.get('outcome') or o.get('outcome')}"
+                     + (f" (`{err.get('type')}: {err.get('message', '')[:100]}`)" if err else ""))
+    for note in r.get("not_observable", []):
+        parts.append(f"not observable on CPU: {note}")
+    for note in r.get("notes", []):
+        parts.append(note)
+    return "; ".join(parts)
+
+
+def markdown(doc: dict) -> str:
+    engines = list(doc["engines"])
+    lines = [
+        "# Engine-in-the-loop conformance",
+        "",
+        "Generated by `python -m modelopt_k3.check.conformance` on "
+        f"{doc['generated']} with " + ", ".join(f"{e} {v}" for e, v in doc["engines"].items())
+        + " (PyPI wheels, CUDA builds, run on CPU). Each engine's own Kimi-K3 model class was built from the "
+        "export's configs and its own model loader ran `load_weights` and, where the CPU allows, "
+        "`process_weights_after_loading` on the export. The matrix is `tests/data/engine_conformance.json`; "
+        "`tests/check/test_conformance_matrix.py` compares `modelopt-k3-check`'s verdicts with it.",
+        "",
+        "Observed verdicts: **refuses** (the engine raised building the model, in `load_weights` or in "
+        "post-processing), **loads but serves different numbers** (an export tensor landed in no engine "
+        "parameter byte for byte, an engine parameter was never written, or a post-load scale differs "
+        "from the export's), **loads correctly** (none of these).",
+        "",
+        "## Verdicts: check vs engine",
+        "",
+        "| cell | " + " | ".join(f"{e}: check / engine" for e in engines) + " | trtllm: check (no engine run) |",
+        "|---|" + "---|" * (len(engines) + 1),
+    ]
+    disagree = []
+    for row in doc["cells"]:
+        cols = []
+        for e in engines:
+            seen = row["observed"].get(e, {}).get("verdict") or row["observed"].get(e, {}).get("outcome", "not run")
+            mark = {True: "", False: " **DISAGREE**", None: " (not observed)"}[row["agree"].get(e)]
+            cols.append(f"{row['check'][e]['verdict']} / {seen}{mark}")
+            if row["agree"].get(e) is False:
+                disagree.append((row["id"], e))
+        lines.append(f"| `{row['id']}` | " + " | ".join(cols) + f" | {row['check']['trtllm']['verdict']} |")
+    lines += ["", f"Disagreements: {len(disagree)}" + (": " + ", ".join(f"`{c}` ({e})" for c, e in disagree)
+                                                        if disagree else "."), ""]
+    lines += ["## Cells", ""]
+    for row in doc["cells"]:
+        lines += [f"### `{row['id']}`", "", f"{row['about']} (recipe `{row['recipe']}`, tiny `{row['tiny']}`).", ""]
+        for e in engines:
+            lines.append(f"- {e} {doc['engines'][e]}: {_cell_text(row, e)}")
+            first = row["check"][e].get("first")
+            lines.append(f"  - check: {row['check'][e]['verdict']}" + (f" ({first[:200]})" if first else ""))
+        lines.append("")
+    lines += ["## Stubs (the GPU-only pieces replaced on CPU)", ""]
+    for e in engines:
+        lines.append(f"{e}:")
+        lines.append("")
+        lines += [f"- `{s['name']}`: {s['why']}" for s in doc["stubs"][e]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def compare_runs(before: dict, after: dict, *, title: str) -> str:
+    """Markdown: the cells whose check verdict or engine observation differs between two matrix runs."""
+    old = {r["id"]: r for r in before["cells"]}
+    lines = [f"## {title}", "", "| cell | engine | check before -> after | engine before -> after |", "|---|---|---|---|"]
+    for row in after["cells"]:
+        prev = old.get(row["id"])
+        for e in after["engines"]:
+            if prev is None:
+                lines.append(f"| `{row['id']}` | {e} | (new cell) -> {row['check'][e]['verdict']} | "
+                             f"(new cell) -> {row['observed'][e].get('verdict')} |")
+                continue
+            c0, c1 = prev["check"][e]["verdict"], row["check"][e]["verdict"]
+            o0, o1 = prev["observed"].get(e, {}).get("verdict"), row["observed"][e].get("verdict")
+            if c0 != c1 or o0 != o1:
+                lines.append(f"| `{row['id']}` | {e} | {c0} -> {c1} | {o0} -> {o1} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,146 @@
+"""The engine-free parts of the conformance harness: what it calls landed, never written, a post-load
+scale mismatch, and the verdict it derives (``modelopt_k3.check.conformance``; the drivers' shared code
+``drivers/_common.py`` runs in the engine venvs but needs only torch)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelopt_k3.check import DIFFERENT, LOADS, REFUSES
+from modelopt_k3.check.conformance import matrix
+from modelopt_k3.check.conformance.run import export_fingerprint, observed_verdict
+
+sys.path.insert(0, str(Path(matrix.__file__).parent / "drivers"))
+import _common as C  # noqa: E402
+
+
+class Toy(torch.nn.Module):
+    """An 'engine' module: a fused [2 pieces] weight, a scale vector, and a parameter no loader fills."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16), requires_grad=False)
+        self.weight_scale_2 = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        self.orphan = torch.nn.Parameter(torch.full((5,), 7.0), requires_grad=False)
+
+
+def _ours() -> dict[str, torch.Tensor]:
+    return {"m.a.weight": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+            "m.b.weight": -torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+            "m.a.weight_scale_2": torch.tensor(0.5), "m.b.weight_scale_2": torch.tensor(0.5)}
+
+
+def _loader(model: Toy, ours: dict[str, torch.Tensor], *, skip_b: bool = False):
+    def load():
+        with torch.no_grad():
+            model.fused[:2] = ours["m.a.weight"]
+            if not skip_b:
+                model.fused[2:] = ours["m.b.weight"]
+            model.weight_scale_2[0] = ours["m.a.weight_scale_2"]
+            model.weight_scale_2[1] = ours["m.b.weight_scale_2"]
+    return load
+
+
+def test_every_tensor_landed_and_the_unfilled_parameter_is_found_and_restored():
+    model, ours = Toy(), _ours()
+    masks, land = C.load_with_sentinel(model, _loader(model, ours), ours)
+    summary = C.summarize(ours, land, masks)
+    assert summary["not_landed"] == [] and summary["landed_byte_equal"] == 4
+    assert land["m.b.weight"] == {"param": "fused", "offset": 6, "matches": 1}
+    assert summary["params_never_written"] == {"orphan": {"elements": 5, "of": 5}}
+    assert torch.equal(model.orphan, torch.full((5,), 7.0))  # its initial value, not a sentinel
+
+
+def test_a_tensor_the_loader_skips_is_not_landed_and_its_rows_are_never_written():
+    model, ours = Toy(), _ours()
+    masks, land = C.load_with_sentinel(model, _loader(model, ours, skip_b=True), ours)
+    summary = C.summarize(ours, land, masks)
+    assert summary["not_landed"] == ["m.b.weight"]
+    assert summary["params_never_written"]["fused"] == {"elements": 6, "of": 12}
+
+
+def test_a_one_byte_tensor_holding_the_sentinel_value_is_written_when_an_export_tensor_landed_there():
+    class Packed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.codes = torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.uint8), requires_grad=False)
+
+    ours = {"p.weight": torch.tensor([[C.SENTINEL, 1, 2, C.SENTINEL]], dtype=torch.uint8)}
+    model = Packed()
+
+    def load():
+        with torch.no_grad():
+            model.codes[0] = ours["p.weight"][0]
+
+    masks, land = C.load_with_sentinel(model, load, ours)
+    assert land["p.weight"]["param"] == "codes"
+    assert masks["codes"].tolist() == [False] * 4 + [True] * 4  # row 1 never written, row 0 all landed
+
+
+def test_values_found_in_another_form():
+    engine = {"l.A_log": torch.tensor([1.5, 2.5]), "l.o_norm.weight": torch.tensor([1.0234], dtype=torch.bfloat16),
+              "l.f.weight": torch.tensor([0.5], dtype=torch.float32)}
+    ours = {"l.A_log": torch.tensor([1.5, 2.5, 0.0, 0.0]), "l.o_norm.weight": torch.tensor([1.0208]),
+            "l.f.weight": torch.tensor([0.5], dtype=torch.bfloat16)}
+    land = C.landings(ours, engine)
+    assert land["l.A_log"]["prefix"] == 2
+    assert land["l.o_norm.weight"]["rounded_to"] == "torch.bfloat16" and land["l.o_norm.weight"]["max_rel"] > 1e-3
+    assert land["l.f.weight"]["cast_to"] == "torch.float32"
+    summary = C.summarize(ours, land, {})
+    assert summary["landed_byte_equal"] == 0 and not summary["not_landed"]
+
+
+def test_post_load_scales_against_the_exports():
+    ours = {**_ours(), "m.a.input_scale": torch.tensor(0.25), "m.b.input_scale": torch.tensor(0.25)}
+    pieces = {"m.fused": {"lin": [["m.a"], ["m.b"]]}}.get
+    good = {"m.fused": {"weight_global_scale": torch.tensor(0.5), "alpha": torch.tensor(0.125),
+                        "input_global_scale_inv": torch.tensor(4.0)}}
+    report = C.compare_scales(good, ours, pieces)
+    assert report["compared"] == 6 and report["mismatch_count"] == 0
+    ours["m.b.weight_scale_2"] = torch.tensor(1.0)  # the engine's one fused scale no longer fits b
+    report = C.compare_scales(good, ours, pieces)
+    bad = {(m["param"], m["index"]) for m in report["mismatches"]}
+    assert bad == {("m.fused.weight_global_scale", 1), ("m.fused.alpha", 1)}
+    assert report["max_rel"] == pytest.approx(0.5)
+
+
+def test_routed_expert_scales_per_expert_and_half():
+    ours = {}
+    for e in range(2):
+        for p, w in (("w1", 0.5), ("w3", 0.5 if e == 0 else 0.25), ("w2", 2.0)):
+            ours[f"x.{e}.{p}.weight_scale_2"] = torch.tensor(w)
+            ours[f"x.{e}.{p}.input_scale"] = torch.tensor(0.1)
+    pieces = {"x": {p: [[f"x.{e}.{p}"] for e in range(2)] for p in ("w1", "w3", "w2")}}.get
+    engine = {"x": {"w13_weight_scale_2": torch.tensor([0.5, 0.5]), "g2_alphas": torch.tensor([0.2, 0.2]),
+                    "w13_input_scale_quant": torch.tensor(10.0)}}
+    report = C.compare_scales(engine, ours, pieces)
+    assert [(m["param"], m["index"], m["half"]) for m in report["mismatches"]] == [("x.w13_weight_scale_2", 1, "w3")]
+    assert report["compared"] == 4 + 2 + 4
+
+
+def test_observed_verdicts():
+    ran = {"outcome": "ran", "load": {"not_landed": [], "params_never_written": {}}, "post_load": {"mismatches": []}}
+    assert observed_verdict(ran) == LOADS
+    assert observed_verdict({**ran, "load": {"not_landed": ["k"], "params_never_written": {}}}) == DIFFERENT
+    assert observed_verdict({**ran, "post_load": {"mismatches": [{"rel": 0.5}]}}) == DIFFERENT
+    assert observed_verdict({"outcome": "raised", "error": {"stage": "load_weights"}}) == REFUSES
+    assert observed_verdict({"outcome": "raised", "error": {"stage": "import"}}) is None
+    cuda_op = {"stage": "post_process", "type": "NotImplementedError",
+               "message": "Could not run '_C::static_scaled_fp8_quant' with arguments from the 'CPU' backend"}
+    assert observed_verdict({"outcome": "raised", "error": cuda_op}) is None  # the CPU's answer, not the engine's
+    assert observed_verdict({"outcome": "driver timed out"}) is None
+
+
+def test_broken_copies_leave_their_source_unchanged(tmp_path: Path, tiny_ckpt: Path):
+    from modelopt_k3 import convert_checkpoint
+
+    src = convert_checkpoint(tiny_ckpt, tmp_path / "src", matrix.CONVERTER_DEFAULT, progress=False).dst
+    before = export_fingerprint(src)
+    out = matrix.EDITS["w3_scale"](src, tmp_path / "w3")
+    key = f"{matrix.LM}.layers.1.block_sparse_moe.experts.2.w3.weight_scale_2"
+    assert float(matrix._read(out, key)) == 2 * float(matrix._read(src, key))
+    assert export_fingerprint(src) == before
