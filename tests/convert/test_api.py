@@ -168,6 +168,7 @@ def test_report(converted, ckpt: Path):
     assert report.total.to_dict() == s.to_dict()
     text = report.summary()
     assert "18432 lossless" in text and "FP8_PB_WO" in text and "copied" in text
+    assert s.shards == n_shards and f"({n_shards} shards)" in text
     # Output shards mirror the source shards one to one.
     assert sorted(set(_weight_map(out).values())) == sorted(set(_weight_map(ckpt).values()))
     assert (out / COMPLETE_MARKER).is_file()
