@@ -229,3 +229,39 @@ def test_export_format_says_what_it_cannot_hold():
     assert COMPRESSED_TENSORS.unexpressible({"NVFP4"}, None) is None
     assert "FP8_PB_WO" in COMPRESSED_TENSORS.unexpressible({"NVFP4", "FP8_PB_WO"}, None)
     assert "kv_cache=fp8" in COMPRESSED_TENSORS.unexpressible({"NVFP4"}, KV_CACHE_FORMATS["fp8"])
+
+
+# compressed-tensors preset schemes -> our formats: (weights, inputs); "-" where the preset has none.
+CT_PRESETS = {
+    "NVFP4": ("nvfp4", "nvfp4"), "NVFP4A16": ("nvfp4", "-"), "FP8": ("fp8", "fp8"), "FP8_BLOCK": ("fp8_pb", None),
+    "FP8_DYNAMIC": (None, None), "MXFP4": (None, None), "MXFP8": (None, None), "W4A16": (None, "-"),
+    "W8A8": (None, None), "UNQUANTIZED": ("-", "-"),
+}
+# A field changed to a value each format's rule must refuse (compressed-tensors QuantizationArgs fields).
+CT_CHANGES = {
+    "nvfp4": {"type": "int", "num_bits": 8, "strategy": "group", "group_size": 32},
+    "fp8": {"type": "int", "num_bits": 4, "strategy": "channel", "dynamic": True},
+    "fp8_pb": {"type": "int", "num_bits": 4, "strategy": "channel", "block_structure": [64, 128]},
+}
+
+
+def _ct_format(args, role: str) -> str | None:
+    if args is None:
+        return "-"
+    fmt = formats.format_for_ct_args(args, role)
+    return fmt.name if fmt is not None else None
+
+
+def test_compressed_tensors_presets_map_to_the_formats_whose_every_field_they_have():
+    """A compressed-tensors scheme names our format only when all of that format's fields agree: each
+    matching preset stops matching when any one of them changes (and block FP8 is weights-only)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    for preset, want in CT_PRESETS.items():
+        scheme = preset_name_to_scheme(preset, ["Linear"])
+        got = (_ct_format(scheme.weights, "weights"), _ct_format(scheme.input_activations, "inputs"))
+        assert got == want, preset
+        for args, role, name in ((scheme.weights, "weights", want[0]), (scheme.input_activations, "inputs", want[1])):
+            for field, value in CT_CHANGES.get(name, {}).items():
+                assert _ct_format(args.model_copy(update={field: value}), role) is None, (preset, role, field)
+    assert _ct_format(preset_name_to_scheme("FP8_BLOCK", ["Linear"]).weights, "inputs") is None

@@ -4,7 +4,9 @@ The directory looks like the real one: config.json with auto_map and the real-st
 quantization_config inside text_config, the remote code, a tokenizer, sharded safetensors with an
 index, routed experts stored only as MXFP4 `weight_packed`/`weight_scale`, F32 tensors where the
 real checkpoint has them, and `A_log` stored `[head_dim]` zero-padded although the code declares
-`[num_heads]`. Weights are deterministic in `seed` and in each tensor's name.
+`[num_heads]`. Weights are deterministic in `seed` and in each tensor's name. In every MoE layer one
+expert's w3 and another's w1 have a larger top E8M0 exponent than their partner (`raised_gate_up_expert`),
+so a shared w1/w3 scale taken from one projection alone gives a different answer.
 
 The remote code comes in two variants (`remote_code=`): "hub" (default), the transformers-4-era API calls
 the hub's files make, which break on transformers 5.x without our shims; and "transformers5", the same
@@ -18,6 +20,7 @@ import copy
 import hashlib
 import json
 import math
+import re
 import shutil
 import zlib
 from collections.abc import Iterator
@@ -344,9 +347,13 @@ def _dense_value(name: str, shape: tuple[int, ...], gen: torch.Generator, num_kd
 
 
 def _mxfp4_expert_weight(
-    out_features: int, in_features: int, gen: torch.Generator
+    out_features: int, in_features: int, gen: torch.Generator, raised: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Random packed E2M1 codes + E8M0 exponents whose decoded values have std ~ 1/sqrt(in)."""
+    """Random packed E2M1 codes + E8M0 exponents whose decoded values have std ~ 1/sqrt(in).
+
+    ``raised``: the first block's exponent is base + 2, one above what the jitter reaches
+    (``raised_gate_up_expert``); the random draws are the same either way.
+    """
     if in_features % MXFP4_GROUP:
         raise ValueError(f"expert in_features {in_features} must be a multiple of {MXFP4_GROUP}")
     packed = torch.randint(0, 256, (out_features, in_features // 2), generator=gen, dtype=torch.uint8)
@@ -357,12 +364,37 @@ def _mxfp4_expert_weight(
     # E2M1 codes drawn uniformly have RMS ~2.9: scale by 2^-e with 2^e ~ 2.9*sqrt(in), jitter +-1.
     base = 127 - round(math.log2(2.9 * math.sqrt(in_features)))
     jitter = torch.randint(-1, 2, (out_features, in_features // MXFP4_GROUP), generator=gen)
+    if raised:
+        jitter.view(-1)[0] = 2
     scale = (base + jitter).to(torch.uint8)
     return {"weight_packed": packed, "weight_scale": scale}
 
 
+_GATE_UP_RE = re.compile(r"\.layers\.(?P<layer>\d+)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<proj>w[13])\.weight$")
+
+
+def raised_gate_up_expert(layer: int, num_experts: int) -> dict[str, int]:
+    """Per MoE layer, the expert whose w3 (``"w3"``) and the one whose w1 (``"w1"``, when there are two
+    experts or more) hold one E8M0 exponent above the jitter range of ``_mxfp4_expert_weight``.
+
+    Why: with jitter alone w1 and w3 of every expert share their largest exponent, so nothing could tell
+    an expert's shared ``weight_scale_2`` (the max over w1 and w3) from w1's or w3's own. These experts
+    make the max come from w3 in one and from w1 in another, in every layer.
+    """
+    raised = {"w3": layer % num_experts}
+    if num_experts > 1:
+        raised["w1"] = (layer + num_experts // 2) % num_experts
+    return raised
+
+
+def _raised(name: str, num_experts: int) -> bool:
+    """Whether routed-expert parameter ``name`` is one ``raised_gate_up_expert`` picks."""
+    m = _GATE_UP_RE.search(name)
+    return m is not None and raised_gate_up_expert(int(m["layer"]), num_experts).get(m["proj"]) == int(m["e"])
+
+
 def _checkpoint_tensors(
-    model: Any, seed: int, num_kda_heads: int, linear_head_dim: int
+    model: Any, seed: int, num_kda_heads: int, linear_head_dim: int, num_experts: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) in module-tree order; routed experts as weight_packed/weight_scale pairs.
 
@@ -375,7 +407,8 @@ def _checkpoint_tensors(
             if not name.endswith(".weight"):
                 raise AssertionError(f"unexpected routed-expert parameter {name}")
             prefix = name[: -len(".weight")]
-            for suffix, tensor in _mxfp4_expert_weight(shape[0], shape[1], gen).items():
+            mx = _mxfp4_expert_weight(shape[0], shape[1], gen, raised=_raised(name, num_experts))
+            for suffix, tensor in mx.items():
                 yield f"{prefix}.{suffix}", tensor
             continue
         value = _dense_value(name, shape, gen, num_kda_heads)
@@ -494,7 +527,7 @@ def make_tiny_kimi_k3(
     model, module_types = _build_meta_model(config)
     text_cfg["quantization_config"] = mxfp4_quantization_config(_ignore_list(module_types))
 
-    tensors = list(_checkpoint_tensors(model, seed, s["linear_num_heads"], s["linear_head_dim"]))
+    tensors = list(_checkpoint_tensors(model, seed, s["linear_num_heads"], s["linear_head_dim"], s["num_experts"]))
     index = _write_shards(tensors, path, max_shard_size)
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -169,6 +169,7 @@ def test_report(converted, ckpt: Path):
     assert report.total.to_dict() == s.to_dict()
     text = report.summary()
     assert "18432 lossless" in text and "FP8_PB_WO" in text and "copied" in text
+    assert s.shards == n_shards and f"({n_shards} shards)" in text
     # Output shards mirror the source shards one to one.
     assert sorted(set(_weight_map(out).values())) == sorted(set(_weight_map(ckpt).values()))
     assert (out / COMPLETE_MARKER).is_file()
@@ -219,6 +220,27 @@ def test_lossless_experts_decode_to_the_mxfp4_source(converted, ckpt: Path):
         if m.endswith(".w1"):
             w3 = m[:-1] + "3"
             assert _same_bytes(mine[f"{m}.weight_scale_2"], mine[f"{w3}.weight_scale_2"]), m
+
+
+def test_expert_global_scale_is_the_max_over_w1_and_w3_in_both_paths(converted, model_export: Path, ckpt: Path):
+    """w1 and w3 of an expert get ``weight_scale_2 = 2**(e - 127 - 8)``, ``e`` the largest E8M0 exponent over
+    *both* (FORMATS.md); the fixture has experts whose largest is w3's and others whose is w1's, so neither
+    projection's own exponent gives the right answer for every expert."""
+    src = _read_all(ckpt)
+    want, top_from = {}, set()
+    for key in src:
+        if ".block_sparse_moe.experts." in key and key.endswith(".w1.weight_scale"):
+            w1 = key[: -len(".weight_scale")]
+            w3 = w1[:-1] + "3"
+            e1, e3 = int(src[f"{w1}.weight_scale"].max()), int(src[f"{w3}.weight_scale"].max())
+            top_from.add("w1" if e1 > e3 else "w3" if e3 > e1 else "both")
+            want[w1] = want[w3] = 2.0 ** (max(e1, e3) - 127 - 8)
+    assert top_from == {"w1", "w3", "both"} and len(want) == 48
+    for out in (converted[0], model_export):
+        mine = _read_all(out)
+        for module, scale in want.items():
+            got = mine[f"{module}.weight_scale_2"]
+            assert got.dtype == torch.float32 and got.shape == () and got.item() == scale, (out.name, module)
 
 
 def test_requantized_blocks_are_counted_and_the_rest_stay_exact(ckpt: Path, recipe, tmp_path: Path):

@@ -33,6 +33,24 @@ def test_plan_and_spec_errors_are_value_errors_with_numbers_and_fix() -> None:
                     ep_degree=3)
 
 
+@pytest.mark.parametrize(("num_experts", "ep_size"), [(8, 1), (8, 2), (8, 4), (12, 3)])
+def test_expert_blocks_partition_the_experts_and_owner_inverts_them(num_experts: int, ep_size: int) -> None:
+    """Rank r holds one contiguous block, the blocks cover every expert once in rank order, and ``owner``
+    (what the token exchange routes by, on ints and id tensors) names the rank whose block holds an expert."""
+    placements = [ExpertPlacement(num_experts, ep_size=ep_size, ep_rank=r) for r in range(ep_size)]
+    blocks = [p.local for p in placements]
+    assert [e for block in blocks for e in block] == list(range(num_experts))
+    assert all(len(block) == num_experts // ep_size for block in blocks)
+    for rank, p in enumerate(placements):
+        assert [p.owner(e) for e in range(num_experts)] == [r for r, b in enumerate(blocks) for _ in b]
+        ids = torch.arange(num_experts)
+        assert torch.equal(p.owner(ids), torch.tensor([r for r, b in enumerate(blocks) for _ in b]))
+        assert p.global_ids(range(1, 2)) == range(blocks[rank].start + 1, blocks[rank].start + 2)
+    with pytest.raises(PlanError, match="outside the group"):
+        ExpertPlacement(num_experts, ep_size=ep_size, ep_rank=ep_size)
+    assert ExpertPlacement(num_experts, ep_size=ep_size, ep_rank=0).ep_rank == 0  # rank 0 is inside
+
+
 def test_plan_builds_the_expert_placement_once() -> None:
     kw = dict(spec=KIMI_K3_SPEC, num_experts=8, world_size=4, device=CPU, ep_degree=2)
     # World 4, EP degree 2: two replicas of a 2-rank EP group; replica 0 (ranks 0, 1) writes the experts.

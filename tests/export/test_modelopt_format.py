@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 
 from modelopt_k3.export.modelopt_format import (
     config_quantization_config,
     hf_quant_config,
+    summarize_exclusions,
 )
 from modelopt_k3.formats import KV_FP8, NVFP4_TENSOR, TENSOR_FORMATS, tensor_format
 
@@ -66,3 +69,19 @@ def test_nvfp4_weight_scale_2_is_the_given_scalar():
     t = NVFP4_TENSOR.weight_tensors(w, gs)
     assert t["weight_scale_2"].shape == () and t["weight_scale_2"].dtype == torch.float32
     assert torch.equal(t["weight_scale_2"], gs.float())
+
+
+def test_exclusions_of_a_layer_never_cover_a_quantized_layer_it_is_a_string_prefix_of():
+    """``layers.1`` kept BF16 beside a quantized ``layers.10``: its wildcard must be ``layers.1.*``, since
+    ``layers.1*`` also matches ``layers.10`` (engines match ``exclude_modules`` with fnmatch); the other way
+    round ``layers.10*`` is the shortest wildcard, as nothing quantized starts with ``layers.10``."""
+    lm = "language_model.model.layers"
+    quantized = [f"{lm}.10.mlp.down_proj", f"{lm}.10.self_attn.q_proj", f"{lm}.2.mlp.up_proj"]
+    unquantized = [f"{lm}.1.mlp.down_proj", f"{lm}.1.self_attn.q_proj", f"{lm}.2.mlp.down_proj"]
+    got = summarize_exclusions(unquantized, quantized)
+    assert got == [f"{lm}.1.*", f"{lm}.2.mlp.down_proj"]
+    assert summarize_exclusions(quantized[:2], unquantized[:2]) == [f"{lm}.10*"]
+    for name in quantized:
+        assert not [p for p in got if fnmatch.fnmatchcase(name, p)], name
+    for name in unquantized:
+        assert [p for p in got if fnmatch.fnmatchcase(name, p)], name

@@ -15,7 +15,7 @@ from modelopt_k3.models.kimi_k3.fla_cpu import fla_reference
 from modelopt_k3.models.kimi_k3.shims import apply_import_shims
 from modelopt_k3.testing import TINY_DEFAULTS, make_tiny_kimi_k3
 from modelopt_k3.testing.reference import load_reference_model, read_checkpoint, reference_logits
-from modelopt_k3.testing.tiny import REMOTE_CODE_DIR
+from modelopt_k3.testing.tiny import REMOTE_CODE_DIR, raised_gate_up_expert
 
 apply_import_shims(REMOTE_CODE_DIR)  # the stand-in imports fla-core's kernels, as the real code does
 from modelopt_k3.testing.remote_code import modeling_kimi_linear as mkl  # noqa: E402
@@ -211,6 +211,21 @@ def test_routed_experts_are_mxfp4_packed(tensors: dict[str, torch.Tensor]) -> No
             assert int(t.min()) >= 115 and int(t.max()) <= 127
     assert nibbles == set(range(16))
     assert not any(".experts." in k and k.endswith(".weight") for k in tensors)
+
+
+def test_every_moe_layer_has_gate_up_pairs_whose_largest_exponents_differ(tensors) -> None:
+    """Data that can tell an expert's shared w1/w3 global scale (the max over both) from w1's or w3's own:
+    per MoE layer, one expert whose largest E8M0 exponent is w3's and one whose is w1's, the rest equal."""
+    s = TINY_DEFAULTS
+    for layer in range(s["first_k_dense_replace"], s["num_hidden_layers"]):
+        top = {
+            (e, p): int(tensors[f"{TEXT_PREFIX}{layer}.block_sparse_moe.experts.{e}.{p}.weight_scale"].max())
+            for e in range(s["num_experts"]) for p in ("w1", "w3")
+        }
+        w3_larger = [e for e in range(s["num_experts"]) if top[e, "w3"] > top[e, "w1"]]
+        w1_larger = [e for e in range(s["num_experts"]) if top[e, "w1"] > top[e, "w3"]]
+        assert len(w3_larger) == 1 and len(w1_larger) == 1, (layer, top)
+        assert raised_gate_up_expert(layer, s["num_experts"]) == {"w3": w3_larger[0], "w1": w1_larger[0]}
 
 
 def test_dtypes_f32_where_the_real_checkpoint_has_them(tensors: dict[str, torch.Tensor]) -> None:

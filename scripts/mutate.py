@@ -1,0 +1,465 @@
+"""Mutation testing: put one small bug into the package at a time and see whether its tests notice.
+
+Two kinds of mutant over numerics, formats, placement, export, convert and check (``AREAS``):
+
+* **curated** (``CURATED``): plausible single bugs written by hand (a wrong operand, a regex that stops
+  matching, a staging file skipped), the six of issue 23 among them;
+* **operator**: generated from each module's syntax tree (``operator_mutants``): a comparison flipped
+  (``<`` / ``<=``, ``==`` / ``!=``, ``in`` / ``not in``), an arithmetic or bitwise operator swapped, ``and`` /
+  ``or`` swapped, a ``not`` dropped, an integer constant off by one, ``max``/``min`` (``amax``/``amin``)
+  swapped. Code that only builds error messages (``raise`` arguments, f-strings, logging calls) and type
+  annotations are left alone. ``--sample N`` draws N per area with ``--seed``, deterministically.
+
+Each mutant runs only the tests its module maps to (``AREAS``: a few files, ``-x``, a per-mutant
+timeout), in a private copy of the tree (the worktree is never edited), so a run fits on 2 shared cores.
+A mutant is *killed* when those tests fail or time out, *survived* when they pass. ``EQUIVALENT`` lists
+surviving mutants that change no observable behaviour, each with the reason; the recorded kill rate is
+killed / (mutants - equivalent). ``--record`` rewrites the generated part of docs/MUTATION.md::
+
+    python scripts/mutate.py --list --sample 10             # what would run
+    python scripts/mutate.py --only issue23:shard-scale     # one mutant (see red)
+    python scripts/mutate.py --curated --sample 10 --record docs/MUTATION.md
+
+Exit code 0 when every non-equivalent mutant was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import fnmatch
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COPIED = ("modelopt_k3", "tests", "recipes", "pyproject.toml")  # what the tests need (recipes: data files)
+PYTEST = ["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore"]
+
+
+@dataclass(frozen=True)
+class Area:
+    """Modules (globs relative to the repo) and the tests that cover them (pytest args, marker filter)."""
+
+    modules: tuple[str, ...]
+    tests: tuple[str, ...]
+    markers: str = "not multiprocess"
+
+
+# Each area's tests are the ones written against its modules; slower whole-model tests only where they are
+# the only check (the engine check's numerics, the converter's equality with the model path).
+AREAS: dict[str, Area] = {
+    "numerics": Area(
+        ("modelopt_k3/numerics/*.py",),
+        ("tests/numerics/test_numerics.py", "tests/numerics/test_finite.py", "tests/test_formats.py")),
+    "formats": Area(
+        ("modelopt_k3/formats.py", "modelopt_k3/export/formats.py"),
+        ("tests/test_formats.py", "tests/export/test_modelopt_format.py", "tests/quant/test_decisions.py")),
+    "placement": Area(
+        ("modelopt_k3/dist/placement.py",),
+        ("tests/dist/test_placement.py",)),
+    "export": Area(
+        ("modelopt_k3/export/modelopt_format.py", "modelopt_k3/export/writer.py", "modelopt_k3/export/staging.py"),
+        ("tests/export/test_modelopt_format.py", "tests/export/test_writer.py", "tests/quant/test_decisions.py",
+         "tests/test_formats.py")),
+    "convert": Area(
+        ("modelopt_k3/convert/shard.py", "modelopt_k3/convert/jobs.py", "modelopt_k3/convert/plan.py"),
+        ("tests/convert/test_api.py", "tests/faults/test_faults_kill_convert.py"),
+        ),
+    "check": Area(
+        ("modelopt_k3/check/engines/base.py", "modelopt_k3/check/engines/vllm.py",
+         "modelopt_k3/check/engines/sglang.py"),
+        ("tests/check/test_fused_rules.py", "tests/check/test_engines.py")),
+}
+# Modules whose tests are not their area's: these run instead (the staging sweep is tested with the faults).
+MODULE_TESTS: dict[str, tuple[str, ...]] = {
+    "modelopt_k3/export/staging.py": (
+        "tests/faults/test_faults_destination.py::test_sweep_removes_only_what_dead_runs_left",
+        "tests/faults/test_faults_destination.py::test_sweep_puts_back_an_old_export_a_dead_run_moved_aside",
+        "tests/export/test_writer.py"),
+}
+# Modules outside the areas that a curated mutant touches, and their tests.
+EXTRA_TESTS: dict[str, Area] = {
+    "modelopt_k3/quant/mxfp4_source.py": Area(("modelopt_k3/quant/mxfp4_source.py",),
+                                              ("tests/convert/test_api.py",)),
+    "modelopt_k3/models/kimi_k3/serving.py": Area(("modelopt_k3/models/kimi_k3/serving.py",),
+                                                  ("tests/check/test_fused_rules.py", "tests/check/test_engines.py")),
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    path: str  # relative to the repo
+    old: str  # exact text replaced (once)
+    new: str
+    note: str = ""
+    start: int = -1  # character offset of ``old`` (-1: its only occurrence)
+
+    def apply(self, text: str) -> str:
+        at = self.start
+        if at < 0:
+            if text.count(self.old) != 1:
+                raise ValueError(f"{self.id}: {self.old!r} is not in {self.path} exactly once")
+            at = text.index(self.old)
+        elif text[at : at + len(self.old)] != self.old:
+            raise ValueError(f"{self.id}: {self.path} changed at offset {at}")
+        return text[:at] + self.new + text[at + len(self.old) :]
+
+
+CURATED: tuple[Mutant, ...] = (
+    Mutant("issue23:shard-scale", "modelopt_k3/convert/shard.py",
+           "shared_global_scale_for(*(self._read(m.sources[1]) for m in members))",
+           "shared_global_scale_for(self._read(job.sources[1]))",
+           "converter: an expert's weight_scale_2 from its own scales, not the max over w1 and w3"),
+    Mutant("issue23:source-w1-only", "modelopt_k3/quant/mxfp4_source.py",
+           "for p in self._projections(fused_param))))",
+           "for p in self._projections(fused_param)[:1])))",
+           "model path: the fused w1/w3 global scale from w1 alone"),
+    Mutant("issue23:exclude-dot", "modelopt_k3/export/modelopt_format.py",
+           'choice = head + ".*"', 'choice = head + "*"',
+           "exclude_modules: `a.b*` where `a.b.*` is needed (covers a quantized `a.b0`)"),
+    Mutant("issue23:fused-input-scale", "modelopt_k3/check/engines/base.py",
+           "        if any(s != top for s in inputs):\n            out.append(Deviation(",
+           "        if False:\n            out.append(Deviation(",
+           "engine check: different input_scales inside one fused group not flagged"),
+    Mutant("issue23:vllm-kda-keep", "modelopt_k3/models/kimi_k3/serving.py",
+           r'(r"\.self_attn\.in_proj_qkvgfab$",', r'(r"\.self_attn\.in_proj_qkvgfa$",',
+           "vLLM's BF16 keep-list no longer matches in_proj_qkvgfab"),
+    Mutant("issue23:no-staging", "modelopt_k3/convert/shard.py",
+           'PlannedShard(dst / f".{file}.partial", plan.outputs(file))', "PlannedShard(dst / file, plan.outputs(file))",
+           "converter writes straight to the final shard name (the rename a no-op)"),
+)
+
+# Surviving mutants that change no observable behaviour: id -> why.
+EQUIVALENT: dict[str, str] = {
+    "modelopt_k3/export/writer.py::<module>::int+1#7":
+        "DEFAULT_SPILL_BYTES 64 -> 128 MiB: only when buffered tensors move to the spill file, not what the "
+        "shard holds (test_writer checks spilled and buffered shards are byte-identical)",
+    "modelopt_k3/convert/shard.py::_ShardConverter._shared_scale::IsNot->Is#1":
+        "the job's own weight is decoded again instead of reused: the same bytes, so the same amax and scale "
+        "(every caller on this branch passes the weight; only an extra read)",
+}
+
+_SWAP = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
+    ast.Mod: ast.FloorDiv, ast.LShift: ast.RShift, ast.RShift: ast.LShift, ast.BitAnd: ast.BitOr,
+    ast.BitOr: ast.BitAnd, ast.BitXor: ast.BitOr, ast.Pow: ast.Mult, ast.And: ast.Or, ast.Or: ast.And,
+}
+_NAME_SWAP = {"max": "min", "min": "max", "amax": "amin", "amin": "amax", "maximum": "minimum",
+              "minimum": "maximum", "any": "all", "all": "any"}
+_QUIET_CALLS = {"debug", "info", "warning", "warn", "error", "exception", "say", "print", "log"}
+
+
+def _skipped_subtrees(tree: ast.AST) -> set[int]:
+    """ids of nodes whose mutation only changes a message, an annotation or a docstring."""
+    skip: set[int] = set()
+
+    def mark(node: ast.AST | None) -> None:
+        if node is not None:
+            skip.update(id(n) for n in ast.walk(node))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise):
+            mark(node.exc)
+        elif isinstance(node, ast.JoinedStr):
+            mark(node)
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in _QUIET_CALLS:
+                mark(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            mark(node.returns)
+            for a in [*node.args.args, *node.args.kwonlyargs, *node.args.posonlyargs, node.args.vararg,
+                      node.args.kwarg]:
+                if a is not None:
+                    mark(a.annotation)
+        elif isinstance(node, ast.AnnAssign):
+            mark(node.annotation)
+        elif isinstance(node, ast.Assert):
+            mark(node.msg)
+    return skip
+
+
+def _scopes(tree: ast.AST) -> dict[int, str]:
+    """node id -> qualified name of the innermost def/class holding it ("<module>" at top level)."""
+    out: dict[int, str] = {}
+
+    def visit(node: ast.AST, scope: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = scope
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = child.name if scope == "<module>" else f"{scope}.{child.name}"
+            out[id(child)] = inner
+            visit(child, inner)
+
+    visit(tree, "<module>")
+    return out
+
+
+def _offsets(text: str) -> list[int]:
+    starts, total = [], 0
+    for line in text.splitlines(keepends=True):
+        starts.append(total)
+        total += len(line)
+    return starts
+
+
+def _is_path_join(node: ast.BinOp) -> bool:
+    """``a / "name"`` or ``a / f"..."``: a Path join (``*`` there is a TypeError at once, not a test of anything)."""
+    return isinstance(node.op, ast.Div) and any(
+        isinstance(x, ast.JoinedStr) or (isinstance(x, ast.Constant) and isinstance(x.value, str))
+        for x in (node.left, node.right))
+
+
+def operator_mutants(path: str) -> list[Mutant]:
+    """Every operator mutant of one module; ids are ``path::scope::kind#n`` (stable under edits elsewhere)."""
+    text = (REPO / path).read_text()
+    tree = ast.parse(text)
+    skip, scopes, starts = _skipped_subtrees(tree), _scopes(tree), _offsets(text)
+    counters: dict[tuple[str, str], int] = {}
+    out: list[Mutant] = []
+
+    def add(node: ast.AST, kind: str, new_node: ast.AST) -> None:
+        scope = scopes.get(id(node), "<module>")
+        n = counters[scope, kind] = counters.get((scope, kind), 0) + 1
+        a = starts[node.lineno - 1] + node.col_offset
+        b = starts[node.end_lineno - 1] + node.end_col_offset
+        old = text[a:b]
+        new = ast.unparse(new_node)
+        if isinstance(new_node, ast.expr) and not isinstance(new_node, (ast.Name, ast.Constant, ast.Attribute)):
+            new = f"({new})"
+        shown = " ".join(f"`{old}` -> `{new}`".split()).replace("|", "\\|")
+        note = f"line {node.lineno}: {shown if len(shown) <= 90 else shown[:87] + '...'}"
+        out.append(Mutant(f"{path}::{scope}::{kind}#{n}", path, old, new, note, a))
+
+    def copy(node: ast.AST) -> ast.AST:
+        return ast.parse(ast.unparse(node), mode="eval").body
+
+    for node in ast.walk(tree):
+        if id(node) in skip or not hasattr(node, "lineno"):
+            continue
+        if isinstance(node, ast.Compare):
+            for i, op in enumerate(node.ops):
+                if type(op) in _SWAP:
+                    m = copy(node)
+                    m.ops[i] = _SWAP[type(op)]()
+                    add(node, f"{type(op).__name__}->{_SWAP[type(op)].__name__}", m)
+        elif (isinstance(node, ast.BinOp) and type(node.op) in _SWAP and not _is_path_join(node)
+              or isinstance(node, ast.BoolOp)):
+            m = copy(node)
+            m.op = _SWAP[type(node.op)]()
+            add(node, f"{type(node.op).__name__}->{type(m.op).__name__}", m)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            add(node, "drop-not", copy(node.operand))
+        elif (isinstance(node, ast.Constant) and type(node.value) is int and not isinstance(node.value, bool)):
+            add(node, "int+1", ast.Constant(node.value + 1))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in _NAME_SWAP:
+                m = copy(node)
+                if isinstance(m.func, ast.Attribute):
+                    m.func.attr = _NAME_SWAP[name]
+                else:
+                    m.func.id = _NAME_SWAP[name]
+                add(node, f"{name}->{_NAME_SWAP[name]}", m)
+    return out
+
+
+def area_of(path: str) -> tuple[str, Area]:
+    for name, area in AREAS.items():
+        if any(fnmatch.fnmatch(path, g) for g in area.modules):
+            return name, Area(area.modules, MODULE_TESTS[path], area.markers) if path in MODULE_TESTS else area
+    if path in EXTRA_TESTS:
+        return "other", EXTRA_TESTS[path]
+    raise KeyError(f"{path} is in no area")
+
+
+def area_modules(area: Area) -> list[str]:
+    found = sorted({str(p.relative_to(REPO)) for g in area.modules for p in REPO.glob(g)})
+    return [p for p in found if not p.endswith("__init__.py")]
+
+
+def select(curated: bool, sample: int, seed: int, only: list[str], areas: list[str]) -> list[Mutant]:
+    chosen: list[Mutant] = []
+    for name in areas or list(AREAS):
+        if sample:
+            pool = [m for p in area_modules(AREAS[name]) for m in operator_mutants(p)]
+            chosen += random.Random(f"{seed}:{name}").sample(pool, min(sample, len(pool)))
+    chosen += CURATED if curated else ()
+    if only:
+        every = {m.id: m for m in CURATED}
+        for area in AREAS.values():
+            every.update((m.id, m) for p in area_modules(area) for m in operator_mutants(p))
+        missing = [i for i in only if i not in every]
+        if missing:
+            raise SystemExit(f"unknown mutant id(s): {missing}")
+        chosen += [every[i] for i in only if every[i] not in chosen]
+    return chosen
+
+
+@dataclass
+class Result:
+    id: str
+    area: str
+    outcome: str  # killed | timeout | survived | broken (did not apply)
+    seconds: float
+    note: str = ""
+    tail: list[str] = field(default_factory=list)
+
+
+def run_one(m: Mutant, tree: Path, timeout: float, tests: list[str] | None = None) -> Result:
+    area_name, area = area_of(m.path)
+    if tests:
+        area = Area(area.modules, tuple(tests), markers="")
+    target = tree / m.path
+    original = target.read_text()
+    try:
+        mutated = m.apply(original)
+        compile(mutated, m.path, "exec")
+    except (ValueError, SyntaxError) as e:
+        return Result(m.id, area_name, "broken", 0.0, str(e))
+    target.write_text(mutated)
+    args = [sys.executable, "-m", "pytest", *PYTEST, *area.tests]
+    if area.markers:
+        args += ["-m", area.markers]
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    # Its own session: on a timeout (or when this script is stopped) the whole group goes, torchrun ranks too.
+    proc = subprocess.Popen(args, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        outcome = "survived" if proc.returncode == 0 else "killed"
+        lines = out.strip().splitlines()
+        tail = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:1] or lines[-3:]
+    except subprocess.TimeoutExpired:
+        outcome, tail = "timeout", []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        target.write_text(original)
+    return Result(m.id, area_name, outcome, round(time.monotonic() - start, 1), m.note, tail)
+
+
+def _copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for name in COPIED:
+        src = REPO / name
+        (shutil.copytree(src, dst / name, ignore=ignore) if src.is_dir() else shutil.copy2(src, dst / name))
+
+
+BEGIN, END = "<!-- mutate.py: generated results begin -->", "<!-- mutate.py: generated results end -->"
+
+
+def summary(results: list[Result], runs: list[str]) -> str:
+    counted = [r for r in results if r.outcome != "broken"]
+    equivalent = [r for r in counted if r.outcome == "survived" and r.id in EQUIVALENT]
+    killed = [r for r in counted if r.outcome in ("killed", "timeout")]
+    denominator = len(counted) - len(equivalent)
+    rate = 100.0 * len(killed) / denominator if denominator else 0.0
+    lines = [BEGIN, "", "Runs (later ones replace the results of the mutants they ran again):", "",
+             *(f"- `{run}`" for run in runs), "",
+             f"**Kill rate {rate:.1f}%**: {len(killed)} killed ({sum(r.outcome == 'timeout' for r in killed)} by "
+             f"timeout) of {denominator} mutants; {len(equivalent)} equivalent (not counted); "
+             f"{len(results) - len(counted)} did not apply.", "",
+             "| area | mutants | killed | survived | equivalent |", "|---|---|---|---|---|"]
+    for area in sorted({r.area for r in counted}):
+        rs = [r for r in counted if r.area == area]
+        lines.append(f"| {area} | {len(rs)} | {sum(r.outcome in ('killed', 'timeout') for r in rs)} | "
+                     f"{sum(r.outcome == 'survived' and r.id not in EQUIVALENT for r in rs)} | "
+                     f"{sum(r.outcome == 'survived' and r.id in EQUIVALENT for r in rs)} |")
+    lines += ["", "| mutant | where | outcome | seconds |", "|---|---|---|---|"]
+    for r in results:
+        outcome = f"equivalent: {EQUIVALENT[r.id]}" if r.outcome == "survived" and r.id in EQUIVALENT else r.outcome
+        failed = [t.split(" - ")[0].split()[1] for t in r.tail if t.startswith(("FAILED ", "ERROR "))]
+        if r.outcome == "killed" and failed:
+            outcome += f" by `{failed[0]}`"
+        lines.append(f"| `{r.id}` | {r.note} | {outcome} | {r.seconds} |")
+    return "\n".join([*lines, "", END])
+
+
+def record(doc: Path, text: str) -> None:
+    old = doc.read_text() if doc.exists() else f"# Mutation testing\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in old:
+        old = f"{old.rstrip()}\n\n{BEGIN}\n{END}\n"
+    head, _, rest = old.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    doc.write_text(head + text + tail)
+
+
+def _stop(signum: int, frame) -> None:
+    raise KeyboardInterrupt  # unwinds: the running tests are killed, the private tree removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--curated", action="store_true", help="run the hand-written mutants (CURATED)")
+    ap.add_argument("--sample", type=int, default=0, help="operator mutants drawn per area")
+    ap.add_argument("--seed", type=int, default=23)
+    ap.add_argument("--areas", nargs="*", default=[], choices=list(AREAS), help="sample only these areas")
+    ap.add_argument("--only", nargs="*", default=[], help="mutant ids to run")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant (a timeout counts as killed)")
+    ap.add_argument("--tests", nargs="*", default=[], help="run these tests (pytest node ids) instead of the area's")
+    ap.add_argument("--list", action="store_true", help="print the chosen mutants and exit")
+    ap.add_argument("--count", action="store_true", help="print how many operator mutants each area has")
+    ap.add_argument("--json", type=Path, help="write the results here (after every mutant)")
+    ap.add_argument("--merge", action="store_true",
+                    help="start from --json's results: a mutant run again replaces its old result")
+    ap.add_argument("--record", type=Path, help="rewrite the generated section of this markdown file")
+    args = ap.parse_args(argv)
+    if args.count:
+        for name, area in AREAS.items():
+            print(f"{name:10s} {sum(len(operator_mutants(p)) for p in area_modules(area)):5d}  {area_modules(area)}")
+        return 0
+    chosen = select(args.curated, args.sample, args.seed, args.only, args.areas)
+    if args.list:
+        for m in chosen:
+            print(f"{m.id}  [{m.note}]  {m.old!r} -> {m.new!r}")
+        return 0
+    runs: list[str] = []
+    previous: dict[str, Result] = {}
+    if args.merge and args.json and args.json.exists():
+        saved = json.loads(args.json.read_text())
+        runs = saved["runs"]
+        previous = {r["id"]: Result(**r) for r in saved["results"]}
+    runs.append(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: python scripts/mutate.py "
+                + " ".join(argv if argv is not None else sys.argv[1:]))
+    results: dict[str, Result] = dict(previous)
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps({"runs": runs, "results": [r.__dict__ for r in results.values()]},
+                                            indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        for i, m in enumerate(chosen, 1):
+            r = run_one(m, tree, args.timeout, args.tests)
+            results[m.id] = r
+            save()  # after every mutant: an interrupted run keeps what it measured
+            print(f"[{i}/{len(chosen)}] {r.outcome:8s} {r.seconds:6.1f}s {m.id}  {m.old!r} -> {m.new!r}", flush=True)
+            print("         " + " | ".join(r.tail), flush=True)
+    text = summary(list(results.values()), runs)
+    print(text)
+    if args.record:
+        record(args.record, text)
+    return 0 if all(r.outcome != "survived" or r.id in EQUIVALENT for r in results.values()) else 1
+
+if __name__ == "__main__":
+    sys.exit(main())
