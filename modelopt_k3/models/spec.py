@@ -107,6 +107,9 @@ class ModelSpec:
     # (model class, config, device) -> (a tiny model of the checkpoint's own classes on that device, prefix
     # of its names in the checkpoint): the shared-input probe (quant/shared_inputs.py) runs one forward of it.
     probe_model: Callable[[type, Any, Any], tuple[nn.Module, str]] | None = None
+    # Regex (searched) matching the in-memory names of the language model's decoder layers, whose outputs
+    # are the hidden states the quantization report compares (report/, quant/evaluate.py); None: none.
+    decoder_layer_regex: str | None = None
 
     def check_transformers(self) -> None:
         import transformers
@@ -121,6 +124,14 @@ class ModelSpec:
     def experts_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         """The model's fused experts modules by name."""
         return {name: m for name, m in model.named_modules() if self.is_experts_module(name, m)}
+
+    def decoder_layers(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The language model's decoder layers by name, in forward order (empty without a regex)."""
+        import re
+
+        if self.decoder_layer_regex is None:
+            return {}
+        return {name: m for name, m in model.named_modules() if re.search(self.decoder_layer_regex, name)}
 
     def is_experts_module(self, name: str, module: nn.Module) -> bool:
         import re
