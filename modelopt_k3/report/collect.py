@@ -35,8 +35,10 @@ def _block(fmt) -> int | None:
 def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[str, Any]:
     wq = module.weight_quantizer
     scale = wq.scale() if wq.fmt.per_tensor_scale else None
-    dq = wq.fmt.fake_quant(weight, scale)
-    stats = weight_rows(weight.unsqueeze(0), dq.unsqueeze(0), block=_block(wq.fmt), scale=scale)
+    # In fp32: the export's values exactly (fake quant returns its input's dtype, which may round them).
+    source = weight.float()
+    dq = wq.fmt.fake_quant(source, scale)
+    stats = weight_rows(source.unsqueeze(0), dq.unsqueeze(0), block=_block(wq.fmt), scale=scale)
     return {"name": name, "algo": fmt.algo, "weight_format": str(wq.fmt), "stats": stats[0].tolist(),
             "weight_scale": None if scale is None else float(scale)}
 
