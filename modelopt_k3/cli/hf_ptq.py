@@ -10,6 +10,11 @@ recipe a ``--target_engines`` engine cannot serve, a missing dataset; argument r
 parser. Refusals print one line per group of ranks and exit 2 on every rank (``--debug`` keeps the
 traceback); SIGTERM removes the export's temporary data. After the export, ``modelopt-k3-check``'s table
 is printed; the exit status is 1 when a ``--target_engines`` engine would not serve the export as calibrated.
+
+Between calibration and export the expert-coverage guard (``--min_expert_tokens``, ``--uncovered_experts``;
+``quant/coverage.py``) refuses, naming them, experts too few tokens reached when their scales depend on
+calibration; after the export rank 0 writes the quantization report (``--report``, default
+``EXPORT/quant_report``; ``modelopt_k3/report/``, docs/REPORT.md).
 """
 
 from __future__ import annotations

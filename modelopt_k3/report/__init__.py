@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +102,14 @@ def load_report(path: str | Path) -> tuple[dict[str, Any], Path]:
 
 
 __all__ = ["DEFAULT_DIR", "REPORT_JSON", "load_report", "report", "write_report"]
+
+
+class _CallableModule(types.ModuleType):
+    """``modelopt_k3.report(...)`` is the public call (README), and ``modelopt_k3.report`` is also this
+    package: once it is imported the attribute is the module, so the module itself calls ``report``."""
+
+    def __call__(self, *args, **kwargs):
+        return report(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -125,6 +125,7 @@ def plot_error_by_layer(data: dict[str, Any], path: Path) -> None:
         ax.bar(sorted(worst), [worst[i] for i in sorted(worst)], color="C1", alpha=0.5,
                label="worst weight of the layer")
     ax.set_xlabel("decoder layer")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("relative RMS error")
     ax.set_title("Quantization error by decoder layer")
     ax.legend(loc="best")
@@ -166,7 +167,11 @@ def plot_worst_modules(data: dict[str, Any], path: Path) -> None:
     plt, fig = _figure(9, max(3.0, 0.3 * len(worst) + 1.5))
     ax = fig.add_subplot(1, 1, 1)
     colors = ["C2" if m["kind"] == "experts" else "C0" for m in worst]
-    ax.barh(range(len(worst)), [m["weight"]["rel_rms"] or 0.0 for m in worst], color=colors)
+    values = [m["weight"]["rel_rms"] or 0.0 for m in worst]
+    ax.barh(range(len(worst)), values, color=colors)
+    for y, (v, m) in enumerate(zip(values, worst)):
+        lossless = m.get("source") == "mxfp4" and not m.get("requantized_blocks")
+        ax.text(v, y, f" {v:.3g}" + (" (lossless MXFP4 cast)" if lossless else ""), va="center", fontsize=7)
     ax.set_yticks(range(len(worst)))
     ax.set_yticklabels([m["name"].replace("language_model.model.", "") for m in worst], fontsize=7)
     ax.set_xlabel("weight relative RMS error (green: routed experts, all experts together)")

@@ -56,3 +56,10 @@ def test_input_counts_and_kl():
     flipped = kl_and_top1(logits, logits.flip(-1))
     assert flipped[1] == 0 and flipped[0] > 0
     assert rel_rms(0.0, 0.0) == 0.0 and rel_rms(1.0, 0.0) == math.inf and rel_rms(1.0, 4.0) == 0.5
+
+
+def test_public_call_survives_importing_the_package():
+    import modelopt_k3
+    import modelopt_k3.report.stats  # noqa: F401  binds the package module to modelopt_k3.report
+
+    assert callable(modelopt_k3.report) and modelopt_k3.report.report.__name__ == "report"
