@@ -43,6 +43,7 @@ class TokenCounter:
     def __init__(self, num_experts: int) -> None:
         self.routed = torch.zeros(num_experts, dtype=torch.int64)
         self.seen = 0
+        self.calls = 0  # forwards counted: 0 when no calibration forward reached the layer's input quantizers
 
     def __call__(self, module: nn.Module, args, kwargs) -> None:
         state: ExpertsQuantState = module.quant
@@ -51,6 +52,7 @@ class TokenCounter:
         ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
         self.routed += torch.bincount(ids.reshape(-1).long(), minlength=self.routed.numel()).cpu()
         self.seen += int(ids.shape[0])
+        self.calls += 1
 
 
 def attach_token_counter(experts: nn.Module) -> TokenCounter:
@@ -102,21 +104,24 @@ def scale_dependence(state: ExpertsQuantState) -> dict[str, dict[str, str]]:
 
 
 def expert_coverage(model: nn.Module, spec) -> list[LayerCoverage]:
-    """Every MoE layer's coverage, totals summed over ranks (one all-reduce; call on every rank)."""
+    """Every MoE layer's coverage, totals summed over ranks (one all-reduce; call on every rank). Layers no
+    calibration forward was counted in (a recipe whose expert inputs need no data) are left out."""
     layers = [(name, m) for name, m in spec.experts_modules(model).items() if hasattr(m, "token_counter")]
     if not layers:
         return []
     group = current_group()
     local = torch.stack([m.token_counter.routed for _, m in layers])
-    seen = torch.tensor([m.token_counter.seen for _, m in layers], dtype=torch.int64)
-    both = torch.cat([local.reshape(-1), seen]).to(group.device)
+    seen = torch.tensor([[m.token_counter.seen, m.token_counter.calls] for _, m in layers], dtype=torch.int64)
+    both = torch.cat([local.reshape(-1), seen.reshape(-1)]).to(group.device)
     if group.world_size > 1:
         dist.all_reduce(both, group=group.pg)
     both = both.cpu()
     totals = both[: local.numel()].view_as(local).tolist()
-    seen_total = both[local.numel():].tolist()
+    seen_total = both[local.numel():].view(-1, 2).tolist()
     out = []
-    for (name, m), routed, n_seen in zip(layers, totals, seen_total):
+    for (name, m), routed, (n_seen, calls) in zip(layers, totals, seen_total):
+        if calls == 0:
+            continue
         state: ExpertsQuantState = m.quant
         everyone = state.calibrate_all_experts
         out.append(LayerCoverage(

@@ -63,3 +63,14 @@ def test_public_call_survives_importing_the_package():
     import modelopt_k3.report.stats  # noqa: F401  binds the package module to modelopt_k3.report
 
     assert callable(modelopt_k3.report) and modelopt_k3.report.report.__name__ == "report"
+
+
+def test_fp8_fake_quant_of_stacked_experts_is_per_expert():
+    """The report's (and the fake-quant forward's) per-tensor FP8 experts: one scale per expert."""
+    from modelopt_k3.formats import FP8_TENSOR
+
+    x = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
+    scales = x.abs().amax(dim=(1, 2)) / 448
+    stacked = FP8_TENSOR.fake_quant(x, scales.view(-1, 1, 1))
+    assert torch.equal(stacked, torch.stack([FP8_TENSOR.fake_quant(w, s) for w, s in zip(x, scales)]))
+    assert not torch.equal(stacked, FP8_TENSOR.fake_quant(x, scales.max()))
