@@ -181,13 +181,15 @@ def run(args: argparse.Namespace) -> int:
             f"{model.modelopt_k3.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
         _calibrate(args, model, ctx.recipe, sequences, group, progress, say)
         coverage = run_together("expert coverage", _coverage_guard, args, model, say, group=group)
-        fidelity = _evaluate(args, model, sequences, group, say)
         t_calib = time.perf_counter()
         out = export_checkpoint(model, ctx.export_path, format=args.export_format, overwrite=args.overwrite,
                                 max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
         t_export = time.perf_counter()
         say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
-        run_together("quantization report", _write_report, args, model, out, fidelity, coverage, say, group=group)
+        # After the export: the held-out pass is a fake-quant forward, after which (under FSDP2) the export
+        # could no longer index MXFP4-sourced experts' scales; the report reads the weights before it.
+        run_together("held-out evaluation and report", _evaluate_and_report, args, model, out, sequences, coverage,
+                     group, say, group=group)
         return _check_served(args, out, say) if group.is_main else 0
 
 
@@ -261,36 +263,33 @@ def _coverage_guard(args: argparse.Namespace, model, say):
     return coverage
 
 
-def _evaluate(args: argparse.Namespace, model, packed, group, say):
-    """The held-out pass (they come after the calibration sequences in the token stream): per-layer
-    hidden-state error, KL and top-1 agreement; printed with ``--eval_kl``, kept for the report."""
+def _evaluate_and_report(args: argparse.Namespace, model, export_path: Path, packed, coverage, group, say) -> None:
+    """The held-out pass (the sequences after the calibration ones in the token stream: per-layer
+    hidden-state error, KL and top-1 agreement; the KL printed with ``--eval_kl``) and the report."""
     from ..data import rank_batches
     from ..quant.evaluate import evaluate_fidelity
-
-    n = packed.shape[0] - args.calib_size
-    if n == 0:
-        return None
-    held_out = rank_batches(packed[args.calib_size :], batch_size=args.batch_size, rank=group.rank,
-                            world_size=group.world_size)
-    fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device)
-    if args.eval_kl:
-        say(f"[modelopt_k3] KL(original || quantized) on {n} held-out sequences: {fidelity.kl:.4f} nats/token, "
-            f"top-1 agreement {100 * fidelity.top1:.1f}%")
-    return fidelity
-
-
-def _write_report(args: argparse.Namespace, model, export_path: Path, fidelity, coverage, say) -> None:
     from ..report import report
 
-    out_dir = args.report_dir
-    if out_dir is None:
-        return
+    held_out = rank_batches(packed[args.calib_size :], batch_size=args.batch_size, rank=group.rank,
+                            world_size=group.world_size) if args.held_out else None
     t0 = time.perf_counter()
-    run = {"calibration_sequences": args.calib_size, "calibration_seq_len": args.calib_seq,
-           "held_out_sequences": args.held_out}
-    report(model, out_dir, fidelity=fidelity, coverage=coverage, min_expert_tokens=args.min_expert_tokens,
-           uncovered_experts=args.uncovered_experts, run=run)
-    say(f"[modelopt_k3] wrote the quantization report {out_dir} in {time.perf_counter() - t0:.1f}s")
+    fidelity = None
+    if args.report_dir is None:
+        fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device) if held_out else None
+    else:
+        run = {"calibration_sequences": args.calib_size, "calibration_seq_len": args.calib_seq,
+               "held_out_sequences": args.held_out}
+        data = report(model, args.report_dir, held_out=held_out, coverage=coverage,
+                      min_expert_tokens=args.min_expert_tokens, uncovered_experts=args.uncovered_experts, run=run)
+        say(f"[modelopt_k3] wrote the quantization report {args.report_dir} in {time.perf_counter() - t0:.1f}s")
+        final = data["final"] if data is not None else None
+        if final is not None:
+            fidelity = final
+    if args.eval_kl and fidelity is not None:
+        kl, top1 = (fidelity["kl"], fidelity["top1_agreement"]) if isinstance(fidelity, dict) else (fidelity.kl,
+                                                                                                  fidelity.top1)
+        say(f"[modelopt_k3] KL(original || quantized) on {args.held_out} held-out sequences: {kl:.4f} nats/token, "
+            f"top-1 agreement {100 * top1:.1f}%")
 
 
 def _check_served(args: argparse.Namespace, out: Path, say) -> int:
