@@ -9,6 +9,7 @@ Public API (imported lazily so ``import modelopt_k3`` stays cheap)::
     convert_checkpoint(src, dst, recipe, *, rank=0, world_size=1, resume=True) -> report
     plan_memory(path, *, world_size, gpu_mem_gib=None, batch_size=4, calib_seq=2048, recipe=...) -> MemoryReport
     check_export(export_dir, engines=("vllm", "sglang")) -> CheckReport (per-engine verdicts)
+    report(model, out_dir, *, held_out=None, ...) -> report data (rank 0): the quantization report
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _API = {
     "convert_checkpoint": "modelopt_k3.convert",
     "plan_memory": "modelopt_k3.memory.planner",
     "check_export": "modelopt_k3.check",
+    "report": "modelopt_k3.report",  # the package's ``report`` (the package module is callable too)
 }
 
 __all__ = ["__version__", *_API]

@@ -133,6 +133,8 @@ class _Fp8PerTensor(TensorFormat):
         return fp8n.fp8_scale(amax)
 
     def fake_quant(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is not None and scale.numel() > 1:  # [E, out, in] experts, one scale each ([E] or [E, 1, 1])
+            return torch.stack([fp8n.fp8_fake_quant_per_tensor(w, s) for w, s in zip(x, scale.reshape(-1))])
         return fp8n.fp8_fake_quant_per_tensor(x, scale)
 
     def weight_tensors(self, weight: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -10,6 +10,11 @@ recipe a ``--target_engines`` engine cannot serve, a missing dataset; argument r
 parser. Refusals print one line per group of ranks and exit 2 on every rank (``--debug`` keeps the
 traceback); SIGTERM removes the export's temporary data. After the export, ``modelopt-k3-check``'s table
 is printed; the exit status is 1 when a ``--target_engines`` engine would not serve the export as calibrated.
+
+Between calibration and export the expert-coverage guard (``--min_expert_tokens``, ``--uncovered_experts``;
+``quant/coverage.py``) refuses, naming them, experts too few tokens reached when their scales depend on
+calibration; after the export rank 0 writes the quantization report (``--report``, default
+``EXPORT/quant_report``; ``modelopt_k3/report/``, docs/REPORT.md).
 """
 
 from __future__ import annotations
@@ -81,9 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
                    "of refusing; a quantized one is always refused")
     p.add_argument("--allow_unmatched", action="store_true",
                    help="run even if a recipe pattern matches no module of the checkpoint (refused by default: a typo)")
+    _add_report_flags(p)
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
     return p
+
+
+def _add_report_flags(p: argparse.ArgumentParser) -> None:
+    """The quantization report and the expert-coverage guard (modelopt_k3/report/, docs/REPORT.md)."""
+    from ..quant.coverage import POLICIES
+
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="write the quantization report (report.json, report.md, PNG plots) here; default "
+                        "EXPORT/quant_report; 'none': no report")
+    p.add_argument("--report_heldout", type=non_negative_int, default=None, metavar="N",
+                   help="held-out sequences for the report's per-layer hidden-state error, KL and top-1 "
+                        "(default: --eval_kl's N when given, else one per rank; two forwards each)")
+    p.add_argument("--min_expert_tokens", type=non_negative_int, default=1, metavar="N",
+                   help="a routed expert that calibrated on fewer tokens is uncovered (see --uncovered_experts)")
+    p.add_argument("--uncovered_experts", default="refuse", choices=POLICIES,
+                   help="uncovered experts whose input scales depend on calibration: refuse naming them, accept "
+                        "the layer's shared input scale, or calibrate every expert on every token "
+                        "(= --calibrate_all_experts)")
 
 
 def _tiny_checkpoint(group) -> Path:
@@ -124,7 +148,7 @@ def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool, made: l
     overrides = {}
     if args.kv_cache_qformat != "none":
         overrides["kv_cache"] = args.kv_cache_qformat
-    if args.calibrate_all_experts:
+    if args.calibrate_all_experts or args.uncovered_experts == "calibrate_all":
         overrides["calibrate_all_experts"] = True
     if args.allow_unmatched:
         overrides["allow_unmatched"] = True
@@ -173,17 +197,24 @@ def _after_preflight(args: argparse.Namespace, group, ctx, ckpt: Path, trust: bo
 
     for note in ctx.notes:
         say(f"[modelopt_k3] {note}")
+    args.held_out = _held_out_count(args, group.world_size)  # decided once: the data and the report read it
+    args.report_dir = run_together("report path", _report_dir, args, ctx.export_path, ckpt, group=group)
     sequences = run_together("calibration data", _calibration_sequences, args, ckpt, trust, ctx.texts, group=group)
     model = _load(args, ctx, ckpt, trust, progress)
     t_load = time.perf_counter()
     say(f"[modelopt_k3] loaded {ckpt} ({model.modelopt_k3.plan.describe()}), read "
         f"{model.modelopt_k3.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
-    _calibrate_and_evaluate(args, model, ctx.recipe, sequences, group, progress, say)
+    _calibrate(args, model, ctx.recipe, sequences, group, progress, say)
+    coverage = run_together("expert coverage", _coverage_guard, args, model, say, group=group)
     t_calib = time.perf_counter()
     out = export_checkpoint(model, ctx.export_path, format=args.export_format, overwrite=args.overwrite,
                             max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
     t_export = time.perf_counter()
     say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
+    # After the export: the held-out pass is a fake-quant forward, after which (under FSDP2) the export
+    # could no longer index MXFP4-sourced experts' scales; the report reads the weights before it.
+    run_together("held-out evaluation and report", _evaluate_and_report, args, model, out, sequences, coverage,
+                 group, say, group=group)
     return _check_served(args, out, say) if group.is_main else 0
 
 
@@ -197,7 +228,7 @@ def _calibration_sequences(args: argparse.Namespace, ckpt: Path, trust: bool, te
         tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
     except (OSError, ValueError) as e:
         raise DataError(f"cannot load the tokenizer of {ckpt}: {' '.join(str(e).split())[:300]}") from None
-    return pack_sequences(tokenizer, texts, num_sequences=args.calib_size + args.eval_kl, seq_len=args.calib_seq)
+    return pack_sequences(tokenizer, texts, num_sequences=args.calib_size + args.held_out, seq_len=args.calib_seq)
 
 
 def _load(args: argparse.Namespace, ctx, ckpt: Path, trust: bool, progress: bool):
@@ -216,12 +247,10 @@ def _load(args: argparse.Namespace, ctx, ckpt: Path, trust: bool, progress: bool
                            allow_nonfinite_passthrough=args.allow_nonfinite_passthrough)
 
 
-def _calibrate_and_evaluate(args: argparse.Namespace, model, recipe, packed, group, progress: bool, say) -> None:
-    """Quantize with this rank's share of the calibration sequences; then, with ``--eval_kl``, the KL on
-    the held-out ones (they come after the calibration ones in the token stream)."""
+def _calibrate(args: argparse.Namespace, model, recipe, packed, group, progress: bool, say) -> None:
+    """Quantize with this rank's share of the calibration sequences."""
     from .. import quantize
     from ..data import make_forward_loop, rank_batches
-    from ..quant.evaluate import kl_to_unquantized
 
     device = model.modelopt_k3.plan.device
     t0 = time.perf_counter()
@@ -229,11 +258,65 @@ def _calibrate_and_evaluate(args: argparse.Namespace, model, recipe, packed, gro
                            world_size=group.world_size)
     quantize(model, recipe, make_forward_loop(batches, device=device, progress=progress), verbose=group.is_main)
     say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {time.perf_counter() - t0:.1f}s")
-    if args.eval_kl:
-        held_out = rank_batches(packed[args.calib_size :], batch_size=args.batch_size, rank=group.rank,
-                                world_size=group.world_size)
-        kl = kl_to_unquantized(model, held_out, device)
-        say(f"[modelopt_k3] KL(original || quantized) on {args.eval_kl} held-out sequences: {kl:.4f} nats/token")
+
+
+def _report_dir(args: argparse.Namespace, export_path: Path, ckpt: Path) -> Path | None:
+    """``--report``: default under the export, ``none`` for no report; never inside the source."""
+    from ..paths import refuse_overlap
+    from ..report import DEFAULT_DIR
+
+    if args.report == "none":
+        return None
+    out = export_path / DEFAULT_DIR if args.report is None else Path(args.report)
+    refuse_overlap(ckpt, out, flag="--report")
+    return out
+
+
+def _held_out_count(args: argparse.Namespace, world_size: int) -> int:
+    """Held-out sequences after the calibration ones: ``--report_heldout``/``--eval_kl``'s, else one per
+    rank for the report (two forwards of one sequence per rank), none without a report."""
+    if args.report_heldout is not None:
+        return max(args.report_heldout, args.eval_kl)
+    return args.eval_kl or (world_size if args.report != "none" else 0)
+
+
+def _coverage_guard(args: argparse.Namespace, model, say):
+    """Experts below ``--min_expert_tokens`` under ``--uncovered_experts``: refuse before the export, or note."""
+    from ..quant.coverage import check_coverage, expert_coverage
+
+    coverage = expert_coverage(model, model.modelopt_k3.spec)
+    for note in check_coverage(coverage, min_tokens=args.min_expert_tokens, policy=args.uncovered_experts):
+        say(f"[modelopt_k3] uncovered experts: {note}")
+    return coverage
+
+
+def _evaluate_and_report(args: argparse.Namespace, model, export_path: Path, packed, coverage, group, say) -> None:
+    """The held-out pass (the sequences after the calibration ones in the token stream: per-layer
+    hidden-state error, KL and top-1 agreement; the KL printed with ``--eval_kl``) and the report."""
+    from ..data import rank_batches
+    from ..quant.evaluate import evaluate_fidelity
+    from ..report import report
+
+    held_out = rank_batches(packed[args.calib_size :], batch_size=args.batch_size, rank=group.rank,
+                            world_size=group.world_size) if args.held_out else None
+    t0 = time.perf_counter()
+    fidelity = None
+    if args.report_dir is None:
+        fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device) if held_out else None
+    else:
+        run = {"calibration_sequences": args.calib_size, "calibration_seq_len": args.calib_seq,
+               "held_out_sequences": args.held_out}
+        data = report(model, args.report_dir, held_out=held_out, coverage=coverage,
+                      min_expert_tokens=args.min_expert_tokens, uncovered_experts=args.uncovered_experts, run=run)
+        say(f"[modelopt_k3] wrote the quantization report {args.report_dir} in {time.perf_counter() - t0:.1f}s")
+        final = data["final"] if data is not None else None
+        if final is not None:
+            fidelity = final
+    if args.eval_kl and fidelity is not None:
+        kl, top1 = (fidelity["kl"], fidelity["top1_agreement"]) if isinstance(fidelity, dict) else (fidelity.kl,
+                                                                                                  fidelity.top1)
+        say(f"[modelopt_k3] KL(original || quantized) on {args.held_out} held-out sequences: {kl:.4f} nats/token, "
+            f"top-1 agreement {100 * top1:.1f}%")
 
 
 def _check_served(args: argparse.Namespace, out: Path, say) -> int:

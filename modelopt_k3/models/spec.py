@@ -141,6 +141,9 @@ class ModelSpec:
     # config.json -> None, or SpecError naming the first field the tools read that is missing or invalid
     # (run before anything reads the config: ``source_check.check_config``).
     check_config: Callable[[Mapping[str, Any]], None] | None = None
+    # Regex (searched) matching the in-memory names of the language model's decoder layers, whose outputs
+    # are the hidden states the quantization report compares (report/, quant/evaluate.py); None: none.
+    decoder_layer_regex: str | None = None
 
     def check_transformers(self) -> None:
         import transformers
@@ -155,6 +158,14 @@ class ModelSpec:
     def experts_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         """The model's fused experts modules by name."""
         return {name: m for name, m in model.named_modules() if self.is_experts_module(name, m)}
+
+    def decoder_layers(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The language model's decoder layers by name, in forward order (empty without a regex)."""
+        import re
+
+        if self.decoder_layer_regex is None:
+            return {}
+        return {name: m for name, m in model.named_modules() if re.search(self.decoder_layer_regex, name)}
 
     def is_experts_module(self, name: str, module: nn.Module) -> bool:
         import re

@@ -21,7 +21,9 @@ from ..models.packed_experts import is_packed
 from ..models.spec import ModelSpec
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
+from .activation_stats import attach_activation_stats
 from .calibrate import calibrate, enable_calibrate_all_experts, share_group_amax
+from .coverage import attach_token_counter
 from .decisions import DecisionTable, decide
 from .kv_cache import attach_kv_cache
 from .modules import attach_experts, attach_linear
@@ -155,6 +157,7 @@ def quantize(
                                        rows=local_rows(fused), gather=row_gatherer(fused),
                                        resident=experts if is_packed(experts) else None)
         attach_experts(experts, _fused_formats(spec, projs), source=source)
+        attach_token_counter(experts)  # calibration tokens per expert: the report's coverage and its guard
     if recipe.kv_cache is not None:
         if spec.kv_cache_sites is None:
             raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "
@@ -162,6 +165,7 @@ def quantize(
         attach_kv_cache(spec.kv_cache_sites(model), recipe.kv_cache)
     if recipe.calibrate_all_experts:
         enable_calibrate_all_experts(model)
+    attach_activation_stats(model)
     calibrate(model, forward_loop)
     share_group_amax(model, qplan.table.groups)
     model.modelopt_k3_quant = qplan

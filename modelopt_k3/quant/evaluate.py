@@ -1,40 +1,106 @@
-"""What did quantization cost? KL divergence of the fake-quantized model from the unquantized one.
+"""What did quantization cost? The fake-quantized model against the unquantized one, on held-out data.
 
-Both distributions come from the same model object: quantizers ``off`` gives the original model,
-``quant`` the fake-quantized one (exactly the exported numerics), so no second copy is held. Run on
-every rank with the same number of batches (expert-parallel forwards are collective); the result is
-averaged over all ranks' tokens.
+Both come from the same model object: quantizers ``off`` gives the original model, ``quant`` the
+fake-quantized one (exactly the exported numerics), so no second copy is held. Per batch: one forward
+of each; forward hooks on the spec's decoder layers keep the original pass's layer outputs (one batch
+of hidden states per layer, in the model dtype) and compare the quantized pass's to them, so each
+layer's figure is the error accumulated up to its output. Logits give KL(p_original || p_quantized)
+and top-1 agreement. Run on every rank with the same number of batches (expert-parallel forwards are
+collective); sums are over all ranks' tokens (one all-reduce at the end).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..dist.group import current_group
+from ..report.stats import hidden_error_sums, kl_and_top1, rel_rms
+from .activation_stats import held_out_counting
 from .modules import iter_quantizers, set_mode
 
 
+@dataclass
+class Fidelity:
+    """Sums over every rank's held-out tokens."""
+
+    layers: list[str]  # decoder layer names, forward order
+    hidden: list[tuple[float, float]]  # per layer: (sum of squared error, sum of squared original)
+    kl_sum: float
+    top1_agree: float
+    tokens: float
+
+    @property
+    def kl(self) -> float:
+        return self.kl_sum / self.tokens if self.tokens else float("nan")
+
+    @property
+    def top1(self) -> float:
+        return self.top1_agree / self.tokens if self.tokens else float("nan")
+
+    def hidden_rel_rms(self) -> list[float]:
+        return [rel_rms(sse, ssq) for sse, ssq in self.hidden]
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
 @torch.no_grad()
-def kl_to_unquantized(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
-    """Mean over tokens of KL(p_original || p_quantized) for next-token distributions, in nats."""
+def evaluate_fidelity(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> Fidelity:
+    """Hidden-state error per decoder layer, KL and top-1 agreement of quantized vs original on ``batches``."""
+    layers = model.modelopt_k3.spec.decoder_layers(model)
+    names = list(layers)
+    index = {name: i for i, name in enumerate(names)}
+    hidden = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    final = torch.zeros(3, dtype=torch.float64, device=device)
+    reference: dict[str, torch.Tensor] = {}
+    phase = {"quant": False}
+
+    def hook(name: str):
+        def record(module, args, output):
+            out = _first(output)
+            if not phase["quant"]:
+                reference[name] = out.detach().clone()
+            else:
+                hidden[index[name]] += hidden_error_sums(reference.pop(name), out).to(device)
+
+        return record
+
     modes = {name: q.mode for name, q in iter_quantizers(model)}
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of KL, token count]
+    handles = [m.register_forward_hook(hook(name)) for name, m in layers.items()]
     try:
         for batch in batches:
             ids = batch.to(device)
+            phase["quant"] = False
             set_mode(model, "off")
-            ref = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+            ref = model(input_ids=ids, use_cache=False).logits
+            phase["quant"] = True
             set_mode(model, "quant")
-            quant = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
-            kl = (ref.exp() * (ref - quant)).sum(-1)
-            total += torch.stack([kl.sum().double(), torch.tensor(kl.numel(), dtype=torch.float64, device=device)])
+            held_out_counting(model, True)
+            quant = model(input_ids=ids, use_cache=False).logits
+            held_out_counting(model, False)
+            final += kl_and_top1(ref, quant).to(device)
+            reference.clear()
     finally:
+        held_out_counting(model, False)
+        for h in handles:
+            h.remove()
         for name, q in iter_quantizers(model):
             q.mode = modes[name]
     group = current_group()
+    both = torch.cat([hidden.reshape(-1), final])
     if group.world_size > 1:
-        dist.all_reduce(total, group=group.pg)  # a sum over ranks' tokens
-    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        dist.all_reduce(both, group=group.pg)  # a sum over ranks' tokens
+    both = both.cpu().tolist()
+    pairs = [(both[2 * i], both[2 * i + 1]) for i in range(len(names))]
+    kl_sum, agree, tokens = both[2 * len(names):]
+    return Fidelity(names, pairs, kl_sum, agree, tokens)
 
+
+def kl_to_unquantized(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
+    """Mean over tokens of KL(p_original || p_quantized) for next-token distributions, in nats."""
+    return evaluate_fidelity(model, batches, device).kl

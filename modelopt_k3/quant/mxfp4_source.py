@@ -76,9 +76,12 @@ class Mxfp4ExpertSource:
     def cast(self, proj: str, global_scales: torch.Tensor, part: slice = slice(None)) -> NVFP4Weight:
         """Batched ``[n, out, ...]`` NVFP4 tensors of one projection for this rank's experts ``[part]``
         (all of them by default)."""
+        return self.cast_counted(proj, global_scales, part)[0]
+
+    def cast_counted(self, proj: str, global_scales: torch.Tensor, part: slice = slice(None)) -> tuple[NVFP4Weight, int]:
+        """``cast`` and how many NVFP4 blocks of 16 it requantized (the rest carry the source codes)."""
         global_scales = self._mine(global_scales)[part]
-        weight, _ = mxfp4_to_nvfp4(self._stack(proj, PACKED, part), self._stack(proj, SCALE, part), global_scales)
-        return weight
+        return mxfp4_to_nvfp4(self._stack(proj, PACKED, part), self._stack(proj, SCALE, part), global_scales)
 
     def fake_quant(
         self, fused_param: str, global_scales: torch.Tensor, dtype: torch.dtype, part: slice = slice(None)

@@ -48,6 +48,8 @@ class TensorQuantizer(nn.Module):
         self.source = None
         self.register_buffer("fixed_scale", None)
         self._fake_cache: torch.Tensor | None = None
+        # Activation counters of the quantization report (quant/activation_stats.py), for input roles.
+        self.stats = None
 
     def use_source(self, source, fused_param: str) -> None:
         self.source = (source, fused_param)
@@ -117,6 +119,8 @@ class TensorQuantizer(nn.Module):
         return self.fmt.fake_quant(x, scale.to(x.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stats is not None and self.mode != "off":
+            self.stats.update(self, x)
         if self.mode == "calib":
             self.observe(x)
             return x

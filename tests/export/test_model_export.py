@@ -786,7 +786,9 @@ def check_configs(rb: ReadBack, tiny_ckpt: Path, *, quant_algo: str, kv: bool, r
     shards = {p.name for p in rb.path.iterdir() if p.suffix == ".safetensors"}
     assert shards == set(json.loads((rb.path / INDEX).read_text())["weight_map"].values())
     assert all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", s) for s in shards)
-    assert {p.name for p in rb.path.iterdir()} == side | shards | {INDEX, "config.json", "hf_quant_config.json"}
+    # quant_report/: hf_ptq's quantization report (modelopt_k3/report/), written into the export by default.
+    written = {p.name for p in rb.path.iterdir()} - {"quant_report"}
+    assert written == side | shards | {INDEX, "config.json", "hf_quant_config.json"}
 
 
 def check_kv_scales(rb: ReadBack, tiny_ckpt: Path, present: bool) -> None:

@@ -37,6 +37,8 @@ KIMI_K3_SPEC = register_spec(
         dense_layout=dense_layout,
         check_config=check_config_fields,
         probe_model=probe_model,
+        # KimiDecoderLayer instances of the language model (the vision tower's are encoder.blocks).
+        decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$",
         # F32 in the checkpoint; rounding it to bf16 changes which experts the router selects.
         keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
         # _no_split_modules: KimiDecoderLayer (language model), MoonViTEncoderLayer (vision tower).

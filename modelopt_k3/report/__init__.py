@@ -1,0 +1,119 @@
+"""The quantization report: what quantization did to each module, layer and expert, and which experts
+calibration reached (``report.json``, ``report.md``, PNG plots). See docs/REPORT.md.
+
+``report(model, out_dir, ...)`` runs on every rank of a quantized model; each rank summarises what it
+owns (``collect.py``), rank 0 merges and writes. The numbers are pure functions (``stats.py``); the
+files come from the JSON alone (``render.py``), so ``modelopt-k3-report`` re-renders them.
+Imports are lazy: ``quant/`` imports ``report.stats`` while it is itself being imported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+REPORT_JSON = "report.json"
+DEFAULT_DIR = "quant_report"  # under the export directory
+
+
+def report(
+    model,
+    out_dir: str | Path | None,
+    *,
+    held_out: list | None = None,
+    fidelity=None,
+    coverage=None,
+    min_expert_tokens: int = 1,
+    uncovered_experts: str = "refuse",
+    run: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Build the report of a quantized ``model`` and (rank 0) write it into ``out_dir``.
+
+    Call on every rank (it gathers). ``held_out``: this rank's held-out batches of token ids, for the
+    per-layer hidden-state error, KL and top-1 agreement (two forwards per batch); or ``fidelity``, an
+    ``evaluate_fidelity`` result already computed (hf_ptq shares the ``--eval_kl`` pass). ``coverage``:
+    ``expert_coverage``'s result when already computed. ``out_dir`` None: only return the data.
+    Returns the report's data on rank 0, None on the other ranks.
+    """
+    from ..dist.group import current_group
+    from ..quant.coverage import expert_coverage, uncovered_explanation
+    from ..quant.evaluate import evaluate_fidelity
+    from . import build, collect
+
+    info, qplan = model.modelopt_k3, getattr(model, "modelopt_k3_quant", None)
+    if qplan is None:
+        raise ValueError("report expects a model that went through modelopt_k3.quantize")
+    if coverage is None:
+        coverage = expert_coverage(model, info.spec)
+    # Weights first: under FSDP2 a fake-quant forward leaves MXFP4-sourced experts' scales unusable for
+    # indexing by module row (seen in the fsdp2 hf_ptq test; not root-caused), so nothing reads them after it.
+    summary = collect.rank_summary(model)
+    if fidelity is None and held_out:
+        fidelity = evaluate_fidelity(model, held_out, info.plan.device)
+    summary["activations"] = collect.activation_counts(model)  # with the held-out pass's counts
+    parts = collect.gather_to_main(summary)
+    if not current_group().is_main:
+        return None
+    inputs = collect.input_settings(model)
+    counts = collect.sum_counts([p["activations"] for p in parts])
+    fused_of = {p.name: p.fused_param for p in info.spec.expert_projections}
+    layers, final = build.fidelity_section(fidelity)
+    data = {
+        "schema": build.SCHEMA, "version": build.VERSION,
+        "run": {"checkpoint": str(info.checkpoint), "recipe": qplan.recipe.name,
+                "world_size": current_group().world_size, "plan": re.sub(r" rank=\d+", "", info.plan.describe()),
+                "held_out_sequences": None, **(run or {})},
+        "modules": build.dense_modules([r for p in parts for r in p["dense"]], inputs, counts),
+        "experts": build.expert_modules(collect.merge_experts([p["experts"] for p in parts]), inputs, counts,
+                                        fused_of),
+        "coverage": build.coverage_section(coverage, [p["routed"] for p in parts], min_tokens=min_expert_tokens,
+                                           policy=uncovered_experts, explain=uncovered_explanation),
+        "layers": layers, "final": final,
+    }
+    data = build.finite(data)
+    if out_dir is not None:
+        write_report(data, Path(out_dir))
+    return data
+
+
+def write_report(data: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``report.json`` plus what ``render`` makes of it."""
+    from .render import render
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / REPORT_JSON).write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    return [out_dir / REPORT_JSON, *render(data, out_dir)]
+
+
+def load_report(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """A report's data and its directory, from ``report.json``, its directory, or an export holding
+    ``quant_report/``; refuses another schema or a newer version."""
+    from .build import SCHEMA, VERSION
+
+    path = Path(path)
+    for candidate in (path, path / REPORT_JSON, path / DEFAULT_DIR / REPORT_JSON):
+        if candidate.is_file():
+            data = json.loads(candidate.read_text())
+            if data.get("schema") != SCHEMA or not isinstance(data.get("version"), int) or data["version"] > VERSION:
+                raise ValueError(f"{candidate} is not a {SCHEMA} report of version <= {VERSION} "
+                                 f"(schema {data.get('schema')!r}, version {data.get('version')!r})")
+            return data, candidate.parent
+    raise FileNotFoundError(f"no {REPORT_JSON} at {path}, {path / REPORT_JSON} or {path / DEFAULT_DIR / REPORT_JSON}")
+
+
+__all__ = ["DEFAULT_DIR", "REPORT_JSON", "load_report", "report", "write_report"]
+
+
+class _CallableModule(types.ModuleType):
+    """``modelopt_k3.report(...)`` is the public call (README), and ``modelopt_k3.report`` is also this
+    package: once it is imported the attribute is the module, so the module itself calls ``report``."""
+
+    def __call__(self, *args, **kwargs):
+        return report(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,186 @@
+"""Per-rank summaries of a quantized model, and rank 0's merge of them into the report's data.
+
+Each rank summarises only what it owns, as the export writes it: quantized dense Linear ``i`` on rank
+``i % world`` (under FSDP2 the weight is gathered to that rank alone, as the export does), routed
+experts on the rank that writes them (replica 0 of an EP group; its rows under FSDP2), activation
+and token counters for its own share of the data. A summary is per-module scalars and per-expert
+rows (a few numbers each), pickled to rank 0 with one ``gather_object``; nothing weight-sized travels.
+Rank 0 merges them in name and expert order, so the result does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dist.fsdp import gather_to_owner, local_rows
+from ..dist.group import current_group
+from ..models.packed_experts import expert_weight_rows
+from ..numerics import nvfp4_dequantize
+from ..quant.modules import ExpertsQuantState, iter_quantizers
+from .stats import WEIGHT_FIELDS, weight_rows
+
+EXPERTS_PER_PASS = 16  # experts decoded and compared at a time (bounds the temporaries)
+
+
+def _block(fmt) -> int | None:
+    """The block of two-level (global x per-block) scales, None for formats without them."""
+    return fmt.group_size if fmt.per_tensor_scale and fmt.group_size else None
+
+
+def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[str, Any]:
+    wq = module.weight_quantizer
+    scale = wq.scale() if wq.fmt.per_tensor_scale else None
+    # In fp32: the export's values exactly (fake quant returns its input's dtype, which may round them).
+    source = weight.float()
+    dq = wq.fmt.fake_quant(source, scale)
+    stats = weight_rows(source.unsqueeze(0), dq.unsqueeze(0), block=_block(wq.fmt), scale=scale)
+    return {"name": name, "algo": fmt.algo, "weight_format": str(wq.fmt), "stats": stats[0].tolist(),
+            "weight_scale": None if scale is None else float(scale)}
+
+
+def dense_rows(model: nn.Module) -> list[dict[str, Any]]:
+    """This rank's share of the quantized dense Linears (collective under FSDP2: every rank joins every gather)."""
+    qplan = model.modelopt_k3_quant
+    group = current_group()
+    modules = dict(model.named_modules())
+    rows = []
+    for i, name in enumerate(sorted(qplan.dense)):
+        owner = i % group.world_size
+        weight = gather_to_owner(modules[name].weight, owner)
+        if owner == group.rank:
+            rows.append(_dense_row(name, modules[name], weight.detach(), qplan.dense[name]))
+    return rows
+
+
+def _parts(n: int) -> Iterator[slice]:
+    for start in range(0, n, EXPERTS_PER_PASS):
+        yield slice(start, min(start + EXPERTS_PER_PASS, n))
+
+
+def _source_dequant(wq, proj: str, first: int, part: slice) -> tuple[torch.Tensor, list[int]]:
+    """The lossless cast of the source bytes for local experts ``part``, dequantized (fp32), and how many
+    blocks of each expert were requantized instead of carried."""
+    source = wq.source[0]
+    scale = wq.scale()
+    out, requantized = [], []
+    for j in range(part.start, part.stop):
+        w, n_req = source.cast_counted(proj, scale, slice(j, j + 1))
+        gs = scale[first + j].reshape(1, 1, 1).to(w.packed.device)
+        out.append(nvfp4_dequantize(w.packed, w.block_scale, gs, dtype=torch.float32))
+        requantized.append(int(n_req))
+    return torch.cat(out), requantized
+
+
+def expert_rows(name: str, experts: nn.Module, spec, projs: dict) -> list[dict[str, Any]]:
+    """One summary per quantized projection of this rank's experts: per-expert weight rows."""
+    state: ExpertsQuantState = experts.quant
+    rows = local_rows(getattr(experts, spec.expert_projections[0].fused_param))
+    ids = list(experts.placement.global_ids(rows))
+    out = {p.name: {"module": name, "projection": p.name, "algo": projs[p.name].algo, "experts": ids,
+                    "weight_format": str(state.weight[p.fused_param].fmt), "stats": [], "weight_scale": [],
+                    "requantized": [] if state.weight[p.fused_param].source is not None else None}
+           for p in spec.expert_projections if p.name in projs}
+    for part in _parts(len(rows)):
+        decoded: dict[str, torch.Tensor] = {}
+        idx = slice(rows.start + part.start, rows.start + part.stop)  # indices into the module's expert dim
+        for proj in spec.expert_projections:
+            if proj.name not in projs:
+                continue
+            wq = state.weight[proj.fused_param]
+            if proj.fused_param not in decoded:
+                decoded[proj.fused_param] = expert_weight_rows(experts, proj.fused_param, part).float()
+            src = decoded[proj.fused_param].chunk(proj.n_chunks, dim=1)[proj.chunk]
+            scale = wq.scale()[idx] if wq.fmt.per_tensor_scale else None
+            if wq.source is not None:
+                dq, requantized = _source_dequant(wq, proj.name, rows.start, part)
+                out[proj.name]["requantized"] += requantized
+            else:
+                dq = wq.fmt.fake_quant(src, None if scale is None else scale.view(-1, 1, 1).to(src.device))
+            stats = weight_rows(src, dq.to(src.device), block=_block(wq.fmt), scale=scale)
+            out[proj.name]["stats"] += stats.tolist()
+            out[proj.name]["weight_scale"] += [] if scale is None else scale.tolist()
+    return list(out.values())
+
+
+def activation_counts(model: nn.Module) -> dict[str, list[int]]:
+    """Input quantizer name -> this rank's counters (calibration 2, held-out 4)."""
+    return {name: q.stats.calib.tolist() + q.stats.held_out.tolist()
+            for name, q in iter_quantizers(model) if q.role == "input" and q.stats is not None}
+
+
+def input_settings(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Input quantizer name -> its format, amax, scale and whether the amax is a recipe constant."""
+    out = {}
+    for name, q in iter_quantizers(model):
+        if q.role != "input":
+            continue
+        calibrated = q.calibrated
+        out[name] = {"format": str(q.fmt), "amax": float(q.amax) if calibrated else None,
+                     "scale": float(q.scale()) if calibrated else None, "constant": q.constant_amax is not None}
+    return out
+
+
+def rank_summary(model: nn.Module) -> dict[str, Any]:
+    """What this rank contributes to the report (call on every rank: dense rows may gather under FSDP2)."""
+    info, qplan = model.modelopt_k3, model.modelopt_k3_quant
+    spec = info.spec
+    experts = []
+    if info.placement.experts.writes_experts:
+        modules = spec.experts_modules(model)
+        for name, projs in sorted(qplan.experts.items()):
+            experts += expert_rows(name, modules[name], spec, projs)
+    routed = {name: m.token_counter.routed.tolist() for name, m in spec.experts_modules(model).items()
+              if hasattr(m, "token_counter")}
+    return {"rank": current_group().rank, "dense": dense_rows(model), "experts": experts,
+            "activations": activation_counts(model), "routed": routed}
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere); pickled, so keep it small."""
+    group = current_group()
+    if group.world_size == 1:
+        return [obj]
+    out = [None] * group.world_size if group.is_main else None
+    dist.gather_object(obj, out, dst=0, group=group.pg)
+    return out
+
+
+def merge_experts(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (module, projection): every owner's rows, in global expert order."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for rows in parts:
+        for row in rows:
+            key = (row["module"], row["projection"])
+            if key not in merged:
+                merged[key] = {k: v for k, v in row.items() if k not in ("experts", "stats", "weight_scale",
+                                                                         "requantized")}
+                merged[key]["_rows"] = []
+            requantized = row["requantized"] or [None] * len(row["experts"])
+            scales = row["weight_scale"] or [None] * len(row["experts"])
+            merged[key]["_rows"] += list(zip(row["experts"], row["stats"], scales, requantized))
+    out = []
+    for key in sorted(merged):
+        entry = merged[key]
+        rows = sorted(entry.pop("_rows"))
+        entry["experts"] = [r[0] for r in rows]
+        entry["stats"] = [r[1] for r in rows]
+        entry["weight_scale"] = [r[2] for r in rows]
+        entry["requantized"] = [r[3] for r in rows] if rows and rows[0][3] is not None else None
+        out.append(entry)
+    return out
+
+
+def sum_counts(parts: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    total: dict[str, list[int]] = {}
+    for counts in parts:
+        for name, values in counts.items():
+            total[name] = [a + b for a, b in zip(total.get(name, [0] * len(values)), values)]
+    return dict(sorted(total.items()))
+
+
+__all__ = ["WEIGHT_FIELDS", "gather_to_main", "input_settings", "merge_experts", "rank_summary", "sum_counts"]

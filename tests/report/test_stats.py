@@ -1,0 +1,76 @@
+"""The report's pure numbers against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from modelopt_k3.report.build import weight_summary
+from modelopt_k3.report.stats import (
+    WEIGHT_FIELDS,
+    block_flags,
+    input_counts,
+    kl_and_top1,
+    rel_rms,
+    weight_rows,
+)
+
+F = {name: i for i, name in enumerate(WEIGHT_FIELDS)}
+
+
+def test_weight_rows_by_hand():
+    src = torch.zeros(2, 1, 16)
+    src[0, 0, :4] = torch.tensor([1.0, -2.0, 3.0, 4.0])  # sum of squares 30
+    src[1, 0, 0] = 2.0
+    dq = src.clone()
+    dq[0, 0, 0] = 1.5  # error 0.5
+    dq[0, 0, 3] = 3.0  # error -1
+    rows = weight_rows(src, dq, block=16, scale=torch.tensor([4.0 / 2688, 2.0 / 2688]))
+    assert rows[0, F["sse"]] == 1.25 and rows[0, F["ssq"]] == 30 and rows[0, F["max_abs_err"]] == 1.0
+    assert rows[1, F["sse"]] == 0 and rows[1, F["ssq"]] == 4 and rows[0, F["amax"]] == 4.0
+    assert rows[:, F["units"]].tolist() == [1, 1] and rows[:, F["saturated"]].tolist() == [0, 0]
+    summary = weight_summary(rows.tolist())
+    assert summary["rel_rms"] == math.sqrt(1.25 / 34) and summary["rel_max_err"] == 0.25
+    assert summary["saturated_fraction"] == 0.0 and summary["underflow_fraction"] == 0.0
+
+
+def test_block_flags_saturate_and_underflow():
+    # Global scale 1/2688 (amax 1): a block of amax 2 asks for the scale 2 * 2688 / 6 = 896 > 448 (saturates);
+    # one of amax 1e-6 for 1e-6 * 2688 / 6 = 0.00045 < 2**-9 = 0.00195 (underflows); one of amax 1 for 448 (neither).
+    gs = torch.tensor(1.0 / 2688)
+    x = torch.zeros(1, 4, 16)
+    x[0, 0, 0], x[0, 1, 0], x[0, 2, 0] = 2.0, 1e-6, 1.0  # block 3 is all zero: never counted
+    blocks, saturated, underflow = block_flags(x, gs, 16)
+    assert (blocks.tolist(), saturated.tolist(), underflow.tolist()) == ([4], [1], [1])
+
+
+def test_input_counts_and_kl():
+    x = torch.tensor([[3.0] + [0.0] * 15, [1e-7] + [0.0] * 15])
+    counts = input_counts(x, torch.tensor(2.0), torch.tensor(2.0 / 2688), 16)
+    assert counts.tolist() == [32, 1, 2, 1]
+    assert input_counts(x, torch.tensor(2.0), torch.tensor(2.0 / 448), None).tolist() == [32, 1, 0, 0]
+    logits = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    same = kl_and_top1(logits, logits)
+    assert same.tolist() == [0.0, 2.0, 2.0]
+    flipped = kl_and_top1(logits, logits.flip(-1))
+    assert flipped[1] == 0 and flipped[0] > 0
+    assert rel_rms(0.0, 0.0) == 0.0 and rel_rms(1.0, 0.0) == math.inf and rel_rms(1.0, 4.0) == 0.5
+
+
+def test_public_call_survives_importing_the_package():
+    import modelopt_k3
+    import modelopt_k3.report.stats  # noqa: F401  binds the package module to modelopt_k3.report
+
+    assert callable(modelopt_k3.report) and modelopt_k3.report.report.__name__ == "report"
+
+
+def test_fp8_fake_quant_of_stacked_experts_is_per_expert():
+    """The report's (and the fake-quant forward's) per-tensor FP8 experts: one scale per expert."""
+    from modelopt_k3.formats import FP8_TENSOR
+
+    x = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
+    scales = x.abs().amax(dim=(1, 2)) / 448
+    stacked = FP8_TENSOR.fake_quant(x, scales.view(-1, 1, 1))
+    assert torch.equal(stacked, torch.stack([FP8_TENSOR.fake_quant(w, s) for w, s in zip(x, scales)]))
+    assert not torch.equal(stacked, FP8_TENSOR.fake_quant(x, scales.max()))
