@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_emulation import edit_export, quantized_modules, set_exclude
+from engine_emulation import edit_export, quantized_modules
 
 from modelopt_k3 import check_export, convert_checkpoint
 from modelopt_k3.check import DIFFERENT, LOADS, EngineRefusal, check_recipe_for_engines, scan_export
-from modelopt_k3.export.modelopt_format import summarize_exclusions
+from modelopt_k3.export.modelopt_format import config_quantization_config, hf_quant_config
 from modelopt_k3.formats import NVFP4_TENSOR
+from modelopt_k3.models.kimi_k3.manifest import KIMI_K3_MANIFEST
 from modelopt_k3.recipe import recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
 
@@ -58,8 +59,17 @@ def _with_mlp0_w4a4(base: Path, dst: Path, tiny_ckpt: Path, input_scales: dict[s
         add[f"{MLP0}.{proj}.input_scale"] = torch.tensor(input_scales.get(proj, 0.03), dtype=torch.float32)
     mlp0 = {f"{MLP0}.{p}" for p in weights}
     kept = [m for m in _bf16_linears(base) if m not in mlp0]
-    exclude = summarize_exclusions(kept, quantized_modules(base) | mlp0)
-    return edit_export(base, dst, add=add, quant=lambda hf, cfg: set_exclude(hf, cfg, exclude))
+    # The manifest the exporters would write for these formats (the one writer decides single vs mixed).
+    algos = dict.fromkeys(quantized_modules(base) | mlp0, "NVFP4")
+    manifest = hf_quant_config(algos, kv_cache=None, unquantized=kept, naming=KIMI_K3_MANIFEST)
+
+    def rewrite(hf_q: dict, cfg_q: dict) -> None:
+        hf_q.clear()
+        hf_q.update(manifest["quantization"])
+        cfg_q.clear()
+        cfg_q.update(config_quantization_config(manifest))
+
+    return edit_export(base, dst, add=add, quant=rewrite)
 
 
 def test_fused_pieces_with_different_input_scales_serve_different_numbers(experts_only, tiny_ckpt, tmp_path):
