@@ -59,7 +59,17 @@ def _with_mlp0_w4a4(base: Path, dst: Path, tiny_wide_ckpt: Path, input_scales: d
     mlp0 = {f"{MLP0}.{p}" for p in weights}
     kept = [m for m in _bf16_linears(base) if m not in mlp0]
     exclude = summarize_exclusions(kept, quantized_modules(base) | mlp0)
-    return edit_export(base, dst, add=add, quant=lambda hf, cfg: set_exclude(hf, cfg, exclude))
+
+    def quant(hf, cfg):
+        set_exclude(hf, cfg, exclude)
+        # the base is MIXED_PRECISION: declare layer 0's MLP NVFP4 under each runtime spelling (and fused name)
+        names = [f"{prefix}layers.0.mlp.{p}" for prefix in (f"{LM}.", "model.", "")
+                 for p in (*weights, "gate_up_proj")]
+        for q in (hf, cfg):
+            if "quantized_layers" in q:
+                q["quantized_layers"].update({n: {"quant_algo": "NVFP4", "group_size": 16} for n in names})
+
+    return edit_export(base, dst, add=add, quant=quant)
 
 
 def test_fused_pieces_with_different_input_scales_serve_different_numbers(experts_only, tiny_wide_ckpt, tmp_path):
