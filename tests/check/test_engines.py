@@ -63,10 +63,10 @@ MLA3 = f"{LM}.layers.3.self_attn"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_ckpt: Path):
+def tokenizer(tiny_wide_ckpt: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_ckpt, trust_remote_code=True)
+    return AutoTokenizer.from_pretrained(tiny_wide_ckpt, trust_remote_code=True)
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +75,13 @@ def held_out_ids(tokenizer) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def experts_only(tiny_ckpt: Path, tokenizer, held_out_ids, tmp_path_factory):
+def experts_only(tiny_wide_ckpt: Path, tokenizer, held_out_ids, tmp_path_factory):
     """nvfp4_experts_only, calibrated W4A4 (fp32): (export dir, fake-quant logits on held-out text)."""
     from modelopt_k3.data import load_texts, make_forward_loop, pack_sequences
 
     seqs = pack_sequences(tokenizer, load_texts("builtin"), num_sequences=4, seq_len=SEQ)
     loop = make_forward_loop(list(seqs.split(4)), device=torch.device("cpu"), progress=False)
-    model = quantize(load_f32(tiny_ckpt), "nvfp4_experts_only", loop, verbose=False)
+    model = quantize(load_f32(tiny_wide_ckpt), "nvfp4_experts_only", loop, verbose=False)
     logits = logits_of(model, held_out_ids)
     out = export_checkpoint(model, tmp_path_factory.mktemp("experts_only") / "export", progress=False)
     return out, logits
@@ -145,9 +145,9 @@ def test_vllm_reading_of_unshared_w1_w3_scales_differs_and_the_check_says_so(goo
 # ----------------------------------------------------------------------------- one rule broken at a time
 
 
-def _mlp0_nvfp4(tiny_ckpt: Path, *, shared: bool) -> dict[str, torch.Tensor]:
+def _mlp0_nvfp4(tiny_wide_ckpt: Path, *, shared: bool) -> dict[str, torch.Tensor]:
     """Layer 0's dense MLP as NVFP4 W4A4 tensors: gate/up with one global scale (``shared``) or their own."""
-    src = read_checkpoint(tiny_ckpt)
+    src = read_checkpoint(tiny_wide_ckpt)
     weights = {p: src[f"{MLP0}.{p}.weight"].float() for p in ("gate_proj", "up_proj", "down_proj")}
     own = {p: w.abs().amax() / (6 * 448) for p, w in weights.items()}
     group = torch.maximum(own["gate_proj"], own["up_proj"])
@@ -160,8 +160,8 @@ def _mlp0_nvfp4(tiny_ckpt: Path, *, shared: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def _with_mlp0(good: Path, dst: Path, tiny_ckpt: Path, *, shared: bool) -> Path:
-    tensors = _mlp0_nvfp4(tiny_ckpt, shared=shared)
+def _with_mlp0(good: Path, dst: Path, tiny_wide_ckpt: Path, *, shared: bool) -> Path:
+    tensors = _mlp0_nvfp4(tiny_wide_ckpt, shared=shared)
     quantized = quantized_modules(good) | {k.rpartition(".")[0] for k in tensors}
     src_excluded = [f"{MLP0}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
 
@@ -177,13 +177,13 @@ def _exact_excludes(export: Path) -> list[str]:
     return sorted(n for n, lin in layout.linears.items() if lin.fmt == "bf16")
 
 
-def test_fused_group_with_one_global_scale_loads_correctly(good: Path, tiny_ckpt: Path, tmp_path):
-    export = _with_mlp0(good, tmp_path / "shared", tiny_ckpt, shared=True)
+def test_fused_group_with_one_global_scale_loads_correctly(good: Path, tiny_wide_ckpt: Path, tmp_path):
+    export = _with_mlp0(good, tmp_path / "shared", tiny_wide_ckpt, shared=True)
     assert verdicts(check_export(export, ("vllm", "sglang"))) == {"vllm": LOADS, "sglang": LOADS}
 
 
-def test_unshared_group_scale_serves_different_numbers(good: Path, tiny_ckpt: Path, tmp_path):
-    export = _with_mlp0(good, tmp_path / "unshared", tiny_ckpt, shared=False)
+def test_unshared_group_scale_serves_different_numbers(good: Path, tiny_wide_ckpt: Path, tmp_path):
+    export = _with_mlp0(good, tmp_path / "unshared", tiny_wide_ckpt, shared=False)
     tensors = read_export(export).tensors
     gate, up = (tensors[f"{MLP0}.{p}.weight_scale_2"].item() for p in ("gate_proj", "up_proj"))
     report = check_export(export, ("vllm", "sglang"))
@@ -205,14 +205,14 @@ def test_unshared_group_scale_serves_different_numbers(good: Path, tiny_ckpt: Pa
 
 
 @pytest.fixture(scope="module")
-def mlp0_fp8_pb(tiny_ckpt: Path, tmp_path_factory) -> Path:
+def mlp0_fp8_pb(tiny_wide_ckpt: Path, tmp_path_factory) -> Path:
     """Calibration-free: layer 0's dense MLP as 128x128 block FP8 (dims divisible by 128), the rest BF16."""
     recipe = recipe_from_dict({"quant_cfg": [{"pattern": f"{MLP0}.*", "weights": "fp8_pb", "inputs": None}]},
                               name="mlp0_fp8_pb")
     from modelopt_k3 import convert_checkpoint
 
     out = tmp_path_factory.mktemp("fp8_pb") / "export"
-    convert_checkpoint(tiny_ckpt, out, recipe, progress=False)
+    convert_checkpoint(tiny_wide_ckpt, out, recipe, progress=False)
     return out
 
 
@@ -269,8 +269,8 @@ def test_kv_scales_are_dropped_by_both_kimi_k3_classes(good: Path, tmp_path, nam
     assert kv_targets == {f"{MLA3}.{name}": None, f"{MLA3}.{v_name}": None}
 
 
-def test_layers_an_engines_k3_class_cannot_take_quantized(good: Path, tiny_ckpt: Path, tmp_path):
-    src = read_checkpoint(tiny_ckpt)
+def test_layers_an_engines_k3_class_cannot_take_quantized(good: Path, tiny_wide_ckpt: Path, tmp_path):
+    src = read_checkpoint(tiny_wide_ckpt)
 
     def nvfp4(module: str) -> dict[str, torch.Tensor]:
         w = src[f"{module}.weight"].float()
@@ -301,8 +301,8 @@ def test_layers_an_engines_k3_class_cannot_take_quantized(good: Path, tiny_ckpt:
     assert report.results["vllm"].verdict == LOADS, report.results["vllm"].headline()
 
 
-def test_trtllm_reads_the_mxfp4_source_and_nvfp4_experts_only_when_declared(tiny_ckpt: Path, good: Path, tmp_path):
-    assert check_export(tiny_ckpt, ("trtllm",)).results["trtllm"].verdict == LOADS  # the MXFP4 source form
+def test_trtllm_reads_the_mxfp4_source_and_nvfp4_experts_only_when_declared(tiny_wide_ckpt: Path, good: Path, tmp_path):
+    assert check_export(tiny_wide_ckpt, ("trtllm",)).results["trtllm"].verdict == LOADS  # the MXFP4 source form
     report = check_export(good, ("trtllm",)).results["trtllm"]
     assert report.verdict == REFUSES and "as W4A8_MXFP4_MXFP8 (the default" in report.refusals[0].reason
 
@@ -317,6 +317,23 @@ def test_trtllm_reads_the_mxfp4_source_and_nvfp4_experts_only_when_declared(tiny
 
 
 MIRROR = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"
+EXPERTS = "models/moonshotai/Kimi-K3/nvfp4_experts"
+
+
+def test_sglang_refuses_64_wide_nvfp4_experts_at_flashinfers_shuffle(tiny_ckpt: Path, tmp_path):
+    """SGLang 0.5.23's flashinfer_trtllm NVFP4 MoE post-processing (the backend K3's situ experts need)
+    asserts routed-expert GEMM rows % 128 == 0: the default tiny model's GEMM2 has 64 (its GEMM1, 2 x 64, passes);
+    vLLM pads the experts itself (the conformance matrix's 64-wide cells: SGLang AssertionError, vLLM loads)."""
+    from modelopt_k3 import convert_checkpoint
+
+    out = convert_checkpoint(tiny_ckpt, tmp_path / "experts", EXPERTS, progress=False).dst
+    report = check_export(out, ("vllm", "sglang"))
+    assert verdicts(report) == {"vllm": LOADS, "sglang": REFUSES}
+    reasons = {r.reason for r in report.results["sglang"].refusals}
+    assert reasons == {"SGLang's flashinfer_trtllm NVFP4 MoE post-processing (shuffle_matrix_sf_a) asserts routed-"
+                       "expert GEMM rows % 128 == 0; this export has GEMM2 (w2) 64 (AssertionError after load_weights)"}
+    assert [r.tensor for r in report.results["sglang"].refusals] == [
+        f"{LM}.layers.{i}.block_sparse_moe.experts.0.w1.weight" for i in (1, 2, 3)]
 
 
 def test_the_converters_mirror_loads_in_trtllm_and_the_tiny_dims_decide_vllm_and_sglang(tiny_ckpt: Path, tmp_path):
@@ -332,7 +349,8 @@ def test_the_converters_mirror_loads_in_trtllm_and_the_tiny_dims_decide_vllm_and
     assert "FP8_PB_WO requires in divisible by 128, got 32" in report.results["vllm"].refusals[0].reason  # f_b_proj
     assert "validate_block_quant_shapes" in report.results["sglang"].refusals[0].reason  # fused_qkvg_proj
     (flag,) = report.results["sglang"].serve_flags
-    assert flag.startswith("--moe-runner-backend flashinfer_trtllm") and "{'w2': 64}" in flag
+    assert flag.startswith("--moe-runner-backend flashinfer_trtllm")
+    assert any("GEMM2 (w2) 64" in r.reason for r in report.results["sglang"].refusals)  # flashinfer's shuffle
     assert report.results["vllm"].serve_flags == [] and report.results["trtllm"].serve_flags == []
 
     def per_expert(hf, cfg):  # the bank entries replaced by per-expert ones: what TensorRT-LLM never reads
@@ -345,33 +363,42 @@ def test_the_converters_mirror_loads_in_trtllm_and_the_tiny_dims_decide_vllm_and
     assert trt.verdict == REFUSES and "no <prefix>layers.{i}.block_sparse_moe.experts entry" in trt.refusals[0].reason
 
 
-def test_producer_name_matters_only_on_sglangs_hf_quant_config_fallback(good: Path, tmp_path):
-    """config.json's quantization_config is read first; without it SGLang reads hf_quant_config.json only
-    when producer.name is "modelopt"."""
+def test_hf_quant_config_fallback_producer_matters_to_vllm_only(good: Path, tmp_path):
+    """Without config.json's quantization_config both engines read hf_quant_config.json, but vLLM 0.33.0
+    names the ModelOpt method only for producer.name "modelopt" (else builds the model unquantized and
+    load_weights raises KeyError), while SGLang 0.5.23 names it from quant_algo alone (the conformance
+    matrix's broken-no-quant-config cell: vLLM refuses, SGLang loads)."""
     export = edit_export(good, tmp_path / "no_qc")
     config = json.loads((export / "config.json").read_text())
     del config["quantization_config"]
     (export / "config.json").write_text(json.dumps(config))
     hf = json.loads((export / "hf_quant_config.json").read_text())
-    for name, verdict in (("modelopt_k3", REFUSES), ("modelopt", LOADS)):
+    for name, vllm_verdict in (("modelopt_k3", REFUSES), ("modelopt", LOADS)):
         hf["producer"]["name"] = name
         (export / "hf_quant_config.json").write_text(json.dumps(hf))
-        sglang = check_export(export, ("sglang",)).results["sglang"]
-        assert sglang.verdict == verdict, sglang.headline()
-    assert check_export(export, ("vllm",)).results["vllm"].verdict == LOADS  # vLLM does not look
+        report = check_export(export, ("vllm", "sglang"))
+        assert report.results["vllm"].verdict == vllm_verdict, report.results["vllm"].headline()
+        assert report.results["sglang"].verdict == LOADS, report.results["sglang"].headline()
     hf["producer"]["name"] = "modelopt_k3"
     (export / "hf_quant_config.json").write_text(json.dumps(hf))
-    sglang = check_export(export, ("sglang",)).results["sglang"]
-    assert "producer.name is 'modelopt'" in sglang.refusals[0].reason
+    vllm = check_export(export, ("vllm",)).results["vllm"]
+    assert "builds the model unquantized" in vllm.refusals[0].reason
+    # SGLang's fallback reads a MIXED_PRECISION map without an NVFP4 layer as w4afp8, and names no method
+    # for an algo outside FP4/FP8/MXFP8 (the model is built BF16)
+    for quant, words in (({"quant_algo": "MIXED_PRECISION", "quantized_layers": {EXPERTS1: {"quant_algo": "FP8"}}},
+                          "w4afp8"), ({"quant_algo": "FP8_PB_WO"}, "built unquantized")):
+        (export / "hf_quant_config.json").write_text(json.dumps({**hf, "quantization": {**hf["quantization"], **quant}}))
+        sglang = check_export(export, ("sglang",)).results["sglang"]
+        assert sglang.verdict == REFUSES and words in sglang.refusals[0].reason, sglang.headline()
 
 
 # ----------------------------------------------------------------------------- up front, from names only
 
 
-def test_planned_layout_is_what_the_exporter_writes(experts_only, tiny_ckpt: Path):
+def test_planned_layout_is_what_the_exporter_writes(experts_only, tiny_wide_ckpt: Path):
     """The up-front check judges exactly the tensors and configs the export will hold."""
     export, _ = experts_only
-    planned = planned_layout(tiny_ckpt, load_recipe("nvfp4_experts_only"))
+    planned = planned_layout(tiny_wide_ckpt, load_recipe("nvfp4_experts_only"))
     written, reader = scan_export(export)
     reader.close()
     assert planned.quant == written.quant and planned.hf_quant == written.hf_quant
@@ -385,20 +412,20 @@ LATENT_NVFP4 = {"quant_cfg": [
 ]}
 
 
-def test_recipe_refused_up_front_names_layers_and_rule(tiny_ckpt: Path):
+def test_recipe_refused_up_front_names_layers_and_rule(tiny_wide_ckpt: Path):
     recipe = recipe_from_dict(LATENT_NVFP4, name="latent_nvfp4")
     with pytest.raises(EngineRefusal) as err:
-        check_recipe_for_engines(tiny_ckpt, recipe, "vllm,sglang")
+        check_recipe_for_engines(tiny_wide_ckpt, recipe, "vllm,sglang")
     text = str(err.value)
     assert "cannot be served as calibrated by sglang:" in text
     assert f"{LM}.layers.1.block_sparse_moe.routed_expert_down_proj.weight" in text
     assert "builds the latent-expert projections with quant_config=None" in text
     kv = load_recipe("nvfp4_experts_only", overrides={"kv_cache": "fp8"})
     with pytest.raises(EngineRefusal, match=r"self_attn\.attn\.k_scale, which is no parameter"):
-        check_recipe_for_engines(tiny_ckpt, kv, ("sglang",))
+        check_recipe_for_engines(tiny_wide_ckpt, kv, ("sglang",))
 
 
-def test_hf_ptq_refuses_before_loading(tiny_ckpt: Path, tmp_path: Path, monkeypatch, capsys):
+def test_hf_ptq_refuses_before_loading(tiny_wide_ckpt: Path, tmp_path: Path, monkeypatch, capsys):
     import modelopt_k3.load
 
     def no_load(*a, **k):
@@ -407,7 +434,7 @@ def test_hf_ptq_refuses_before_loading(tiny_ckpt: Path, tmp_path: Path, monkeypa
     monkeypatch.setattr(modelopt_k3.load, "load_pretrained", no_load)
     recipe = tmp_path / "latent.yaml"
     recipe.write_text(json.dumps(LATENT_NVFP4))  # JSON is YAML
-    argv = ["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--recipe", str(recipe),
+    argv = ["--pyt_ckpt_path", str(tiny_wide_ckpt), "--trust_remote_code", "--recipe", str(recipe),
             "--export_path", str(tmp_path / "out"), "--no_progress"]
     assert hf_ptq.main([*argv, "--target_engines", "sglang"]) == 2
     err = capsys.readouterr().err
@@ -418,29 +445,29 @@ def test_hf_ptq_refuses_before_loading(tiny_ckpt: Path, tmp_path: Path, monkeypa
     assert hf_ptq.main([*argv, "--target_engines", "sglang", "--export_format", "compressed-tensors"]) == 2
 
 
-def test_convert_refuses_before_writing(tiny_ckpt: Path, tmp_path: Path, capsys):
+def test_convert_refuses_before_writing(tiny_wide_ckpt: Path, tmp_path: Path, capsys):
     mirror = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"
-    rc = convert_cli.main(["--src", str(tiny_ckpt), "--dst", str(tmp_path / "out"), "--recipe", mirror,
+    rc = convert_cli.main(["--src", str(tiny_wide_ckpt), "--dst", str(tmp_path / "out"), "--recipe", mirror,
                            "--target_engines", "sglang", "--no_progress"])
     assert rc == 2 and not (tmp_path / "out").exists()
     # FP8_PB_WO fused_qkvg_proj: the tiny model's 64-row pieces are not 128-row partitions.
     assert "validate_block_quant_shapes refuses output partitions not divisible by 128" in capsys.readouterr().err
 
 
-def test_check_cli_exit_codes(good: Path, tiny_ckpt: Path, tmp_path: Path, capsys):
+def test_check_cli_exit_codes(good: Path, tiny_wide_ckpt: Path, tmp_path: Path, capsys):
     assert check_cli.main([str(good)]) == 0
     out = capsys.readouterr().out
     assert "vllm    loads correctly" in out and "sglang  loads correctly" in out
-    bad = _with_mlp0(good, tmp_path / "unshared", tiny_ckpt, shared=False)
+    bad = _with_mlp0(good, tmp_path / "unshared", tiny_wide_ckpt, shared=False)
     assert check_cli.main([str(bad), "--engine", "vllm"]) == 1
     assert "loads but serves different numbers" in capsys.readouterr().out
     assert check_cli.main([str(tmp_path / "missing")]) == 2
     assert check_cli.main([str(good), "--engine", "vllm,tgi"]) == 2
 
 
-def test_hf_ptq_prints_the_check_and_exits_on_targets_only(tiny_ckpt: Path, tmp_path: Path, capsys):
+def test_hf_ptq_prints_the_check_and_exits_on_targets_only(tiny_wide_ckpt: Path, tmp_path: Path, capsys):
     """Without --target_engines the final table is printed and the run succeeds whatever it says."""
-    argv = ["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--qformat", "nvfp4_experts_only",
+    argv = ["--pyt_ckpt_path", str(tiny_wide_ckpt), "--trust_remote_code", "--qformat", "nvfp4_experts_only",
             "--calib_size", "2", "--calib_seq", "16", "--no_progress"]
     assert hf_ptq.main([*argv, "--export_path", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
@@ -452,14 +479,14 @@ def test_hf_ptq_prints_the_check_and_exits_on_targets_only(tiny_ckpt: Path, tmp_
 
 
 @pytest.mark.parametrize("qformat", ["nvfp4", "nvfp4_experts_only"])
-def test_hf_ptq_presets_are_served_by_vllm_and_sglang(tiny_ckpt: Path, tmp_path: Path, qformat: str):
+def test_hf_ptq_presets_are_served_by_vllm_and_sglang(tiny_wide_ckpt: Path, tmp_path: Path, qformat: str):
     """The acceptance criterion of issue 13 on a real hf_ptq export: the default presets pass the check.
 
     Needs the exporter side of issue 13 (shared fused-group scales, ModelOpt's exclude_modules
     wildcards); it fails on an exporter that writes per-piece scales or exact-name excludes.
     """
     out = tmp_path / qformat
-    rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--qformat", qformat,
+    rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_wide_ckpt), "--trust_remote_code", "--qformat", qformat,
                       "--calib_size", "4", "--calib_seq", "32", "--no_progress", "--export_path", str(out),
                       "--target_engines", "vllm,sglang"])
     assert rc == 0

@@ -35,9 +35,9 @@ KDA_PIECES = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")  # v
 
 
 @pytest.fixture(scope="module")
-def experts_only(tiny_ckpt: Path, tmp_path_factory) -> Path:
+def experts_only(tiny_wide_ckpt: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fused_rules") / "experts_only"
-    return convert_checkpoint(tiny_ckpt, out, "models/moonshotai/Kimi-K3/nvfp4_experts", progress=False).dst
+    return convert_checkpoint(tiny_wide_ckpt, out, "models/moonshotai/Kimi-K3/nvfp4_experts", progress=False).dst
 
 
 def _bf16_linears(export: Path) -> list[str]:
@@ -46,10 +46,10 @@ def _bf16_linears(export: Path) -> list[str]:
     return sorted(n for n, lin in layout.linears.items() if lin.fmt == "bf16")
 
 
-def _with_mlp0_w4a4(base: Path, dst: Path, tiny_ckpt: Path, input_scales: dict[str, float]) -> Path:
+def _with_mlp0_w4a4(base: Path, dst: Path, tiny_wide_ckpt: Path, input_scales: dict[str, float]) -> Path:
     """``base`` plus layer 0's dense MLP as NVFP4 W4A4: gate/up share one weight_scale_2 (their max amax) and
     take the given input scales; down_proj its own."""
-    src = read_checkpoint(tiny_ckpt)
+    src = read_checkpoint(tiny_wide_ckpt)
     weights = {p: src[f"{MLP0}.{p}.weight"].float() for p in ("gate_proj", "up_proj", "down_proj")}
     gate_up = torch.maximum(weights["gate_proj"].abs().amax(), weights["up_proj"].abs().amax()) / (6 * 448)
     add = {}
@@ -72,12 +72,12 @@ def _with_mlp0_w4a4(base: Path, dst: Path, tiny_ckpt: Path, input_scales: dict[s
     return edit_export(base, dst, add=add, quant=rewrite)
 
 
-def test_fused_pieces_with_different_input_scales_serve_different_numbers(experts_only, tiny_ckpt, tmp_path):
-    same = _with_mlp0_w4a4(experts_only, tmp_path / "same", tiny_ckpt, {"gate_proj": 0.01, "up_proj": 0.01})
+def test_fused_pieces_with_different_input_scales_serve_different_numbers(experts_only, tiny_wide_ckpt, tmp_path):
+    same = _with_mlp0_w4a4(experts_only, tmp_path / "same", tiny_wide_ckpt, {"gate_proj": 0.01, "up_proj": 0.01})
     report = check_export(same, ("vllm", "sglang"))
     assert {e: r.verdict for e, r in report.results.items()} == {"vllm": LOADS, "sglang": LOADS}
 
-    differ = _with_mlp0_w4a4(experts_only, tmp_path / "differ", tiny_ckpt, {"gate_proj": 0.01, "up_proj": 0.025})
+    differ = _with_mlp0_w4a4(experts_only, tmp_path / "differ", tiny_wide_ckpt, {"gate_proj": 0.01, "up_proj": 0.025})
     report = check_export(differ, ("vllm", "sglang"))
     assert {e: r.verdict for e, r in report.results.items()} == {"vllm": DIFFERENT, "sglang": DIFFERENT}
     for engine in ("vllm", "sglang"):
@@ -87,13 +87,13 @@ def test_fused_pieces_with_different_input_scales_serve_different_numbers(expert
         assert dev.error == pytest.approx(0.025 / 0.01 - 1, rel=1e-6)  # gate's input read with up's scale
 
 
-def test_vllm_refuses_a_recipe_quantizing_kdas_fused_projection(tiny_ckpt: Path):
+def test_vllm_refuses_a_recipe_quantizing_kdas_fused_projection(tiny_wide_ckpt: Path):
     recipe = recipe_from_dict({"quant_cfg": [
         {"import": "units/default_disabled"},
         *({"pattern": f"*.layers.0.self_attn.{p}", "weights": "nvfp4", "inputs": None} for p in KDA_PIECES),
     ]}, name="kda0_nvfp4")
     with pytest.raises(EngineRefusal) as err:
-        check_recipe_for_engines(tiny_ckpt, recipe, "vllm")
+        check_recipe_for_engines(tiny_wide_ckpt, recipe, "vllm")
     text = str(err.value)
     assert text.startswith("recipe kda0_nvfp4 cannot be served as calibrated by vllm:\nvllm:\n"), text
     # The fused parameter's first piece, refused by the keep-BF16 rule itself.

@@ -161,6 +161,11 @@ class ModelOptEngine:
         """Why the engine's one (possibly fused) module refuses ``method`` as a whole (None: it does not)."""
         return None
 
+    def experts_problem(self, method: str, per_expert: dict[int, dict[str, Linear]], serving: ModelServing,
+                        layout: Layout) -> str | None:
+        """Why the engine refuses the routed-expert bank as a whole after loading (None: it does not)."""
+        return None
+
     def serve_flags(self, layout: Layout, serving: ModelServing) -> list[str]:
         """Serve-command flags this export needs on this engine (each with its reason)."""
         return []
@@ -296,6 +301,9 @@ class ModelOptEngine:
             problem = self.tensor_problem(method, piece)
             if problem:
                 raise Refuse(piece.tensor_name(), problem)
+        problem = self.experts_problem(method, per_expert, serving, layout)
+        if problem:
+            raise Refuse(min(pieces, key=lambda p: p.name).tensor_name(), problem)
         if not numerics or not quantized:
             return []
         return experts_scale_deviations(layout, module_name, per_expert, serving.gate_up, method)

@@ -9,8 +9,11 @@ get_quant_method}`` (FP8, FP8_PB_WO / FP8_BLOCK_SCALES as block FP8, MXFP8, NVFP
 and routed experts), ``ModelOptNvFp4FusedMoEMethod.apply`` (``situ`` only on the flashinfer_trtllm /
 flashinfer_megamoe runner backends) --, ``layers/quantization/fp8.py`` ``Fp8LinearMethod.
 validate_block_quant_shapes``, ``layers/quantization/utils.py`` ``is_layer_skipped`` / ``_module_path_match`` and
-``model_loader/weight_utils.py`` (``get_quant_config``: the hf_quant_config.json fallback requires
-``producer.name == "modelopt"``; ``maybe_remap_kv_scale_name``). The Kimi-K3 class is in
+``model_loader/weight_utils.py`` (``get_quant_config``; ``maybe_remap_kv_scale_name``),
+``configs/model_config.py`` ``ModelConfig.{_parse_quant_hf_config, _parse_modelopt_quant_config}`` (the
+hf_quant_config.json fallback, any producer) and ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading``
+with ``layers/moe/moe_runner/flashinfer_trtllm.py::align_fp4_moe_weights_for_flashinfer_trtllm`` (flashinfer's
+shuffle: routed-expert GEMM rows % 128). The Kimi-K3 class is in
 ``models/kimi_k3/serving.py``.
 """
 
@@ -42,6 +45,23 @@ MIXED_ALGOS = {s.algo: s.engine_method for s in (FP8, FP8_PB_WO, NVFP4, W4A16_NV
 # The runner backends whose ModelOpt NVFP4 MoE takes the situ activation (ModelOptNvFp4FusedMoEMethod.apply).
 SITU_BACKEND = "flashinfer_trtllm"
 SHUFFLE_ROWS = 128  # flashinfer's shuffle of the NVFP4 expert weights: rows (N) of w13 and w2 % 128
+
+
+def _hf_quant_config_method(quant: dict, source: str) -> None:
+    """configs/model_config.py ``ModelConfig._parse_quant_hf_config`` -> ``_parse_modelopt_quant_config``:
+    without ``quantization_config`` in config.json, SGLang names the method from hf_quant_config.json's
+    quant_algo alone (any producer: weight_utils.get_quant_config's ``producer.name.startswith("modelopt")``
+    branch and its fallback both call the method's ``from_config``). Other algos: no method, built BF16."""
+    algo = quant.get("quant_algo")
+    if algo == "MIXED_PRECISION":
+        if not any(str((v or {}).get("quant_algo", "")).upper() in (NVFP4.algo, W4A16_NVFP4.algo)
+                   for v in (quant.get("quantized_layers") or {}).values() if isinstance(v, dict)):
+            raise Refuse(source, "MIXED_PRECISION without an NVFP4/W4A16_NVFP4 layer: SGLang's ModelConfig reads "
+                                 "hf_quant_config.json as w4afp8, not as its ModelOpt mixed-precision config")
+    elif not (algo and ("FP4" in algo or algo in (FP8.algo, "MXFP8"))):
+        raise Refuse(source, f"quant_algo {algo!r} in hf_quant_config.json (config.json has no quantization_config): "
+                             "SGLang's ModelConfig._parse_modelopt_quant_config names no method for it, so the model "
+                             "is built unquantized")
 
 
 def _module_path_match(ignored: str, prefix: str) -> bool:
@@ -78,11 +98,9 @@ class SglangEngine(ModelOptEngine):
             raise Refuse("config.json", "no quantization_config and no hf_quant_config.json")
         cfg, source = found
         if "quantization" in cfg:
-            producer = (cfg.get("producer") or {}).get("name")
-            if producer != "modelopt":  # weight_utils.get_quant_config, modelopt branch
-                raise Refuse(source, f"SGLang reads hf_quant_config.json only when producer.name is 'modelopt'; "
-                                     f"it is {producer!r}")
             quant = cfg["quantization"] if isinstance(cfg["quantization"], dict) else {}
+            if source == "hf_quant_config.json":
+                _hf_quant_config_method(quant, source)
             algo = str(quant.get("quant_algo") or "").upper()
             kv = quant.get("kv_cache_quant_algo")
             exclude = quant.get("exclude_modules") or []
@@ -171,15 +189,32 @@ class SglangEngine(ModelOptEngine):
             return []
         flag = (f"--moe-runner-backend {SITU_BACKEND} (ModelOpt NVFP4 MoE takes the situ activation only on "
                 "flashinfer_trtllm/flashinfer_megamoe; the default auto fails at the first forward)")
-        rows = {}
-        for lin in nvfp4:
-            proj = expert_re.fullmatch(lin.name)["proj"]
-            rows[proj] = lin.shape[0] * (2 if proj in serving.gate_up else 1)
-        short = {p: n for p, n in sorted(rows.items()) if n % SHUFFLE_ROWS}
-        if short:
-            flag += (f"; note: flashinfer's post-load shuffle needs routed-expert rows divisible by {SHUFFLE_ROWS} "
-                     f"(w13, w2), this export has {short}: not replayed here, SGLang refuses it after loading")
         return [flag]
+
+    def experts_problem(self, method, per_expert, serving, layout):
+        """With flashinfer_trtllm (the backend K3's situ experts need, ``serve_flags``),
+        ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` (modelopt_quant.py) runs
+        ``moe_runner/flashinfer_trtllm.py::align_fp4_moe_weights_for_flashinfer_trtllm``, whose
+        ``shuffle_matrix_sf_a`` asserts each GEMM's scale rows % 128 == 0 (flashinfer ``utils.py``
+        ``get_shuffle_matrix_sf_a_row_indices``): GEMM1 has 2 x intermediate rows (``create_weights`` pads
+        intermediate to 64, gated), GEMM2 has hidden rows, unpadded (``trtllm_nvfp4_hidden_alignment``: 1
+        for a gated static-activation MoE)."""
+        if method != NVFP4.engine_method or not self.serve_flags(layout, serving):
+            return None
+        expert = next(iter(per_expert.values()))
+        gate_up = [lin for proj, lin in expert.items() if proj in serving.gate_up]
+        down = [lin for proj, lin in expert.items() if proj not in serving.gate_up]
+        rows = {}
+        if gate_up:
+            rows["GEMM1 (w13)"] = 2 * -(-gate_up[0].shape[0] // 64) * 64
+        if down:
+            rows["GEMM2 (w2)"] = down[0].shape[0]
+        short = {k: n for k, n in rows.items() if n % SHUFFLE_ROWS}
+        if not short:
+            return None
+        return (f"SGLang's flashinfer_trtllm NVFP4 MoE post-processing (shuffle_matrix_sf_a) asserts routed-expert "
+                f"GEMM rows % {SHUFFLE_ROWS} == 0; this export has "
+                + ", ".join(f"{k} {n}" for k, n in short.items()) + " (AssertionError after load_weights)")
 
     def remap_kv_scale(self, name: str, params: set[str]) -> tuple[str, bool]:
         """weight_utils.maybe_remap_kv_scale_name: ...self_attn.{k,v}_proj.{k,v}_scale (ModelOpt) and any

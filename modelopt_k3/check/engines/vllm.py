@@ -8,7 +8,10 @@ Written from the vLLM 0.33.0 wheel on PyPI (``pip download --no-deps vllm==0.33.
 W4A16_NVFP4, MXFP8 for Linears; the same for routed experts, FP8_PB_WO as block-FP8 ``Fp8MoEMethod``),
 ``KFp8Block128.create_weights`` (FP8_PB_WO: in divisible by 128, scale ``[ceil(out/128), 1, in/128, 1]``
 fp32, a partial last output block padded by ``_Fp8PbWoPartialBlock``); ``utils/quant_utils.py::
-is_layer_skipped``; ``model_loader/weight_utils.py::{get_quant_config, maybe_remap_kv_scale_name}``.
+is_layer_skipped``; ``model_loader/weight_utils.py::{get_quant_config, maybe_remap_kv_scale_name}``;
+``transformers_utils/config.py::get_config`` (hf_quant_config.json when config.json has none) and
+``transformers_utils/model_arch_config_convertor.py::ModelArchConfigConvertorBase._normalize_quantization_config``
+(the ModelOpt quant_method only for producer.name "modelopt").
 The Kimi-K3 class (``vllm/models/kimi_k3/nvidia/``, same wheel) is in ``models/kimi_k3/serving.py``.
 """
 
@@ -50,6 +53,25 @@ KV_SCALE_PATTERNS = (
 )
 
 
+def _modelopt_method_named(cfg: dict, quant: dict, source: str) -> None:
+    """transformers_utils/config.py ``get_config`` puts hf_quant_config.json (when config.json has no
+    quantization_config) into ``hf_config.quantization_config``; ``model_arch_config_convertor.py``
+    ``ModelArchConfigConvertorBase._normalize_quantization_config`` names its quant_method (modelopt,
+    modelopt_fp4, modelopt_mixed) only when producer.name is exactly "modelopt" (or ``quantization`` holds a
+    legacy ``modelopt_quant_config``). Otherwise quant_method stays "" and every ModelOpt
+    ``override_quantization_method`` (``_extract_modelopt_quant_algo``: quant_method must start with
+    "modelopt") declines: ``ModelConfig._verify_quantization`` leaves quantization None and the model is
+    built unquantized, so load_weights meets scale tensors with no parameter (KeyError)."""
+    producer = (cfg.get("producer") or {}).get("name")
+    if producer == "modelopt" or "modelopt_quant_config" in quant:
+        return
+    if str(cfg.get("quant_method") or "").lower().startswith("modelopt"):
+        return
+    raise Refuse(source, f"producer.name is {producer!r}: vLLM names the ModelOpt quant_method of a "
+                         "'quantization' config only for producer 'modelopt', so it builds the model unquantized "
+                         "(load_weights then finds no parameter for the quantized tensors' scales)")
+
+
 def is_layer_skipped(prefix: str, ignored: list[str], fused: dict[str, tuple[str, ...]]) -> bool:
     """quant_utils.is_layer_skipped (match_mode "exact"): a fused layer is skipped when its own name is
     listed, else iff all its shards are listed exactly (some but not all raises); an experts layer iff
@@ -81,6 +103,7 @@ class VllmEngine(ModelOptEngine):
         cfg, source = found
         if "quantization" in cfg:  # the hf_quant_config.json layout
             quant = cfg["quantization"] if isinstance(cfg["quantization"], dict) else {}
+            _modelopt_method_named(cfg, quant, source)
             algo = str(quant.get("quant_algo") or "").upper()
             kv = quant.get("kv_cache_quant_algo")
             exclude = quant.get("exclude_modules", [])
