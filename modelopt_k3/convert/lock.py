@@ -11,24 +11,16 @@ however it ends short of ``kill -9``; that one is found dead by the next run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from ..ownership import Heartbeat, Owner, owner_status, read_record, write_record
+from ..ownership import FileLock, Heartbeat, Owner, owner_status, read_record, write_record
 
 __all__ = ["LOCK_DIR", "RankLock", "acquire_rank_lock", "live_locks"]
 
 LOCK_DIR = "locks"
 
 
-@dataclass
-class RankLock:
-    path: Path
-    beat: Heartbeat
-
-    def release(self) -> None:
-        self.beat.stop()
-        self.path.unlink(missing_ok=True)
+RankLock = FileLock  # a rank's lock file is a held lock file like any other (ownership.FileLock)
 
 
 def _lock_path(locks: Path, rank: int) -> Path:
