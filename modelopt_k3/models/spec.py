@@ -144,6 +144,12 @@ class ModelSpec:
     # Regex (searched) matching the in-memory names of the language model's decoder layers, whose outputs
     # are the hidden states the quantization report compares (report/, quant/evaluate.py); None: none.
     decoder_layer_regex: str | None = None
+    # Where the model class comes from when not the checkpoint's remote code: an object with ``remote_code``
+    # and ``resolve(path, raw config, trust_remote_code) -> (class, config)`` (None: config.json's auto_map).
+    model_class: Any = None
+    # Routers (regex, searched) stored like a Linear (weight + bias) that the model does not hold as an
+    # ``nn.Linear`` (GPT-OSS's ``GptOssTopKRouter``): decided as routers, never as quantizable Linears.
+    router_regex: str | None = None
 
     def check_transformers(self) -> None:
         import transformers
@@ -179,6 +185,7 @@ _REGISTRY: dict[str, ModelSpec] = {}
 # model_type -> module that registers its spec on import (lazy, so importing the package stays cheap).
 _BUILTIN: dict[str, str] = {
     "kimi_k3": "modelopt_k3.models.kimi_k3",
+    "gpt_oss": "modelopt_k3.models.gpt_oss",
 }
 
 

@@ -258,9 +258,12 @@ def decide(
     dense_parts, expert_parts = _modules(inventory, spec)
     decisions = _expert_decisions(recipe, spec, expert_parts)
     experts_modules = {name.rpartition(".*.")[0] for name in decisions}
+    router_re = re.compile(spec.router_regex) if spec.router_regex else None
     for name in sorted(dense_parts):
         parts = dense_parts[name]
-        if _is_linear(name, parts):
+        if router_re is not None and router_re.search(name) and "weight" in parts:
+            decisions[name] = Decision(name, "router", parts["weight"][1], None, "router")
+        elif _is_linear(name, parts):
             fmt, entry = recipe.resolve(name)
             decisions[name] = Decision(name, "linear", parts["weight"][1], fmt, None if fmt else reason_for(entry))
         elif _EMBEDDING_RE.search(name) and "weight" in parts:
