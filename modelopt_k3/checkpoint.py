@@ -383,7 +383,7 @@ def _view_for(path: Path) -> CheckpointView | None:
     except CheckpointError:  # reported by whoever reads the config for its contents
         return None
     if isinstance(model_type, str) and model_type not in _VIEWS:
-        from .models.spec import SpecError, get_spec  # the spec registry (imports a built-in spec lazily)
+        from .spec import SpecError, get_spec  # the spec registry (imports a built-in spec lazily)
 
         try:
             get_spec(model_type)

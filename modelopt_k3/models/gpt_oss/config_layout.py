@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..spec import ExpertsLayout, SpecError
+from ...spec import ExpertsLayout, SpecError
 
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"
 CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_local_experts",

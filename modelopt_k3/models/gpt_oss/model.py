@@ -30,8 +30,8 @@ from transformers.core_model_loading import ConversionOps, MergeModulelist, Weig
 from ...checkpoint import TensorInfo
 from ...dist.placement import ExpertPlacement
 from ...numerics.mxfp4 import mxfp4_decode
-from ..conversion import DecodeOp
-from ..spec import PrepareContext, SpecError
+from ...spec import PrepareContext, SpecError
+from ...spec.conversion import DecodeOp
 from .experts import GptOssFusedExperts
 from .layout import BLOCK_BYTES
 
