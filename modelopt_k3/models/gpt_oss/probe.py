@@ -30,6 +30,7 @@ def probe_model(model_cls: type, config: Any, device: torch.device) -> tuple[nn.
         if getattr(tiny, token, None) is not None:
             setattr(tiny, token, tiny.vocab_size - 1)
     tiny._attn_implementation = "eager"
+    tiny._experts_implementation = "eager"  # not the run's (an expert-parallel route needs a placement)
     with torch.device("cpu"):
         model = GptOssForCausalLM(tiny).float().eval()
     generator = torch.Generator().manual_seed(0)
