@@ -41,6 +41,48 @@ def test_view_shows_each_experts_bytes(tiny_gpt_oss_ckpt: Path) -> None:
         assert reader.log.bytes == blocks.numel() + scales.numel() + 4 * blocks.shape[-1] * blocks.shape[-2]
 
 
+def _load_as_rank(ckpt: Path, ep_rank: int, ep_size: int):
+    """What ``load_pretrained`` does on one expert-parallel rank, in this process (no peers needed: the load
+    itself exchanges nothing)."""
+    import dataclasses
+
+    from modelopt_k3 import load as L
+    from modelopt_k3.dist.group import current_group
+    from modelopt_k3.dist.placement import ExpertPlacement
+    from modelopt_k3.dist.plan import decide_plan
+
+    src = L._open_source(ckpt, False)
+    plan = decide_plan("whole", spec=src.spec, num_experts=4, rank=0, world_size=1, device=torch.device("cpu"))
+    placement = dataclasses.replace(plan.build_placement(), experts=ExpertPlacement(4, ep_size=ep_size, ep_rank=ep_rank))
+    converters = L._prepare(src, ckpt, plan)
+    plan = L._decide_residency("bf16", packed_source=True, plan=plan, path=ckpt, dtype=torch.float32, decode_chunk=None)
+    model = L._build_placed_model(src, plan, placement, torch.float32, current_group())
+    info = L.LoadInfo(checkpoint=ckpt, spec=src.spec, plan=plan, placement=placement, model_cls=src.model_cls)
+    L._read_own_tensors(model, src.reader, converters, info, False, False)
+    return model, info
+
+
+@pytest.mark.slow
+def test_expert_parallel_rank_reads_only_its_experts(tiny_gpt_oss_ckpt: Path) -> None:
+    """Rank 1 of 2 holds experts 2..3 and reads exactly their bytes: MXFP4 rows by the view, biases by rows."""
+    from modelopt_k3.numerics import mxfp4_decode
+
+    model, info = _load_as_rank(tiny_gpt_oss_ckpt, ep_rank=1, ep_size=2)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.num_experts == 2 and experts.placement.local == range(2, 4)
+    blocks = _stored(tiny_gpt_oss_ckpt, f"{LAYER0}.gate_up_proj_blocks")
+    scales = _stored(tiny_gpt_oss_ckpt, f"{LAYER0}.gate_up_proj_scales")
+    want = mxfp4_decode(blocks[2:4].flatten(-2), scales[2:4], torch.float32)
+    assert torch.equal(experts.gate_up_proj.data, want)
+    assert torch.equal(experts.down_proj_bias.data, _stored(tiny_gpt_oss_ckpt, f"{LAYER0}.down_proj_bias")[2:4].float())
+    expert_keys = {k for k in info.keys_read if ".mlp.experts." in k and not k.endswith("_bias")}
+    assert {int(k.split(".mlp.experts.")[1].split(".")[0]) for k in expert_keys} == {2, 3}
+    with CheckpointReader(tiny_gpt_oss_ckpt) as reader:
+        total = sum(i.nbytes for i in reader.headers().values())
+        experts_total = sum(i.nbytes for k, i in reader.headers().items() if ".mlp.experts." in k)
+    assert info.bytes_read == total - experts_total // 2  # half of every expert tensor (biases included)
+
+
 @pytest.mark.slow
 def test_logits_equal_transformers_own_model(tiny_gpt_oss_ckpt: Path) -> None:
     """Our load (fused experts on transformers' instances) == transformers' GptOssForCausalLM on the same checkpoint."""
@@ -102,7 +144,7 @@ def test_converter_equals_model_path_and_is_lossless(tiny_gpt_oss_ckpt: Path, co
 
 
 PTQ_ARGS = ["--recipe", "models/openai/gpt-oss/nvfp4", "--calib_size", "8", "--batch_size", "2", "--calib_seq", "32",
-            "--no_progress"]
+            "--report", "none", "--no_progress"]
 
 
 @pytest.mark.multiprocess
@@ -125,3 +167,16 @@ def test_hf_ptq_two_rank_export_equals_one_process(tiny_gpt_oss_ckpt: Path, tmp_
     q, k = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
     assert torch.equal(out[f"{q}.weight_scale_2"], out[f"{k}.weight_scale_2"])
     assert torch.equal(out[f"{q}.input_scale"], out[f"{k}.input_scale"])
+
+
+@pytest.mark.slow
+def test_engines_refuse_nvfp4_experts_with_the_cited_reason(converted: Path) -> None:
+    """vLLM 0.33 / SGLang 0.5.23 cannot load ModelOpt NVFP4 GPT-OSS experts (models/gpt_oss/serving.py)."""
+    from modelopt_k3.check import check_export
+
+    report = check_export(converted, ("vllm", "sglang", "trtllm"))
+    results = report.results
+    assert {e: r.verdict for e, r in results.items()} == {"vllm": "refuses", "sglang": "refuses", "trtllm": "refuses"}
+    assert "_load_unquantized_expert" in results["vllm"].refusals[0].reason
+    assert "_load_normal_weights" in results["sglang"].refusals[0].reason
+    assert results["vllm"].refusals[0].tensor.startswith("model.layers.0.mlp.experts.0.")
