@@ -167,7 +167,7 @@ def _export_numerics(model, inputs: dict) -> dict[str, torch.Tensor]:
 
     out: dict[str, torch.Tensor] = {}
     spec = inputs["spec"]
-    expert_re = re.compile(spec.expert_key_regex)
+    expert_re = re.compile(spec.experts.key_regex)
     with CheckpointReader(inputs["ckpt"]) as reader:
         owned = {f"{n}.weight" for n in inputs["dense"]}
         for key in reader.names():
@@ -178,7 +178,7 @@ def _export_numerics(model, inputs: dict) -> dict[str, torch.Tensor]:
             for k, t in wq.fmt.weight_tensors(module.weight.detach(), wq.scale()).items():
                 out[f"{name}.{k}"] = t
         for name, experts in inputs["experts"].items():
-            for proj in spec.expert_projections:
+            for proj in spec.experts.projections:
                 wq = experts.quant.weight[proj.fused_param]
                 cast = wq.source[0].cast(proj.name, wq.scale())
                 for e in range(experts.num_experts):

@@ -20,9 +20,7 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from .checkpoint import CheckpointReader, read_config
 from .dist.collectives import run_together
@@ -30,11 +28,11 @@ from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor,
 from .dist.group import current_group
 from .dist.placement import ExpertPlacement, Placement
 from .dist.plan import DistributionPlan, decide_plan
-from .models.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
-from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
-from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
 from .nonfinite import source_refusal, warn_passthrough
+from .packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .source_check import SourceLayout, check_config, check_dense, check_experts
+from .spec import ModelSpec, PrepareContext, get_spec
+from .spec.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
 
 EXPERTS_PER_READ = 16
 
@@ -68,19 +66,12 @@ class LoadInfo:
         return self._source
 
 
-def resolve_model_class(path: Path, raw: dict, trust_remote_code: bool) -> tuple[type, object]:
-    """The checkpoint's own model class (from ``auto_map``) and its config."""
-    auto_map = raw.get("auto_map") or {}
-    ref = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")
-    if ref is None:
-        raise SpecError(f"{path}/config.json has no auto_map entry for AutoModelForCausalLM/AutoModel")
-    if not trust_remote_code:
-        raise SpecError(
-            f"{path} ships its own modeling code ({ref}); loading it runs that code. "
-            "Pass trust_remote_code=True (CLI: --trust_remote_code) if you trust this checkpoint."
-        )
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    return get_class_from_dynamic_module(ref, str(path)), config
+def resolve_model_class(path: Path, raw: dict, trust_remote_code: bool,
+                        spec: ModelSpec | None = None) -> tuple[type, object]:
+    """The model class and its config, as the spec says it is obtained (``LoadingSpec.model_class``: the
+    checkpoint's remote code, refused without ``trust_remote_code``, or a transformers class)."""
+    spec = spec or get_spec(raw.get("model_type", ""))
+    return spec.loading.model_class.resolve(path, raw, trust_remote_code)
 
 
 @contextmanager
@@ -106,7 +97,7 @@ def _plan_expert_reads(
 
     Returns the plan and the set of expert keys that belong to other ranks (neither read nor unexpected).
     """
-    key_re = re.compile(spec.expert_key_regex)
+    key_re = re.compile(spec.experts.key_regex)
     reads: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
     foreign: set[str] = set()
     for key in reader.names():
@@ -148,7 +139,7 @@ def _fill_experts(
         param_name = target_suffix.rsplit(".", 1)[-1]
         for module_name, module in experts.items():
             target = f"{module_name}.{param_name}"
-            if not target.endswith(target_suffix) or param_name not in spec.ep_sharded_params:
+            if not target.endswith(target_suffix) or param_name not in spec.experts.sharded_params:
                 continue
             by_pattern = reads.get(target, {})
             if not any(p in by_pattern for p in conv.source_patterns):
@@ -291,7 +282,7 @@ def _fill_dense(
 ) -> set[str]:
     """Copy every dense parameter and buffer from its checkpoint tensor (``check_dense`` has matched them)."""
     consumed: set[str] = set()
-    conversions = _plan_dense_conversions(reader, info.spec.dense_converters)
+    conversions = _plan_dense_conversions(reader, info.spec.loading.dense_converters)
     for name, tensor in persistent_tensors(model).items():
         if name in skip:
             continue
@@ -305,12 +296,12 @@ def _fill_dense(
 
 
 def _fused_expert_params(model: nn.Module, spec: ModelSpec) -> set[str]:
-    return {f"{name}.{p}" for name in spec.experts_modules(model) for p in spec.ep_sharded_params}
+    return {f"{name}.{p}" for name in spec.experts_modules(model) for p in spec.experts.sharded_params}
 
 
 def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
     dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys}
-    converted = {name: key for name, (_, _, key) in _plan_dense_conversions(reader, spec.dense_converters).items()}
+    converted = {name: key for name, (_, _, key) in _plan_dense_conversions(reader, spec.loading.dense_converters).items()}
     check_dense(persistent_tensors(model), dense, skip=_fused_expert_params(model, spec), converted=converted)
 
 
@@ -324,7 +315,7 @@ def _build_on_meta(
     with _default_dtype(dtype), init_empty_weights(include_buffers=False):
         model = model_cls(config)
     if placement is not None:
-        spec.place_experts(model, placement)  # on the instances: another model in this process may differ
+        spec.experts.place_experts(model, placement)  # on the instances: another model in this process may differ
     _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
     return model
 
@@ -340,9 +331,9 @@ def check_against_model(path: str | Path, source: SourceLayout) -> None:
     raw = read_config(path)
     spec = get_spec(raw.get("model_type", ""))
     spec.check_transformers()
-    spec.build(path)
-    model_cls, config = resolve_model_class(path, raw, trust_remote_code=True)
-    spec.prepare(PrepareContext(model_cls, config, path, packed_experts=source.packed_experts))
+    spec.loading.build(path)
+    model_cls, config = resolve_model_class(path, raw, trust_remote_code=True, spec=spec)
+    spec.loading.prepare(PrepareContext(model_cls, config, path, packed_experts=source.packed_experts))
     with CheckpointReader(path) as reader:
         model = _build_on_meta(model_cls, config, _config_dtype(config), reader, spec)
         _check_against_model(model, spec, reader, source)
@@ -363,10 +354,10 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
 
 
 def _keep_source_dtypes_on_meta(model: nn.Module, reader: CheckpointReader, spec: ModelSpec) -> None:
-    """Give ``spec.keep_source_dtype`` parameters their checkpoint dtype while the model is still on meta."""
-    if not spec.keep_source_dtype:
+    """Give ``spec.loading.keep_source_dtype`` parameters their checkpoint dtype while the model is still on meta."""
+    if not spec.loading.keep_source_dtype:
         return
-    keep = re.compile(spec.keep_source_dtype)
+    keep = re.compile(spec.loading.keep_source_dtype)
     for name, param in list(model.named_parameters()):
         if keep.search(name) and name in reader and reader.info(name).dtype != param.dtype:
             owner, _, attr = name.rpartition(".")
@@ -446,7 +437,7 @@ def load_pretrained(
     export copies it unchanged; ``LoadInfo.nonfinite`` lists them).
 
     ``experts``: ``bf16`` holds the routed experts decoded; ``packed`` (MXFP4-sourced checkpoints) holds
-    their source bytes and decodes them inside the experts forward (``models/packed_experts.py``), one
+    their source bytes and decodes them inside the experts forward (``packed_experts.py``), one
     layer or ``decode_chunk`` experts at a time; ``auto`` is packed when the memory planner says the
     ``bf16`` residency does not fit this device (``memory/planner.py``), else bf16. Both give the same
     logits, calibration and export, bit for bit. ``experts_implementation`` names what runs the experts
@@ -496,8 +487,8 @@ def _open_source(path: Path, trust_remote_code: bool) -> _Source:
     reader = CheckpointReader(path)  # headers only, until a tensor is asked for
     check_config(raw, spec)
     layout = check_experts(reader.headers(), raw, spec)  # the converter runs the same check
-    spec.build(path)
-    model_cls, config = resolve_model_class(path, raw, trust_remote_code)
+    spec.loading.build(path)
+    model_cls, config = resolve_model_class(path, raw, trust_remote_code, spec)
     return _Source(spec, reader, layout, model_cls, config)
 
 
@@ -509,7 +500,7 @@ def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_
         requested,
         dtype=dtype,
         spec=src.spec,
-        num_experts=getattr(text, src.spec.num_experts_attr),
+        num_experts=getattr(text, src.spec.experts.num_experts_attr),
         rank=group.rank,
         world_size=group.world_size,
         device=group.device,
@@ -526,7 +517,7 @@ def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_
 
 def _prepare(src: _Source, path: Path, plan: DistributionPlan) -> list:
     """Stage 3: the spec patches the checkpoint's classes; returns the checkpoint converters it registered."""
-    src.spec.prepare(PrepareContext(src.model_cls, src.config, path, plan.experts_implementation,
+    src.spec.loading.prepare(PrepareContext(src.model_cls, src.config, path, plan.experts_implementation,
                                     packed_experts=src.layout.packed_experts))
     return get_checkpoint_conversion_mapping(src.model_cls.__name__) or []
 
@@ -559,7 +550,7 @@ def _read_own_tensors(model: nn.Module, reader: CheckpointReader, converters: li
         total = len(persistent_tensors(model))
         with tqdm(total=total, desc=f"load rank {info.plan.rank}", disable=not progress, leave=False) as bar:
             consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
-            unfilled = [f"{n}.{p}" for n in experts for p in spec.ep_sharded_params if f"{n}.{p}" not in filled]
+            unfilled = [f"{n}.{p}" for n in experts for p in spec.experts.sharded_params if f"{n}.{p}" not in filled]
             if unfilled:
                 raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
             consumed = consumed_experts | _fill_dense(model, reader, filled | _packed_fields(experts), info, bar)

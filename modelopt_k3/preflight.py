@@ -23,9 +23,9 @@ from typing import Any
 
 from .checkpoint import CheckpointReader, read_config
 from .export.staging import sweep_stale
-from .models.spec import get_spec
 from .paths import check_writable, refuse_overlap
 from .recipe import Recipe
+from .spec import get_spec
 
 __all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "register_check", "run_preflight"]
 
@@ -211,9 +211,9 @@ def _calibration_reaches(ctx: PreflightContext) -> None:
     from .quant.decisions import decide
 
     spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
-    if spec.uncalibrated_module_regex is None:
+    if spec.quant.uncalibrated_module_regex is None:
         return
-    unreachable = re.compile(spec.uncalibrated_module_regex)
+    unreachable = re.compile(spec.quant.uncalibrated_module_regex)
     with CheckpointReader(ctx.checkpoint) as reader:
         table = decide(reader.inventory(), spec, ctx.recipe, None)
     bad = sorted(name for name, d in table.decisions.items()

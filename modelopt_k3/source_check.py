@@ -4,7 +4,7 @@
 checkpoints:
 
 * **Routed experts** (``check_experts``): the config decides, through the model spec
-  (``ModelSpec.expert_layout``, model-specific code in ``models/<model>/``), which MoE layers exist,
+  (``SourceCheckSpec.expert_layout``, model-specific code in ``models/<model>/``), which MoE layers exist,
   how many experts each has and the ``[out, in]`` of every projection. Every expert of every layer
   must store every projection, either MXFP4-packed (``weight_packed`` uint8 ``[out, in/2]`` +
   ``weight_scale`` uint8 E8M0 ``[out, in/32]``) or plain (a floating ``weight [out, in]``), one way
@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from .checkpoint import CheckpointError
-from .models.spec import ExpertsLayout, ModelSpec
 from .numerics.constants import MXFP4_BLOCK
+from .spec import ExpertsLayout, ModelSpec
 
 __all__ = ["SourceLayout", "SourceMismatchError", "check_dense", "check_experts"]
 
@@ -90,10 +90,10 @@ def _want(kind: str, out_f: int, in_f: int) -> tuple[torch.dtype | None, tuple[i
 
 
 def check_config(config: Mapping[str, Any], spec: ModelSpec) -> None:
-    """Every config field the tools read, checked before any of them reads it (``spec.check_config``): a missing
+    """Every config field the tools read, checked before any of them reads it (``spec.source_check.check_config``): a missing
     ``hidden_size`` is one line naming it, not a KeyError deep in the memory planner."""
-    if spec.check_config is not None:
-        spec.check_config(config)
+    if spec.source_check.check_config is not None:
+        spec.source_check.check_config(config)
 
 
 def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> SourceLayout:
@@ -101,12 +101,12 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
 
     A spec without ``expert_layout`` gets no check (only packedness is read off the names).
     """
-    key_re = re.compile(spec.expert_key_regex)
+    key_re = re.compile(spec.experts.key_regex)
     expert_keys = {key for key in tensors if key_re.match(key)}
-    if spec.expert_layout is None:
+    if spec.source_check.expert_layout is None:
         packed = any(key_re.match(k)["tensor"] in (PACKED, SCALE) for k in expert_keys)
         return SourceLayout(packed_experts=packed, expert_keys=frozenset(expert_keys))
-    layouts = {layout.module: layout for layout in spec.expert_layout(config)}
+    layouts = {layout.module: layout for layout in spec.source_check.expert_layout(config)}
     unexpected: list[str] = []
     kinds: set[str] = set()
     stored: dict[str, set[int]] = {}
@@ -180,11 +180,11 @@ def check_dense(
 
 
 def check_dense_against_config(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> None:
-    """The dense tensors whose shapes config.json fixes (``spec.dense_layout``), without building the model:
+    """The dense tensors whose shapes config.json fixes (``spec.source_check.dense_layout``), without building the model:
     the converter's check when it runs no remote code (``load_pretrained`` checks against the model itself)."""
-    if spec.dense_layout is None:
+    if spec.source_check.dense_layout is None:
         return
-    rules = [(re.compile(rx), shape, why) for rx, shape, why in spec.dense_layout(config)]
+    rules = [(re.compile(rx), shape, why) for rx, shape, why in spec.source_check.dense_layout(config)]
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
     layers = text.get("num_hidden_layers")
     mismatched, unexpected = [], []

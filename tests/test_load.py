@@ -16,12 +16,12 @@ from modelopt_k3.dist.group import RunGroup
 from modelopt_k3.dist.placement import ExpertPlacement
 from modelopt_k3.dist.plan import PlanError, decide_plan
 from modelopt_k3.load import LoadError, load_pretrained, resolve_model_class
-from modelopt_k3.models.conversion import run_converter
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts, kimi_k3_converters
 from modelopt_k3.models.kimi_k3.experts import experts_implementations_available
 from modelopt_k3.models.kimi_k3.prepare import BLOCK_CLASS, find_block_module, unprepare
-from modelopt_k3.models.spec import PrepareContext, SpecError
 from modelopt_k3.source_check import SourceMismatchError
+from modelopt_k3.spec import PrepareContext, SpecError
+from modelopt_k3.spec.conversion import run_converter
 from modelopt_k3.testing.reference import read_checkpoint, reference_logits
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
@@ -45,7 +45,7 @@ def _text_config(tiny_ckpt: Path) -> dict:
 
 def _remote(path: Path) -> tuple[type, object]:
     raw = json.loads((path / "config.json").read_text())
-    KIMI_K3_SPEC.build(path)
+    KIMI_K3_SPEC.loading.build(path)
     return resolve_model_class(path, raw, trust_remote_code=True)
 
 
@@ -417,14 +417,14 @@ def test_prepare_refuses_remote_code_without_moe_block(copy_ckpt, tiny_ckpt: Pat
     # A model class from a module tree without the block (not a Kimi checkpoint at all).
     model_cls, config = _remote(tiny_ckpt)
     with pytest.raises(SpecError, match=rf"defines {BLOCK_CLASS}"):
-        KIMI_K3_SPEC.prepare(PrepareContext(torch.nn.Linear, config, tiny_ckpt))
+        KIMI_K3_SPEC.loading.prepare(PrepareContext(torch.nn.Linear, config, tiny_ckpt))
 
 
 def test_prepare_refuses_without_checkpoint_path(tiny_ckpt: Path) -> None:
     model_cls, config = _remote(tiny_ckpt)
     before = getattr(find_block_module(model_cls), BLOCK_CLASS)
     with pytest.raises(SpecError, match="checkpoint path"):
-        KIMI_K3_SPEC.prepare(PrepareContext(model_cls, config, None))
+        KIMI_K3_SPEC.loading.prepare(PrepareContext(model_cls, config, None))
     assert getattr(find_block_module(model_cls), BLOCK_CLASS) is before  # nothing patched
 
 
@@ -533,12 +533,12 @@ def test_prepare_is_idempotent_and_spares_existing_blocks(tiny_ckpt: Path, input
     before = reference_logits(ref, input_ids)
 
     ctx = PrepareContext(model_cls, config, tiny_ckpt)
-    KIMI_K3_SPEC.prepare(ctx)
+    KIMI_K3_SPEC.loading.prepare(ctx)
     patched = getattr(module, BLOCK_CLASS)
     assert patched is not original and issubclass(patched, original)
-    KIMI_K3_SPEC.prepare(ctx)
+    KIMI_K3_SPEC.loading.prepare(ctx)
     assert getattr(module, BLOCK_CLASS) is patched  # same class object, not a re-wrap
-    KIMI_K3_SPEC.prepare(PrepareContext(model_cls, config, tiny_ckpt))
+    KIMI_K3_SPEC.loading.prepare(PrepareContext(model_cls, config, tiny_ckpt))
     assert getattr(module, BLOCK_CLASS) is patched
     assert patched._modelopt_k3_original is original
 

@@ -21,9 +21,9 @@ import torch
 from ..checkpoint import CheckpointError, CheckpointReader
 from ..export.modelopt_format import config_quantization_config, hf_quant_config
 from ..formats import FP8, FP8_PB_WO, NVFP4, NVFP4_TENSOR, W4A16_NVFP4
-from ..models.spec import get_spec
 from ..quant.decisions import decide
 from ..recipe import Recipe
+from ..spec import get_spec
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")

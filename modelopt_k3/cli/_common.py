@@ -82,8 +82,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from ..convert import ConvertError
     from ..dist.collectives import DistributedStepError
     from ..load import LoadError
-    from ..models.spec import SpecError
     from ..quant.quantizer import QuantizerError
+    from ..spec import SpecError
 
     return (ValueError, FileExistsError, PermissionError, CheckpointError, ConvertError, DistributedStepError,
             LoadError, SpecError, QuantizerError)

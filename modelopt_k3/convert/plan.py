@@ -15,12 +15,12 @@ import torch
 
 from .. import __version__
 from ..checkpoint import CheckpointError, CheckpointReader, TensorInfo, read_config
-from ..models.spec import ModelSpec, get_spec
 from ..numerics.constants import MXFP4_BLOCK
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import SharedInputRule, discover_shared_inputs
 from ..recipe import Recipe, RecipeError
 from ..source_check import check_config, check_dense_against_config, check_experts
+from ..spec import ModelSpec, get_spec
 from .jobs import _ModuleJob, _Plan
 from .state import RECORD_VERSION, stat_identity
 
@@ -82,10 +82,10 @@ def _check_source_scheme(raw: dict, spec: ModelSpec, config_path: Path) -> None:
     groups = qcfg.get("config_groups") or {}
     formats = {g.get("format") or qcfg.get("format") for g in groups.values()} or {qcfg.get("format")}
     formats.discard(None)
-    if len(formats) != 1 or not formats <= set(spec.source_formats):
+    if len(formats) != 1 or not formats <= set(spec.loading.source_formats):
         raise CheckpointError(
             f"{config_path}: packed scheme {sorted(map(str, formats))} is not one this converter decodes "
-            f"({sorted(spec.source_formats)})"
+            f"({sorted(spec.loading.source_formats)})"
         )
     for name, g in groups.items():
         w = g.get("weights") or {}
@@ -99,7 +99,7 @@ def _decision_table(
     """The decision table the model path's ``quantize`` builds from the same checkpoint. Shared-input rules
     come from a probe of the checkpoint's own code, run only when the recipe needs them and only with
     ``trust_remote_code`` (None otherwise: the table then refuses what needs them)."""
-    rules = partial(_probe_shared_inputs, src, raw, spec) if trust_remote_code and spec.probe_model is not None else None
+    rules = partial(_probe_shared_inputs, src, raw, spec) if trust_remote_code and spec.quant.probe_model is not None else None
     try:
         return decide(reader.inventory(), spec, recipe, rules)
     except InventoryError as e:
@@ -107,10 +107,8 @@ def _decision_table(
 
 
 def _probe_shared_inputs(src: Path, raw: dict, spec: ModelSpec) -> tuple[SharedInputRule, ...]:
-    from ..load import resolve_model_class
-
-    spec.build(src)
-    model_cls, config = resolve_model_class(src, raw, trust_remote_code=True)
+    spec.loading.build(src)
+    model_cls, config = spec.loading.model_class.resolve(src, raw, trust_remote_code=True)
     return discover_shared_inputs(spec, model_cls, config)
 
 
@@ -129,7 +127,7 @@ def _module_jobs(table: DecisionTable, spec: ModelSpec, tensors: dict[str, Tenso
 
 def _expert_jobs(d: Decision, spec: ModelSpec, tensors: dict[str, TensorInfo]) -> list[_ModuleJob]:
     module, _, proj = d.name.rpartition(".*.")
-    partners = next((g for g in spec.shared_scale_groups if proj in g), (proj,))
+    partners = next((g for g in spec.quant.shared_scale_groups if proj in g), (proj,))
     kind = "decode" if d.format is None else "nvfp4_cast" if d.packed and d.format.weights.casts_from_mxfp4 else "quant"
     parts = (_PACKED, _SCALE) if d.packed else ("weight",)
     amax = d.format.input_amax if d.format is not None else None

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from ..models.packed_experts import DISPATCHES_ATTR, local_experts_forward
+from ..packed_experts import DISPATCHES_ATTR, local_experts_forward
 from .placement import ExpertPlacement
 
 A2A_NAME = "torch_a2a"

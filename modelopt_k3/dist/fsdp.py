@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -87,7 +87,7 @@ def local_experts(module: nn.Module, spec: ModelSpec) -> range:
     Expert parallel: the module's placement block. FSDP2: the rows of its sharded expert dimension (the
     spec's expert dimension must be 0, checked by the plan).
     """
-    return module.placement.global_ids(local_rows(getattr(module, next(iter(spec.ep_sharded_params)))))
+    return module.placement.global_ids(local_rows(getattr(module, next(iter(spec.experts.sharded_params)))))
 
 
 def gather_rows(local: torch.Tensor, like: DTensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Built once by the distribution plan (``DistributionPlan.build_placement``) and handed on, never
 re-derived: the loader reads this rank's experts (``ExpertPlacement.local``), the model spec places
-them on the fused experts modules (``ModelSpec.place_experts``, which keeps the placement on each
+them on the fused experts modules (``ExpertsSpec.place_experts``, which keeps the placement on each
 module instance), ``torch_a2a`` routes tokens with ``owner`` and the placement's group, FSDP2 shards
 over ``Placement.fsdp_mesh``, and quantize and export name experts with ``global_ids`` and write
 them where ``writes_experts`` says.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
-from ..models.spec import SpecError
+from ..spec import SpecError
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 from .placement import ExpertPlacement, Placement, PlanError
 
 PlanKind = Literal["whole", "fsdp2", "expert_parallel"]
@@ -45,7 +45,7 @@ class DistributionPlan:
     # What runs this rank's own experts: the owner's implementation under torch_a2a, else the
     # implementation itself (``default_local_implementation``).
     local_experts_implementation: str = "eager"
-    # Experts held decoded ("bf16") or as their MXFP4 source bytes ("packed", models/packed_experts.py),
+    # Experts held decoded ("bf16") or as their MXFP4 source bytes ("packed", packed_experts.py),
     # and for packed the experts decoded at a time (None: a whole layer). Set by ``with_residency``.
     experts_residency: str = "bf16"
     decode_chunk: int | None = None
@@ -142,10 +142,10 @@ def _check_fsdp2(
         raise PlanError(f"an expert-parallel degree ({ep_degree}) applies to plan 'expert_parallel', not 'fsdp2'")
     if experts_implementation == "torch_a2a":
         raise PlanError("'torch_a2a' dispatches to expert-parallel owners; plan 'fsdp2' runs every expert locally")
-    bad_dims = {p: d for p, d in spec.ep_sharded_params.items() if d != 0}
+    bad_dims = {p: d for p, d in spec.experts.sharded_params.items() if d != 0}
     if bad_dims:
         raise PlanError(f"plan 'fsdp2' shards dim 0, but {spec.model_type!r} indexes experts on other dims: {bad_dims}")
-    if spec.ep_sharded_params and num_experts % world_size:
+    if spec.experts.sharded_params and num_experts % world_size:
         raise PlanError(
             f"num_experts={num_experts} is not divisible by WORLD_SIZE={world_size}: plan 'fsdp2' gives every "
             "rank the same number of whole experts; choose a world size that divides it"
@@ -193,7 +193,7 @@ def _resolve_kind(requested: str, dense: str, spec: ModelSpec, world_size: int) 
         raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
     if dense not in DENSE_MODES:
         raise PlanError(f"unknown dense sharding {dense!r}; choose one of {list(DENSE_MODES)}")
-    has_ep = bool(spec.ep_sharded_params)
+    has_ep = bool(spec.experts.sharded_params)
     kind = requested
     if kind == "auto":
         kind = "expert_parallel" if world_size > 1 and has_ep else ("fsdp2" if world_size > 1 else "whole")

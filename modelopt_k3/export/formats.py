@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import KvCacheFormat
-from ..models.spec import ManifestNaming
 from ..recipe import Recipe
+from ..spec import ManifestNaming
 from . import compressed_tensors_format as ct_format
 from .modelopt_format import config_quantization_config, hf_quant_config
 

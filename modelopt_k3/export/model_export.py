@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointReader
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
-from ..models.packed_experts import expert_weight_rows, release_decode_workspaces
+from ..packed_experts import expert_weight_rows, release_decode_workspaces
 from ..paths import refuse_overlap
 from ..quant.modules import ExpertsQuantState
 from .formats import ExportFormat, export_format
@@ -77,7 +77,7 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
     (packed-resident experts decode them then).
     """
     state: ExpertsQuantState | None = getattr(experts, "quant", None)
-    rows = local_rows(getattr(experts, spec.expert_projections[0].fused_param))
+    rows = local_rows(getattr(experts, spec.experts.projections[0].fused_param))
     cast: dict[str, object] = {}
     weights: dict[str, torch.Tensor] = {}
     part = slice(0, 0)
@@ -88,12 +88,12 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             part = slice(local, min(local + EXPERTS_PER_CAST, len(rows)))
             cast.clear()
             weights.clear()
-            for proj in spec.expert_projections:
+            for proj in spec.experts.projections:
                 wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
                 if wq is not None and wq.source is not None:
                     cast[proj.name] = wq.source[0].cast(proj.name, wq.scale(), part)
         in_part = local % EXPERTS_PER_CAST
-        for proj in spec.expert_projections:
+        for proj in spec.experts.projections:
             prefix = f"{name}.{expert}.{proj.name}"
             wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
             if proj.name in cast:
@@ -171,7 +171,7 @@ def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress
     with CheckpointReader(job.info.checkpoint) as reader, ShardWriter(
         tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
     ) as writer:
-        items = _dense_items(job.qplan, reader, re.compile(job.spec.expert_key_regex), job.kv_scales)
+        items = _dense_items(job.qplan, reader, re.compile(job.spec.experts.key_regex), job.kv_scales)
         n_experts = sum(m.num_experts for m in job.experts_modules.values()) if job.writes_experts else 0
         n_mine = len(items[group.rank :: group.world_size])
         bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)

@@ -17,7 +17,7 @@ import torch
 
 from .. import __version__
 from ..formats import SCHEMES, KvCacheFormat, kv_cache_named
-from ..models.spec import ManifestNaming
+from ..spec import ManifestNaming
 
 # The layout this module writes is nvidia-modelopt 0.47.0's; engines check the producer's name.
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}

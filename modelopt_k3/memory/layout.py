@@ -2,8 +2,8 @@
 
 No tensor byte is read and no model is built: a full-size Kimi-K3 (about half a million tensors) is
 parsed in seconds, and a header-only or sparse checkpoint (``testing.layout``) plans like the real one.
-The model spec says which keys are routed experts (``expert_key_regex``), how they fuse
-(``expert_projections``) and which key prefixes are FSDP2 units (``fsdp_unit_key_regex``).
+The model spec says which keys are routed experts (``ExpertsSpec.key_regex``), how they fuse
+(``ExpertsSpec.projections``) and which key prefixes are FSDP2 units (``MemorySpec.fsdp_unit_key_regex``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..checkpoint import (
     read_weight_map,
     shard_path,
 )
-from ..models.spec import ModelSpec, get_spec
+from ..spec import ModelSpec, get_spec
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
 PACKED_CODES, PACKED_SCALES = "weight_packed", "weight_scale"
@@ -73,7 +73,7 @@ class ExpertGroup:
     def fused_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, int]]:
         """fused param -> decoded (out, in) per expert (projections concatenated on rows)."""
         out: dict[str, tuple[int, int]] = {}
-        for proj in spec.expert_projections:
+        for proj in spec.experts.projections:
             o, i = self.projections[proj.name]
             rows, cols = out.get(proj.fused_param, (0, i))
             out[proj.fused_param] = (rows + o, cols)
@@ -95,7 +95,7 @@ class CheckpointLayout:
 
     @property
     def num_experts(self) -> int:
-        return int(self.text_config[self.spec.num_experts_attr])
+        return int(self.text_config[self.spec.experts.num_experts_attr])
 
     @property
     def config_dtype(self) -> torch.dtype:
@@ -108,7 +108,7 @@ class CheckpointLayout:
 
     @cached_property
     def _kept_source_dtype(self) -> frozenset[str]:
-        keep = self.spec.keep_source_dtype
+        keep = self.spec.loading.keep_source_dtype
         return frozenset(t.name for t in self.dense if keep and re.search(keep, t.name))
 
     def load_dtype(self, tensor: TensorMeta, dtype: torch.dtype) -> torch.dtype:
@@ -118,7 +118,7 @@ class CheckpointLayout:
     def fsdp_units(self) -> dict[str, list[TensorMeta]]:
         """Dense tensors by FSDP2 unit prefix ("" = the root, which holds what no unit does)."""
         units: dict[str, list[TensorMeta]] = defaultdict(list)
-        unit_re = re.compile(self.spec.fsdp_unit_key_regex) if self.spec.fsdp_unit_key_regex else None
+        unit_re = re.compile(self.spec.memory.fsdp_unit_key_regex) if self.spec.memory.fsdp_unit_key_regex else None
         for t in self.dense:
             m = unit_re.match(t.name) if unit_re else None
             units[m["unit"] if m else ""].append(t)
@@ -134,7 +134,7 @@ def read_layout(path: str | Path) -> CheckpointLayout:
     path = Path(path)
     config = read_config(path)  # the one reader's checks: a regular file, strict JSON
     spec = get_spec(config.get("model_type", ""))
-    key_re = re.compile(spec.expert_key_regex)
+    key_re = re.compile(spec.experts.key_regex)
     weight_map = read_weight_map(path)  # shard names checked to stay inside
     dense: list[TensorMeta] = []
     groups: dict[str, ExpertGroup] = {}

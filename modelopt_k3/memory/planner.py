@@ -283,8 +283,8 @@ def estimate(
     _resident(est, run)
     if cfg.dense_sharded:
         _fsdp_gathered(est, run)
-    act = layout.spec.activation_memory(layout.text_config, shape.batch_size, shape.calib_seq, run.b) if (
-        run.prep.calibrates and layout.spec.activation_memory) else None  # calibration only when data sets a scale
+    act = layout.spec.memory.activation_memory(layout.text_config, shape.batch_size, shape.calib_seq, run.b) if (
+        run.prep.calibrates and layout.spec.memory.activation_memory) else None  # calibration only when data sets a scale
     if act:
         est.activation_phase, phase = act.largest_phase
         est.activations = act.carried + phase

@@ -2,7 +2,7 @@
 
 Recipe patterns are matched against the checkpoint's own module names: a dense Linear's in-memory
 name is its checkpoint name, and a fused experts module is matched as the per-expert Linears it is on
-disk (``…experts.{e}.w1`` etc., via the spec's ``expert_projections``).
+disk (``…experts.{e}.w1`` etc., via the spec's ``ExpertsSpec.projections``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from torch import nn
 
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
 from ..formats import TensorFormat
-from ..models.packed_experts import is_packed
-from ..models.spec import ModelSpec
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
+from ..packed_experts import is_packed
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
+from ..spec import ModelSpec
 from .activation_stats import attach_activation_stats
 from .calibrate import calibrate, enable_calibrate_all_experts, share_group_amax
 from .coverage import attach_token_counter
@@ -74,7 +74,7 @@ def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec
 def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> QuantPlan:
     info = model.modelopt_k3
     # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
-    rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.probe_model else None
+    rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.quant.probe_model else None
     table = decide(info.source().inventory(), spec, recipe, rules)
     table.check_groups_known()
     _check_modules_match(model, table, spec)
@@ -92,7 +92,7 @@ def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> Quan
 
 def _refuse_quantizing_nonfinite(qplan: QuantPlan, nonfinite: dict[str, str], spec: ModelSpec) -> None:
     """Source tensors let through with NaN/Inf (``allow_nonfinite_passthrough``) may only stay unquantized."""
-    expert_re = re.compile(spec.expert_key_regex)
+    expert_re = re.compile(spec.experts.key_regex)
     bad = {}
     for key, what in nonfinite.items():
         m = expert_re.match(key)
@@ -112,7 +112,7 @@ def _fused_formats(
 ) -> dict[str, tuple[TensorFormat | None, TensorFormat | None, float | None]]:
     """fused param -> (weight fmt, input fmt, constant input amax), from per-projection formats."""
     out: dict[str, tuple[TensorFormat | None, TensorFormat | None, float | None]] = {}
-    for proj in spec.expert_projections:
+    for proj in spec.experts.projections:
         fmt = projs.get(proj.name)
         value = (fmt.weights, fmt.inputs, fmt.input_amax) if fmt is not None else (None, None, None)
         if proj.fused_param in out and out[proj.fused_param] != value:
@@ -151,7 +151,7 @@ def quantize(
         source = None
         if info.packed_experts:
             # Only the experts this rank holds (its EP block or FSDP2 rows); scales gathered when sharded.
-            fused = getattr(experts, next(iter(spec.ep_sharded_params)))
+            fused = getattr(experts, next(iter(spec.experts.sharded_params)))
             # Packed-resident experts already hold these bytes: the cast reads them, not the checkpoint.
             source = Mxfp4ExpertSource(info.source(), spec, name, local_experts(experts, spec),
                                        rows=local_rows(fused), gather=row_gatherer(fused),
@@ -159,10 +159,10 @@ def quantize(
         attach_experts(experts, _fused_formats(spec, projs), source=source)
         attach_token_counter(experts)  # calibration tokens per expert: the report's coverage and its guard
     if recipe.kv_cache is not None:
-        if spec.kv_cache_sites is None:
+        if spec.quant.kv_cache_sites is None:
             raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "
                               f"which model_type {spec.model_type} does not support")
-        attach_kv_cache(spec.kv_cache_sites(model), recipe.kv_cache)
+        attach_kv_cache(spec.quant.kv_cache_sites(model), recipe.kv_cache)
     if recipe.calibrate_all_experts:
         enable_calibrate_all_experts(model)
     attach_activation_stats(model)

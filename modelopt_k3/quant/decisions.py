@@ -6,7 +6,7 @@ and the streaming converter both read it; neither re-derives a recipe decision o
 
 Kinds of modules (decided from the tensors alone, so the converter needs no model):
 
-- ``experts``: routed experts (``spec.expert_key_regex``), one decision per experts module and
+- ``experts``: routed experts (``spec.experts.key_regex``), one decision per experts module and
   projection (``<module>.*.<proj>``): every expert of a layer gets one format;
 - ``linear``: a 2-D float ``weight`` (and optionally ``bias``) whose name is not an embedding's;
 - ``embedding``, ``router``, ``conv`` (a 3- to 5-D float ``weight``): never quantized here, but
@@ -32,9 +32,9 @@ from typing import Literal
 
 import torch
 
-from ..models.spec import ManifestNaming, ModelSpec
 from ..numerics.constants import MXFP4_BLOCK
 from ..recipe import QuantFormat, Recipe, RecipeEntry, RecipeError
+from ..spec import ManifestNaming, ModelSpec
 from .shared_inputs import SharedInputRule, apply_rules
 
 Kind = Literal["linear", "experts", "embedding", "router", "conv"]
@@ -137,7 +137,7 @@ def reason_for(entry: RecipeEntry | None) -> str:
 
 def _modules(inventory: Inventory, spec: ModelSpec):
     """(dense module -> {part: (dtype, shape)}, (experts module, proj) -> {expert: {part: ...}})."""
-    expert_re = re.compile(spec.expert_key_regex)
+    expert_re = re.compile(spec.experts.key_regex)
     dense: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
     experts: dict[tuple[str, str], dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]]] = {}
     for key, info in inventory.items():
@@ -198,7 +198,7 @@ def _expert_decisions(recipe: Recipe, spec: ModelSpec, experts: dict) -> dict[st
             f"{module}.*.{proj}", "experts", shape, fmt, None if fmt else reason_for(entry), packed=packed, experts=ids
         )
     for name in {n.rpartition(".*.")[0] for n in out}:
-        for group in spec.shared_scale_groups:
+        for group in spec.quant.shared_scale_groups:
             fmts = {str(out[f"{name}.*.{p}"].format) for p in group if f"{name}.*.{p}" in out}
             if len(fmts) > 1:
                 raise RecipeError(
@@ -282,4 +282,4 @@ def decide(
     for gid, members in groups.items():
         for m in members:
             decisions[m] = Decision(m, "linear", decisions[m].shape, decisions[m].format, group=gid)
-    return DecisionTable(recipe, dict(sorted(decisions.items())), groups, rules, spec.manifest_naming)
+    return DecisionTable(recipe, dict(sorted(decisions.items())), groups, rules, spec.export.manifest_naming)

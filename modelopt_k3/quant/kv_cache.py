@@ -1,4 +1,4 @@
-"""KV-cache quantizers on the sites a model adapter declares (``ModelSpec.kv_cache_sites``).
+"""KV-cache quantizers on the sites a model adapter declares (``QuantSpec.kv_cache_sites``).
 
 One ``TensorQuantizer`` per site, held as ``attention.kv_cache_quantizer``, observes (``calib``) or
 fake-quantizes (``quant``) every cached output through forward hooks; the exporter writes its scale
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import KvCacheFormat
-from ..models.kv_cache import CachedOutput, KvCacheSite
+from ..spec.kv_cache import CachedOutput, KvCacheSite
 from .quantizer import TensorQuantizer
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..formats import TensorFormat
-from ..models.packed_experts import experts_device, is_packed, packed_weight_amax
+from ..packed_experts import experts_device, is_packed, packed_weight_amax
 from .quantizer import TensorQuantizer
 
 

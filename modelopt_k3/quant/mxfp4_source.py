@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointReader
-from ..models.packed_experts import projection_fields
-from ..models.spec import ModelSpec
 from ..numerics import mxfp4_to_nvfp4, nvfp4_dequantize, shared_global_scale_for
 from ..numerics.nvfp4 import NVFP4Weight
+from ..packed_experts import projection_fields
+from ..spec import ModelSpec
 
 PACKED, SCALE = "weight_packed", "weight_scale"
 
@@ -66,7 +66,7 @@ class Mxfp4ExpertSource:
         return torch.stack([self.reader.get(f"{self.module_name}.{e}.{proj}.{suffix}") for e in self.experts[part]])
 
     def _projections(self, fused_param: str) -> list[str]:
-        projs = [p for p in self.spec.expert_projections if p.fused_param == fused_param]
+        projs = [p for p in self.spec.experts.projections if p.fused_param == fused_param]
         return [p.name for p in sorted(projs, key=lambda p: p.chunk)]
 
     def global_scales(self, fused_param: str) -> torch.Tensor:

@@ -6,7 +6,7 @@ NVIDIA/Model-Optimizer at cc2c21837faa2e58f597d69e0f850bcef0e05567) runs a dummy
 forward hook on every quantized Linear and groups the Linears by the identity of ``input[0]``;
 serving engines fuse exactly such groups (KDA q/k/v/f_a/b/g, MLA q_a + kv_a + g, gate/up) and read
 one global scale for the fused weight. We do the same, once, on a tiny configuration of the
-checkpoint's own classes (``ModelSpec.probe_model`` shrinks it), and keep the result as rules that
+checkpoint's own classes (``QuantSpec.probe_model`` shrinks it), and keep the result as rules that
 do not mention layer indices, so that they apply to the real checkpoint's names without a forward of
 the real model (the streaming converter never builds it).
 
@@ -115,7 +115,7 @@ class ProbeError(RuntimeError):
 
 
 def discover_shared_inputs(spec, model_cls: type, config) -> tuple[SharedInputRule, ...]:
-    """Rules for a checkpoint, from one probe forward of ``spec.probe_model``'s tiny model.
+    """Rules for a checkpoint, from one probe forward of ``spec.quant.probe_model``'s tiny model.
 
     Cached per model class and configuration: the probe runs once per process and checkpoint. It runs
     on the GPU when there is one (remote code whose kernels need one, as the real Kimi-K3's fla
@@ -124,10 +124,10 @@ def discover_shared_inputs(spec, model_cls: type, config) -> tuple[SharedInputRu
     """
     key = (f"{model_cls.__module__}.{model_cls.__qualname__}", config.to_json_string(use_diff=False))
     if key not in _DISCOVERED:
-        if spec.probe_model is None:
+        if spec.quant.probe_model is None:
             raise ValueError(f"model_type {spec.model_type!r} has no probe_model: its shared-input groups are unknown")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model, prefix = spec.probe_model(model_cls, config, device)
+        model, prefix = spec.quant.probe_model(model_cls, config, device)
         ids = torch.arange(4, device=device).remainder(model.config.vocab_size)[None]
         try:
             groups = record_shared_inputs(model, lambda m: m(input_ids=ids, use_cache=False))
@@ -136,7 +136,7 @@ def discover_shared_inputs(spec, model_cls: type, config) -> tuple[SharedInputRu
                 f"the shared-input probe could not run a forward of {model_cls.__name__}'s code on {device} "
                 f"(a tiny configuration): {type(exc).__name__}: {exc}"
             ) from exc
-        expert = re.compile(spec.expert_key_regex)
+        expert = re.compile(spec.experts.key_regex)
         dense = [g for g in groups if not any(expert.match(f"{prefix}{n}.weight") for n in g)]
         _DISCOVERED[key] = rules_from_groups(dense, prefix)
     return _DISCOVERED[key]

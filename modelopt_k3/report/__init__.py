@@ -60,7 +60,7 @@ def report(
         return None
     inputs = collect.input_settings(model)
     counts = collect.sum_counts([p["activations"] for p in parts])
-    fused_of = {p.name: p.fused_param for p in info.spec.expert_projections}
+    fused_of = {p.name: p.fused_param for p in info.spec.experts.projections}
     layers, final = build.fidelity_section(fidelity)
     data = {
         "schema": build.SCHEMA, "version": build.VERSION,

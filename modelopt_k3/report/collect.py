@@ -19,8 +19,8 @@ from torch import nn
 
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
-from ..models.packed_experts import expert_weight_rows
 from ..numerics import nvfp4_dequantize
+from ..packed_experts import expert_weight_rows
 from ..quant.modules import ExpertsQuantState, iter_quantizers
 from .stats import WEIGHT_FIELDS, weight_rows
 
@@ -79,16 +79,16 @@ def _source_dequant(wq, proj: str, first: int, part: slice) -> tuple[torch.Tenso
 def expert_rows(name: str, experts: nn.Module, spec, projs: dict) -> list[dict[str, Any]]:
     """One summary per quantized projection of this rank's experts: per-expert weight rows."""
     state: ExpertsQuantState = experts.quant
-    rows = local_rows(getattr(experts, spec.expert_projections[0].fused_param))
+    rows = local_rows(getattr(experts, spec.experts.projections[0].fused_param))
     ids = list(experts.placement.global_ids(rows))
     out = {p.name: {"module": name, "projection": p.name, "algo": projs[p.name].algo, "experts": ids,
                     "weight_format": str(state.weight[p.fused_param].fmt), "stats": [], "weight_scale": [],
                     "requantized": [] if state.weight[p.fused_param].source is not None else None}
-           for p in spec.expert_projections if p.name in projs}
+           for p in spec.experts.projections if p.name in projs}
     for part in _parts(len(rows)):
         decoded: dict[str, torch.Tensor] = {}
         idx = slice(rows.start + part.start, rows.start + part.stop)  # indices into the module's expert dim
-        for proj in spec.expert_projections:
+        for proj in spec.experts.projections:
             if proj.name not in projs:
                 continue
             wq = state.weight[proj.fused_param]

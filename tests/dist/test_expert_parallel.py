@@ -217,7 +217,7 @@ def test_owner_runs_the_plans_local_implementation(ep_ckpt, single_logits):
 
 def test_plan_decides_the_local_implementation(monkeypatch):
     from modelopt_k3.dist.plan import PlanError, decide_plan
-    from modelopt_k3.models.spec import get_spec
+    from modelopt_k3.spec import get_spec
 
     kw = dict(spec=get_spec("kimi_k3"), num_experts=8, rank=0, world_size=2)
     cpu = decide_plan("expert_parallel", device=torch.device("cpu"), **kw)
@@ -293,7 +293,7 @@ def test_ep_with_fsdp2_dense_part(ep_ckpt, single_logits, single_export, tmp_pat
 
 def test_dense_sharding_refusals():
     from modelopt_k3.dist.plan import PlanError, decide_plan
-    from modelopt_k3.models.spec import get_spec
+    from modelopt_k3.spec import get_spec
 
     spec, cpu = get_spec("kimi_k3"), torch.device("cpu")
     kw = dict(spec=spec, num_experts=8, rank=0, device=cpu)

@@ -14,7 +14,7 @@ from modelopt_k3.dist.placement import ExpertPlacement, PlanError
 from modelopt_k3.dist.plan import IneffectiveSettingWarning, decide_plan
 from modelopt_k3.load import load_pretrained, resolve_model_class
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
-from modelopt_k3.models.spec import PrepareContext, SpecError
+from modelopt_k3.spec import PrepareContext, SpecError
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
 CPU = torch.device("cpu")
@@ -83,14 +83,14 @@ def test_two_placements_in_one_process(tiny_ckpt: Path) -> None:
     """The patched class holds no placement: an EP-placed model and a whole one coexist, and a whole load
     after an expert-parallel build works (it used to be refused as a stale process-wide patch)."""
     raw = json.loads((tiny_ckpt / "config.json").read_text())
-    KIMI_K3_SPEC.build(tiny_ckpt)
+    KIMI_K3_SPEC.loading.build(tiny_ckpt)
     model_cls, config = resolve_model_class(tiny_ckpt, raw, trust_remote_code=True)
-    KIMI_K3_SPEC.prepare(PrepareContext(model_cls, config, tiny_ckpt))
+    KIMI_K3_SPEC.loading.prepare(PrepareContext(model_cls, config, tiny_ckpt))
     num = config.text_config.num_experts
     with torch.device("meta"):
         ep_model, other = model_cls(config), model_cls(config)
     rank1 = ExpertPlacement(num, ep_size=2, ep_rank=1, writes_experts=False)
-    KIMI_K3_SPEC.place_experts(ep_model, rank1)
+    KIMI_K3_SPEC.experts.place_experts(ep_model, rank1)
 
     loaded = load_pretrained(tiny_ckpt, plan="whole", trust_remote_code=True, progress=False)
 
@@ -104,4 +104,4 @@ def test_two_placements_in_one_process(tiny_ckpt: Path) -> None:
             assert module.gate_up_proj.shape[0] == num
     assert loaded.modelopt_k3.placement.experts is next(iter(_experts(loaded).values())).placement
     with pytest.raises(ValueError, match="needs a module holding all"):
-        KIMI_K3_SPEC.place_experts(ep_model, ExpertPlacement(num, ep_size=2))  # already placed
+        KIMI_K3_SPEC.experts.place_experts(ep_model, ExpertPlacement(num, ep_size=2))  # already placed

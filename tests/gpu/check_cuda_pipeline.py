@@ -156,8 +156,8 @@ def check_decode_workspace(ckpt: Path, results: dict) -> None:
     """Per layer: a Kimi-K3 MoE layer's local experts at EP 16 decoded into the reusable workspace, against
     mxfp4_decode allocating its output; and the tiny model's experts forward, packed vs bf16."""
     from modelopt_k3 import load_pretrained
-    from modelopt_k3.models.packed_experts import DecodeWorkspace, PackedLayout
     from modelopt_k3.numerics import mxfp4_decode
+    from modelopt_k3.packed_experts import DecodeWorkspace, PackedLayout
 
     experts = 56 if DEVICE.type == "cuda" else 2  # 896 / 16 on a GPU; a smoke size on CPU
     g = torch.Generator().manual_seed(1)

@@ -10,10 +10,10 @@ import pytest
 from modelopt_k3.checkpoint import CheckpointReader, read_config
 from modelopt_k3.export.modelopt_format import hf_quant_config, summarize_exclusions
 from modelopt_k3.load import resolve_model_class
-from modelopt_k3.models.spec import get_spec
 from modelopt_k3.quant.decisions import decide
 from modelopt_k3.quant.shared_inputs import SharedInputRule, apply_rules, discover_shared_inputs
 from modelopt_k3.recipe import RecipeError, load_recipe, recipe_from_dict
+from modelopt_k3.spec import get_spec
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
 SPEC = get_spec("kimi_k3")
@@ -23,7 +23,7 @@ MLA = ("g_proj", "kv_a_proj_with_mqa", "q_a_proj")
 
 @pytest.fixture(scope="module")
 def rules(tiny_ckpt: Path) -> tuple[SharedInputRule, ...]:
-    SPEC.build(tiny_ckpt)
+    SPEC.loading.build(tiny_ckpt)
     model_cls, config = resolve_model_class(tiny_ckpt, read_config(tiny_ckpt), trust_remote_code=True)
     return discover_shared_inputs(SPEC, model_cls, config)
 
@@ -133,6 +133,6 @@ def test_probe_that_cannot_run_is_named() -> None:
         def to_json_string(self, use_diff):
             return '{"broken": true}'
 
-    spec = dataclasses.replace(SPEC, probe_model=lambda cls, config, device: (Broken(), ""))
+    spec = dataclasses.replace(SPEC, quant=dataclasses.replace(SPEC.quant, probe_model=lambda cls, config, device: (Broken(), "")))
     with pytest.raises(ProbeError, match=r"Broken's code .* RuntimeError: Triton is required"):
         discover_shared_inputs(spec, Broken, Config())

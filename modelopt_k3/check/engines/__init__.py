@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from ...spec import builtin_module
 from ..layout import Layout
 from ..report import EngineResult, Refusal
 from .base import ModelOptEngine, ModelServing
@@ -25,8 +26,6 @@ Replay = Callable[..., EngineResult]
 _SERVING: dict[tuple[str, str], ModelServing | Replay] = {}
 # model_type -> config -> the KV-cache scale tensors an export with a KV-cache format holds.
 _KV_SCALE_NAMES: dict[str, Callable[[dict], list[str]]] = {}
-# model_type -> module that registers its serving rules on import (lazy, like the model specs).
-_BUILTIN = {"kimi_k3": "modelopt_k3.models.kimi_k3.serving"}
 
 
 def register_serving(model_type: str, engine: str, rules: ModelServing | Replay) -> None:
@@ -40,8 +39,10 @@ def register_kv_scale_names(model_type: str, names: Callable[[dict], list[str]])
 
 
 def _load_builtin(model_type: str) -> None:
-    if model_type in _BUILTIN:
-        importlib.import_module(_BUILTIN[model_type])
+    """Import the builtin model package's ``serving`` module, which registers its rules (lazy, like the specs)."""
+    module = builtin_module(model_type, "serving")
+    if module is not None:
+        importlib.import_module(module)
 
 
 def serving_rules(model_type: str, engine: str) -> ModelServing | Replay | None:

@@ -24,7 +24,7 @@ import torch
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter
 
 from ...numerics.mxfp4 import mxfp4_decode
-from ..conversion import DecodeOp
+from ...spec.conversion import DecodeOp
 
 EXPERTS_PREFIX = r"(?<=\.)block_sparse_moe\.experts\.\d+\."
 GATE_UP_TARGET = "block_sparse_moe.experts.gate_up_proj"
@@ -43,7 +43,7 @@ class Mxfp4Decompress(DecodeOp):
 
     The decoded, stacked ``[n_experts, out, in]`` tensor is returned under the ``weight_packed``
     pattern so that the following ``Concatenate`` keeps the source order (w1 before w3). Packed
-    residency skips this step and keeps the two fields (``models/conversion.py``).
+    residency skips this step and keeps the two fields (``spec/conversion.py``).
     """
 
     codes_field, scales_field = PACKED_SUFFIX, SCALE_SUFFIX

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..kv_cache import CachedOutput, KvCacheSite
+from ...spec.kv_cache import CachedOutput, KvCacheSite
 
 MLA_CLASS = "KimiMLAAttention"
 KV_SCALE_NAMES = ("k_proj.k_scale", "v_proj.v_scale")

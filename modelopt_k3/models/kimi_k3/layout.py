@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..spec import ExpertsLayout, SpecError
+from ...spec import ExpertsLayout, SpecError
 
 EXPERTS_MODULE = "language_model.model.layers.{layer}.block_sparse_moe.experts"
 

@@ -20,7 +20,7 @@ its manifests for the tiny model, and our manifest must contain every entry and 
 
 from __future__ import annotations
 
-from ..spec import ManifestNaming
+from ...spec import ManifestNaming
 
 LM = "language_model."
 LM_MODEL = "language_model.model."

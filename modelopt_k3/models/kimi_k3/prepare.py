@@ -21,7 +21,7 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from ...checkpoint import CheckpointReader
 from ...dist.placement import ExpertPlacement
 from ...numerics.constants import MXFP4_BLOCK
-from ..spec import PrepareContext, SpecError
+from ...spec import PrepareContext, SpecError
 from .converters import kimi_k3_converters
 from .experts import KimiK3Experts
 from .shims import apply_class_shims
@@ -152,7 +152,7 @@ def unprepare(model_cls: type) -> None:
 
 
 def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
-    """Keep ``placement``'s experts in every fused MoE block of ``model`` (``ModelSpec.place_experts``).
+    """Keep ``placement``'s experts in every fused MoE block of ``model`` (``ExpertsSpec.place_experts``).
 
     The block's own ``ep_size``/``ep_rank``/``experts_per_rank`` (the remote code's names) follow it.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from modelopt_k3.models.kimi_k3.layout import expert_layout
-from modelopt_k3.models.spec import SpecError
+from modelopt_k3.spec import SpecError
 
 
 def _text(**fields) -> dict:

@@ -7,7 +7,7 @@ at a time, or a chunk of experts at a time when the memory planner says so. Deco
 (``numerics.mxfp4_decode``), so logits, calibration amax and the export equal the ``bf16`` residency
 bit for bit.
 
-Declared layout, per fused parameter ``p`` (the spec's ``ep_sharded_params``), following the fields
+Declared layout, per fused parameter ``p`` (the spec's ``ExpertsSpec.sharded_params``), following the fields
 of torchao's ``MXTensor`` (pytorch/ao torchao/prototype/mx_formats/mx_tensor.py:
 ``tensor_data_names = ["qdata", "scale"]``, block size, original dtype):
 
@@ -39,9 +39,9 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from ..numerics.constants import MXFP4_BLOCK
-from ..numerics.e2m1 import E2M1_VALUES
-from ..numerics.mxfp4 import e8m0_to_float, mxfp4_decode
+from .numerics.constants import MXFP4_BLOCK
+from .numerics.e2m1 import E2M1_VALUES
+from .numerics.mxfp4 import e8m0_to_float, mxfp4_decode
 from .spec import ModelSpec
 
 RESIDENCIES: tuple[str, ...] = ("auto", "bf16", "packed")
@@ -160,7 +160,7 @@ def to_packed(module: nn.Module, spec: ModelSpec, workspace: DecodeWorkspace) ->
     if is_packed(module):
         return
     layouts = {}
-    for param, dim in spec.ep_sharded_params.items():
+    for param, dim in spec.experts.sharded_params.items():
         weight = module._parameters.get(param)
         if weight is None or weight.dim() != 3 or dim != 0:
             raise ResidencyError(
@@ -195,7 +195,7 @@ def experts_device(module: nn.Module, spec: ModelSpec | None = None) -> torch.de
         return getattr(module, next(iter(module.packed_layouts.values())).qdata_name).device
     if spec is None:
         raise ValueError("experts_device needs the spec for a module that is not packed")
-    return getattr(module, next(iter(spec.ep_sharded_params))).device
+    return getattr(module, next(iter(spec.experts.sharded_params))).device
 
 
 # ------------------------------------------------------------------------------ running
@@ -286,7 +286,7 @@ def _run_decoded(module, fn: Callable, hidden_states, top_k_index, top_k_weights
 def expert_weight_rows(module: nn.Module, param: str, part: slice) -> torch.Tensor:
     """``[n, out, in]`` weights of this rank's local experts ``part`` of fused ``param``: a view of the
     parameter (bf16 residency; FSDP2: this rank's rows) or a fresh decode (packed)."""
-    from ..dist.fsdp import local_tensor
+    from .dist.fsdp import local_tensor
 
     if not is_packed(module):
         return local_tensor(getattr(module, param)).detach()[part]
@@ -297,7 +297,7 @@ def expert_weight_rows(module: nn.Module, param: str, part: slice) -> torch.Tens
 def projection_fields(module: nn.Module, spec: ModelSpec, proj: str, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """The resident (codes, scales) of checkpoint projection ``proj`` (e.g. ``w1``) for local experts ``part``:
     the same bytes the checkpoint stores for ``<module>.<e>.<proj>.weight_packed/weight_scale``."""
-    (p,) = [p for p in spec.expert_projections if p.name == proj]
+    (p,) = [p for p in spec.experts.projections if p.name == proj]
     layout = module.packed_layouts[p.fused_param]
     rows = layout.out_features // p.n_chunks
     r = slice(p.chunk * rows, (p.chunk + 1) * rows)

@@ -1,0 +1,54 @@
+"""The model-spec contract (the bottom layer: imports nothing else of ``modelopt_k3``).
+
+``contract``: ``ModelSpec`` and its groups, one per consumer; ``kv_cache``: where a model's KV cache is;
+``conversion``: running transformers ``WeightConverter`` chains (and ``DecodeOp``, the decode step a
+model's converters declare); ``registry``: ``model_type`` -> spec, builtin models found lazily under
+``models/``. See docs/DESIGN_NOTES.md "The model-spec contract".
+"""
+
+from .contract import (
+    ExpertProjection,
+    ExpertsLayout,
+    ExpertsSpec,
+    ExportSpec,
+    LoadingSpec,
+    ManifestNaming,
+    MemorySpec,
+    ModelClassSource,
+    ModelSpec,
+    PrepareContext,
+    QuantSpec,
+    RemoteCodeClass,
+    ReportSpec,
+    SourceCheckSpec,
+    SpecError,
+    TransformersClass,
+)
+from .kv_cache import CachedOutput, KvCacheSite
+from .registry import builtin_model_packages, builtin_module, get_spec, known_model_types, register_spec
+
+__all__ = [
+    "CachedOutput",
+    "ExpertProjection",
+    "ExpertsLayout",
+    "ExpertsSpec",
+    "ExportSpec",
+    "KvCacheSite",
+    "LoadingSpec",
+    "ManifestNaming",
+    "MemorySpec",
+    "ModelClassSource",
+    "ModelSpec",
+    "PrepareContext",
+    "QuantSpec",
+    "RemoteCodeClass",
+    "ReportSpec",
+    "SourceCheckSpec",
+    "SpecError",
+    "TransformersClass",
+    "builtin_model_packages",
+    "builtin_module",
+    "get_spec",
+    "known_model_types",
+    "register_spec",
+]
