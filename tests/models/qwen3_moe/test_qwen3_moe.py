@@ -182,3 +182,55 @@ def test_gate_up_share_weight_scale_2_from_both_halves(qwen3_moe_ckpt, qwen3_moe
             assert stored[f"{head}.{other}.weight"].float().abs().max() < amax
             for p in ("gate_proj", "up_proj"):
                 assert out[f"{head}.{p}.weight_scale_2"].item() == (amax / (6.0 * 448.0)).item()
+
+
+def _edit_export(src: Path, dst: Path, drop_exclude: str) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    for name, key in (("hf_quant_config.json", ("quantization", "exclude_modules")),
+                      ("config.json", ("quantization_config", "ignore"))):
+        cfg = json.loads((dst / name).read_text())
+        cfg[key[0]][key[1]].remove(drop_exclude)
+        (dst / name).write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.slow
+def test_engine_checks(qwen3_moe_export, tmp_path):
+    """vLLM and SGLang load the export as written; without the router in the exclusions vLLM (router built
+    with the quant config) refuses its missing NVFP4 scales while SGLang (router built unquantized) loads it."""
+    from modelopt_k3.check import check_export
+
+    report = check_export(qwen3_moe_export, ("vllm", "sglang", "trtllm"))
+    assert report.results["vllm"].ok and report.results["sglang"].ok, report.table()
+    assert "no trtllm loading rules" in report.results["trtllm"].refusals[0].reason
+    edited = _edit_export(qwen3_moe_export, tmp_path / "router_not_excluded", "model.layers.0.mlp.gate")
+    report = check_export(edited, ("vllm", "sglang"))
+    assert report.results["sglang"].ok, report.table()
+    refusals = report.results["vllm"].refusals
+    assert refusals and all(r.tensor.startswith("model.layers.0.mlp.gate") for r in refusals), report.table()
+
+
+@pytest.mark.slow
+def test_hf_ptq_runs_qwen3_moe(qwen3_moe_ckpt, tmp_path):
+    """examples/hf_ptq.py --pyt_ckpt_path <tiny Qwen3-MoE> end to end, engine check included."""
+    import runpy
+    import sys
+
+    out = tmp_path / "export"
+    argv = ["hf_ptq.py", "--pyt_ckpt_path", str(qwen3_moe_ckpt), "--recipe", "nvfp4_default", "--export_path",
+            str(out), "--calib_size", "8", "--calib_seq", "32", "--batch_size", "4", "--no_progress",
+            "--target_engines", "vllm,sglang", "--report", "none"]
+    example = Path(__file__).parents[3] / "examples" / "hf_ptq.py"
+    old, sys.argv = sys.argv, argv
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(example), run_name="__main__")
+    finally:
+        sys.argv = old
+    assert done.value.code in (0, None)
+    algos = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert algos["quant_algo"] == "NVFP4" and "model.layers.2.mlp.gate" in algos["exclude_modules"]
+    assert "model.layers.2.mlp.experts.7.up_proj.weight_scale_2" in json.loads(
+        (out / "model.safetensors.index.json").read_text())["weight_map"]
