@@ -234,3 +234,27 @@ def test_hf_ptq_runs_qwen3_moe(qwen3_moe_ckpt, tmp_path):
     assert algos["quant_algo"] == "NVFP4" and "model.layers.2.mlp.gate" in algos["exclude_modules"]
     assert "model.layers.2.mlp.experts.7.up_proj.weight_scale_2" in json.loads(
         (out / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+@pytest.mark.slow
+def test_converter_equals_model_path_weight_only_and_refuses_calibrated(qwen3_moe_ckpt, tmp_path):
+    """BF16 experts have no calibration-free W4A4 NVFP4 (input_scale needs activations): the converter refuses
+    a calibrated recipe naming the modules, and for weight-only NVFP4 (w4a16_nvfp4; its dense group scales from
+    the probe of transformers' own classes, no trust_remote_code needed) writes what the model path writes."""
+    import modelopt_k3
+    from modelopt_k3.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=r"needs calibration data .*mlp\.experts\.\*\.down_proj"):
+        modelopt_k3.convert_checkpoint(qwen3_moe_ckpt, tmp_path / "refused", "nvfp4_default")
+    converted = tmp_path / "converted"
+    modelopt_k3.convert_checkpoint(qwen3_moe_ckpt, converted, "w4a16_nvfp4")
+    model = modelopt_k3.load_pretrained(qwen3_moe_ckpt, progress=False)
+    modelopt_k3.quantize(model, "w4a16_nvfp4", None, verbose=False)
+    exported = modelopt_k3.export_checkpoint(model, tmp_path / "exported", progress=False)
+    a, b = _tensors(converted), _tensors(exported)
+    assert set(a) == set(b) and any(k.endswith("experts.5.up_proj.weight_scale_2") for k in a)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and _sha(a[key]) == _sha(b[key]), key
+    for name in ("hf_quant_config.json",):
+        qa, qb = (json.loads((d / name).read_text())["quantization"] for d in (converted, exported))
+        assert qa == qb
