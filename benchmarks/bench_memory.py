@@ -158,7 +158,7 @@ def _calibration_time_figure(ctx, ckpt, calib: dict) -> Figure:
 
 def _planner_figures(ckpt, runs: dict, degrees: tuple[int, ...], calib: dict) -> list[Figure]:
     from modelopt_k3.memory.layout import read_layout
-    from modelopt_k3.memory.planner import Configuration, RunShape, estimate
+    from modelopt_k3.memory.planner import Asked, RunShape, estimate_asked
 
     layout = read_layout(ckpt)
     shape = RunShape(batch_size=calib["batch_size"], calib_seq=calib["seq_len"], device="cpu")
@@ -166,8 +166,8 @@ def _planner_figures(ckpt, runs: dict, degrees: tuple[int, ...], calib: dict) ->
     for ep in degrees:
         for residency in RESIDENCIES:
             recs = runs[(ep, residency)]
-            cfg = Configuration("whole" if ep == 1 else "expert_parallel", "replicated", residency, ep)
-            est = estimate(layout, cfg, shape)
+            asked = Asked("whole" if ep == 1 else "expert_parallel", "replicated", residency, ep)
+            est = estimate_asked(layout, asked, shape)
             resident = max(r["all_param_bytes"] for r in recs)
             peak = max(max(r["load_peak_rss"], r["calibration_peak_rss"], r["export_peak_rss"]) for r in recs)
             for what, planned, measured, target in (("resident", est.resident, resident, 0.05),

@@ -27,9 +27,9 @@ from .dist.collectives import run_together
 from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from .dist.group import current_group
 from .dist.placement import ExpertPlacement, Placement
-from .dist.plan import DistributionPlan, decide_plan
+from .dist.plan import AUTO, DistributionPlan, Residency, decide_plan
 from .nonfinite import source_refusal, warn_passthrough
-from .packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
+from .packed_experts import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .source_check import SourceLayout, check_config, check_dense, check_experts
 from .spec import ModelSpec, PrepareContext, get_spec
 from .spec.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
@@ -414,23 +414,15 @@ def _decide_residency(
     requested: str, *, packed_source: bool, plan: DistributionPlan, path: Path, dtype: torch.dtype,
     decode_chunk: int | None,
 ) -> DistributionPlan:
-    """The plan with its experts residency: as asked, or for ``auto`` from the memory planner."""
-    if requested not in RESIDENCIES:
-        raise ResidencyError(f"unknown experts residency {requested!r}; choose one of {list(RESIDENCIES)}")
-    if requested == "packed" and not packed_source:
-        raise ResidencyError(
-            f"experts='packed' keeps the experts' MXFP4 source bytes, but {path} stores them decoded; "
-            "use experts='bf16' (CLI: --experts bf16)"
-        )
-    if requested == "auto":
-        if not packed_source or plan.kind == "fsdp2":
-            requested = "bf16"
-        else:
-            from .memory.planner import choose_residency
+    """The plan with its experts residency: as asked (``with_residency`` refuses what the plan cannot hold),
+    or for ``auto`` the memory planner's choice among the residencies the plan allows."""
+    if requested == AUTO:
+        from .memory.planner import choose_residency
 
-            requested, chosen_chunk = choose_residency(path, plan, dtype=dtype)
-            decode_chunk = decode_chunk if decode_chunk is not None else chosen_chunk
-    return plan.with_residency(requested, decode_chunk if requested == "packed" else None)
+        requested, chosen_chunk = choose_residency(path, plan, packed_source=packed_source, dtype=dtype)
+        decode_chunk = decode_chunk if decode_chunk is not None else chosen_chunk
+    return plan.with_residency(requested, decode_chunk if requested == Residency.PACKED else None,
+                               packed_source=packed_source)
 
 
 def load_pretrained(
@@ -555,7 +547,7 @@ def _build_placed_model(
     model = _build_on_meta(src.model_cls, src.config, dtype, src.reader, spec, placement.experts)
     run_together("load: check the checkpoint against the model", _check_against_model, model, spec, src.reader,
                  src.layout, group=group)
-    if plan.experts_residency == "packed":
+    if plan.experts_residency is Residency.PACKED:
         _pack_experts(model, spec)  # before sharding and materializing: only the codes are ever allocated
     if plan.fsdp_sharded:
         shard_model(model, placement.fsdp_mesh, spec, shard_experts=not plan.expert_parallel)

@@ -39,20 +39,16 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from .dist.placement import ResidencyError
 from .numerics.constants import MXFP4_BLOCK
 from .numerics.e2m1 import E2M1_VALUES
 from .numerics.mxfp4 import e8m0_to_float, mxfp4_decode
 from .spec import ModelSpec
 
-RESIDENCIES: tuple[str, ...] = ("auto", "bf16", "packed")
 # Experts decoded at a time outside the forward (amax, export rows): bounds those temporaries.
 EXPERTS_PER_PASS = 16
 # Set on an experts implementation that exchanges tokens and calls ``local_experts_forward`` itself.
 DISPATCHES_ATTR = "dispatches_to_owners"
-
-
-class ResidencyError(ValueError):
-    """A residency that cannot serve this checkpoint or plan; the message names the fix."""
 
 
 @dataclass(frozen=True)

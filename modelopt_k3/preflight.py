@@ -101,9 +101,10 @@ def run_preflight(ctx: PreflightContext, checks: list[PreflightCheck] | None = N
 
 @register_check("source checkpoint")
 def _source_checkpoint(ctx: PreflightContext) -> None:
+    """The spec says whether its model class is the checkpoint's own code (``LoadingSpec.model_class``)."""
     raw = read_config(ctx.checkpoint)
-    auto_map = raw.get("auto_map") or {}
-    if (auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")) and not ctx.trust_remote_code:
+    spec = get_spec(raw.get("model_type", ""))
+    if spec.loading.model_class.remote_code and not ctx.trust_remote_code:
         raise PreflightError(f"{ctx.checkpoint} ships its own modeling code; pass --trust_remote_code if you trust it")
 
 
@@ -190,13 +191,12 @@ def _lock_export_path(ctx: PreflightContext) -> None:
 def _export_format(ctx: PreflightContext) -> None:
     """The recipe against the checkpoint's modules (the decision table, from headers), and what the
     export format can hold."""
-    from .export.formats import export_format
     from .quant.decisions import decide
 
     spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
     with CheckpointReader(ctx.checkpoint) as reader:
         table = decide(reader.inventory(), spec, ctx.recipe, None)  # shared-input groups do not matter here
-    fmt = export_format(ctx.args.export_format)
+    fmt = ctx.args.export_format  # the ExportFormat hf_ptq resolved from the flag, once
     why = fmt.unexpressible(set(table.layer_algos().values()), ctx.recipe.kv_cache)
     if why is not None:
         raise PreflightError(f"--export_format {fmt}: {why}; use --export_format modelopt")

@@ -221,6 +221,18 @@ def test_export_formats_resolve_once_and_refuse_unknown_names():
     assert list(action.choices) == list(EXPORT_FORMATS)
 
 
+def test_export_format_names_are_resolved_in_two_entry_points_only():
+    """The CLI (``hf_ptq.run``) and the library call (``export_checkpoint``) turn a name into its object;
+    everything after them (preflight, engine checks, writer) takes the object."""
+    callers = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "export_format"
+    )
+    assert callers == ["cli/hf_ptq.py", "export/model_export.py"]
+
+
 def test_export_format_says_what_it_cannot_hold():
     from modelopt_k3.export.formats import COMPRESSED_TENSORS, MODELOPT
     from modelopt_k3.formats import KV_CACHE_FORMATS

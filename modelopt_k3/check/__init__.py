@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import read_config
-from ..export.formats import MODELOPT, export_format
+from ..export.formats import MODELOPT
 from ..preflight import PreflightContext, PreflightError, register_check
 from ..recipe import Recipe, load_recipe
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
@@ -103,7 +103,7 @@ def _serving_engines(ctx: PreflightContext) -> None:
     engines = getattr(ctx.args, "target_engines", None)
     if not engines:
         return
-    fmt = export_format(getattr(ctx.args, "export_format", MODELOPT))
+    fmt = getattr(ctx.args, "export_format", MODELOPT)  # the ExportFormat hf_ptq resolved, once
     if not fmt.engine_checked:
         raise PreflightError(f"--target_engines replays the engines' ModelOpt loaders, not {fmt}'s; "
                              "it needs --export_format modelopt")

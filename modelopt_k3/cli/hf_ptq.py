@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
 from ._common import non_negative_int, positive_int, run_cli
 
 QFORMAT_PRESETS = {
@@ -58,13 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="during calibration every expert sees every token (routing output unchanged)")
     p.add_argument("--eval_kl", type=non_negative_int, default=0, metavar="N",
                    help="after calibration, report KL(original || quantized) on N held-out sequences (0: skip)")
-    p.add_argument("--plan", default="auto", choices=["auto", "whole", "expert_parallel", "fsdp2"],
+    p.add_argument("--plan", default="auto", choices=PLAN_KINDS,
                    help="auto: expert_parallel under torchrun, else whole; fsdp2: dense and experts FSDP2-sharded")
-    p.add_argument("--dense", default="replicated", choices=["replicated", "fsdp2"],
+    p.add_argument("--dense", default="replicated", choices=DENSE_MODES,
                    help="expert_parallel: keep the dense part on every rank, or shard it with FSDP2")
     p.add_argument("--ep_degree", type=positive_int, default=None,
                    help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
-    p.add_argument("--experts", default="auto", choices=["auto", "bf16", "packed"],
+    p.add_argument("--experts", default="auto", choices=EXPERTS_CHOICES,
                    help="routed experts held decoded (bf16) or as their MXFP4 source bytes, decoded per layer "
                         "inside the forward (packed); auto: packed when the memory planner says bf16 does not fit")
     p.add_argument("--gpu_mem_gib", type=float, default=None,
@@ -238,11 +239,10 @@ def _load(args: argparse.Namespace, ctx, ckpt: Path, trust: bool, progress: bool
 
     from .. import load_pretrained
 
-    memory = ctx.memory
+    memory = ctx.memory  # --experts resolved once, by the preflight at this run's batch and sequence length
     return load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust,
                            dtype=getattr(torch, args.dtype) if args.dtype else None,
-                           ep_degree=args.ep_degree, dense=args.dense,
-                           experts=memory.config.residency if not memory.refused else args.experts,
+                           ep_degree=args.ep_degree, dense=args.dense, experts=memory.residency,
                            decode_chunk=memory.decode_chunk, progress=progress,
                            allow_nonfinite_passthrough=args.allow_nonfinite_passthrough)
 

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     report = plan_memory(args.pyt_ckpt_path, world_size=args.world_size, gpu_mem_gib=args.gpu_mem_gib,
                          batch_size=args.batch_size, calib_seq=args.calib_seq, recipe=args.recipe, device=args.device)
     print(report.table())
-    at_world = [e for e in report.estimates if e.config.world_size == args.world_size or args.world_size == 1]
+    at_world = [e for e in report.estimates if e.asked.world_size == args.world_size or args.world_size == 1]
     return 0 if report.budget is None or any(e.fits(report.budget) for e in at_world) else 1
 
 

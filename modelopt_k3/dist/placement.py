@@ -25,11 +25,15 @@ if TYPE_CHECKING:
 
 ExpertId = TypeVar("ExpertId")  # an int, or an integer tensor of expert ids
 
-__all__ = ["ExpertPlacement", "Placement", "PlanError"]
+__all__ = ["ExpertPlacement", "Placement", "PlanError", "ResidencyError"]
 
 
 class PlanError(SpecError):
     """A distribution plan that cannot work, refused before any weight is read (user input: a ValueError)."""
+
+
+class ResidencyError(PlanError):
+    """An experts residency that cannot serve this checkpoint or plan; the message names the fix."""
 
 
 def _divisors(n: int) -> list[int]:

@@ -10,20 +10,30 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from ..spec import ModelSpec
-from .placement import ExpertPlacement, Placement, PlanError
+from .kinds import (
+    AUTO,
+    DENSE_MODES,
+    EXPERTS_CHOICES,
+    PLAN_KINDS,
+    DenseMode,
+    PlanKind,
+    Residency,
+    allowed_residencies,
+    residency_refusal,
+)
+from .placement import ExpertPlacement, Placement, PlanError, ResidencyError
 
-PlanKind = Literal["whole", "fsdp2", "expert_parallel"]
-PLAN_KINDS: tuple[str, ...] = ("auto", "whole", "fsdp2", "expert_parallel")
 EP_DEGREE_ENV = "MODELOPT_K3_EP_DEGREE"
-DENSE_MODES: tuple[str, ...] = ("replicated", "fsdp2")
 
-
-__all__ = ["DistributionPlan", "IneffectiveSettingWarning", "PlanError", "decide_plan"]
+__all__ = [
+    "AUTO", "DENSE_MODES", "EXPERTS_CHOICES", "PLAN_KINDS", "DenseMode", "DistributionPlan",
+    "IneffectiveSettingWarning", "PlanError", "PlanKind", "Residency", "ResidencyError", "allowed_residencies",
+    "decide_plan", "residency_refusal",
+]
 
 
 class IneffectiveSettingWarning(UserWarning):
@@ -41,23 +51,23 @@ class DistributionPlan:
     # Which rank holds (and writes) which routed experts; ``build_placement`` adds the mesh and group.
     expert_placement: ExpertPlacement
     # Expert parallel only: the dense part "replicated" on every rank, or "fsdp2"-sharded over the world.
-    dense: str = "replicated"
+    dense: DenseMode = DenseMode.REPLICATED
     # What runs this rank's own experts: the owner's implementation under torch_a2a, else the
     # implementation itself (``default_local_implementation``).
     local_experts_implementation: str = "eager"
     # Experts held decoded ("bf16") or as their MXFP4 source bytes ("packed", packed_experts.py),
     # and for packed the experts decoded at a time (None: a whole layer). Set by ``with_residency``.
-    experts_residency: str = "bf16"
+    experts_residency: Residency = Residency.BF16
     decode_chunk: int | None = None
 
     @property
     def fsdp_sharded(self) -> bool:
         """Whether FSDP2 shards anything (the fsdp2 plan, or the dense part under expert parallelism)."""
-        return self.kind == "fsdp2" or self.dense == "fsdp2"
+        return self.kind is PlanKind.FSDP2 or self.dense is DenseMode.FSDP2
 
     @property
     def expert_parallel(self) -> bool:
-        return self.kind == "expert_parallel"
+        return self.kind is PlanKind.EXPERT_PARALLEL
 
     @property
     def replica(self) -> int:
@@ -87,22 +97,19 @@ class DistributionPlan:
         if self.expert_parallel:
             text += f" ep={self.ep_degree} experts_implementation={self.experts_implementation} dense={self.dense}"
         text += f" local_experts={self.local_experts_implementation} experts={self.experts_residency}"
-        if self.experts_residency == "packed":
+        if self.experts_residency is Residency.PACKED:
             text += f" decode_chunk={self.decode_chunk or 'layer'}"
         return text
 
-    def with_residency(self, residency: str, decode_chunk: int | None = None) -> DistributionPlan:
-        """This plan with the experts' residency decided (``load_pretrained``, from the memory planner)."""
-        if residency not in ("bf16", "packed"):
-            raise PlanError(f"unknown experts residency {residency!r}; choose 'bf16' or 'packed'")
-        if residency == "packed" and self.kind == "fsdp2":
-            raise PlanError(
-                "plan 'fsdp2' gathers every expert of a layer on every rank while it runs, so packed experts "
-                "would decode a whole layer's experts per rank (the BF16 layer they exist to avoid). Use "
-                "'expert_parallel' with dense='fsdp2' (CLI: --plan expert_parallel --dense fsdp2) for packed "
-                "experts with a sharded dense part, or experts='bf16' with plan 'fsdp2'"
-            )
-        if decode_chunk is not None and (residency != "packed" or decode_chunk < 1):
+    def with_residency(self, residency: Residency | str, decode_chunk: int | None = None, *,
+                       packed_source: bool = True) -> DistributionPlan:
+        """This plan with the experts' residency decided (``load_pretrained``, from the memory planner);
+        refuses what ``residency_refusal`` refuses (``ResidencyError``)."""
+        why = residency_refusal(self.kind, residency, packed_source=packed_source)
+        if why is not None:
+            raise ResidencyError(why)
+        residency = Residency(residency)
+        if decode_chunk is not None and (residency is not Residency.PACKED or decode_chunk < 1):
             raise PlanError(f"decode_chunk={decode_chunk} needs packed experts and at least 1 expert")
         return dataclasses.replace(self, experts_residency=residency, decode_chunk=decode_chunk)
 
@@ -162,18 +169,19 @@ def decide_plan(
     device: torch.device,
     ep_degree: int | None = None,
     experts_implementation: str | None = None,
-    dense: str = "replicated",
+    dense: DenseMode = DenseMode.REPLICATED,
     dtype: torch.dtype | None = None,
 ) -> DistributionPlan:
     """The plan for this run, decided once before any weight is read; refuses (``PlanError``) what cannot work."""
     kind = _resolve_kind(requested, dense, spec, world_size)
-    if kind == "fsdp2":
+    dense = DenseMode(dense)
+    if kind is PlanKind.FSDP2:
         _check_fsdp2(spec, num_experts, world_size, ep_degree, experts_implementation)
-    if kind == "expert_parallel":
+    if kind is PlanKind.EXPERT_PARALLEL:
         ep_degree, experts, impl, local = _expert_parallel_choice(
             num_experts, rank, world_size, ep_degree, experts_implementation, dense, device, dtype)
     else:
-        if dense != "replicated":
+        if dense is not DenseMode.REPLICATED:
             raise PlanError(f"dense={dense!r} applies to plan 'expert_parallel' (plan '{kind}' decides it itself)")
         _warn_ineffective(kind, ep_degree, experts_implementation)
         ep_degree = 1
@@ -183,32 +191,33 @@ def decide_plan(
         # fsdp2: every rank writes the expert rows of its own shards; whole: the one rank writes them all.
         experts = ExpertPlacement(num_experts)
     _check_local_implementation(local)
-    dense = dense if kind == "expert_parallel" else "replicated"
     return DistributionPlan(kind, rank, world_size, ep_degree, device, impl, experts, dense, local)
 
 
-def _resolve_kind(requested: str, dense: str, spec: ModelSpec, world_size: int) -> str:
+def _resolve_kind(requested: str, dense: str, spec: ModelSpec, world_size: int) -> PlanKind:
     """The plan kind (``auto`` resolved), after checking the names and what the world size allows."""
     if requested not in PLAN_KINDS:
         raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
     if dense not in DENSE_MODES:
         raise PlanError(f"unknown dense sharding {dense!r}; choose one of {list(DENSE_MODES)}")
     has_ep = bool(spec.experts.sharded_params)
-    kind = requested
-    if kind == "auto":
-        kind = "expert_parallel" if world_size > 1 and has_ep else ("fsdp2" if world_size > 1 else "whole")
-    if kind == "whole" and world_size > 1:
+    if requested == AUTO:
+        kind = PlanKind.EXPERT_PARALLEL if world_size > 1 and has_ep else (
+            PlanKind.FSDP2 if world_size > 1 else PlanKind.WHOLE)
+    else:
+        kind = PlanKind(requested)
+    if kind is PlanKind.WHOLE and world_size > 1:
         raise PlanError(
             f"plan 'whole' runs in one process, but WORLD_SIZE={world_size}; use 'expert_parallel' or 'auto'"
         )
-    if kind == "expert_parallel" and not has_ep:
+    if kind is PlanKind.EXPERT_PARALLEL and not has_ep:
         raise PlanError(f"model_type {spec.model_type!r} declares no expert-parallel plan")
     return kind
 
 
 def _expert_parallel_choice(
     num_experts: int, rank: int, world_size: int, ep_degree: int | None, experts_implementation: str | None,
-    dense: str, device: torch.device, dtype: torch.dtype | None,
+    dense: DenseMode, device: torch.device, dtype: torch.dtype | None,
 ) -> tuple[int, ExpertPlacement, str, str]:
     """(EP degree, this rank's placement, ``torch_a2a``, the owner's implementation) for expert parallelism."""
     if ep_degree is None:
@@ -224,7 +233,7 @@ def _expert_parallel_choice(
     # A named implementation runs the owner's experts; torch_a2a dispatches to them.
     local = experts_implementation if experts_implementation not in (None, impl) else None
     local = local or default_local_implementation(device, dtype)
-    if dense == "fsdp2" and ep_degree != world_size:
+    if dense is DenseMode.FSDP2 and ep_degree != world_size:
         raise PlanError(
             f"an FSDP2-sharded dense part shards over all {world_size} ranks; with replicated expert groups "
             f"(EP degree {ep_degree}) keep it replicated"

@@ -25,13 +25,24 @@ eager MLA attention (what the vendored remote code falls back to) is counted.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from ..dist.placement import ExpertPlacement, PlanError
+from ..dist.placement import PlanError
+from ..dist.plan import (
+    AUTO,
+    DenseMode,
+    DistributionPlan,
+    PlanKind,
+    Residency,
+    allowed_residencies,
+    decide_plan,
+)
 from ..export.writer import DEFAULT_SPILL_BYTES
 from ..recipe import Recipe, load_recipe
 from .activations import ActivationModel
@@ -47,13 +58,13 @@ DEVICE_RUNTIME_BYTES = int(1.5 * GiB)
 EXPERTS_PER_READ = 16  # load.py: experts converted at a time
 EXPERTS_PER_CAST = 16  # export/model_export.py: experts cast at a time
 F32 = 4
-PLANS: tuple[tuple[str, str], ...] = (
-    ("whole", "replicated"),
-    ("expert_parallel", "replicated"),
-    ("expert_parallel", "fsdp2"),
-    ("fsdp2", "replicated"),
+PLANS: tuple[tuple[PlanKind, DenseMode], ...] = (
+    (PlanKind.WHOLE, DenseMode.REPLICATED),
+    (PlanKind.EXPERT_PARALLEL, DenseMode.REPLICATED),
+    (PlanKind.EXPERT_PARALLEL, DenseMode.FSDP2),
+    (PlanKind.FSDP2, DenseMode.REPLICATED),
 )
-RESIDENCIES: tuple[str, ...] = ("bf16", "packed")
+RESIDENCIES: tuple[Residency, ...] = tuple(Residency)
 
 
 class MemoryPlanError(ValueError):
@@ -71,35 +82,46 @@ class RunShape:
     dtype: torch.dtype | None = None  # load dtype (default: the config's)
 
 
-@dataclass(frozen=True)
-class Configuration:
-    kind: str  # whole | expert_parallel | fsdp2
-    dense: str  # replicated | fsdp2 (expert_parallel only)
-    residency: str  # bf16 | packed
+class Asked(NamedTuple):
+    """One row of the planner's table: a plan request as the CLI spells it (``decide_plan`` turns it into
+    the run's ``DistributionPlan``, or refuses it)."""
+
+    kind: str  # auto | whole | expert_parallel | fsdp2
+    dense: str
+    residency: str
     world_size: int
-    ep_degree: int = 0  # 0: the world size (expert_parallel), 1 otherwise
+    ep_degree: int | None = None  # None: as the run decides it (MODELOPT_K3_EP_DEGREE, else the world size)
 
-    @property
-    def ep(self) -> int:
-        if self.kind != "expert_parallel":
-            return 1
-        return self.ep_degree or self.world_size
 
-    @property
-    def dense_sharded(self) -> bool:
-        return self.kind == "fsdp2" or self.dense == "fsdp2"
+def plan_label(kind: str, dense: str, ep_degree: int, world_size: int) -> str:
+    if kind == PlanKind.EXPERT_PARALLEL:
+        return f"expert_parallel, dense {dense}" + (f", EP {ep_degree}" if ep_degree != world_size else "")
+    return str(kind)
 
-    def label(self) -> str:
-        if self.kind == "expert_parallel":
-            return f"expert_parallel, dense {self.dense}" + (f", EP {self.ep}" if self.ep != self.world_size else "")
-        return self.kind
+
+def planned(layout: CheckpointLayout, asked: Asked, shape: RunShape | None = None) -> DistributionPlan:
+    """The ``DistributionPlan`` the run would use for ``asked`` (rank 0: FSDP2 rank 0 holds the most rows),
+    made by the run's own ``decide_plan`` (placement, EP degree and its environment default, refusals) and
+    ``with_residency``; raises ``PlanError`` for what the run would refuse."""
+    shape = shape or RunShape()
+    device = torch.device(shape.device)
+    # The owner's implementation on the device planned for (decide_plan would query a CUDA device that may
+    # not be this machine's: the planner plans GPU runs from anywhere).
+    impl = "grouped_mm" if device.type != "cpu" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # settings a plan ignores are the run's to warn about
+        plan = decide_plan(asked.kind, spec=layout.spec, num_experts=layout.num_experts, rank=0,
+                           world_size=asked.world_size, device=device, ep_degree=asked.ep_degree,
+                           experts_implementation=impl, dense=asked.dense, dtype=shape.dtype)
+    return plan.with_residency(asked.residency, packed_source=layout.packed_source)
 
 
 @dataclass
 class Estimate:
     """Bytes per rank for one configuration (the largest rank: FSDP2 rank 0 holds the most rows)."""
 
-    config: Configuration
+    asked: Asked
+    plan: DistributionPlan | None  # None when the run would refuse ``asked`` (``refused`` says why)
     refused: str | None = None
     resident: int = 0
     resident_dense: int = 0
@@ -137,6 +159,16 @@ class Estimate:
             "export buffers": self.export,
         }
         return max(terms.items(), key=lambda kv: kv[1])
+
+    @property
+    def residency(self) -> str:
+        return self.plan.experts_residency if self.plan else self.asked.residency
+
+    def label(self) -> str:
+        if self.plan is None:
+            return plan_label(self.asked.kind, self.asked.dense, self.asked.ep_degree or self.asked.world_size,
+                              self.asked.world_size)
+        return plan_label(self.plan.kind, self.plan.dense, self.plan.ep_degree, self.plan.world_size)
 
     def fits(self, budget: int | None) -> bool | None:
         if self.refused:
@@ -182,44 +214,28 @@ def _prepare(layout: CheckpointLayout, recipe: Recipe, dtype: torch.dtype) -> _P
     return layout.cache[key]
 
 
-def _local_experts(group: ExpertGroup, cfg: Configuration) -> int:
-    if cfg.kind == "expert_parallel":
-        return ExpertPlacement(group.num_experts, cfg.ep).per_rank  # the run's own ownership rule
-    if cfg.kind == "fsdp2":
-        return _local_rows(group.num_experts, cfg.world_size)
+def _local_experts(group: ExpertGroup, plan: DistributionPlan) -> int:
+    if plan.expert_parallel:
+        return plan.expert_placement.per_rank  # the run's own placement
+    if plan.kind is PlanKind.FSDP2:
+        return _local_rows(group.num_experts, plan.world_size)
     return group.num_experts
 
 
-def _expert_bytes(group: ExpertGroup, residency: str, b: int) -> int:
+def _expert_bytes(group: ExpertGroup, residency: Residency, b: int) -> int:
     """Resident bytes of one expert: its source bytes (packed) or decoded weights."""
-    return group.stored_bytes_per_expert if residency == "packed" else group.decoded_numel_per_expert * b
+    return group.stored_bytes_per_expert if residency is Residency.PACKED else group.decoded_numel_per_expert * b
 
 
-def _refusal(layout: CheckpointLayout, cfg: Configuration) -> str | None:
-    e = layout.num_experts
-    if cfg.residency == "packed" and not layout.packed_source:
-        return "the checkpoint stores its experts decoded: nothing to keep packed"
-    if cfg.kind == "whole" and cfg.world_size != 1:
-        return "plan 'whole' runs in one process"
-    if cfg.kind != "whole" and cfg.world_size < 2:
-        return f"plan '{cfg.kind}' needs at least 2 ranks"
-    if cfg.kind == "fsdp2" and cfg.residency == "packed":
-        return "plan 'fsdp2' gathers whole layers of experts: packed would decode them all on every rank"
-    if cfg.kind == "fsdp2" and e % cfg.world_size:
-        return f"num_experts={e} is not divisible by {cfg.world_size} ranks"
-    if cfg.kind == "expert_parallel":
-        if cfg.world_size % cfg.ep:
-            return f"EP degree {cfg.ep} must divide the world size {cfg.world_size}"
-        try:
-            ExpertPlacement(e, cfg.ep)  # the placement the run would build refuses what it cannot place
-        except PlanError as err:
-            return str(err)
-        if cfg.dense == "fsdp2" and cfg.ep != cfg.world_size:
-            return "an FSDP2-sharded dense part needs EP degree = world size"
-    return None
+def _refusal(layout: CheckpointLayout, asked: Asked, shape: RunShape) -> tuple[DistributionPlan | None, str | None]:
+    """(the run's plan, None), or (None, why the run would refuse it): the run's own checks, not a copy."""
+    try:
+        return planned(layout, asked, shape), None
+    except PlanError as err:
+        return None, str(err)
 
 
-def _moe_phase(act: ActivationModel, cfg: Configuration, impl: str, local_experts: int, group: ExpertGroup,
+def _moe_phase(act: ActivationModel, plan: DistributionPlan, impl: str, local_experts: int, group: ExpertGroup,
                b: int, chunk: int | None, all_experts_rows: int) -> tuple[int, str]:
     """Peak bytes while a MoE layer's routed experts run: all-to-all steps and the owner's implementation."""
     dl, rows = act.latent_dim, act.tokens * act.top_k  # rows sent, and (balanced) received, per rank
@@ -240,7 +256,7 @@ def _moe_phase(act: ActivationModel, cfg: Configuration, impl: str, local_expert
         return r * dl * b + r_chunk * dl * b + owner(r_chunk)
 
     combine = rows * dl * 2 * F32 + act.tokens * dl * (F32 + b)
-    if cfg.kind == "expert_parallel":
+    if plan.expert_parallel:
         ids = 8 * rows
         steps = [
             2 * (rows * dl * b + ids),  # send_x and recv_x
@@ -259,9 +275,17 @@ def _moe_phase(act: ActivationModel, cfg: Configuration, impl: str, local_expert
     return act.moe_block + peak, detail
 
 
+def estimate_asked(layout: CheckpointLayout, asked: Asked, shape: RunShape = RunShape(), **kw) -> Estimate:
+    """``estimate`` of the plan the run would make of ``asked``, or its refusal."""
+    plan, why = _refusal(layout, asked, shape)
+    if plan is None:
+        return Estimate(asked, None, refused=why)
+    return estimate(layout, plan, shape, **kw)
+
+
 def estimate(
     layout: CheckpointLayout,
-    cfg: Configuration,
+    plan: DistributionPlan,
     shape: RunShape = RunShape(),
     *,
     recipe: Recipe | None = None,
@@ -269,19 +293,19 @@ def estimate(
     decode_chunk: int | None = None,
     local_implementation: str | None = None,
 ) -> Estimate:
-    """Per-rank bytes of ``cfg`` (see the module docstring). With ``budget`` (bytes per rank), packed
-    experts decode the largest chunk of experts that fits (a whole layer when it does)."""
-    est = Estimate(cfg, refused=_refusal(layout, cfg))
-    if est.refused:
-        return est
+    """Per-rank bytes of the run's ``plan`` (see the module docstring; ``planned`` makes one). With ``budget``
+    (bytes per rank), packed experts decode the largest chunk of experts that fits (a whole layer when it
+    does). ``local_implementation``: what runs the owner's experts (default: the plan's)."""
+    asked = Asked(plan.kind, plan.dense, plan.experts_residency, plan.world_size, plan.ep_degree)
+    est = Estimate(asked, plan)
     recipe = recipe or load_recipe(shape.recipe)
     dtype = shape.dtype or layout.config_dtype
     accel = shape.device != "cpu"
-    run = _Run(layout, cfg, recipe, _prepare(layout, recipe, dtype), dtype.itemsize, accel,
-               local_implementation or ("grouped_mm" if accel else "eager"))
+    run = _Run(layout, plan, recipe, _prepare(layout, recipe, dtype), dtype.itemsize, accel,
+               local_implementation or plan.local_experts_implementation)
     est.runtime = DEVICE_RUNTIME_BYTES if accel else HOST_RUNTIME_BYTES
     _resident(est, run)
-    if cfg.dense_sharded:
+    if plan.fsdp_sharded:
         _fsdp_gathered(est, run)
     act = layout.spec.memory.activation_memory(layout.text_config, shape.batch_size, shape.calib_seq, run.b) if (
         run.prep.calibrates and layout.spec.memory.activation_memory) else None  # calibration only when data sets a scale
@@ -305,7 +329,7 @@ class _Run:
     experts per rank (``local_e``) with the layer whose local experts decode largest (``biggest``)."""
 
     layout: CheckpointLayout
-    cfg: Configuration
+    plan: DistributionPlan
     recipe: Recipe
     prep: _Prepared
     b: int
@@ -315,7 +339,7 @@ class _Run:
     biggest: ExpertGroup | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.local_e = {g.module: _local_experts(g, self.cfg) for g in self.layout.experts}
+        self.local_e = {g.module: _local_experts(g, self.plan) for g in self.layout.experts}
         self.biggest = max(self.layout.experts, key=lambda g: self.local_e[g.module] * g.decoded_numel_per_expert,
                            default=None)
 
@@ -325,7 +349,7 @@ class _Run:
 
     @property
     def dense_world(self) -> int:
-        return self.cfg.world_size if self.cfg.dense_sharded else 1
+        return self.plan.world_size if self.plan.fsdp_sharded else 1
 
 
 def _resident(est: Estimate, run: _Run) -> None:
@@ -335,8 +359,8 @@ def _resident(est: Estimate, run: _Run) -> None:
         by_module[t.module] = by_module.get(t.module, 0) + _dense_bytes(t, size, run.dense_world)
     est.resident_dense = sum(by_module.values())
     for g in run.layout.experts:
-        by_module[g.module] = run.local_e[g.module] * _expert_bytes(g, run.cfg.residency, run.b)
-    est.resident_experts = sum(run.local_e[g.module] * _expert_bytes(g, run.cfg.residency, run.b)
+        by_module[g.module] = run.local_e[g.module] * _expert_bytes(g, run.plan.experts_residency, run.b)
+    est.resident_experts = sum(run.local_e[g.module] * _expert_bytes(g, run.plan.experts_residency, run.b)
                                for g in run.layout.experts)
     est.resident = est.resident_dense + est.resident_experts
     est.largest_module = max(by_module.items(), key=lambda kv: kv[1]) if by_module else ("", 0)
@@ -350,7 +374,7 @@ def _fsdp_gathered(est: Estimate, run: _Run) -> None:
     unit, unit_bytes = max(full.items(), key=lambda kv: kv[1], default=("", 0))
     biggest = run.biggest
     experts_full = biggest.num_experts * biggest.decoded_numel_per_expert * run.b if (
-        biggest and run.cfg.kind == "fsdp2") else 0
+        biggest and run.plan.kind is PlanKind.FSDP2) else 0
     est.fsdp_gathered = root + unit_bytes * (2 if run.accel else 1) + experts_full
     est.fsdp_unit = f"root + {unit}" + (" + its experts" if experts_full else "")
 
@@ -365,7 +389,7 @@ def _export_bytes(run: _Run) -> int:
     dense_q = largest_q * (run.b * (run.dense_world > 1) + (3 * F32 if run.accel else 1) + 1)
     # This rank's output: its experts (NVFP4 is 4.5 bits a weight against MXFP4's 4.25) and its share of the rest.
     output = sum(run.local_e[g.module] * g.stored_bytes_per_expert for g in layout.experts) * 18 // 17
-    output += sum(t.nbytes for t in layout.dense) // run.cfg.world_size
+    output += sum(t.nbytes for t in layout.dense) // run.plan.world_size
     return min(DEFAULT_SPILL_BYTES, output) + largest_tensor + max(cast, dense_q)
 
 
@@ -375,8 +399,9 @@ def _load_transient(run: _Run) -> int:
     transient = 0
     if run.biggest:
         per_read = min(EXPERTS_PER_READ, run.e_local)
-        conv = run.biggest.stored_bytes_per_expert * (3 if run.cfg.residency == "packed" else 1)
-        conv += 0 if run.cfg.residency == "packed" else 2 * run.biggest.decoded_numel_per_expert * run.b
+        packed = run.plan.experts_residency is Residency.PACKED
+        conv = run.biggest.stored_bytes_per_expert * (3 if packed else 1)
+        conv += 0 if packed else 2 * run.biggest.decoded_numel_per_expert * run.b
         transient = per_read * conv
     return max(transient, max((t.nbytes for t in run.layout.dense), default=0))
 
@@ -387,7 +412,8 @@ def _amax_transient(run: _Run) -> int:
     transient = 2 * largest_dense_rows
     if run.biggest:
         out_in = max(o * i for o, i in run.biggest.fused_shapes(run.layout.spec).values())
-        per_expert = 2 * out_in * F32 if run.cfg.residency == "bf16" else out_in // 2 + out_in // 32 * 2 * F32
+        per_expert = (2 * out_in * F32 if run.plan.experts_residency is Residency.BF16
+                      else out_in // 2 + out_in // 32 * 2 * F32)
         transient = max(transient, min(EXPERTS_PER_CAST, run.e_local) * per_expert)
     return transient
 
@@ -395,23 +421,24 @@ def _amax_transient(run: _Run) -> int:
 def _calibration(est: Estimate, run: _Run, act, base: int, budget: int | None, decode_chunk: int | None) -> None:
     """The calibration forward's peak (and the decode workspace); with a budget, packed experts decode the
     largest chunk that fits."""
-    cfg, biggest, e_local = run.cfg, run.biggest, run.e_local
-    all_rows = act.tokens * cfg.ep if (act and run.recipe.calibrate_all_experts and biggest) else 0
+    plan, biggest, e_local = run.plan, run.biggest, run.e_local
+    packed = plan.experts_residency is Residency.PACKED
+    all_rows = act.tokens * plan.ep_degree if (act and run.recipe.calibrate_all_experts and biggest) else 0
 
     def calibration(chunk: int | None) -> tuple[int, int, int, str]:
         ws = 0
-        if cfg.residency == "packed" and biggest:
+        if packed and biggest:
             ws = min(chunk or e_local, e_local) * biggest.decoded_numel_per_expert * run.b
         if not act:
             return ws, base + ws, 0, ""
-        moe, detail = _moe_phase(act, cfg, run.impl, e_local, biggest, run.b, chunk, all_rows) if biggest else (0, "")
+        moe, detail = _moe_phase(act, plan, run.impl, e_local, biggest, run.b, chunk, all_rows) if biggest else (0, "")
         moe_total = act.carried + ws + moe
         forward = base + est.fsdp_gathered + max(est.activations, moe_total)
         return ws, forward, moe, detail
 
     chunk = decode_chunk
     ws, forward, moe, detail = calibration(chunk)
-    if budget is not None and cfg.residency == "packed" and biggest and chunk is None and forward > budget:
+    if budget is not None and packed and biggest and chunk is None and forward > budget:
         for c in range(e_local - 1, 0, -1):  # the largest chunk that fits (few candidates: experts per rank)
             if calibration(c)[1] <= budget:
                 chunk = c
@@ -452,8 +479,7 @@ class MemoryReport:
 
     def find(self, kind: str, dense: str, residency: str) -> Estimate:
         for e in self.estimates:
-            c = e.config
-            if (c.kind, c.dense, c.residency) == (kind, dense, residency):
+            if e.asked[:3] == (kind, dense, residency):
                 return e
         raise KeyError((kind, dense, residency))
 
@@ -479,16 +505,16 @@ class MemoryReport:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in self.estimates:
-            c = e.config
-            smallest = self.smallest.get((c.kind, c.dense, c.residency))
+            c = e.asked
+            smallest = self.smallest.get(c[:3])
             if e.refused:
-                lines.append(f"| {c.label()} | {c.residency} | {c.world_size} | refused: {e.refused} |||||||| "
+                lines.append(f"| {e.label()} | {c.residency} | {c.world_size} | refused: {e.refused} |||||||| "
                              f"{smallest or '-'} | |")
                 continue
             fits = {True: "yes", False: "**no**", None: "?"}[e.fits(self.budget)]
             ws = fmt(e.workspace) + (f" ({e.decode_chunk} experts)" if e.decode_chunk else "")
             lines.append(
-                f"| {c.label()} | {c.residency} | {c.world_size} | {fmt(e.resident)} | {ws} | {fmt(e.fsdp_gathered)} "
+                f"| {e.label()} | {c.residency} | {c.world_size} | {fmt(e.resident)} | {ws} | {fmt(e.fsdp_gathered)} "
                 f"| {fmt(e.moe)} | {fmt(e.activations)} | {fmt(e.export)} | {fmt(e.peak)} ({e.peak_stage}) "
                 f"| {fits} | {smallest or '-'} | {e.largest_module[0]} ({fmt(e.largest_module[1])}) |"
             )
@@ -512,12 +538,12 @@ def _world_candidates(layout: CheckpointLayout, limit: int = 4096) -> list[int]:
 def smallest_world(layout: CheckpointLayout, kind: str, dense: str, residency: str, shape: RunShape,
                    recipe: Recipe, gpu_mem_gib: float | None) -> int | None:
     """The fewest ranks on which the configuration fits (None: no budget known, or none does)."""
-    candidates = [1] if kind == "whole" else _world_candidates(layout)
+    candidates = [1] if kind == PlanKind.WHOLE else _world_candidates(layout)
     for w in candidates:
         budget = device_budget(shape.device, w, gpu_mem_gib)
         if budget is None:
             return None
-        est = estimate(layout, Configuration(kind, dense, residency, w), shape, recipe=recipe, budget=budget)
+        est = estimate_asked(layout, Asked(kind, dense, residency, w), shape, recipe=recipe, budget=budget)
         if est.fits(budget):
             return w
     return None
@@ -548,9 +574,9 @@ def plan_memory(
     estimates, smallest = [], {}
     for kind, dense in plans:
         for residency in residencies:
-            w = 1 if kind == "whole" else world_size
-            est = estimate(layout, Configuration(kind, dense, residency, w), shape, recipe=the_recipe,
-                           budget=device_budget(shape.device, w, gpu_mem_gib))
+            w = 1 if kind == PlanKind.WHOLE else world_size
+            est = estimate_asked(layout, Asked(kind, dense, residency, w), shape, recipe=the_recipe,
+                                 budget=device_budget(shape.device, w, gpu_mem_gib))
             estimates.append(est)
             smallest[(kind, dense, residency)] = smallest_world(layout, kind, dense, residency, shape, the_recipe,
                                                                 gpu_mem_gib)
@@ -558,14 +584,6 @@ def plan_memory(
 
 
 # ------------------------------------------------------------------------------ decisions for a run
-
-
-def _run_configuration(layout: CheckpointLayout, kind: str, world_size: int, dense: str, ep_degree: int | None,
-                       residency: str) -> Configuration:
-    if kind == "auto":
-        kind = "expert_parallel" if world_size > 1 else "whole"
-    return Configuration(kind, dense if kind == "expert_parallel" else "replicated", residency, world_size,
-                         ep_degree or 0)
 
 
 def check_fits(
@@ -591,16 +609,14 @@ def check_fits(
     shape = RunShape(batch_size, calib_seq, the_recipe.name, device, dtype)
     budget = device_budget(device, world_size, gpu_mem_gib)
 
-    def run(residency: str) -> Estimate:
-        cfg = _run_configuration(layout, plan, world_size, dense, ep_degree, residency)
-        return estimate(layout, cfg, shape, recipe=the_recipe, budget=budget)
-
-    if experts == "auto":
-        est = run("bf16")
-        if layout.packed_source and est.config.kind != "fsdp2" and not est.fits(budget) and budget is not None:
-            est = run("packed")
+    if experts == AUTO:
+        asked = Asked(plan, dense, Residency.BF16, world_size, ep_degree)
+        the_plan, why = _refusal(layout, asked, shape)
+        est = Estimate(asked, None, refused=why) if the_plan is None else resolve_experts(
+            layout, the_plan, shape, recipe=the_recipe, budget=budget)
     else:
-        est = run(experts)
+        est = estimate_asked(layout, Asked(plan, dense, experts, world_size, ep_degree), shape, recipe=the_recipe,
+                             budget=budget)
     if est.refused or budget is None or est.fits(budget):
         return est
     raise MemoryPlanError(_refusal_message(layout, est, budget, shape, the_recipe, gpu_mem_gib))
@@ -608,10 +624,10 @@ def check_fits(
 
 def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape: RunShape, recipe: Recipe,
                      gpu_mem_gib: float | None) -> str:
-    c = est.config
+    c = est.plan
     transient, transient_bytes = est.largest_transient
     lines = [
-        f"{c.label()} with {c.residency} experts on {c.world_size} rank(s) needs {_size(est.peak)} per rank at "
+        f"{est.label()} with {c.experts_residency} experts on {c.world_size} rank(s) needs {_size(est.peak)} per rank at "
         f"{est.peak_stage}, but {_size(budget)} is available: resident {_size(est.resident)} (dense "
         f"{_size(est.resident_dense)}, experts {_size(est.resident_experts)}), largest transient {transient} "
         f"{_size(transient_bytes)}, runtime {_size(est.runtime)}; largest module {est.largest_module[0]} "
@@ -620,10 +636,10 @@ def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape
     options = []
     for kind, dense in PLANS:
         for residency in RESIDENCIES:
-            alt = estimate(layout, Configuration(kind, dense, residency, 1 if kind == "whole" else c.world_size),
-                           shape, recipe=recipe, budget=budget)
+            alt = estimate_asked(layout, Asked(kind, dense, residency, 1 if kind == PlanKind.WHOLE else c.world_size),
+                                 shape, recipe=recipe, budget=budget)
             if alt.fits(budget):
-                options.append(f"{alt.config.label()} with {residency} experts ({_size(alt.peak)})")
+                options.append(f"{alt.label()} with {residency} experts ({_size(alt.peak)})")
     if options:
         lines.append(f"At {c.world_size} rank(s) these fit: " + "; ".join(options) + ".")
     else:
@@ -632,29 +648,44 @@ def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape
             for residency in RESIDENCIES:
                 w = smallest_world(layout, kind, dense, residency, shape, recipe, gpu_mem_gib)
                 if w:
-                    found.append((w, f"{w} ranks with {Configuration(kind, dense, residency, w).label()}, {residency} experts"))
+                    label = plan_label(kind, dense, w, w)  # the EP degree the smallest world would default to
+                    found.append((w, f"{w} ranks with {label}, {residency} experts"))
         lines.append(("It fits on " + "; or ".join(text for _, text in sorted(found)[:3]) + ".") if found else
                      "No plan fits at any world size with this budget; lower --batch_size/--calib_seq.")
     lines.append("(modelopt-k3-plan prints the whole table; --gpu_mem_gib sets the budget.)")
     return " ".join(lines)
 
 
-def choose_residency(path: str | Path, plan, *, dtype: torch.dtype | None = None) -> tuple[str, int | None]:
-    """``load_pretrained(experts="auto")``: packed when bf16 does not fit this device (calibration shape of
-    ``RunShape``'s defaults), with the planner's decode chunk; bf16 when no budget is known."""
+def resolve_experts(layout: CheckpointLayout, plan: DistributionPlan, shape: RunShape, *, recipe: Recipe,
+                    budget: int | None) -> Estimate:
+    """``experts="auto"`` resolved (once, for the CLI's run shape or the loader's defaults): the first
+    residency the plan allows (``allowed_residencies``: bf16) when it fits or no budget is known, else
+    packed when the plan allows it (not under fsdp2, only for an MXFP4 source), with its decode chunk."""
+    allowed = allowed_residencies(plan.kind, packed_source=layout.packed_source)
+    est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget)
+    if budget is None or est.fits(budget) or len(allowed) == 1:
+        return est
+    return estimate(layout, plan.with_residency(allowed[1], packed_source=layout.packed_source), shape,
+                    recipe=recipe, budget=budget)
+
+
+def choose_residency(path: str | Path, plan: DistributionPlan, *, packed_source: bool,
+                     dtype: torch.dtype | None = None) -> tuple[Residency, int | None]:
+    """``load_pretrained(experts="auto")`` (a library call; the CLI passes the preflight's resolution):
+    ``resolve_experts`` for this device at ``RunShape``'s default calibration shape. With one residency
+    allowed there is nothing to estimate (no layout is read)."""
+    allowed = allowed_residencies(plan.kind, packed_source=packed_source)
+    if len(allowed) == 1:
+        return allowed[0], None
     layout = read_layout(path)
     device = plan.device.type
     shape = RunShape(device=device, dtype=dtype)
-    recipe = load_recipe(shape.recipe)
-    budget = device_budget(device, plan.world_size, None)
-    cfg = Configuration(plan.kind, plan.dense, "bf16", plan.world_size, plan.ep_degree)
-    if budget is None or estimate(layout, cfg, shape, recipe=recipe, budget=budget).fits(budget):
-        return "bf16", None
-    packed = estimate(layout, replace(cfg, residency="packed"), shape, recipe=recipe, budget=budget)
-    return "packed", packed.decode_chunk
+    est = resolve_experts(layout, plan, shape, recipe=load_recipe(shape.recipe),
+                          budget=device_budget(device, plan.world_size, None))
+    return est.plan.experts_residency, est.decode_chunk
 
 
 __all__ = [
-    "Configuration", "Estimate", "MemoryPlanError", "MemoryReport", "RunShape", "check_fits", "choose_residency",
-    "estimate", "plan_memory", "smallest_world",
+    "Asked", "Estimate", "MemoryPlanError", "MemoryReport", "RunShape", "check_fits", "choose_residency",
+    "estimate", "estimate_asked", "plan_label", "plan_memory", "planned", "resolve_experts", "smallest_world",
 ]

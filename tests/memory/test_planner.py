@@ -11,13 +11,15 @@ import pytest
 from modelopt_k3.checkpoint import CheckpointReader, read_header
 from modelopt_k3.memory.layout import read_layout
 from modelopt_k3.memory.planner import (
-    Configuration,
+    Asked,
     GiB,
     MemoryPlanError,
     RunShape,
     check_fits,
     estimate,
+    estimate_asked,
     plan_memory,
+    planned,
     smallest_world,
 )
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
@@ -56,7 +58,7 @@ def test_resident_figures_equal_a_loaded_model(tiny_ckpt: Path, residency: str) 
     experts = KIMI_K3_SPEC.experts_modules(model)
     expert_bytes = sum(t.nbytes for m in experts.values() for t in [*m.parameters(), *m.buffers()])
     dense_bytes = sum(p.nbytes for n, p in model.named_parameters() if not any(n.startswith(e) for e in experts))
-    est = estimate(read_layout(tiny_ckpt), Configuration("whole", "replicated", residency, 1), RunShape(device="cpu"))
+    est = estimate_asked(read_layout(tiny_ckpt), Asked("whole", "replicated", residency, 1), RunShape(device="cpu"))
     assert est.resident_experts == expert_bytes
     assert est.resident_dense == pytest.approx(dense_bytes, rel=0.01)
 
@@ -89,8 +91,8 @@ def test_full_size_kimi_k3_fits_16_gpus_with_packed_experts_and_fsdp2_dense(full
     layout = read_layout(full_size)
     assert len(layout.experts) == 92 and layout.num_experts == 896 and layout.packed_source
     shape, recipe, budget = RunShape(batch_size=4, calib_seq=2048), load_recipe("presets/nvfp4"), 141 * GiB
-    packed = estimate(layout, Configuration("expert_parallel", "fsdp2", "packed", 16), shape, recipe=recipe, budget=budget)
-    bf16 = estimate(layout, Configuration("expert_parallel", "fsdp2", "bf16", 16), shape, recipe=recipe, budget=budget)
+    packed = estimate_asked(layout, Asked("expert_parallel", "fsdp2", "packed", 16), shape, recipe=recipe, budget=budget)
+    bf16 = estimate_asked(layout, Asked("expert_parallel", "fsdp2", "bf16", 16), shape, recipe=recipe, budget=budget)
     # 56 experts per rank per layer: three 3072x3584 MXFP4 matrices (codes + E8M0 scales) each.
     per_expert = 3 * 3072 * (3584 // 2 + 3584 // 32)
     assert packed.resident_experts == 92 * 56 * per_expert
@@ -103,7 +105,7 @@ def test_full_size_kimi_k3_fits_16_gpus_with_packed_experts_and_fsdp2_dense(full
 
 def test_planner_picks_a_decode_chunk_when_a_layer_does_not_fit(tiny_ckpt: Path) -> None:
     layout, shape = read_layout(tiny_ckpt), RunShape(batch_size=2, calib_seq=32, device="cpu")
-    cfg = Configuration("whole", "replicated", "packed", 1)
+    cfg = planned(layout, Asked("whole", "replicated", "packed", 1), shape)
     layer, one = estimate(layout, cfg, shape), estimate(layout, cfg, shape, decode_chunk=1)
     assert layer.decode_chunk is None and one.decode_chunk == 1 and one.workspace * 8 == layer.workspace
     # A budget the whole layer misses at calibration (the stage the workspace lives in) and one expert meets.
@@ -118,8 +120,8 @@ def test_check_fits_resolves_auto_and_refuses_with_numbers(tiny_ckpt: Path) -> N
     fits = {r: check_fits(tiny_ckpt, experts=r, **kw).peak for r in ("bf16", "packed")}
     assert fits["packed"] < fits["bf16"]
     between = (fits["packed"] + fits["bf16"]) / 2 / GiB
-    assert check_fits(tiny_ckpt, experts="auto", gpu_mem_gib=between, **kw).config.residency == "packed"
-    assert check_fits(tiny_ckpt, experts="auto", gpu_mem_gib=64, **kw).config.residency == "bf16"
+    assert check_fits(tiny_ckpt, experts="auto", gpu_mem_gib=between, **kw).residency == "packed"
+    assert check_fits(tiny_ckpt, experts="auto", gpu_mem_gib=64, **kw).residency == "bf16"
     with pytest.raises(MemoryPlanError, match=r"needs .* per rank at .* but .* is available: resident"):
         check_fits(tiny_ckpt, experts="bf16", gpu_mem_gib=between, **kw)
 

@@ -175,7 +175,7 @@ def test_auto_is_packed_when_bf16_does_not_fit(tiny_ckpt: Path, monkeypatch) -> 
 
     plan = decide_plan("whole", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=1, device=torch.device("cpu"))
     layout, shape = planner.read_layout(tiny_ckpt), planner.RunShape(device="cpu", dtype=torch.bfloat16)
-    peaks = {r: planner.estimate(layout, planner.Configuration("whole", "replicated", r, 1), shape).peak
+    peaks = {r: planner.estimate_asked(layout, planner.Asked("whole", "replicated", r, 1), shape).peak
              for r in ("bf16", "packed")}
     monkeypatch.setattr(planner, "device_budget", lambda *a: (peaks["bf16"] + peaks["packed"]) // 2)
     chosen = _decide_residency("auto", packed_source=True, plan=plan, path=tiny_ckpt, dtype=torch.bfloat16,

@@ -1,0 +1,87 @@
+"""Each plan decision is made once and passed on (issue 22): plan kinds and residencies as str enums, the
+fsdp2-vs-packed rule in one place, ``--experts auto`` resolved once, and the memory planner planning
+the placement the run will use (``MODELOPT_K3_EP_DEGREE`` included)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from modelopt_k3.dist.plan import (
+    EP_DEGREE_ENV,
+    EXPERTS_CHOICES,
+    PLAN_KINDS,
+    PlanKind,
+    Residency,
+    ResidencyError,
+    decide_plan,
+    residency_refusal,
+)
+from modelopt_k3.memory.layout import read_layout
+from modelopt_k3.memory.planner import Asked, Estimate, check_fits, choose_residency, estimate_asked
+from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
+
+CPU = torch.device("cpu")
+
+
+def _plan(kind: str, world_size: int, **kw):
+    return decide_plan(kind, spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=world_size, device=CPU, **kw)
+
+
+def test_kinds_are_str_enums_that_read_and_write_as_the_cli_strings():
+    plan = _plan("auto", 2, experts_implementation="eager")
+    assert plan.kind is PlanKind.EXPERT_PARALLEL and plan.kind == "expert_parallel"
+    assert f"{plan.kind}" == str(plan.kind) == "expert_parallel" and json.dumps([plan.kind]) == '["expert_parallel"]'
+    assert {("expert_parallel", "bf16"): 1}[(plan.kind, plan.experts_residency)] == 1  # hashes as the string
+    assert PLAN_KINDS == ("auto", "whole", "fsdp2", "expert_parallel") and EXPERTS_CHOICES == ("auto", "bf16", "packed")
+    from modelopt_k3.cli.hf_ptq import build_parser
+
+    choices = {a.dest: list(a.choices) for a in build_parser()._actions if a.choices}
+    assert choices["plan"] == list(PLAN_KINDS) and choices["experts"] == list(EXPERTS_CHOICES)
+
+
+def test_fsdp2_cannot_hold_packed_experts_one_rule_everywhere(tiny_ckpt: Path):
+    why = residency_refusal("fsdp2", "packed", packed_source=True)
+    assert why is not None and why.startswith("plan 'fsdp2' gathers whole layers of experts")
+    # The run refuses it with that message ...
+    with pytest.raises(ResidencyError) as err:
+        _plan("fsdp2", 2).with_residency("packed")
+    assert str(err.value) == why
+    # ... the planner reports the same refusal ...
+    refused = estimate_asked(read_layout(tiny_ckpt), Asked("fsdp2", "replicated", "packed", 2))
+    assert refused.refused == why and refused.plan is None
+    # ... and auto never considers it: bf16, decided without reading the checkpoint.
+    assert choose_residency(Path("/nonexistent"), _plan("fsdp2", 2), packed_source=True) == (Residency.BF16, None)
+
+
+def test_the_planner_plans_the_placement_the_run_uses(tiny_ckpt: Path, monkeypatch):
+    kw = dict(plan="expert_parallel", world_size=4, experts="bf16", batch_size=2, calib_seq=32, device="cpu",
+              gpu_mem_gib=64)
+    default = check_fits(tiny_ckpt, **kw)
+    monkeypatch.setenv(EP_DEGREE_ENV, "2")
+    env = check_fits(tiny_ckpt, **kw)
+    run = _plan("expert_parallel", 4)  # what load_pretrained decides under the same environment
+    assert env.plan.ep_degree == run.ep_degree == 2 and env.plan.expert_placement == run.expert_placement
+    # 8 experts over EP 2 is 4 a rank, over EP 4 (no environment) 2: the estimate follows the placement.
+    assert env.resident_experts == 2 * default.resident_experts > 0
+    assert "EP 2" in env.label()
+
+
+def test_hf_ptq_loads_with_the_preflight_resolution(monkeypatch):
+    """``--experts auto`` is resolved once (the preflight, at the CLI's batch and sequence length): the load
+    gets a concrete residency and chunk, also when the planner refused the plan (the load then refuses it)."""
+    import modelopt_k3.load
+    from modelopt_k3.cli.hf_ptq import _load, build_parser
+
+    seen = []
+    monkeypatch.setattr(modelopt_k3.load, "load_pretrained", lambda path, **kw: seen.append(kw))
+    args = build_parser().parse_args(["--experts", "auto"])
+    packed = SimpleNamespace(residency=Residency.PACKED, decode_chunk=3)
+    refused = Estimate(Asked("whole", "replicated", Residency.BF16, 2), None, refused="plan 'whole' runs in one process")
+    for memory in (packed, refused):
+        _load(args, SimpleNamespace(memory=memory), Path("ckpt"), True, False)
+    assert [(kw["experts"], kw["decode_chunk"]) for kw in seen] == [("packed", 3), ("bf16", None)]
