@@ -73,11 +73,12 @@ class GptOssFusedExperts(nn.Module):
                 f"{self.num_global_experts}), hidden={self.hidden_dim}, intermediate={self.intermediate_dim}")
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        # transformers' GptOssExperts._apply_gate: interleaved halves, gate clamped above, up both sides.
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        out = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        # The math of transformers' GptOssExperts gate: even columns are gate (clamped from above only),
+        # odd ones up (clamped both sides); SwiGLU with a sigmoid gain alpha, and up offset by one.
+        pairs = gate_up.unflatten(-1, (-1, 2))
+        g = torch.clamp(pairs[..., 0], max=self.limit)
+        u = torch.clamp(pairs[..., 1], -self.limit, self.limit)
+        out = (u + 1) * (g * torch.sigmoid(self.alpha * g))
         return out if self.down_input_hook is None else self.down_input_hook(out)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
