@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "safetensors.torch"])
+# transformers too: every rank worker imports it (tens of seconds per rank on a loaded machine, paid once here).
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "safetensors.torch", "transformers.modeling_utils"])
 
 
 @dataclass

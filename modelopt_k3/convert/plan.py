@@ -79,6 +79,8 @@ def _check_source_scheme(raw: dict, spec: ModelSpec, config_path: Path) -> None:
     qcfg = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     if not isinstance(qcfg, dict):
         raise CheckpointError(f"{config_path}: the checkpoint has packed tensors but no quantization_config")
+    if qcfg.get("quant_method") in spec.loading.source_formats:  # a method that is one format (GPT-OSS's mxfp4)
+        return
     groups = qcfg.get("config_groups") or {}
     formats = {g.get("format") or qcfg.get("format") for g in groups.values()} or {qcfg.get("format")}
     formats.discard(None)
@@ -97,9 +99,11 @@ def _decision_table(
     src: Path, reader: CheckpointReader, raw: dict, spec: ModelSpec, recipe: Recipe, trust_remote_code: bool
 ) -> DecisionTable:
     """The decision table the model path's ``quantize`` builds from the same checkpoint. Shared-input rules
-    come from a probe of the checkpoint's own code, run only when the recipe needs them and only with
-    ``trust_remote_code`` (None otherwise: the table then refuses what needs them)."""
-    rules = partial(_probe_shared_inputs, src, raw, spec) if trust_remote_code and spec.quant.probe_model is not None else None
+    come from a probe of the model's own classes, run only when the recipe needs them and, for checkpoint
+    code, only with ``trust_remote_code`` (None otherwise: the table then refuses what needs them)."""
+    # The probe runs the model's classes: checkpoint code only for a remote-code class (transformers' own need no opt-in).
+    may_probe = trust_remote_code or not spec.loading.model_class.remote_code
+    rules = partial(_probe_shared_inputs, src, raw, spec) if may_probe and spec.quant.probe_model is not None else None
     try:
         return decide(reader.inventory(), spec, recipe, rules)
     except InventoryError as e:

@@ -4,8 +4,9 @@ Each rank holds a contiguous block of every MoE layer's experts; the experts mod
 ``ExpertPlacement`` (``module.placement``, set by the spec's ``place_experts``), which names the owner
 of every expert and the EP group. Tokens travel to their owner with ``all_to_all_single`` (counts
 first, then payload), the owner runs its local experts with the local implementation (weight 1.0, so
-the result is the bare expert output), the outputs come back the same way and are combined in fp32 at
-the origin exactly as in one process. Which row goes where is ``dispatch_layout``, a pure function.
+the result is the bare expert output), the outputs come back the same way and are combined at the origin
+exactly as in one process: by the module's ``combine(per_slot, global ids, weights, dtype)`` when it has one
+(the combine its eager forward uses), else in fp32. Which row goes where is ``dispatch_layout``, a pure function.
 
 Works for any experts module that follows transformers' experts interface (``gate_up_proj`` /
 ``down_proj`` / ``_apply_gate``) and carries ``placement`` plus ``local_experts_implementation``
@@ -104,9 +105,12 @@ def torch_a2a_experts_forward(
 
     back = _exchange(expert_out, recv_counts, send_counts, group)
     del expert_out
-    per_slot = layout.restore(back)
+    per_slot = layout.restore(back).view(num_tokens, top_k, -1)
     del back
-    combined = (per_slot.view(num_tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)).sum(1)
+    combine = getattr(self, "combine", None)
+    if combine is not None:  # the module's own eager combine (e.g. transformers' expert-order index_add)
+        return combine(per_slot, top_k_index, top_k_weights, hidden_states.dtype)
+    combined = (per_slot.float() * top_k_weights.float().unsqueeze(-1)).sum(1)
     return combined.to(hidden_states.dtype)
 
 

@@ -258,8 +258,13 @@ def decide(
     dense_parts, expert_parts = _modules(inventory, spec)
     decisions = _expert_decisions(recipe, spec, expert_parts)
     experts_modules = {name.rpartition(".*.")[0] for name in decisions}
+    # A router first: one stored like a Linear (Qwen3-MoE's mlp.gate.weight, GPT-OSS's mlp.router) is still a
+    # router (ModelOpt's structural rule), never a Linear a recipe pattern could quantize.
+    routers = _routers(dense_parts, experts_modules)
     for name in sorted(dense_parts):
         parts = dense_parts[name]
+        if name in routers:
+            continue
         if _is_linear(name, parts):
             fmt, entry = recipe.resolve(name)
             decisions[name] = Decision(name, "linear", parts["weight"][1], fmt, None if fmt else reason_for(entry))
@@ -267,7 +272,7 @@ def decide(
             decisions[name] = Decision(name, "embedding", parts["weight"][1], None, "embedding")
         elif _is_conv(parts):
             decisions[name] = Decision(name, "conv", parts["weight"][1], None, "convolution")
-    for name in _routers(dense_parts, experts_modules) - set(decisions):
+    for name in routers:
         decisions[name] = Decision(name, "router", dense_parts[name]["weight"][1], None, "router")
     recipe.check_against({m: d.shape for d in decisions.values() if d.kind in ("linear", "experts")
                           for m in d.module_names()}, dense_parts)

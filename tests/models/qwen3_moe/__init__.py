@@ -1,0 +1,1 @@
+"""Tests of modelopt_k3.models.qwen3_moe."""
