@@ -40,7 +40,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,6 +362,36 @@ class ReadLog:
                 self.invalid[key] = found
 
 
+# model_type -> view: a function of the checked headers returning the tensors the pipeline should see. A spec
+# registers one when its checkpoint stores what the pipeline reads per expert in another layout; every entry
+# it returns is a contiguous byte range of a stored tensor (e.g. GPT-OSS's fused MXFP4 experts, ``[E, ...]``,
+# as per-expert ``weight_packed``/``weight_scale``), read with ``pread`` (a virtual key is no safetensors name).
+CheckpointView = Callable[[Mapping[str, TensorInfo]], dict[str, TensorInfo]]
+_VIEWS: dict[str, CheckpointView] = {}
+
+
+def register_checkpoint_view(model_type: str, view: CheckpointView) -> None:
+    """Show checkpoints of ``model_type`` (config.json) to every ``CheckpointReader`` through ``view``."""
+    _VIEWS[model_type] = view
+
+
+def _view_for(path: Path) -> CheckpointView | None:
+    """The registered view of the checkpoint at ``path`` (by its config.json's model_type), if any. The
+    model's spec registers it on import: a reader opened before anything asked for the spec imports it."""
+    try:
+        model_type = read_config(path).get("model_type") if (path / "config.json").is_file() else None
+    except CheckpointError:  # reported by whoever reads the config for its contents
+        return None
+    if isinstance(model_type, str) and model_type not in _VIEWS:
+        from .spec import SpecError, get_spec  # the spec registry (imports a built-in spec lazily)
+
+        try:
+            get_spec(model_type)
+        except SpecError:
+            return None
+    return _VIEWS.get(model_type)
+
+
 class CheckpointReader:
     """Key -> tensor access over ``model.safetensors.index.json`` (or a single ``model.safetensors``).
 
@@ -378,6 +408,7 @@ class CheckpointReader:
         self.files: list[str] = []  # shard file names, sorted
         self.sizes: dict[str, int] = {}  # shard file -> size in bytes
         self._infos: dict[str, TensorInfo] = {}
+        self._virtual: frozenset[str] = frozenset()  # keys a view made (read by byte range)
         self.header_digest = self._scan()
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
@@ -406,6 +437,11 @@ class CheckpointReader:
             self._infos.update(shard.tensors)
             digest.update(f"{file}\0{shard.size}\0".encode())
             digest.update(shard.raw)
+        view = _view_for(self.path)
+        if view is not None:
+            stored = self._infos
+            self._infos = view(stored)
+            self._virtual = frozenset(k for k in self._infos if k not in stored)
         return digest.hexdigest()
 
     def __enter__(self) -> CheckpointReader:
@@ -454,6 +490,8 @@ class CheckpointReader:
             return self._handles[file]
 
     def get(self, key: str) -> torch.Tensor:
+        if key in self._virtual:
+            return self.pread(key)
         info = self.info(key)
         tensor = self._handle(info.file).get_tensor(key)
         self.log.record(key, tensor, info.nbytes, self.check_values)
@@ -464,7 +502,14 @@ class CheckpointReader:
         info = self.info(key)
         if not info.shape or not 0 <= start <= stop <= info.shape[0]:
             raise CheckpointError(f"tensor {key!r} of shape {list(info.shape)} has no rows [{start}, {stop})")
-        tensor = self._handle(info.file).get_slice(key)[start:stop]
+        if key in self._virtual:  # a byte range: read just these rows
+            row = info.nbytes // info.shape[0] if info.shape[0] else 0
+            buf = torch.empty(row * (stop - start), dtype=torch.uint8)
+            if buf.numel():
+                self.pread_into(info.file, memoryview(buf.numpy()), info.offset + row * start)
+            tensor = buf.view(info.dtype).reshape(stop - start, *info.shape[1:])
+        else:
+            tensor = self._handle(info.file).get_slice(key)[start:stop]
         self.log.record(key, tensor, info.nbytes // info.shape[0] * (stop - start), self.check_values)
         return tensor
 

@@ -148,7 +148,31 @@ def _fill_experts(
                                            ranges[module_name])
             filled.add(target)
             progress.update(1)
+    consumed |= _fill_stored_fused(reader, spec, experts, ranges, filled, progress)
     return consumed | foreign, filled
+
+
+def _fill_stored_fused(reader: CheckpointReader, spec: ModelSpec, experts: dict[str, nn.Module],
+                       ranges: dict[str, range], filled: set[str], progress: tqdm) -> set[str]:
+    """Fused expert parameters the checkpoint stores fused under their own name (e.g. GPT-OSS's expert
+    biases ``[E, out]``): this rank's experts' rows only (a slice read, nothing gathered); adds to ``filled``."""
+    consumed: set[str] = set()
+    for module_name, module in experts.items():
+        for param_name in spec.experts.sharded_params:
+            key = f"{module_name}.{param_name}"
+            if key in filled or key not in reader:
+                continue
+            local, rows = local_tensor(getattr(module, param_name)), ranges[module_name]
+            stored = reader.info(key)
+            if tuple(stored.shape[1:]) != tuple(local.shape[1:]) or len(rows) != local.shape[0]:
+                raise LoadError(f"{key}: checkpoint shape {list(stored.shape)} does not hold this rank's "
+                                f"{len(rows)} experts of shape {list(local.shape[1:])}")
+            with torch.no_grad():
+                local.copy_(reader.get_rows(key, rows.start, rows.stop).to(local.dtype))
+            consumed.add(key)
+            filled.add(key)
+            progress.update(1)
+    return consumed
 
 
 def _fill_expert_param(model: nn.Module, reader: CheckpointReader, conv, module_name: str, module: nn.Module,

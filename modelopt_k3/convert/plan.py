@@ -79,6 +79,8 @@ def _check_source_scheme(raw: dict, spec: ModelSpec, config_path: Path) -> None:
     qcfg = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     if not isinstance(qcfg, dict):
         raise CheckpointError(f"{config_path}: the checkpoint has packed tensors but no quantization_config")
+    if qcfg.get("quant_method") in spec.loading.source_formats:  # a method that is one format (GPT-OSS's mxfp4)
+        return
     groups = qcfg.get("config_groups") or {}
     formats = {g.get("format") or qcfg.get("format") for g in groups.values()} or {qcfg.get("format")}
     formats.discard(None)

@@ -1,0 +1,65 @@
+"""GPT-OSS (``model_type: gpt_oss``): transformers' own ``GptOss*`` classes, MXFP4 routed experts.
+
+``layout``: the checkpoint's OpenAI MXFP4 layout, transformers' ``GptOssExperts`` and ModelOpt's fused NVFP4
+export layout, as pure functions. ``model``: the model class (our experts on transformers' instances), the
+checkpoint view and converters. ``experts``: the fused experts module. Facts: docs/DESIGN_NOTES.md "GPT-OSS".
+"""
+
+from __future__ import annotations
+
+from ...checkpoint import register_checkpoint_view
+from ...spec import (
+    ExpertProjection,
+    ExpertsSpec,
+    LoadingSpec,
+    MemorySpec,
+    ModelSpec,
+    QuantSpec,
+    ReportSpec,
+    SourceCheckSpec,
+    register_spec,
+)
+from .config_layout import check_config_fields, dense_layout, expert_layout
+from .experts import GptOssFusedExperts
+from .model import (
+    EXPERT_KEY_RE,
+    FusedGptOssForCausalLM,
+    TransformersGptOss,
+    per_expert_view,
+    place_experts,
+    prepare,
+)
+from .probe import probe_model
+
+register_checkpoint_view("gpt_oss", per_expert_view)
+
+GPT_OSS_SPEC = register_spec(
+    ModelSpec(
+        model_type="gpt_oss",
+        min_transformers="5.0.0",
+        loading=LoadingSpec(
+            # transformers' own classes (no checkpoint code), with our experts module on the built instances.
+            model_class=TransformersGptOss(),
+            prepare=prepare,
+            source_formats=frozenset({"mxfp4"}),
+        ),
+        experts=ExpertsSpec(
+            module_regex=r"\.mlp\.experts$",
+            # The biases are sharded with their experts: a rank holds (and reads) its experts' rows only.
+            sharded_params={"gate_up_proj": 0, "down_proj": 0, "gate_up_proj_bias": 0, "down_proj_bias": 0},
+            # gate_up is one checkpoint projection (gate/up rows interleaved): one weight_scale_2 / input_scale.
+            projections=(ExpertProjection("gate_up_proj", "gate_up_proj"), ExpertProjection("down_proj", "down_proj")),
+            num_experts_attr="num_local_experts",
+            key_regex=EXPERT_KEY_RE.pattern,
+            place_experts=place_experts,
+        ),
+        quant=QuantSpec(probe_model=probe_model, router_regex=r"\.mlp\.router$"),
+        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\."),
+        source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
+                                     check_config=check_config_fields),
+        report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
+    ),
+    overwrite=True,
+)
+
+__all__ = ["GPT_OSS_SPEC", "FusedGptOssForCausalLM", "GptOssFusedExperts", "TransformersGptOss"]

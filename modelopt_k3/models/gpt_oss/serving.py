@@ -1,0 +1,63 @@
+"""What each serving engine's GPT-OSS class does with our export (per-expert NVFP4 experts): the check's rules.
+
+Read from the engines' sources as users install them (not run; the conformance harness has no GPT-OSS
+driver yet):
+
+* vLLM 0.33.0 (PyPI wheel), ``model_executor/models/gpt_oss.py``: a ``quant_method: modelopt`` config takes
+  ``GptOssModel._load_weights_other``. ``GptOssForCausalLM.hf_to_vllm_mapper`` renames
+  ``.gate_up_proj.weight`` / ``.weight_scale`` / ``.input_scale`` to ``.w13_weight`` / ``.w13_weight_scale`` /
+  ``.w13_input_scale`` (``down_proj`` likewise) but has no entry for ``.weight_scale_2``, which then matches no
+  parameter and is skipped. The per-expert names go to ``_try_load_streamed_expert`` ->
+  ``GptOssRoutedExperts.weight_loader``, which takes the packed path (``_load_packed_expert``) only for the
+  MXFP4 and compressed-tensors NVFP4 methods; the ModelOpt NVFP4 method falls to ``_load_unquantized_expert``,
+  which narrows and transposes the tensor as a BF16 ``[in, out]`` weight: packed codes and block scales land
+  transposed (or the copy fails on the shapes). ModelOpt's own fused layout fares no better there:
+  ``gate_up_proj`` loads, ``gate_up_proj_weight_scale*`` match no mapping and are skipped.
+* SGLang 0.5.23 (PyPI wheel), ``srt/models/gpt_oss.py``: a ModelOpt config takes
+  ``GptOssForCausalLM._load_normal_weights``, whose expert mapping
+  (``FusedMoE.make_expert_params_mapping_fused``) matches only the fused names ``experts.gate_up_proj`` /
+  ``experts.down_proj`` (+ ``_bias``); per-expert ``experts.<e>.gate_up_proj.*`` match nothing and are skipped
+  without an error, so the routed experts keep uninitialised weights. (ModelOpt's fused layout: the mapping's
+  substring replace turns ``experts.gate_up_proj_weight_scale`` into ``experts.w13_weight_weight_scale``,
+  no parameter, skipped.)
+* TensorRT-LLM: not read here (no source at hand); the check knows no rules and refuses.
+
+So every engine refuses a GPT-OSS export whose routed experts are NVFP4 (what the GPT-OSS recipes produce).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ...check.engines import register_serving
+from ...check.layout import Layout
+from ...check.report import EngineResult, Refusal
+
+EXPERT_RE = re.compile(r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_up_proj|down_proj)")
+REASONS = {
+    "vllm": ("vLLM 0.33.0's GPT-OSS loads ModelOpt per-expert tensors through GptOssRoutedExperts."
+             "_load_unquantized_expert (a BF16 [in, out] transpose; the packed path is only for MXFP4 and "
+             "compressed-tensors NVFP4) and hf_to_vllm_mapper drops weight_scale_2 (gpt_oss.py "
+             "GptOssModel._load_weights_other)"),
+    "sglang": ("SGLang 0.5.23's GPT-OSS maps only the fused experts.gate_up_proj/down_proj names; per-expert "
+               "tensors match nothing and are skipped, leaving the experts uninitialised (gpt_oss.py "
+               "GptOssForCausalLM._load_normal_weights)"),
+}
+
+
+def _replay(engine: str):
+    def replay(layout: Layout, *, numerics: bool = True) -> EngineResult:
+        result = EngineResult(engine)
+        for name, linear in sorted(layout.linears.items()):
+            if EXPERT_RE.fullmatch(name) and linear.fmt != "bf16":
+                result.refusals.append(Refusal(linear.tensor_name(), f"stored {linear.fmt}: {REASONS[engine]}"))
+        if not result.refusals:
+            result.refusals.append(Refusal("config.json", f"modelopt-k3-check knows {engine}'s GPT-OSS rules only "
+                                                          "for NVFP4 routed experts (refused above)"))
+        return result
+
+    return replay
+
+
+for _engine in REASONS:
+    register_serving("gpt_oss", _engine, _replay(_engine))
