@@ -258,12 +258,9 @@ def decide(
     dense_parts, expert_parts = _modules(inventory, spec)
     decisions = _expert_decisions(recipe, spec, expert_parts)
     experts_modules = {name.rpartition(".*.")[0] for name in decisions}
-    # Routers first: one stored like a Linear (Qwen3-MoE's mlp.gate.weight, GPT-OSS's mlp.router) is still a
-    # router, never a Linear a recipe pattern could quantize: ModelOpt's structural rule (a gate/router next to
-    # an experts module) or the spec's own router_regex.
-    router_re = re.compile(spec.quant.router_regex) if spec.quant.router_regex else None
-    routers = _routers(dense_parts, experts_modules) | {
-        n for n, parts in dense_parts.items() if router_re is not None and router_re.search(n) and "weight" in parts}
+    # A router first: one stored like a Linear (Qwen3-MoE's mlp.gate.weight, GPT-OSS's mlp.router) is still a
+    # router (ModelOpt's structural rule), never a Linear a recipe pattern could quantize.
+    routers = _routers(dense_parts, experts_modules)
     for name in sorted(dense_parts):
         parts = dense_parts[name]
         if name in routers:

@@ -230,9 +230,6 @@ class QuantSpec:
     # Module names (regex, searched) that a text calibration forward never runs (a vision tower): a recipe
     # that needs their activations is refused in the preflight, not after calibration.
     uncalibrated_module_regex: str | None = None
-    # Routers (regex, searched) stored like a Linear (weight + bias) that the model does not hold as an
-    # ``nn.Linear`` (GPT-OSS's ``GptOssTopKRouter``): decided as routers, never as quantizable Linears.
-    router_regex: str | None = None
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ GPT_OSS_SPEC = register_spec(
             key_regex=EXPERT_KEY_RE.pattern,
             place_experts=place_experts,
         ),
-        quant=QuantSpec(probe_model=probe_model, router_regex=r"\.mlp\.router$"),
+        quant=QuantSpec(probe_model=probe_model),
         memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\."),
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                      check_config=check_config_fields),
