@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,6 @@ def test_moe_layers_follow_transformers(cfg):
 
 
 def test_dense_layout_matches_the_checkpoint(qwen3_moe_ckpt):
-    import re
-
     from modelopt_k3.checkpoint import CheckpointReader
 
     config = json.loads((qwen3_moe_ckpt / "config.json").read_text())
@@ -258,3 +257,21 @@ def test_converter_equals_model_path_weight_only_and_refuses_calibrated(qwen3_mo
     for name in ("hf_quant_config.json",):
         qa, qb = (json.loads((d / name).read_text())["quantization"] for d in (converted, exported))
         assert qa == qb
+
+
+def test_missing_expert_or_config_field_refused_before_weights(qwen3_moe_ckpt, tmp_path):
+    """The source check names a missing per-expert tensor (with the config fields behind it) and a missing
+    config field before any weight is read."""
+    from conftest import copy_checkpoint
+
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.spec import SpecError
+
+    key = "model.layers.2.mlp.experts.5.up_proj.weight"
+    broken = copy_checkpoint(qwen3_moe_ckpt, tmp_path / "missing_expert", drop=[key])
+    with pytest.raises(Exception, match=rf"{re.escape(key)}(.|\n)*mlp_only_layers=\[1\]"):
+        load_pretrained(broken, progress=False)
+    no_field = copy_checkpoint(qwen3_moe_ckpt, tmp_path / "no_field",
+                               edit_config=lambda c: c.pop("moe_intermediate_size"))
+    with pytest.raises(SpecError, match="moe_intermediate_size"):
+        load_pretrained(no_field, progress=False)
