@@ -88,8 +88,11 @@ def read_all(paths: list[Path]) -> None:
                 pass
 
 
-def plain_copy(paths: list[Path], dst: Path, *, fsync: bool) -> float:
-    """Read and write every shard in 64 MiB chunks (fsync each file when ``fsync``); seconds."""
+def plain_copy(paths: list[Path], dst: Path, *, fsync: bool, sha256: bool = False) -> float:
+    """Read and write every shard in 64 MiB chunks (fsync each file when ``fsync``; ``sha256``: hash every
+    chunk too, the one pass over the bytes the converter's resume records need); seconds."""
+    import hashlib
+
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     buf = bytearray(CHUNK)
@@ -98,6 +101,8 @@ def plain_copy(paths: list[Path], dst: Path, *, fsync: bool) -> float:
     for p in paths:
         with open(p, "rb", buffering=0) as f, open(dst / p.name, "wb", buffering=0) as g:
             while n := f.readinto(buf):
+                if sha256:
+                    hashlib.sha256(view[:n]).digest()
                 g.write(view[:n])
             if fsync:
                 os.fsync(g.fileno())
@@ -175,12 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     read_all(paths)  # both measurements read from a warm page cache
     plain_copy(paths, args.workdir / "copy_out", fsync=True)  # untimed warm-up of both sides
     convert_once(ckpt, args.workdir / "convert_out")
-    copy_s, copy_nosync_s, convert_s = [], [], []
+    copy_s, copy_nosync_s, copy_hash_s, convert_s = [], [], [], []
     stats: dict = {}
     load_before = os.getloadavg()
     for i in range(args.repeats):
         copy_s.append(plain_copy(paths, args.workdir / "copy_out", fsync=True))
         copy_nosync_s.append(plain_copy(paths, args.workdir / "copy_out", fsync=False))
+        copy_hash_s.append(plain_copy(paths, args.workdir / "copy_out", fsync=True, sha256=True))
         seconds, stats = convert_once(ckpt, args.workdir / "convert_out")
         convert_s.append(seconds)
         print(f"  repeat {i}: copy {copy_s[-1]:.2f}s (no fsync {copy_nosync_s[-1]:.2f}s), convert {convert_s[-1]:.2f}s")
@@ -209,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "copy_s": copy_s,
         "copy_no_fsync_s": copy_nosync_s,
         "convert_s": convert_s,
+        "copy_sha256_s": copy_hash_s,
+        "throughput_ratio_vs_copy_with_sha256": statistics.median(copy_hash_s) / conv_med,
         "copy_mib_per_s": total / copy_med / 2**20,
         "copy_no_fsync_mib_per_s": total / nosync_med / 2**20,
         "convert_mib_per_s": total / conv_med / 2**20,

@@ -19,7 +19,7 @@ ours runs ``P`` rank processes (``--rank r --world_size P --workers C/P``), ``C`
 The copy floor reads and writes every source shard in 64 MiB chunks and fsyncs each file (what ``cp``
 + fsync does; the converter fsyncs every shard too). Each repeat runs copy, ours and peer in turn (the
 order alternates); wall times, MB/s of source bytes and the peak RSS of each side's process tree
-(children and ranks summed, sampled every 20 ms; ``ru_maxrss`` of the largest single process too)
+(children and ranks summed, sampled every 100 ms; ``ru_maxrss`` of the largest single process too)
 are recorded, with the load average around the runs. Results go to ``benchmarks/results/convert_peer.json``.
 """
 
@@ -75,7 +75,7 @@ def find_peer(python: str | None, script: str | None) -> tuple[list[str] | None,
 class TreePeak:
     """Peak of the summed RSS of some process trees, sampled every ``interval`` seconds."""
 
-    def __init__(self, pids: list[int], interval: float = 0.02):
+    def __init__(self, pids: list[int], interval: float = 0.1):
         import psutil
 
         self.procs = [psutil.Process(p) for p in pids]
@@ -152,7 +152,7 @@ def measure(args, ckpt: Path, peer: list[str] | None) -> dict:
     bc.read_all(paths)
     runs: dict = {}
     for k, p in enumerate(args.parallel):
-        if k == 0:
+        if k == 0 and args.warmup:
             for fn in sides.values():  # untimed warm-up of each side (bytecode caches, page cache)
                 fn(p)
         got: dict[str, list[dict]] = {name: [] for name in sides}
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="default",
                    help="default: ~0.5 GB in 3 shards (bounded run); multi-gb: ~2.2 GB in 4 shards")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=int, choices=(0, 1), default=1,
+                   help="1: one untimed run of each side first (bytecode caches); the page cache is warmed anyway")
     p.add_argument("--parallel", default="1,2", help="comma-separated process counts (peer --jobs / our ranks)")
     p.add_argument("--peer_python", default=None)
     p.add_argument("--peer_script", default=None)
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "notes": "each side is its command line in fresh processes (interpreter start and imports included); "
                  "page cache warm; parallelism matched (peer --jobs P --threads_per_job C/P, ours P ranks "
-                 "--workers C/P); RSS = summed process-tree peak, sampled every 20 ms",
+                 "--workers C/P); RSS = summed process-tree peak, sampled every 100 ms",
     }
     print(json.dumps({k: result[k] for k in ("peer", "checkpoint", "repeats", "by_parallelism", "wall_s")}, indent=2))
     if not args.no_write:
