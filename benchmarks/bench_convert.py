@@ -5,8 +5,10 @@
 
 Builds a scaled-up tiny Kimi-K3 checkpoint (cached in ``--workdir``), warms the page cache and runs
 each side once untimed, then alternates, ``--repeats`` times: a plain read-and-write copy of every
-shard (64 MiB chunks, each file fsynced as the converter does; once more without fsync) and
-``convert_checkpoint`` with the Kimi-K3 mirror recipe (which also sha256-hashes every output shard). Throughput is source bytes per second
+shard (64 MiB chunks, each file fsynced as the converter does; once more without fsync; once more
+with fsync and a sha256 of every chunk, the one hash pass the converter makes) and
+``convert_checkpoint`` with the Kimi-K3 mirror recipe (sha256 of every source tensor as it is read,
+each output shard's digest from the bytes written). Throughput is source bytes per second
 of wall time, from the median and from the best of the repeats; the goal is conversion >= 0.6x the
 copy. Peak memory is measured in a fresh child process: RSS after imports and planning
 (``baseline``) and the peak RSS while converting; the goal is (peak - baseline) <= 0.5x the largest
