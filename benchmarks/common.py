@@ -296,6 +296,9 @@ class Context:
     out_dir: Path  # where results.json / RESULTS.md go
     log: Callable[[str], None] = print
     threads: int = 1  # torch threads of the runner; EP ranks split them
+    convert_size: str = "default"  # the convert area's checkpoint: default (~0.5 GB) or multi-gb (~2.2 GB)
+    peer_python: str | None = None  # ModelOpt's Kimi-K3 converter (bench_convert_peer.py); None: from the env
+    peer_script: str | None = None
 
 
 # ------------------------------------------------------------------------------ shared checkpoints

@@ -4,6 +4,7 @@
     python -m benchmarks --quick         # smoke run: small shapes, tiny checkpoints, no convert
     python -m benchmarks --only numerics # one area (numerics, io, ep, convert); repeat or comma-join
     python -m benchmarks --out DIR       # write results.json / RESULTS.md into DIR
+    python -m benchmarks --only convert --convert_size multi-gb   # converter vs ModelOpt's on ~2.2 GB
 
 Writes ``results.json`` (machine facts, versions, every figure with min/median/max over repeats,
 its reference, ratio, target, verdict -- met, missed or report -- and what bounds it) and
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads in this process (default: all cores; EP ranks share them)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="scratch dir; checkpoints built there are reused (default: $TMPDIR/modelopt_k3_benchmarks)")
+    p.add_argument("--convert_size", choices=("default", "multi-gb"), default="default",
+                   help="convert area: default ~0.5 GB checkpoints (a few minutes), multi-gb ~2.2 GB (~15 min with the peer)")
+    p.add_argument("--peer_python", default=None,
+                   help="interpreter with nvidia-modelopt for the peer converter (default $MODELOPT_K3_PEER_PYTHON)")
+    p.add_argument("--peer_script", default=None,
+                   help="ModelOpt's examples/kimi/kimi_k3/quantize_to_nvfp4.py (default $MODELOPT_K3_PEER_SCRIPT)")
     return p
 
 
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for the subprocesses (EP ranks divide it)
     t0 = time.perf_counter()
-    ctx = Context(quick=args.quick, repeats=repeats, workdir=workdir, out_dir=args.out, log=log, threads=threads)
+    ctx = Context(quick=args.quick, repeats=repeats, workdir=workdir, out_dir=args.out, log=log, threads=threads,
+                  convert_size=args.convert_size, peer_python=args.peer_python, peer_script=args.peer_script)
     busy = os.getloadavg()[0]
     if busy > 0.5 * (os.cpu_count() or 1):
         log(f"warning: load average {busy:.1f} on {os.cpu_count()} cores before starting: other jobs share the "

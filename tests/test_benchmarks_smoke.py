@@ -9,6 +9,7 @@ itself is checked on a fake area (fast): met / missed-with-bound / report, and a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -102,3 +103,28 @@ def test_a_missed_target_is_reported_and_only_a_failed_check_fails_the_run(tmp_p
     table = (tmp_path / "RESULTS.md").read_text()
     assert "| **missed** |" in table and "what bounds it: the copy bandwidth" in table
     assert ("wrong: bit_equal_to_reference" in table) is not check_ok
+
+
+def test_the_converter_peer_is_skipped_saying_so_when_absent(monkeypatch, tmp_path):
+    """ModelOpt's Kimi-K3 converter is no dependency: without it the peer benchmark measures ours and the
+    copy floor and says in RESULTS.md why the peer is missing (no speed-up figure is made up)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_convert_peer as peer
+
+    from benchmarks import convert_area
+
+    for var in ("MODELOPT_K3_PEER_PYTHON", "MODELOPT_K3_PEER_SCRIPT"):
+        monkeypatch.delenv(var, raising=False)
+    assert peer.find_peer(None, None)[0] is None
+    missing, why = peer.find_peer(sys.executable, str(tmp_path / "quantize_to_nvfp4.py"))
+    assert missing is None and "does not exist" in why
+    (tmp_path / "quantize_to_nvfp4.py").write_text("")
+    if importlib.util.find_spec("modelopt") is None:  # the project's own environment never has it
+        missing, why = peer.find_peer(sys.executable, str(tmp_path / "quantize_to_nvfp4.py"))
+        assert missing is None and "cannot import modelopt" in why
+    sample = {"s": 2.0, "tree_peak_rss": 4e8, "max_single_rss": 4e8}
+    runs = {"1": {"samples": {"copy": [{"s": 1.0}], "ours": [sample]}, "load_average_before_after": [(1,) * 3] * 2}}
+    r = {"peer": {"found": False, "note": why}, "repeats": 1, "by_parallelism": peer.summarize(runs, 2e9, 6e8),
+         "checkpoint": {"bytes": 2e9, "shards": 4, "largest_shard_bytes": 6e8}}
+    assert [f.name for f in convert_area._peer_figures(r)] == ["convert_peer/floor_p1"]
+    assert f"**Peer skipped**: {why}" in convert_area._peer_markdown(r)

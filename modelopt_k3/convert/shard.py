@@ -35,6 +35,8 @@ class _ShardConverter:
         self.plan = plan
         self.log = ReadLog(hashes={})  # every source byte a job reads is hashed as it is read
         self.copied_invalid: dict[str, str] = {}
+        # output name -> sha256 (hex) of its bytes, known because they are a source tensor's, unchanged
+        self.known_digests: dict[str, str] = {}
         self._group_scale: dict[tuple[str, ...], torch.Tensor] = {}
 
     def _read(self, key: str) -> torch.Tensor:
@@ -78,12 +80,19 @@ class _ShardConverter:
         stats.tensors[fmt.algo] += n_src
         stats.modules[fmt.algo] += 1
         if job.kind == "nvfp4_cast":
-            q, n_req = mxfp4_to_nvfp4(self._read(job.sources[0]), self._read(job.sources[1]), self._shared_scale(job))
+            codes = self._read(job.sources[0])
+            q, n_req = mxfp4_to_nvfp4(codes, self._read(job.sources[1]), self._shared_scale(job), share_codes=True)
             blocks = job.shape[0] * job.shape[1] // NVFP4_BLOCK
             stats.expert_blocks_requantized += n_req
             stats.expert_blocks_lossless += blocks - n_req
             tensors = fmt.weights.cast_tensors(q.packed, q.block_scale, q.global_scale)
             out = {f"{job.name}.{k}": v for k, v in tensors.items()}
+            if q.packed.data_ptr() == codes.data_ptr() and q.packed.nbytes == codes.nbytes:
+                # Every code byte carried over: the output tensor is the source buffer, whose sha256 was
+                # taken as it was read (``ReadLog.hashes``); hashing it again would be a second pass.
+                for name, t in out.items():
+                    if t is q.packed:
+                        self.known_digests[name] = self.log.hashes[job.sources[0]]
         else:
             weight = self._weight(job)
             scale = self._shared_scale(job, weight) if fmt.weights.per_tensor_scale else None
@@ -107,7 +116,8 @@ class _ShardConverter:
             return done
         out, done = self.tensors(job)
         for name, tensor in out.items():
-            shard.write(name, tensor)
+            known = self.known_digests.pop(name, None)
+            shard.write(name, tensor, None if known is None else bytes.fromhex(known))
         return done
 
 

@@ -563,14 +563,16 @@ class PlannedShard:
             self.discard()
             raise
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, sha256: bytes | None = None) -> None:
+        """Write ``tensor`` at its planned offset. ``sha256``: the digest of exactly these bytes when the
+        caller already has it (a source tensor written unchanged, hashed as it was read), else computed."""
         want = self.planned[name]
         if tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
             raise AssertionError(
                 f"{name}: produced {tensor.dtype} {list(tensor.shape)}, planned {want.dtype} {list(want.shape)}"
             )
         data = tensor_bytes(tensor)
-        self.digest.add(self.offsets[name], name, hashlib.sha256(data).digest())
+        self.digest.add(self.offsets[name], name, sha256 if sha256 is not None else hashlib.sha256(data).digest())
         pwrite_all(self._fd, data, self.offsets[name])
 
     def copy(self, reader: CheckpointReader, key: str) -> str | None:

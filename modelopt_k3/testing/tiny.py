@@ -416,20 +416,23 @@ def _checkpoint_tensors(
         yield name, value.to(dtype).contiguous()
 
 
+_EXPERT_RE = re.compile(r"^(.*\.experts\.\d+)\.")
+
+
 def _write_shards(
-    tensors: list[tuple[str, torch.Tensor]], path: Path, max_shard_size: int | None
+    tensors: list[tuple[str, torch.Tensor]], path: Path, max_shard_size: int | None, whole_experts: bool = False
 ) -> dict[str, Any]:
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     # Default: about three shards, so multi-shard handling is always exercised.
     limit = max_shard_size if max_shard_size is not None else total // 3 + 1
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     used = 0
-    for key, tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
+    for group in _shard_units(tensors, whole_experts):
+        size = sum(t.numel() * t.element_size() for _, t in group)
         if shards[-1] and used + size > limit:
             shards.append([])
             used = 0
-        shards[-1].append((key, tensor))
+        shards[-1].extend(group)
         used += size
     if len(shards) < 2:
         raise ValueError(
@@ -441,6 +444,23 @@ def _write_shards(
         save_file(dict(shard), str(path / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys((k for k, _ in shard), fname))
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
+
+
+def _shard_units(tensors: list[tuple[str, torch.Tensor]], whole_experts: bool) -> list[list[tuple[str, torch.Tensor]]]:
+    """What a shard boundary may not cut: each tensor alone, or (``whole_experts``) each routed expert's
+    consecutive tensors together, as the real release stores them (ModelOpt's own converter needs w1
+    and w3 of an expert in one shard)."""
+    units: list[list[tuple[str, torch.Tensor]]] = []
+    last = None
+    for key, tensor in tensors:
+        m = _EXPERT_RE.match(key) if whole_experts else None
+        group = m.group(1) if m else None
+        if group is not None and group == last:
+            units[-1].append((key, tensor))
+        else:
+            units.append([(key, tensor)])
+        last = group
+    return units
 
 
 def remote_code_source(fname: str, variant: str = "hub") -> str:
@@ -509,6 +529,7 @@ def make_tiny_kimi_k3(
     overwrite: bool = False,
     max_shard_size: int | None = None,
     remote_code: str = "hub",
+    whole_experts: bool = False,
     **sizes: Any,
 ) -> Path:
     """Write a tiny Kimi-K3 stand-in checkpoint into `path` and return it.
@@ -516,6 +537,8 @@ def make_tiny_kimi_k3(
     `sizes` overrides TINY_DEFAULTS (e.g. num_experts=64, num_hidden_layers=6). The same seed and
     sizes give byte-identical files. `max_shard_size` is in bytes (default: about 3 shards).
     `remote_code` picks the remote-code variant: "hub" (default) or "transformers5" (module docstring).
+    `whole_experts`: shards are never cut inside one routed expert (the default cuts anywhere, so that
+    w1/w3 split across shards is exercised).
     """
     if remote_code not in REMOTE_CODE_VARIANTS:
         raise ValueError(f"remote_code={remote_code!r}; choose one of {list(REMOTE_CODE_VARIANTS)}")
@@ -528,7 +551,7 @@ def make_tiny_kimi_k3(
     text_cfg["quantization_config"] = mxfp4_quantization_config(_ignore_list(module_types))
 
     tensors = list(_checkpoint_tensors(model, seed, s["linear_num_heads"], s["linear_head_dim"], s["num_experts"]))
-    index = _write_shards(tensors, path, max_shard_size)
+    index = _write_shards(tensors, path, max_shard_size, whole_experts)
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation_config = {

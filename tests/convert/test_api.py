@@ -175,6 +175,36 @@ def test_report(converted, ckpt: Path):
     assert (out / COMPLETE_MARKER).is_file()
 
 
+def test_output_digests_reuse_the_source_hash_only_for_unchanged_codes(ckpt: Path, recipe, tmp_path: Path,
+                                                                       monkeypatch):
+    """An expert whose codes all carry over is written from its source buffer with the sha256 taken as it
+    was read (no second hash); that digest is of exactly the bytes written, and every record's digest is
+    the file's (what a resume verifies)."""
+    import hashlib
+
+    from modelopt_k3.export import writer
+    from modelopt_k3.export.writer import file_digest, tensor_bytes
+
+    reused, original = [], writer.PlannedShard.write
+
+    def spy(self, name, tensor, sha256=None):
+        if sha256 is not None:
+            reused.append(name)
+            assert hashlib.sha256(tensor_bytes(tensor)).digest() == sha256, name
+        return original(self, name, tensor, sha256)
+
+    monkeypatch.setattr(writer.PlannedShard, "write", spy)
+    out = tmp_path / "out"
+    report = convert_checkpoint(ckpt, out, recipe)
+    assert reused and all(".block_sparse_moe.experts." in n and n.endswith(".weight") for n in reused)
+    # every expert of this fixture is lossless (one with a requantized block is hashed anew: the numerics
+    # test of ``share_codes`` shows its codes are then a copy, never the source buffer)
+    assert report.total.expert_blocks_requantized == 0 and len(reused) == report.total.modules["NVFP4"]
+    for f in sorted(set(_weight_map(ckpt).values())):
+        rec = json.loads((out / STATE_DIR / "shards" / f"{f}.json").read_text())
+        assert rec["output"]["digest"] == file_digest(out / f), f
+
+
 def test_equals_model_path(converted, model_export: Path):
     """The streaming output is what hf_ptq exports through the model path: same keys, same bytes."""
     out, _ = converted

@@ -474,6 +474,34 @@ def test_mxfp4_to_nvfp4_nan_scale_is_requantized_to_nan():
     assert (res.packed[0, :16] == 0x77).all() and torch.isnan(res.block_scale[0, :2].float()).all()
 
 
+@pytest.mark.parametrize("case", ["carried", "shifted", "requantized"])
+def test_share_codes_gives_the_same_bytes_and_aliases_only_when_every_code_carries(case):
+    """``share_codes`` (the converter's) returns the source codes themselves only when every byte carries
+    over; otherwise the carried slabs are copied after the fact: bytes equal to the default either way."""
+    packed, scale = _random_mxfp4((1024, 1024), 110, 127, seed=21)  # 512 KiB of codes: several slabs
+    scale[0, 0] = 127
+    if case == "shifted":
+        scale[-1, 3] = 100  # below the lossless window in the last slab: its codes are shifted
+    elif case == "requantized":
+        scale[5, 1] = 255  # E8M0 NaN: requantized from its decoded values
+    expect, n_expect = mxfp4_to_nvfp4(packed, scale)
+    got, n_got = mxfp4_to_nvfp4(packed, scale, share_codes=True)
+    assert n_got == n_expect and (n_got == 0) == (case == "carried")
+    assert_bits_equal(got.packed, expect.packed, "codes")
+    assert_bits_equal(got.block_scale, expect.block_scale, "block scales")
+    assert_bits_equal(got.global_scale, expect.global_scale, "global scale")
+    assert (got.packed.data_ptr() == packed.data_ptr()) == (case == "carried")
+    assert expect.packed.data_ptr() != packed.data_ptr()  # the default always copies
+
+
+def test_shared_global_scale_for_ignores_nan_bytes_per_leading_index():
+    _, s = _random_mxfp4((2, 64, 256), 100, 120, seed=22)
+    s[0, 3, 1], s[1, 0, 0], s[1, 7, 2] = 255, 124, 255
+    got = shared_global_scale_for(s)
+    assert got.tolist() == [2.0 ** (120 - 135), 2.0 ** (124 - 135)]
+    assert shared_global_scale_for(s[0]).item() == 2.0 ** (120 - 135)
+
+
 def test_shared_global_scale_for_w1_w3_and_batched_experts():
     p1, s1 = _random_mxfp4((3, 16, 128), 105, 120, seed=13)
     p3, s3 = _random_mxfp4((3, 16, 128), 108, 125, seed=14)
