@@ -2,8 +2,10 @@
 
     modelopt-k3-convert --src CKPT --dst OUT [--recipe RECIPE] [--trust_remote_code] [--rank R --world_size W]
 
-Without ``--recipe`` the routed experts become NVFP4 by the lossless cast and every other tensor stays
-as the source stores it (``models/moonshotai/Kimi-K3/nvfp4_experts``).
+Without ``--recipe`` the model's calibration-free recipe (its spec's ``RecipesSpec.converter``) is used: the
+routed experts become NVFP4 by the lossless cast and every other tensor stays as the source stores it
+(Kimi-K3: ``models/moonshotai/Kimi-K3/nvfp4_experts``, GPT-OSS: ``models/openai/gpt-oss/nvfp4_experts``;
+Qwen3-MoE has none, its BF16 experts need calibration for NVFP4, so ``--recipe`` is required).
 
 Ranks split the source shards (shard ``i`` goes to rank ``i % W``); run one process per rank on any
 machines that share ``OUT``. Under ``torchrun`` the rank and world size come from its environment
@@ -24,9 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._common import non_negative_int, positive_int, run_cli
-
-DEFAULT_RECIPE = "models/moonshotai/Kimi-K3/nvfp4_experts"
+from ._common import default_recipe, non_negative_int, positive_int, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--src", type=Path, required=True, help="source checkpoint directory")
     p.add_argument("--dst", type=Path, required=True, help="output directory (written in place; resumable)")
-    p.add_argument("--recipe", default=DEFAULT_RECIPE,
-                   help=f"YAML recipe path or name (needs no calibration; default {DEFAULT_RECIPE})")
+    p.add_argument("--recipe", default=None,
+                   help="YAML recipe path or name (needs no calibration; default: the model's calibration-free "
+                   "recipe, e.g. models/moonshotai/Kimi-K3/nvfp4_experts)")
     p.add_argument("--rank", type=non_negative_int, default=None, help="this process's rank (default: $RANK or 0)")
     p.add_argument("--world_size", type=positive_int, default=None,
                    help="number of ranks (default: $WORLD_SIZE or 1)")
@@ -84,7 +85,8 @@ def _run(args: argparse.Namespace) -> int:
     from ..convert import convert_checkpoint, finalize_conversion
     from ..recipe import load_recipe
 
-    args.recipe = load_recipe(args.recipe, overrides={"allow_unmatched": True} if args.allow_unmatched else None)
+    recipe_name = args.recipe or default_recipe(args.src, None, {})
+    args.recipe = load_recipe(recipe_name, overrides={"allow_unmatched": True} if args.allow_unmatched else None)
 
     targets = parse_engines(args.target_engines) if args.target_engines else ()
     if targets:  # before anything is read or written: names and headers only

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
-from ._common import non_negative_int, positive_int, run_cli
+from ._common import default_recipe, non_negative_int, positive_int, run_cli
 
 QFORMAT_PRESETS = {
     "nvfp4": "presets/nvfp4",
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pyt_ckpt_path", type=Path, default=None,
                    help="checkpoint directory (default: the embedded tiny Kimi-K3, built into a cache dir)")
-    p.add_argument("--qformat", default="nvfp4", help=f"preset: {', '.join(QFORMAT_PRESETS)} (ignored with --recipe)")
+    p.add_argument("--qformat", default="nvfp4", help=f"preset: {', '.join(QFORMAT_PRESETS)}, the model's own recipe for it where its spec names one "
+                   "(ignored with --recipe)")
     p.add_argument("--recipe", default=None, help="YAML recipe path or name (overrides --qformat)")
     p.add_argument("--kv_cache_qformat", default="none", choices=["none", "fp8"])
     p.add_argument("--calib_size", type=positive_int, default=32,
@@ -145,7 +146,7 @@ def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool, made: l
     from ..preflight import PreflightContext, run_preflight
     from ..recipe import load_recipe
 
-    recipe_name = args.recipe or QFORMAT_PRESETS.get(args.qformat, args.qformat)
+    recipe_name = args.recipe or default_recipe(ckpt, args.qformat, QFORMAT_PRESETS)
     overrides = {}
     if args.kv_cache_qformat != "none":
         overrides["kv_cache"] = args.kv_cache_qformat

@@ -13,6 +13,8 @@ A spec is data plus a few hooks, grouped by who reads them, so each stage sees o
 * ``MemorySpec``      - the memory planner (``memory/``): FSDP2 units and the activation model.
 * ``SourceCheckSpec`` - ``source_check`` (load and converter): config.json against the checkpoint's headers.
 * ``ReportSpec``      - the quantization report and ``quant/evaluate``: the decoder layers it compares.
+* ``RecipesSpec``     - the command lines (``cli/``): which recipe ``--qformat`` names for this model and what
+  the calibration-free converter writes when no ``--recipe`` is given.
 
 The generic code reads a spec and never looks at model-specific classes itself; model-specific code
 lives in ``models/<model>/``. This module imports nothing from ``modelopt_k3`` (it is the bottom layer
@@ -277,6 +279,21 @@ class ReportSpec:
 
 
 @dataclass(frozen=True)
+class RecipesSpec:
+    """Read by the command lines (``cli/hf_ptq``, ``cli/convert``): the model's own recipe for each ``--qformat``
+    name and the converter's default, so a preset tuned for one model is never applied to another."""
+
+    # --qformat name -> recipe name, for the names where this model needs its own recipe (the others fall
+    # back to the generic ``presets/<name>``).
+    qformat: Mapping[str, str] = field(default_factory=dict)
+    # The recipe modelopt-k3-convert writes without --recipe; None: the model has no calibration-free NVFP4
+    # recipe (e.g. BF16 experts, whose input scales need calibration) and --recipe is required.
+    converter: str | None = None
+    # Why ``converter`` is None, quoted in the refusal.
+    no_converter_reason: str = ""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model type's spec: its identity and one group per consumer (see the module docstring)."""
 
@@ -289,6 +306,21 @@ class ModelSpec:
     memory: MemorySpec = MemorySpec()
     source_check: SourceCheckSpec = SourceCheckSpec()
     report: ReportSpec = ReportSpec()
+    recipes: RecipesSpec = RecipesSpec()
+
+    def recipe_for_qformat(self, qformat: str) -> str:
+        """The recipe ``--qformat qformat`` means for this model (the model's own, else ``presets/<qformat>``)."""
+        return self.recipes.qformat.get(qformat, f"presets/{qformat}")
+
+    def converter_recipe(self) -> str:
+        """The recipe the converter writes without ``--recipe``; SpecError when the model has none."""
+        if self.recipes.converter is None:
+            reason = f" ({self.recipes.no_converter_reason})" if self.recipes.no_converter_reason else ""
+            raise SpecError(
+                f"model_type {self.model_type!r} has no calibration-free default recipe{reason}: pass --recipe "
+                "(a weight-only recipe such as presets/w4a16_nvfp4), or quantize with modelopt-k3-ptq"
+            )
+        return self.recipes.converter
 
     def check_transformers(self) -> None:
         import transformers

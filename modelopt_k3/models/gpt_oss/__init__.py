@@ -15,6 +15,7 @@ from ...spec import (
     MemorySpec,
     ModelSpec,
     QuantSpec,
+    RecipesSpec,
     ReportSpec,
     SourceCheckSpec,
     register_spec,
@@ -58,6 +59,10 @@ GPT_OSS_SPEC = register_spec(
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                      check_config=check_config_fields),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
+        recipes=RecipesSpec(
+            qformat={"nvfp4": "models/openai/gpt-oss/nvfp4"},
+            converter="models/openai/gpt-oss/nvfp4_experts",
+        ),
     ),
     overwrite=True,
 )

@@ -10,6 +10,7 @@ from ...spec import (
     MemorySpec,
     ModelSpec,
     QuantSpec,
+    RecipesSpec,
     RemoteCodeClass,
     ReportSpec,
     SourceCheckSpec,
@@ -70,6 +71,7 @@ KIMI_K3_SPEC = register_spec(
                                      check_config=check_config_fields),
         # KimiDecoderLayer instances of the language model (the vision tower's are encoder.blocks).
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
+        recipes=RecipesSpec(converter="models/moonshotai/Kimi-K3/nvfp4_experts"),
     ),
     overwrite=True,
 )

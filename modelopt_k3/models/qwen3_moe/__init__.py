@@ -9,6 +9,7 @@ from ...spec import (
     MemorySpec,
     ModelSpec,
     QuantSpec,
+    RecipesSpec,
     ReportSpec,
     SourceCheckSpec,
     TransformersClass,
@@ -46,6 +47,12 @@ QWEN3_MOE_SPEC = register_spec(
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                      check_config=check_config_fields),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
+        recipes=RecipesSpec(
+            # presets/nvfp4 keeps attention BF16 for Kimi-K3's engines; Qwen3-MoE's serve it NVFP4 (serving.py).
+            qformat={"nvfp4": "presets/nvfp4_default"},
+            converter=None,
+            no_converter_reason="its routed experts are BF16, so NVFP4 input scales need calibration",
+        ),
     ),
     overwrite=True,
 )

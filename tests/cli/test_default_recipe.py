@@ -1,0 +1,57 @@
+"""The recipe a command uses without --recipe is the checkpoint's model's own, decided once (cli/_common)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from modelopt_k3.cli._common import default_recipe
+from modelopt_k3.cli.hf_ptq import QFORMAT_PRESETS
+from modelopt_k3.recipe import load_recipe
+from modelopt_k3.spec import SpecError
+
+
+def _ckpt(tmp_path: Path, model_type: str) -> Path:
+    d = tmp_path / model_type
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("model_type", "qformat", "expected"),
+    [
+        ("kimi_k3", "nvfp4", "presets/nvfp4"),
+        ("kimi_k3", "fp8", "presets/fp8"),
+        ("qwen3_moe", "nvfp4", "presets/nvfp4_default"),  # attention NVFP4: its engines serve it
+        ("qwen3_moe", "w4a16_nvfp4", "presets/w4a16_nvfp4"),
+        ("gpt_oss", "nvfp4", "models/openai/gpt-oss/nvfp4"),
+        ("kimi_k3", "presets/trtllm", "presets/trtllm"),  # not a --qformat name: a recipe name as given
+    ],
+)
+def test_qformat_names_the_models_own_recipe(tmp_path, model_type, qformat, expected):
+    got = default_recipe(_ckpt(tmp_path, model_type), qformat, QFORMAT_PRESETS)
+    assert got == expected
+    load_recipe(got)  # every recipe a spec names exists and parses
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [("kimi_k3", "models/moonshotai/Kimi-K3/nvfp4_experts"), ("gpt_oss", "models/openai/gpt-oss/nvfp4_experts")],
+)
+def test_the_converter_default_is_the_models_calibration_free_recipe(tmp_path, model_type, expected):
+    got = default_recipe(_ckpt(tmp_path, model_type), None, {})
+    assert got == expected
+    load_recipe(got)
+
+
+def test_the_converter_refuses_a_model_without_a_calibration_free_recipe(tmp_path):
+    with pytest.raises(SpecError, match=r"qwen3_moe.*BF16.*--recipe"):
+        default_recipe(_ckpt(tmp_path, "qwen3_moe"), None, {})
+
+
+def test_an_unreadable_checkpoint_falls_back_to_the_generic_preset_for_the_preflight_to_refuse(tmp_path):
+    assert default_recipe(tmp_path / "missing", "nvfp4", QFORMAT_PRESETS) == "presets/nvfp4"
+    assert default_recipe(_ckpt(tmp_path, "no_such_model"), "fp8", QFORMAT_PRESETS) == "presets/fp8"
