@@ -139,9 +139,16 @@ def apply_class_shims(model_cls: type) -> list[str]:
 
 def _module_tree(module: ModuleType) -> ast.Module | None:
     try:
-        return ast.parse(inspect.getsource(module))
+        return _parse(inspect.getsource(module))
     except (OSError, TypeError):
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(source: str) -> ast.Module:
+    """The syntax tree of a remote module's source, parsed once per source text (every load asks; the
+    shims only read the tree)."""
+    return ast.parse(source)
 
 
 def _own_classes(module: ModuleType) -> list[type]:
