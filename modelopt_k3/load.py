@@ -10,6 +10,7 @@ exactly the persistent tensors this rank owns.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from .models.conversion import (
 from .models.packed_experts import RESIDENCIES, DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .models.spec import ModelSpec, PrepareContext, SpecError, get_spec
 from .nonfinite import source_refusal, warn_passthrough
+from .numerics._slabs import run_slabs
 from .source_check import SourceLayout, check_config, check_dense, check_experts
 
 EXPERTS_PER_READ = 16
@@ -227,19 +229,23 @@ def _decode_experts_into(reader: CheckpointReader, conv, by_pattern: dict, local
     except ValueError as e:
         raise LoadError(f"{target}: {e}") from None
     _check_rows(target, shape, param)
-    consumed: set[str] = set()
     # Expert by expert, as the shards store them (one expert's projections lie together).
-    for block in sorted(blocks, key=lambda b: (b.index, codes_patterns.index(b.pattern))):
-        codes_key = keys[block.pattern][block.index]
-        scales_key = by_pattern[op.scales_pattern(block.pattern)][local[block.index]]
-        codes, scales = reader.get(codes_key), reader.get(scales_key)
-        rows = param[block.where].view(block.shape)
-        if rows.is_contiguous():
-            op.decode(codes, scales, param.dtype, out=rows)
-        else:
-            rows.copy_(op.decode(codes, scales, param.dtype))
-        consumed.update((codes_key, scales_key))
-    return consumed
+    blocks = sorted(blocks, key=lambda b: (b.index, codes_patterns.index(b.pattern)))
+    pairs = [(keys[b.pattern][b.index], by_pattern[op.scales_pattern(b.pattern)][local[b.index]]) for b in blocks]
+
+    def decode_blocks(sl: slice) -> None:
+        for block, (codes_key, scales_key) in zip(blocks[sl], pairs[sl]):
+            codes, scales = reader.get(codes_key), reader.get(scales_key)
+            rows = param[block.where].view(block.shape)
+            if rows.is_contiguous():
+                op.decode(codes, scales, param.dtype, out=rows)
+            else:
+                rows.copy_(op.decode(codes, scales, param.dtype))
+
+    # Blocks spread over the numerics workers (each decodes whole blocks; a small expert is one slab, so
+    # decoding them one by one from here would keep one worker busy at a time). A worker's error is raised here.
+    run_slabs(len(blocks), math.prod(blocks[0].shape) if blocks else 0, param.device, decode_blocks)
+    return {key for pair in pairs for key in pair}
 
 
 def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:

@@ -602,3 +602,20 @@ def test_building_a_fused_block_builds_one_expert_module_not_one_per_expert(
     assert blocks and all(isinstance(b.experts, KimiK3Experts) for b in blocks.values())
     assert len(built) == len(blocks)  # one per block; the tiny config has 8 experts per block
     assert module.KimiBlockSparseMLP is expert_cls
+
+
+def test_an_error_while_decoding_experts_in_a_worker_is_raised_by_the_load(
+    tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expert tensors are read and decoded by the numerics workers; a read failing there fails the load."""
+    bad = f"{LAYERS}.2.block_sparse_moe.experts.5.w3.weight_packed"
+    real_get = CheckpointReader.get
+
+    def get(self, key):
+        if key == bad:
+            raise CheckpointError(f"{key}: read failed (injected)")
+        return real_get(self, key)
+
+    monkeypatch.setattr(CheckpointReader, "get", get)
+    with pytest.raises(CheckpointError, match="read failed"):
+        _load(tiny_ckpt)
