@@ -10,6 +10,7 @@ exactly the persistent tensors this rank owns.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from contextlib import contextmanager
@@ -29,10 +30,17 @@ from .dist.group import current_group
 from .dist.placement import ExpertPlacement, Placement
 from .dist.plan import AUTO, DistributionPlan, Residency, decide_plan
 from .nonfinite import source_refusal, warn_passthrough
+from .numerics._slabs import run_slabs
 from .packed_experts import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .source_check import SourceLayout, check_config, check_dense, check_experts
 from .spec import ModelSpec, PrepareContext, get_spec
-from .spec.conversion import decode_op, decodes_after_layout, run_converter, run_converter_fields
+from .spec.conversion import (
+    decode_op,
+    decodes_after_layout,
+    layout_blocks,
+    run_converter,
+    run_converter_fields,
+)
 
 EXPERTS_PER_READ = 16
 
@@ -192,16 +200,14 @@ def _fill_expert_param(model: nn.Module, reader: CheckpointReader, conv, module_
     for dest in destinations.values():
         if dest.shape[0] != len(local):
             raise LoadError(f"{target}: parameter holds {dest.shape[0]} experts, this rank owns {len(local)}")
+    if not is_packed(module) and decodes_after_layout(conv):
+        return _decode_experts_into(reader, conv, by_pattern, local, destinations[None], target)
     consumed: set[str] = set()
     # A few experts at a time: peak memory stays near the parameter itself, not 3x it.
     for start in range(0, len(local), EXPERTS_PER_READ):
         ids = local[start : start + EXPERTS_PER_READ]
         tensors = {p: [reader.get(by_pattern[p][e]) for e in ids] for p in conv.source_patterns}
         consumed.update(by_pattern[p][e] for p in conv.source_patterns for e in ids)
-        if not is_packed(module) and decodes_after_layout(conv):
-            fields = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
-            _decode_into(conv, fields, destinations[None][start : start + len(ids)], target)
-            continue
         if is_packed(module):
             converted = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
         else:
@@ -220,16 +226,41 @@ def _check_rows(target: str, shape, rows: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _decode_into(conv, fields: dict[str, torch.Tensor], rows: torch.Tensor, target: str) -> None:
-    """Decode a chain's rearranged (codes, scales) straight into parameter ``rows``: the chain's result
-    with no decoded intermediate (``decodes_after_layout``)."""
+def _decode_experts_into(reader: CheckpointReader, conv, by_pattern: dict, local: range, param: torch.Tensor,
+                         target: str) -> set[str]:
+    """Decode every source expert tensor straight into its region of ``param`` (this rank's rows).
+
+    Where each source lands is worked out from shapes alone (``layout_blocks``: the chain's stacking and
+    concatenation, followed as ``run_converter_fields`` runs them), so no stacked codes, concatenated codes
+    or decoded intermediate is ever made: each read (the codes and scales, as stored) is decoded once, into
+    the parameter. Returns the keys read.
+    """
     op = decode_op(conv)
-    codes, scales = fields[op.codes_field], fields[op.scales_field]
-    _check_rows(target, (*codes.shape[:-1], codes.shape[-1] * 2), rows)
-    if rows.is_contiguous():
-        op.decode(codes, scales, rows.dtype, out=rows)
-    else:
-        rows.copy_(op.decode(codes, scales, rows.dtype))
+    codes_patterns = [p for p in conv.source_patterns if p.endswith(op.codes_field)]
+    keys = {p: [by_pattern[p][e] for e in local] for p in codes_patterns}
+    shapes = {p: [op.decoded_shape(reader.info(k).shape) for k in ks] for p, ks in keys.items()}
+    try:
+        shape, blocks = layout_blocks(conv, shapes)
+    except ValueError as e:
+        raise LoadError(f"{target}: {e}") from None
+    _check_rows(target, shape, param)
+    # Expert by expert, as the shards store them (one expert's projections lie together).
+    blocks = sorted(blocks, key=lambda b: (b.index, codes_patterns.index(b.pattern)))
+    pairs = [(keys[b.pattern][b.index], by_pattern[op.scales_pattern(b.pattern)][local[b.index]]) for b in blocks]
+
+    def decode_blocks(sl: slice) -> None:
+        for block, (codes_key, scales_key) in zip(blocks[sl], pairs[sl]):
+            codes, scales = reader.get(codes_key), reader.get(scales_key)
+            rows = param[block.where].view(block.shape)
+            if rows.is_contiguous():
+                op.decode(codes, scales, param.dtype, out=rows)
+            else:
+                rows.copy_(op.decode(codes, scales, param.dtype))
+
+    # Blocks spread over the numerics workers (each decodes whole blocks; a small expert is one slab, so
+    # decoding them one by one from here would keep one worker busy at a time). A worker's error is raised here.
+    run_slabs(len(blocks), math.prod(blocks[0].shape) if blocks else 0, param.device, decode_blocks)
+    return {key for pair in pairs for key in pair}
 
 
 def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:

@@ -577,3 +577,45 @@ def test_each_tensor_read_once(loaded_bf16, loaded_f32: torch.nn.Module, tiny_ck
     keys = [k for k, _ in reads]
     assert len(keys) == len(set(keys)) and set(keys) == all_keys
     assert sum(n for _, n in reads) == total
+
+
+def test_building_a_fused_block_builds_one_expert_module_not_one_per_expert(
+    tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building on meta: the remote per-expert list (replaced by the fused experts) costs one expert module
+    per block, not ``num_experts``; the remote module's expert class is put back afterwards."""
+    model_cls, config = _remote(tiny_ckpt)
+    KIMI_K3_SPEC.prepare(PrepareContext(model_cls, config, tiny_ckpt))
+    module = find_block_module(model_cls)
+    expert_cls = module.KimiBlockSparseMLP
+    built: list[object] = []
+    real_init = expert_cls.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(expert_cls, "__init__", counting_init)
+    with torch.device("meta"):
+        model = model_cls(config)
+    blocks = _moe_blocks(model)
+    assert blocks and all(isinstance(b.experts, KimiK3Experts) for b in blocks.values())
+    assert len(built) == len(blocks)  # one per block; the tiny config has 8 experts per block
+    assert module.KimiBlockSparseMLP is expert_cls
+
+
+def test_an_error_while_decoding_experts_in_a_worker_is_raised_by_the_load(
+    tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expert tensors are read and decoded by the numerics workers; a read failing there fails the load."""
+    bad = f"{LAYERS}.2.block_sparse_moe.experts.5.w3.weight_packed"
+    real_get = CheckpointReader.get
+
+    def get(self, key):
+        if key == bad:
+            raise CheckpointError(f"{key}: read failed (injected)")
+        return real_get(self, key)
+
+    monkeypatch.setattr(CheckpointReader, "get", get)
+    with pytest.raises(CheckpointError, match="read failed"):
+        _load(tiny_ckpt)

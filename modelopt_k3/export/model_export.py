@@ -81,6 +81,16 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
     cast: dict[str, object] = {}
     weights: dict[str, torch.Tensor] = {}
     part = slice(0, 0)
+    wqs = {proj.name: state.weight[proj.fused_param] if state is not None and proj.name in projs else None
+           for proj in spec.experts.projections}
+    # Each quantizer's scales, computed once per module (they span every expert), not once per expert.
+    scales: dict[int, torch.Tensor] = {}
+
+    def scale_of(q) -> torch.Tensor:
+        if id(q) not in scales:
+            scales[id(q)] = q.scale()
+        return scales[id(q)]
+
     for idx, expert in zip(rows, experts.placement.global_ids(rows)):
         local = idx - rows.start
         if local % EXPERTS_PER_CAST == 0:
@@ -89,16 +99,16 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
             cast.clear()
             weights.clear()
             for proj in spec.experts.projections:
-                wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
+                wq = wqs[proj.name]
                 if wq is not None and wq.source is not None:
-                    cast[proj.name] = wq.source[0].cast(proj.name, wq.scale(), part)
+                    cast[proj.name] = wq.source[0].cast(proj.name, scale_of(wq), part)
         in_part = local % EXPERTS_PER_CAST
         for proj in spec.experts.projections:
             prefix = f"{name}.{expert}.{proj.name}"
-            wq = state.weight[proj.fused_param] if state is not None and proj.name in projs else None
+            wq = wqs[proj.name]
             if proj.name in cast:
                 c = cast[proj.name]
-                tensors = wq.fmt.cast_tensors(c.packed[in_part], c.block_scale[in_part], wq.scale()[idx])
+                tensors = wq.fmt.cast_tensors(c.packed[in_part], c.block_scale[in_part], scale_of(wq)[idx])
             else:
                 if proj.fused_param not in weights:
                     weights[proj.fused_param] = expert_weight_rows(experts, proj.fused_param, part)
@@ -106,9 +116,9 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
                 if wq is None:
                     yield prefix, {"weight": weight.to(torch.bfloat16).contiguous()}, False
                     continue
-                tensors = wq.fmt.weight_tensors(weight, wq.scale()[idx] if wq.fmt.per_tensor_scale else None)
+                tensors = wq.fmt.weight_tensors(weight, scale_of(wq)[idx] if wq.fmt.per_tensor_scale else None)
             if proj.fused_param in state.input:
-                tensors["input_scale"] = input_scale_tensor(state.input[proj.fused_param].scale())
+                tensors["input_scale"] = input_scale_tensor(scale_of(state.input[proj.fused_param])).clone()
             yield prefix, tensors, True
 
 

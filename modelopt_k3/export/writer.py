@@ -344,7 +344,8 @@ class ShardWriter:
     Memory stays bounded by ``spill_bytes`` (plus one tensor): once a shard's buffered tensors pass
     it, their bytes go to a spill file next to the shard, and the shard is assembled from it (header,
     then the spilled bytes) when it is full. A shard that never spills is written by safetensors'
-    own ``save_file``. A tensor larger than the limit gets a shard of its own. File names are
+    own ``save_file``. A tensor larger than the limit gets a shard of its own. A view is buffered as it is
+    (no copy; it keeps what it views alive until spilled), so a tensor must not change once added. File names are
     unique per rank: ``{prefix}-r{rank:05d}-{i:05d}.safetensors``; ``write_index`` renames them.
     """
 
@@ -370,7 +371,6 @@ class ShardWriter:
         self.num_shards = 0
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0
-        self._buffer_storages: set[int] = set()
         self._closed = False
         self.spill_bytes = spill_bytes
         self._spilled: list[tuple[str, torch.dtype, list[int], int]] = []  # name, dtype, shape, nbytes (in order)
@@ -386,21 +386,13 @@ class ShardWriter:
         if name in self.weight_map:
             raise ValueError(f"tensor {name!r} added twice (first in {self.weight_map[name]})")
 
-        t = tensor.detach().to("cpu")
-        storage = t.untyped_storage()
-        # safetensors refuses views and tensors sharing memory: copy those (e.g. slices of a fused weight).
-        if (
-            not t.is_contiguous()
-            or t.storage_offset() != 0
-            or storage.nbytes() != t.nbytes
-            or storage.data_ptr() in self._buffer_storages
-        ):
-            t = t.clone(memory_format=torch.contiguous_format)
-            storage = t.untyped_storage()
+        t = tensor.detach().to("cpu").contiguous()
+        # Views are kept as they are (a slice of a batched cast, a tensor read from a shard): the spill file
+        # takes their bytes straight from them; only ``save_file``, which refuses views and shared memory,
+        # gets copies (``_independent``), when a shard is written without spilling.
         if (self._buffer or self._spilled) and self._buffer_bytes + t.nbytes > self.max_shard_bytes:
             self._flush()
         self._buffer[name] = t
-        self._buffer_storages.add(storage.data_ptr())
         self._buffer_bytes += t.nbytes
         self.total_bytes += t.nbytes
         self.weight_map[name] = self._shard_name(self.num_shards)
@@ -417,7 +409,7 @@ class ShardWriter:
         for name, t in self._buffer.items():
             self._spill_file.write(tensor_bytes(t))
             self._spilled.append((name, t.dtype, list(t.shape), t.nbytes))
-        self._buffer, self._buffer_storages = {}, set()
+        self._buffer = {}
 
     def _flush_spilled(self, path: Path) -> None:
         """Assemble a shard from its spill file: header (tensors in spill order), then the spilled bytes."""
@@ -444,11 +436,10 @@ class ShardWriter:
         if self._spill_file is not None:
             self._flush_spilled(path)
         else:
-            save_file(self._buffer, str(path), metadata=self.metadata)
+            save_file(_independent(self._buffer), str(path), metadata=self.metadata)
             fix_mode(path)  # safetensors creates it 0600; every other output file has the usual mode
         self.num_shards += 1
         self._buffer = {}
-        self._buffer_storages = set()
         self._buffer_bytes = 0
 
     def close(self) -> dict[str, str]:
@@ -465,11 +456,26 @@ class ShardWriter:
         if exc_type is None:
             self.close()
         else:  # do not write a partial shard on error; drop the buffer and any spill file
-            self._buffer, self._buffer_storages, self._closed = {}, set(), True
+            self._buffer, self._closed = {}, True
             if self._spill_file is not None:
                 self._spill_file.close()
                 self._spill_path().unlink(missing_ok=True)
                 self._spill_file, self._spilled = None, []
+
+
+def _independent(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every view, and every tensor sharing memory with an earlier one, copied: what
+    ``save_file`` accepts (the bytes are the same)."""
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, t in tensors.items():
+        storage = t.untyped_storage()
+        if t.storage_offset() != 0 or storage.nbytes() != t.nbytes or storage.data_ptr() in storages:
+            t = t.clone()
+            storage = t.untyped_storage()
+        storages.add(storage.data_ptr())
+        out[name] = t
+    return out
 
 
 # --------------------------------------------------------------------------- planned shards (converter)

@@ -12,7 +12,7 @@ weights would have.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter
@@ -32,6 +32,14 @@ class DecodeOp(ConversionOps):
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
         raise NotImplementedError
 
+    def decoded_shape(self, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The decoded values' shape for codes of ``codes_shape``: two 4-bit codes a byte along the last dim."""
+        return (*codes_shape[:-1], codes_shape[-1] * 2)
+
+    def scales_pattern(self, codes_pattern: str) -> str:
+        """The source pattern of the scales that go with the codes of ``codes_pattern``."""
+        return codes_pattern[: -len(self.codes_field)] + self.scales_field
+
 
 def decodes_after_layout(converter: WeightConverter) -> bool:
     """True when the chain is a decode followed only by stacking and concatenation.
@@ -43,6 +51,77 @@ def decodes_after_layout(converter: WeightConverter) -> bool:
     op = decode_op(converter)
     rest = converter.operations[1:]
     return op is not None and converter.operations[0] is op and all(isinstance(o, (MergeModulelist, Concatenate)) for o in rest)
+
+
+class SourceBlock(NamedTuple):
+    """Where one source tensor (``pattern``'s ``index``-th, in the order given) lands in a chain's result."""
+
+    pattern: str
+    index: int
+    where: tuple[slice, ...]  # the region of the result it fills: one slice per result dim
+    shape: tuple[int, ...]  # the source tensor's own shape (the region without the dims the chain added)
+
+
+def layout_blocks(
+    converter: WeightConverter, shapes_by_pattern: dict[str, list[tuple[int, ...]]]
+) -> tuple[tuple[int, ...], list[SourceBlock]]:
+    """(result shape, where every source tensor lands) for a decoding chain (``decodes_after_layout``),
+    from shapes alone: the loader then decodes each source straight into its region of the parameter.
+
+    ``shapes_by_pattern``: the decoded shape of each codes pattern's tensors, in list order. The stack and
+    concatenation steps are followed as the chain's own ops run them (the same dict keys, order and dims,
+    ``get_target_pattern`` included); a layout step of another kind is refused.
+    """
+    if not decodes_after_layout(converter):
+        raise ValueError(f"{converter}: not a decode followed only by stacking and concatenation")
+    # value: (shape, blocks) for one tensor, or a list of them (one per expert, before stacking)
+    current: dict[str, Any] = {
+        p: [(tuple(s), [SourceBlock(p, i, tuple(slice(0, d) for d in s), tuple(s))]) for i, s in enumerate(shapes)]
+        for p, shapes in shapes_by_pattern.items()
+    }
+    for op in converter.operations[1:]:
+        if isinstance(op, MergeModulelist):
+            size = len(current)
+            current = {op.get_target_pattern(size, key, converter.target_patterns): _stack_blocks(value, op.dim)
+                       for key, value in list(current.items())}
+        else:  # Concatenate: the patterns present, in source order (the op pops them the same way)
+            parts = []
+            for pattern in converter.source_patterns:
+                if pattern in current:
+                    value = current.pop(pattern)
+                    parts.extend(value if isinstance(value, list) else [value])
+            current = {op.get_target_pattern(converter.target_patterns): _cat_blocks(parts, op.dim)}
+    if len(current) != 1:
+        raise ValueError(f"{converter} produced {len(current)} tensors, expected one")
+    ((shape, blocks),) = current.values()
+    return shape, blocks
+
+
+def _stack_blocks(value, dim: int):
+    if not isinstance(value, list):  # a stacked tensor passes through (as MergeModulelist does)
+        return value
+    shapes = {shape for shape, _ in value}
+    if len(shapes) != 1:
+        raise ValueError(f"cannot stack tensors of shapes {sorted(shapes)}")
+    (shape,) = shapes
+    d = dim % (len(shape) + 1)
+    blocks = [b._replace(where=(*b.where[:d], slice(i, i + 1), *b.where[d:]))
+              for i, (_, bs) in enumerate(value) for b in bs]
+    return (*shape[:d], len(value), *shape[d:]), blocks
+
+
+def _cat_blocks(parts: list, dim: int):
+    ndim = len(parts[0][0])
+    d = dim % ndim
+    if any(len(s) != ndim or s[:d] + s[d + 1 :] != parts[0][0][:d] + parts[0][0][d + 1 :] for s, _ in parts):
+        raise ValueError(f"cannot concatenate tensors of shapes {[s for s, _ in parts]} along dim {dim}")
+    blocks, offset = [], 0
+    for shape, bs in parts:
+        for b in bs:
+            w = b.where[d]
+            blocks.append(b._replace(where=(*b.where[:d], slice(w.start + offset, w.stop + offset), *b.where[d + 1 :])))
+        offset += shape[d]
+    return (*parts[0][0][:d], offset, *parts[0][0][d + 1 :]), blocks
 
 
 def run_converter(

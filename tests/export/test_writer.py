@@ -94,6 +94,24 @@ def test_shard_writer_bounded_shards_and_exact_roundtrip(tmp_path):
         assert _bytes(back[name]) == _bytes(t), name
 
 
+@pytest.mark.parametrize("spill_bytes", [0, 2**20], ids=["spilled", "save_file"])
+def test_views_are_buffered_without_a_copy_and_written_exactly(tmp_path, spill_bytes):
+    """A view (slices of one batched tensor) is kept as it is, not copied, when added; the shard holds its
+    bytes exactly whether it is spilled (bytes taken from the view) or written by ``save_file`` (which gets
+    copies of views and of tensors sharing memory, at the write)."""
+    tensors = _tensors()
+    tensors["layers.1.gate_again"] = tensors["layers.1.gate"]  # one tensor under two names (tied)
+    with ShardWriter(tmp_path, spill_bytes=spill_bytes) as w:
+        for name, t in tensors.items():
+            w.add(name, t)
+            if t.is_contiguous() and spill_bytes:
+                assert w._buffer[name].data_ptr() == t.data_ptr(), name  # no copy made at add
+    back = _read_all(tmp_path, w.close())
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert _bytes(back[name]) == _bytes(t), name
+
+
 def test_shard_writer_refuses_duplicates_and_use_after_close(tmp_path):
     w = ShardWriter(tmp_path, max_shard_bytes=64)
     w.add("a.weight", torch.zeros(32))  # flushed by the next add

@@ -13,6 +13,8 @@ Re-running is a no-op; everything is validated before anything is changed.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 from torch import nn
@@ -27,6 +29,7 @@ from .experts import KimiK3Experts
 from .shims import apply_class_shims
 
 BLOCK_CLASS = "KimiSparseMoeBlock"
+EXPERT_CLASS = "KimiBlockSparseMLP"  # one routed expert of the remote code (kimi_k3_reference.md)
 SUPPORTED_SOURCE_FORMATS = frozenset({"mxfp4-pack-quantized"})
 _PATCH_FLAG = "_modelopt_k3_fused"
 
@@ -92,7 +95,8 @@ def make_fused_block(original: type) -> type:
         _modelopt_k3_original = original
 
         def __init__(self, config, *args, **kwargs):
-            super().__init__(config, *args, **kwargs)
+            with _one_expert_module(sys.modules[original.__module__]):
+                super().__init__(config, *args, **kwargs)
             act_fn = self.experts[0].act_fn  # the remote SituAndMul with this config's betas
             self.experts = KimiK3Experts(
                 config,
@@ -101,6 +105,10 @@ def make_fused_block(original: type) -> type:
                 intermediate_dim=config.moe_intermediate_size,
                 act_fn=act_fn,
             )
+            # One expert module stood for all while building: none may be kept twice (shared by two owners).
+            kept = [id(m) for _, m in self.named_modules(remove_duplicate=False)]
+            if len(kept) != len(set(kept)):
+                raise SpecError(f"{original.__name__} keeps one {EXPERT_CLASS} in two places; cannot fuse it")
 
         def moe_infer(self, x, topk_ids, topk_weight):
             # Same contract as the remote moe_infer: latent x [N, Dl], global ids, fp32 weights.
@@ -112,6 +120,34 @@ def make_fused_block(original: type) -> type:
     FusedKimiSparseMoeBlock.__name__ = FusedKimiSparseMoeBlock.__qualname__ = BLOCK_CLASS
     FusedKimiSparseMoeBlock.__module__ = original.__module__
     return FusedKimiSparseMoeBlock
+
+
+@contextmanager
+def _one_expert_module(module: ModuleType) -> Iterator[None]:
+    """While the remote block builds its per-expert list (replaced right after by the fused experts, of
+    which only ``act_fn`` is kept), build one expert module per distinct set of arguments and hand it back
+    for every other expert.
+
+    Building every expert (three ``nn.Linear`` each, ~60 per layer in the tiny model, 384 per layer in
+    Kimi-K3) is the one part of building on meta that grows with the expert count; nothing of it survives.
+    """
+    cls = getattr(module, EXPERT_CLASS, None)
+    if not isinstance(cls, type):
+        yield
+        return
+    built: dict[tuple, nn.Module] = {}
+
+    def one_per_arguments(config, *args, **kwargs):
+        key = (id(config), args, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = cls(config, *args, **kwargs)
+        return built[key]
+
+    setattr(module, EXPERT_CLASS, one_per_arguments)
+    try:
+        yield
+    finally:
+        setattr(module, EXPERT_CLASS, cls)
 
 
 def prepare(ctx: PrepareContext) -> None:

@@ -139,9 +139,16 @@ def apply_class_shims(model_cls: type) -> list[str]:
 
 def _module_tree(module: ModuleType) -> ast.Module | None:
     try:
-        return ast.parse(inspect.getsource(module))
+        return _parse(inspect.getsource(module))
     except (OSError, TypeError):
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(source: str) -> ast.Module:
+    """The syntax tree of a remote module's source, parsed once per source text (every load asks; the
+    shims only read the tree)."""
+    return ast.parse(source)
 
 
 def _own_classes(module: ModuleType) -> list[type]:
@@ -238,14 +245,16 @@ def _mask_call_fixes(fn: Callable, used: set[str]) -> tuple[dict[str, str], froz
     return renames, frozenset(dropped)
 
 
-def _call_keywords(tree: ast.Module, func_name: str) -> set[str]:
+@functools.lru_cache(maxsize=64)
+def _call_keywords(tree: ast.Module, func_name: str) -> frozenset[str]:
+    """Keywords the module's calls of ``func_name`` pass (per tree, which ``_parse`` keeps: once per source)."""
     used: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             callee = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
             if callee == func_name:
                 used.update(k.arg for k in node.keywords if k.arg)
-    return used
+    return frozenset(used)
 
 
 def _renaming(fn: Callable, renames: dict[str, str], dropped: frozenset[str]) -> Callable:
@@ -313,7 +322,8 @@ def shim_forced_flash_attention(module: ModuleType, tree: ast.Module | None) -> 
     return applied
 
 
-def _classes_forcing_flash(tree: ast.Module) -> list[str]:
+@functools.lru_cache(maxsize=16)
+def _classes_forcing_flash(tree: ast.Module) -> tuple[str, ...]:
     """Classes whose ``__init__`` sets ``<x>._attn_implementation = "flash_attention_2"`` without first
     checking that flash-attn is available (no enclosing ``if`` calls an ``...avail...`` function)."""
     found = []
@@ -321,7 +331,7 @@ def _classes_forcing_flash(tree: ast.Module) -> list[str]:
         for fn in cls.body:
             if isinstance(fn, ast.FunctionDef) and fn.name == "__init__" and _forces_flash(fn.body, checked=False):
                 found.append(cls.name)
-    return found
+    return tuple(found)
 
 
 def _forces_flash(body: list[ast.stmt], checked: bool) -> bool:
