@@ -585,7 +585,7 @@ def test_building_a_fused_block_builds_one_expert_module_not_one_per_expert(
     """Building on meta: the remote per-expert list (replaced by the fused experts) costs one expert module
     per block, not ``num_experts``; the remote module's expert class is put back afterwards."""
     model_cls, config = _remote(tiny_ckpt)
-    KIMI_K3_SPEC.prepare(PrepareContext(model_cls, config, tiny_ckpt))
+    KIMI_K3_SPEC.loading.prepare(PrepareContext(model_cls, config, tiny_ckpt))
     module = find_block_module(model_cls)
     expert_cls = module.KimiBlockSparseMLP
     built: list[object] = []
