@@ -13,7 +13,7 @@ from modelopt_k3.check.engines import replay
 from modelopt_k3.check.layout import Layout, Linear, TensorMeta
 from modelopt_k3.check.report import DIFFERENT, LOADS, REFUSES
 
-H, I, E = 64, 32, 2  # hidden, expert intermediate, experts
+H, INTER, E = 64, 32, 2  # hidden, expert intermediate, experts
 ATTN = "model.layers.0.self_attn"
 EXPERTS = "model.layers.0.mlp.experts"
 
@@ -37,8 +37,8 @@ def _layout(algo: str = "NVFP4", exclude=("lm_head", "model.embed_tokens", "mode
     values: dict[str, torch.Tensor] = {}
     shapes = {f"{ATTN}.{p}": (H, H) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     for e in range(E):
-        shapes |= {f"{EXPERTS}.{e}.gate_proj": (I, H), f"{EXPERTS}.{e}.up_proj": (I, H),
-                   f"{EXPERTS}.{e}.down_proj": (H, I)}
+        shapes |= {f"{EXPERTS}.{e}.gate_proj": (INTER, H), f"{EXPERTS}.{e}.up_proj": (INTER, H),
+                   f"{EXPERTS}.{e}.down_proj": (H, INTER)}
     linears = {}
     for name, (o, i) in shapes.items():
         ws2, inp = (scales or {}).get(name, (0.01, 0.02))
@@ -63,7 +63,7 @@ def test_the_nvfp4_export_layout_loads():
 def test_a_dense_mlp_layer_is_refused():
     """Qwen3MoEDecoderLayer builds every mlp as Qwen3MoE: an mlp_only_layers layer has nothing to load into."""
     dense = tuple(_bf16(f"model.layers.1.mlp.{p}", *s) for p, s in
-                  (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))))
+                  (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER))))
     result = _trt(_layout(extra=dense))
     assert result.verdict == REFUSES
     assert {r.tensor for r in result.refusals} == {f"model.layers.1.mlp.{p}.weight" for p in ("down_proj", "gate_proj",
@@ -131,3 +131,21 @@ def test_an_exclusion_matching_only_an_ancestor_is_unsettled():
     assert result.verdict == REFUSES
     assert {r.tensor for r in result.refusals} == {f"{ATTN}.o_proj", f"{ATTN}.qkv_proj"}
     assert "unsettled" in result.refusals[0].reason
+
+
+@pytest.mark.slow
+def test_recipes_on_the_tiny_stand_in_as_planned(tmp_path):
+    """The recipes' planned exports (headers only): the stand-in's dense mlp_only_layers=[1] layer is TensorRT-LLM's
+    only objection; without it NVFP4 (default and attention-BF16 preset) loads, W4A16_NVFP4 is refused up front."""
+    from modelopt_k3.check.layout import planned_layout
+    from modelopt_k3.recipe import load_recipe
+    from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
+
+    with_dense = make_tiny_qwen3_moe(tmp_path / "dense", seed=0)
+    all_moe = make_tiny_qwen3_moe(tmp_path / "moe", seed=0, mlp_only_layers=[])
+    for recipe in ("nvfp4_default", "nvfp4"):
+        refused = replay("trtllm", planned_layout(with_dense, load_recipe(recipe)), numerics=False).refusals
+        assert {r.tensor.rsplit(".", 2)[0] for r in refused} == {"model.layers.1.mlp"}, refused
+        assert replay("trtllm", planned_layout(all_moe, load_recipe(recipe)), numerics=False).verdict == LOADS
+    refused = replay("trtllm", planned_layout(all_moe, load_recipe("w4a16_nvfp4")), numerics=False).refusals
+    assert [r.tensor for r in refused] == ["hf_quant_config.json"]
