@@ -113,6 +113,12 @@ def _trt_groups(layout: Layout) -> tuple[dict[str, list[Linear]], dict[str, dict
     return modules, experts
 
 
+def _trt_why(algo: str | None, method: str, name: str) -> str:
+    if algo is None:
+        return "hf_quant_config.json declares no quant_algo"
+    return f"quant_algo {algo}; exclude_modules {'matches' if method == 'bf16' else 'does not match'} {name}"
+
+
 def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, numerics: bool) -> Refusal | None:
     if TRT_ROUTER_RE.fullmatch(name):
         quantized = next((p for p in pieces if p.fmt != "bf16"), None)
@@ -123,8 +129,15 @@ def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, 
                                                 "Qwen3MoE (mlp_only_layers / decoder_sparse_step are not read): this "
                                                 "layer holds a dense MLP, so its experts find no w1/w2/w3 to load "
                                                 "(modeling_qwen3_moe.py)")
+    if name == "lm_head":  # settled only for the case our exports write: BF16 and excluded
+        head = pieces[0]
+        if head.fmt == "bf16" and (algo is None or trt_excluded(name, exclude)):
+            return None
+        return Refusal(head.tensor_name(), f"stored {head.fmt}{'' if algo is None else ', quant_algo ' + algo}: "
+                                           "whether TensorRT-LLM's Qwen3-MoE lm_head takes the quant config was "
+                                           "not read; only a BF16 lm_head that exclude_modules names is settled")
     method = trt_method(algo, trt_excluded(name, exclude))
-    why = f"quant_algo {algo}, exclude_modules {'matches' if method == 'bf16' and algo else 'does not match'} {name}"
+    why = _trt_why(algo, method, name)
     for piece in pieces:
         refusal = format_refusal(piece, method, name, why)
         if refusal:
@@ -137,7 +150,7 @@ def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, 
 def _trt_experts(layout: Layout, module: str, per_expert: dict[int, dict[str, Linear]], algo, exclude,
                  numerics: bool) -> Refusal | None:
     method = trt_method(algo, trt_excluded(module, exclude))
-    why = f"quant_algo {algo}, exclude_modules {'matches' if method == 'bf16' and algo else 'does not match'} {module}"
+    why = _trt_why(algo, method, module)
     for e, projs in sorted(per_expert.items()):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             if proj not in projs:

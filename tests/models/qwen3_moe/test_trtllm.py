@@ -78,6 +78,22 @@ def test_the_router_is_a_bare_bf16_weight_whatever_the_exclusions():
     assert "Qwen3Gate" in result.refusals[0].reason
 
 
+def test_a_quantized_lm_head_is_unsettled():
+    values: dict = {}
+    head = _nvfp4("lm_head", 128, H, values)
+    result = _trt(_layout(exclude=("model.layers.*.mlp.gate",), extra=(head,)))
+    assert [r.tensor for r in result.refusals] == ["lm_head.weight"] and "not read" in result.refusals[0].reason
+    result = _trt(_layout(exclude=("model.layers.*.mlp.gate",)))  # BF16 but not excluded: also not settled
+    assert [r.tensor for r in result.refusals] == ["lm_head.weight"]
+
+
+def test_nothing_declared_means_everything_is_built_bf16():
+    layout = _layout()
+    layout.hf_quant = layout.quant = None
+    result = _trt(layout)
+    assert result.verdict == REFUSES and "declares no quant_algo" in result.refusals[0].reason
+
+
 @pytest.mark.parametrize("key", [0, 1])  # 0: weight_scale_2, 1: input_scale
 def test_qkv_pieces_must_share_their_nvfp4_scales(key):
     """NVFP4LinearMethod.load_weight_scales asserts equal per-tensor scales across q/k/v (vLLM takes the max)."""
