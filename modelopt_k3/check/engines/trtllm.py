@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
+from ...formats import FP8, NVFP4
 from ..layout import Layout, Linear
 from ..report import Refusal
 from .base import Refuse
 
 # Single quant_algo values this check replays for TensorRT-LLM -> the Linear.fmt the method loads.
-TRT_METHODS = {"NVFP4": "nvfp4", "FP8": "fp8"}
+TRT_METHODS = {s.algo: s.engine_method for s in (NVFP4, FP8)}
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 

@@ -40,6 +40,7 @@ from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, ex
 from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
+from ...formats import NVFP4
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")  # w13 in both engines' make_expert_params_mapping
@@ -142,7 +143,7 @@ def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, 
         refusal = format_refusal(piece, method, name, why)
         if refusal:
             return refusal
-    if method == "nvfp4" and len(pieces) > 1 and numerics and layout.read is not None:
+    if method == NVFP4.engine_method and len(pieces) > 1 and numerics and layout.read is not None:
         return equal_scales(layout, pieces, TRT_NVFP4_SCALES, "NVFP4LinearMethod.load_weight_scales (linear.py)")
     return None
 
@@ -159,7 +160,7 @@ def _trt_experts(layout: Layout, module: str, per_expert: dict[int, dict[str, Li
             refusal = format_refusal(projs[proj], method, f"the routed experts {module}", why)
             if refusal:
                 return refusal
-        if method == "nvfp4" and numerics and layout.read is not None:
+        if method == NVFP4.engine_method and numerics and layout.read is not None:
             refusal = equal_scales(layout, [projs[p] for p in GATE_UP], TRT_NVFP4_SCALES,
                                    "the NVFP4 fused-MoE loader (fused_moe/quantization.py "
                                    "load_expert_fc31_alpha_nvfp4 / load_expert_fc31_input_scale_nvfp4)")
@@ -191,9 +192,9 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
             refusal = r.refusal
         if refusal:
             result.refusals.append(refusal)
-        elif numerics and layout.read is not None and next(iter(per_expert[min(per_expert)].values())).fmt == "nvfp4":
+        elif numerics and layout.read is not None and next(iter(per_expert[min(per_expert)].values())).fmt == NVFP4.engine_method:
             # One fc31/fc2 input scale per layer, the max over experts (fused_moe/quantization.py).
-            result.deviations += experts_scale_deviations(layout, module, per_expert, GATE_UP, "nvfp4")
+            result.deviations += experts_scale_deviations(layout, module, per_expert, GATE_UP, NVFP4.engine_method)
     if layout.kv_scales:
         result.refusals.append(Refusal(sorted(layout.kv_scales)[0], "KV-cache scales: TensorRT-LLM's Qwen3-MoE "
                                                                     "KV-cache loading is not replayed by this check"))
