@@ -20,9 +20,17 @@ driver yet):
   without an error, so the routed experts keep uninitialised weights. (ModelOpt's fused layout: the mapping's
   substring replace turns ``experts.gate_up_proj_weight_scale`` into ``experts.w13_weight_weight_scale``,
   no parameter, skipped.)
-* TensorRT-LLM: not read here (no source at hand); the check knows no rules and refuses.
+* TensorRT-LLM (PyTorch backend), NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_gpt_oss.py`` @
+  050b6cb9 (``GptOssForCausalLM.load_weights`` -> ``load_hf_weights`` for HF names, i.e. any ``q_proj`` key;
+  ``MLPBlock`` builds the experts with ``MoEWeightLoadingMode.FUSED_GATE_UP_PROJ``) and
+  ``checkpoints/hf/gpt_oss_weight_mapper.py`` @ f79bd8c9 (``GptOssHfWeightMapper.handle_special_instance_module``,
+  the same lookup): the MoE module's weights are read under the fused names only -- ``gate_up_proj`` /
+  ``down_proj`` (+ ``_bias``; BF16, gate/up interleaved) or ``gate_up_proj_blocks`` / ``_scales`` (the source
+  MXFP4). Per-expert ``experts.<e>.gate_up_proj.*`` give neither key, so the load raises ``KeyError``
+  whatever the experts' format; ModelOpt's fused NVFP4 names are not read either (not replayed here).
 
-So every engine refuses a GPT-OSS export whose routed experts are NVFP4 (what the GPT-OSS recipes produce).
+So every engine refuses a GPT-OSS export whose routed experts are NVFP4 (what the GPT-OSS recipes produce);
+TensorRT-LLM refuses any per-expert export.
 """
 
 from __future__ import annotations
@@ -61,3 +69,27 @@ def _replay(engine: str):
 
 for _engine in REASONS:
     register_serving("gpt_oss", _engine, _replay(_engine))
+
+TRT_REASON = ("TensorRT-LLM's GPT-OSS reads the MoE's weights under the fused names gate_up_proj/down_proj (BF16) "
+              "or gate_up_proj_blocks/_scales (MXFP4) only; per-expert experts.<e>.* names give neither and the "
+              "load raises KeyError (modeling_gpt_oss.py GptOssForCausalLM.load_hf_weights, "
+              "gpt_oss_weight_mapper.py handle_special_instance_module)")
+
+
+def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """TensorRT-LLM's GPT-OSS loader: one refusal per MoE module holding per-expert tensors (module docstring)."""
+    result = EngineResult("trtllm")
+    first: dict[str, str] = {}
+    for name, linear in sorted(layout.linears.items()):
+        m = EXPERT_RE.fullmatch(name)
+        if m:
+            first.setdefault(m["module"], linear.tensor_name())
+    result.refusals += [Refusal(tensor, TRT_REASON) for tensor in first.values()]
+    if not result.refusals:
+        result.refusals.append(Refusal("config.json", "modelopt-k3-check knows TensorRT-LLM's GPT-OSS rules only for "
+                                                      "per-expert routed experts (refused: fused experts.gate_up_proj "
+                                                      "exports are not replayed)"))
+    return result
+
+
+register_serving("gpt_oss", "trtllm", replay_trtllm)

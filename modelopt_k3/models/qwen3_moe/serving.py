@@ -15,7 +15,17 @@
   ``{qkv_proj, gate_up_proj}``; ``load_weights``: ``stacked_params_mapping`` (qkv, gate_up) and
   ``FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
   ckpt_up_proj_name="up_proj")``; names not in ``params_dict`` are skipped.
-* TensorRT-LLM: no rules here (``modelopt-k3-check`` says it knows none for ``qwen3_moe``).
+* TensorRT-LLM (PyTorch backend; NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_qwen3_moe.py`` @
+  03441af1, ``checkpoints/hf/qwen3_moe_weight_mapper.py`` @ 16f10114 and ``qwen2_moe_weight_mapper.py`` @
+  00be09f7; generic ModelOpt rules in ``modelopt_k3/check/engines/trtllm.py``): ``Qwen3MoEDecoderLayer``
+  builds *every* layer's ``mlp`` as ``Qwen3MoE`` (no dense MLP for ``mlp_only_layers``: such a checkpoint is
+  refused -- the tiny stand-in has one, the released Qwen3-MoE checkpoints have none); its router
+  ``Qwen3Gate`` is a bare BF16 ``weight`` parameter copied as stored (no quant method, whatever the
+  exclusions say); ``Qwen3Attention`` fuses q/k/v into ``qkv_proj``; the experts load in
+  ``MoEWeightLoadingMode.VANILLA`` (``Qwen2MoeHfWeightMapper.handle_special_instance_module`` renames the
+  per-expert ``gate_proj``/``up_proj``/``down_proj`` to ``w1``/``w3``/``w2``), so per-expert NVFP4 experts with
+  their own ``weight_scale_2`` load, provided w1/w3 of an expert share ``weight_scale_2`` and ``input_scale``
+  (asserted). Checkpoint names are the engine's (the HF mapper renames nothing else).
 
 KV-cache scales: the Qwen3-MoE spec declares no KV-cache sites (no ``--kv_cache_qformat`` for it yet), so an
 export holds none; the parameters below are where both engines' ``Attention``/``RadixAttention`` would take them.
@@ -23,8 +33,14 @@ export holds none; the parameters below are where both engines' ``Attention``/``
 
 from __future__ import annotations
 
+import re
+
 from ...check.engines import register_serving
-from ...check.engines.base import Fused, ModelServing, WeightsMapper
+from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, experts_scale_deviations
+from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
+from ...check.layout import Layout, Linear
+from ...check.report import EngineResult, Refusal
+from ...formats import NVFP4
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")  # w13 in both engines' make_expert_params_mapping
@@ -70,3 +86,120 @@ SGLANG_QWEN3_MOE = ModelServing(
 
 register_serving("qwen3_moe", "vllm", VLLM_QWEN3_MOE)
 register_serving("qwen3_moe", "sglang", SGLANG_QWEN3_MOE)
+
+
+# ---------------------------------------------------------------------- TensorRT-LLM
+
+TRT_ROUTER_RE = re.compile(r".+\.mlp\.gate")
+TRT_DENSE_MLP_RE = re.compile(r".+\.mlp\.(gate|up|down)_proj")
+TRT_NVFP4_SCALES = ("weight_scale_2", "input_scale")
+
+
+def _trt_groups(layout: Layout) -> tuple[dict[str, list[Linear]], dict[str, dict[int, dict[str, Linear]]]]:
+    """Engine modules (``qkv_proj`` fused, else one Linear each) and routed experts module -> e -> proj."""
+    expert_re = re.compile(EXPERT_RE)
+    modules: dict[str, list[Linear]] = {}
+    experts: dict[str, dict[int, dict[str, Linear]]] = {}
+    for name, linear in sorted(layout.linears.items()):
+        m = expert_re.fullmatch(name)
+        if m:
+            experts.setdefault(m["module"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = linear
+            continue
+        parent, _, last = name.rpartition(".")
+        key = f"{parent}.{QKV.engine_name}" if last in QKV.pieces else name
+        modules.setdefault(key, []).append(linear)
+    order = {p: i for i, p in enumerate(QKV.pieces)}  # qkv_proj's shard order
+    for pieces in modules.values():
+        pieces.sort(key=lambda lin: order.get(lin.name.rpartition(".")[2], 0))
+    return modules, experts
+
+
+def _trt_why(algo: str | None, method: str, name: str) -> str:
+    if algo is None:
+        return "hf_quant_config.json declares no quant_algo"
+    return f"quant_algo {algo}; exclude_modules {'matches' if method == 'bf16' else 'does not match'} {name}"
+
+
+def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, numerics: bool) -> Refusal | None:
+    if TRT_ROUTER_RE.fullmatch(name):
+        quantized = next((p for p in pieces if p.fmt != "bf16"), None)
+        return quantized and Refusal(quantized.tensor_name(), f"stored {quantized.fmt}, but TensorRT-LLM's "
+                                     "Qwen3Gate is a bare BF16 weight copied as stored (modeling_qwen3_moe.py)")
+    if TRT_DENSE_MLP_RE.fullmatch(name):
+        return Refusal(pieces[0].tensor_name(), "TensorRT-LLM's Qwen3MoEDecoderLayer builds every layer's mlp as "
+                                                "Qwen3MoE (mlp_only_layers / decoder_sparse_step are not read): this "
+                                                "layer holds a dense MLP, so its experts find no w1/w2/w3 to load "
+                                                "(modeling_qwen3_moe.py)")
+    if name == "lm_head":  # settled only for the case our exports write: BF16 and excluded
+        head = pieces[0]
+        if head.fmt == "bf16" and (algo is None or trt_excluded(name, exclude)):
+            return None
+        return Refusal(head.tensor_name(), f"stored {head.fmt}{'' if algo is None else ', quant_algo ' + algo}: "
+                                           "whether TensorRT-LLM's Qwen3-MoE lm_head takes the quant config was "
+                                           "not read; only a BF16 lm_head that exclude_modules names is settled")
+    method = trt_method(algo, trt_excluded(name, exclude))
+    why = _trt_why(algo, method, name)
+    for piece in pieces:
+        refusal = format_refusal(piece, method, name, why)
+        if refusal:
+            return refusal
+    if method == NVFP4.engine_method and len(pieces) > 1 and numerics and layout.read is not None:
+        return equal_scales(layout, pieces, TRT_NVFP4_SCALES, "NVFP4LinearMethod.load_weight_scales (linear.py)")
+    return None
+
+
+def _trt_experts(layout: Layout, module: str, per_expert: dict[int, dict[str, Linear]], algo, exclude,
+                 numerics: bool) -> Refusal | None:
+    method = trt_method(algo, trt_excluded(module, exclude))
+    why = _trt_why(algo, method, module)
+    for e, projs in sorted(per_expert.items()):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if proj not in projs:
+                return Refusal(f"{module}.{e}.{proj}.weight", "missing: TensorRT-LLM's VANILLA expert loading "
+                                                             "reads w1, w2 and w3 of every expert")
+            refusal = format_refusal(projs[proj], method, f"the routed experts {module}", why)
+            if refusal:
+                return refusal
+        if method == NVFP4.engine_method and numerics and layout.read is not None:
+            refusal = equal_scales(layout, [projs[p] for p in GATE_UP], TRT_NVFP4_SCALES,
+                                   "the NVFP4 fused-MoE loader (fused_moe/quantization.py "
+                                   "load_expert_fc31_alpha_nvfp4 / load_expert_fc31_input_scale_nvfp4)")
+            if refusal:
+                return refusal
+    return None
+
+
+def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """TensorRT-LLM's ``Qwen3MoeForCausalLM`` loading a ModelOpt export (module docstring)."""
+    result = EngineResult("trtllm")
+    try:
+        algo, exclude = trt_quant(layout)
+    except Refuse as r:
+        result.refusals.append(r.refusal)
+        return result
+    modules, experts = _trt_groups(layout)
+    for name, pieces in modules.items():
+        try:
+            refusal = _trt_module(layout, name, pieces, algo, exclude, numerics)
+        except Refuse as r:
+            refusal = r.refusal
+        if refusal:
+            result.refusals.append(refusal)
+    for module, per_expert in experts.items():
+        try:
+            refusal = _trt_experts(layout, module, per_expert, algo, exclude, numerics)
+        except Refuse as r:
+            refusal = r.refusal
+        if refusal:
+            result.refusals.append(refusal)
+        elif numerics and layout.read is not None and next(iter(per_expert[min(per_expert)].values())).fmt == NVFP4.engine_method:
+            # One fc31/fc2 input scale per layer, the max over experts (fused_moe/quantization.py).
+            result.deviations += experts_scale_deviations(layout, module, per_expert, GATE_UP, NVFP4.engine_method)
+    if layout.kv_scales:
+        result.refusals.append(Refusal(sorted(layout.kv_scales)[0], "KV-cache scales: TensorRT-LLM's Qwen3-MoE "
+                                                                    "KV-cache loading is not replayed by this check"))
+    result.refusals.sort(key=lambda r: r.tensor)
+    return result
+
+
+register_serving("qwen3_moe", "trtllm", replay_trtllm)

@@ -179,4 +179,5 @@ def test_engines_refuse_nvfp4_experts_with_the_cited_reason(converted: Path) -> 
     assert {e: r.verdict for e, r in results.items()} == {"vllm": "refuses", "sglang": "refuses", "trtllm": "refuses"}
     assert "_load_unquantized_expert" in results["vllm"].refusals[0].reason
     assert "_load_normal_weights" in results["sglang"].refusals[0].reason
+    assert "load_hf_weights" in results["trtllm"].refusals[0].reason
     assert results["vllm"].refusals[0].tensor.startswith("model.layers.0.mlp.experts.0.")

@@ -203,7 +203,10 @@ def test_engine_checks(qwen3_moe_export, tmp_path):
 
     report = check_export(qwen3_moe_export, ("vllm", "sglang", "trtllm"))
     assert report.results["vllm"].ok and report.results["sglang"].ok, report.table()
-    assert "no trtllm loading rules" in report.results["trtllm"].refusals[0].reason
+    # TensorRT-LLM builds every layer's mlp as a MoE: the stand-in's mlp_only_layers=[1] layer has no module.
+    trt = report.results["trtllm"].refusals
+    assert trt and all(r.tensor.startswith("model.layers.1.mlp.") for r in trt), report.table()
+    assert "every layer's mlp as Qwen3MoE" in trt[0].reason
     edited = _edit_export(qwen3_moe_export, tmp_path / "router_not_excluded", "model.layers.0.mlp.gate")
     report = check_export(edited, ("vllm", "sglang"))
     assert report.results["sglang"].ok, report.table()

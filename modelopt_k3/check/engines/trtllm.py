@@ -1,0 +1,90 @@
+"""TensorRT-LLM's generic handling of a ModelOpt checkpoint (PyTorch backend), for the per-model replays.
+
+Read from NVIDIA/TensorRT-LLM's source as the code-search index holds it (several versions of each file, no
+single commit; not run here -- where the versions disagree the rule refuses):
+
+* ``tensorrt_llm/_torch/model_config.py`` ``ModelConfig.load_modelopt_quant_config``: reads ``hf_quant_config.json``'s ``quantization`` -- ``quant_algo``,
+  ``kv_cache_quant_algo``, ``group_size``, ``exclude_modules``; ``MIXED_PRECISION`` reads per-layer algos
+  from a ``quant_cfg.json`` in older builds and a normalized ``quantized_layers`` in newer ones (so this
+  check does not settle MIXED_PRECISION and refuses it).
+* ``tensorrt_llm/quantization/mode.py`` ``QuantAlgo``: NVFP4, FP8, FP8_BLOCK_SCALES, W4A16_MXFP4,
+  W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8, MIXED_PRECISION, ... (no W4A16_NVFP4 in the versions read; newer
+  tests name one, so it is refused as unsettled).
+* ``tensorrt_llm/models/modeling_utils.py`` ``QuantConfig.is_module_excluded_from_quantization``:
+  ``fnmatch.fnmatchcase`` of the engine module's own name against each ``exclude_modules`` entry;
+  newer builds also try every ancestor name (so an ancestor-only match is unsettled and refused).
+* ``tensorrt_llm/_torch/modules/linear.py`` ``NVFP4LinearMethod.load_weight_scales``: the pieces of
+  a fused Linear (qkv_proj, gate_up_proj) must carry equal ``input_scale`` and equal ``weight_scale_2``
+  (asserted, not maxed as vLLM/SGLang do).
+* ``tensorrt_llm/_torch/modules/fused_moe/quantization.py`` (NVFP4 fused-MoE method,
+  ``load_expert_fc31_input_scale_nvfp4`` / ``load_expert_fc31_alpha_nvfp4``): per expert, w1 and w3
+  must carry equal ``input_scale`` and equal ``weight_scale_2`` (asserted); the layer's GEMM input
+  scale is the max over experts.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from ...formats import FP8, NVFP4
+from ..layout import Layout, Linear
+from ..report import Refusal
+from .base import Refuse
+
+# Single quant_algo values this check replays for TensorRT-LLM -> the Linear.fmt the method loads.
+TRT_METHODS = {s.algo: s.engine_method for s in (NVFP4, FP8)}
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def trt_quant(layout: Layout) -> tuple[str | None, list[str]]:
+    """(quant_algo upper-cased or None, exclude_modules) as ``load_modelopt_quant_config`` reads them."""
+    q = (layout.hf_quant or {}).get("quantization")
+    if not isinstance(q, dict):
+        if layout.quant:
+            raise Refuse("config.json", "no hf_quant_config.json: this check replays only TensorRT-LLM's "
+                                        "hf_quant_config.json reading (ModelConfig.load_modelopt_quant_config)")
+        return None, []
+    algo = str(q.get("quant_algo") or "").upper() or None
+    if algo == "MIXED_PRECISION":
+        raise Refuse(HF_QUANT_CONFIG, "quant_algo MIXED_PRECISION: TensorRT-LLM's per-layer source differs by "
+                                      "version (quant_cfg.json vs quantized_layers); this check does not settle it")
+    if algo is not None and algo not in TRT_METHODS:
+        raise Refuse(HF_QUANT_CONFIG, f"quant_algo {algo}: not one this check replays for TensorRT-LLM "
+                                      f"({sorted(TRT_METHODS)}; W4A16_NVFP4 is absent from QuantAlgo in the "
+                                      "versions read)")
+    return algo, list(q.get("exclude_modules") or [])
+
+
+def trt_excluded(name: str, exclude: list[str]) -> bool:
+    """``is_module_excluded_from_quantization`` on the module's own name; an ancestor-only match is refused."""
+    if any(fnmatchcase(name, p) for p in exclude):
+        return True
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        ancestor = ".".join(parts[:i])
+        hit = next((p for p in exclude if fnmatchcase(ancestor, p)), None)
+        if hit:
+            raise Refuse(name, f"only its ancestor {ancestor} matches exclude entry {hit!r}: older TensorRT-LLM "
+                               "builds match the module's own name only, newer ones also ancestors; unsettled")
+    return False
+
+
+def trt_method(algo: str | None, excluded: bool) -> str:
+    return "bf16" if algo is None or excluded else TRT_METHODS[algo]
+
+
+def format_refusal(piece: Linear, method: str, where: str, why: str) -> Refusal | None:
+    if piece.fmt == method:
+        return None
+    return Refusal(piece.tensor_name(), f"stored {piece.fmt}, but TensorRT-LLM builds {where} as {method} ({why})")
+
+
+def equal_scales(layout: Layout, pieces: list[Linear], keys: tuple[str, ...], rule: str) -> Refusal | None:
+    """TensorRT-LLM asserts equality of these per-tensor scales across ``pieces`` (``rule`` names where)."""
+    for key in keys:
+        values = [float(layout.value(p.tensor_name(key))) for p in pieces]
+        if len(set(values)) > 1:
+            names = ", ".join(p.name.rpartition(".")[2] for p in pieces)
+            return Refusal(pieces[0].tensor_name(key), f"{key} differ across {names} ({min(values):.6g}.."
+                                                       f"{max(values):.6g}); {rule} asserts they are equal")
+    return None
