@@ -122,7 +122,7 @@ def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     with CheckpointReader(ctx.checkpoint) as reader:
         spec = get_spec(raw.get("model_type", ""))
         check_config(raw, spec)
-        check_experts(reader.headers(), raw, spec)
+        check_experts(reader.headers(), raw, spec, reader.stored_name)
 
 
 @register_check("export path free")
