@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         data, where = load_report(args.path)
         out = args.out or where
         check_report_dir(out, flag="--out" if args.out else "the report directory")  # before any rendering
-        written = render(data, out)
+        try:
+            written = render(data, out)
+        except (TypeError, KeyError, AttributeError, IndexError) as exc:  # a field of the wrong type or missing
+            raise ValueError(f"{where} is not a report this version reads: {type(exc).__name__}: {exc}") from None
     except (OSError, ValueError, DestinationError) as exc:
         print(f"modelopt-k3-report: error: {exc}", file=sys.stderr)
         return 2

@@ -104,12 +104,15 @@ def check_report_dir(out_dir: Path, *, flag: str) -> None:
 def load_report(path: str | Path) -> tuple[dict[str, Any], Path]:
     """A report's data and its directory, from ``report.json``, its directory, or an export holding
     ``quant_report/``; refuses another schema or a newer version."""
+    from ..checkpoint import read_json
     from .build import SCHEMA, VERSION
 
     path = Path(path)
     for candidate in (path, path / REPORT_JSON, path / DEFAULT_DIR / REPORT_JSON):
-        if candidate.is_file():
-            data = json.loads(candidate.read_text())
+        if candidate.is_symlink() or (candidate.exists() and not candidate.is_dir()):
+            data = read_json(candidate)  # the one validating reader: regular file, bounded, strict JSON
+            if not isinstance(data, dict):
+                raise ValueError(f"{candidate} is not a JSON object (a {type(data).__name__})")
             if data.get("schema") != SCHEMA or not isinstance(data.get("version"), int) or data["version"] > VERSION:
                 raise ValueError(f"{candidate} is not a {SCHEMA} report of version <= {VERSION} "
                                  f"(schema {data.get('schema')!r}, version {data.get('version')!r})")
