@@ -55,7 +55,7 @@ def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport
 
     layout, reader = scan_export(export_dir)
     with reader:
-        check_complete(export_dir, layout.tensors)  # every tensor the model needs, before any engine "loads"
+        check_complete(export_dir, reader)  # every tensor the model needs, before any engine "loads"
         return check_layout(layout, engines)
 
 

@@ -9,10 +9,9 @@ per-expert name. An export with a router, a ``q_norm`` or an expert bias deleted
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from pathlib import Path
 
-from ..checkpoint import CheckpointError, read_config
+from ..checkpoint import CheckpointError, CheckpointReader, read_config
 from ..spec import SpecError, get_spec
 
 __all__ = ["IncompleteExport", "missing_tensors"]
@@ -24,7 +23,7 @@ class IncompleteExport(CheckpointError):
     """The export lacks tensors its model needs (named)."""
 
 
-def _expected(path: Path, raw: dict) -> tuple[set[str], list[tuple[str, int, tuple[str, ...]]]] | None:
+def _expected(path: Path, raw: dict, reader) -> tuple[set[str], list[tuple[str, int, tuple[str, ...]]]] | None:
     """(dense names, [(experts module, num experts, projections)]) of the export's model, or None when its
     class runs checkpoint code (not built without the user's trust)."""
     from ..load import _build_on_meta, _config_dtype, _fused_expert_params, persistent_tensors
@@ -36,12 +35,8 @@ def _expected(path: Path, raw: dict) -> tuple[set[str], list[tuple[str, int, tup
     if spec.loading.model_class.remote_code:
         return None
     model_cls, config = spec.loading.model_class.resolve(path, raw, trust_remote_code=False)
-
-    class _NoReader:  # the meta build asks which tensors are stored only to tie and keep dtypes
-        def __contains__(self, key: str) -> bool:
-            return True
-
-    model = _build_on_meta(model_cls, config, _config_dtype(config), _NoReader(), spec)
+    # The export's reader: what is stored decides the ties (tied embeddings without lm_head.weight), as on load.
+    model = _build_on_meta(model_cls, config, _config_dtype(config), reader, spec)
     fused = _fused_expert_params(model, spec)
     dense = {name for name in persistent_tensors(model) if name not in fused}
     experts = []
@@ -51,11 +46,13 @@ def _expected(path: Path, raw: dict) -> tuple[set[str], list[tuple[str, int, tup
     return dense, experts
 
 
-def missing_tensors(export_dir: str | Path, stored: Collection[str]) -> list[str] | None:
-    """The tensors the export's model needs that ``stored`` lacks, or None when the model is not built here."""
+def missing_tensors(export_dir: str | Path, reader: CheckpointReader) -> list[str] | None:
+    """The tensors the export's model needs that ``reader`` (the export's) lacks, or None when the model is not
+    built here."""
     path = Path(export_dir)
     raw = read_config(path)
-    expected = _expected(path, raw)
+    stored = set(reader.names())
+    expected = _expected(path, raw, reader)
     if expected is None:
         return None
     dense, experts = expected
@@ -75,9 +72,9 @@ def missing_tensors(export_dir: str | Path, stored: Collection[str]) -> list[str
     return missing
 
 
-def check_complete(export_dir: str | Path, stored: Collection[str]) -> None:
+def check_complete(export_dir: str | Path, reader: CheckpointReader) -> None:
     """Refuse an export missing what its model needs, naming the tensors (``IncompleteExport``)."""
-    missing = missing_tensors(export_dir, stored)
+    missing = missing_tensors(export_dir, reader)
     if missing:
         more = f" … and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
         raise IncompleteExport(f"{export_dir} is incomplete: the model its config.json builds needs {len(missing)} "

@@ -133,3 +133,18 @@ def test_tied_embeddings_without_lm_head_load_as_transformers_does(sources, tmp_
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=0)
     rc, err = _convert(run_tool, src, tmp_path / "out", *W4A16)
     assert rc == 0, err
+
+
+def test_the_planner_sees_gpt_oss_experts_as_stored(sources, capsys) -> None:
+    """Through the reader's view: was "0 MoE layers" and packed experts refused as "stored decoded"."""
+    from modelopt_k3.cli.plan import main as plan_main
+    from modelopt_k3.memory.layout import read_layout
+
+    config = json.loads((sources["gpt_oss"] / "config.json").read_text())
+    layout = read_layout(sources["gpt_oss"])
+    assert len(layout.experts) == config["num_hidden_layers"] and layout.packed_source
+    assert layout.num_experts == config["num_local_experts"]
+    assert plan_main(["--pyt_ckpt_path", str(sources["gpt_oss"]), "--world_size", "2", "--gpu_mem_gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert f"{config['num_hidden_layers']} MoE layers x {config['num_local_experts']} experts" in out, out
+    assert f"(top-{config['num_experts_per_tok']})" in out and "stores them decoded" not in out, out
