@@ -87,3 +87,27 @@ def test_an_odd_expert_count_suggests_only_degrees_dividing_the_world_size() -> 
 
     with pytest.raises(PlanError, match=r"degree 4; with world size 4 choose a degree that divides both: one of \[1, 2\]"):
         _expert_parallel_choice(6, 0, 4, 4, None, "replicated", torch.device("cpu"), None)
+
+
+def test_temporary_data_is_called_removed_only_when_it_was(tmp_path, capsys) -> None:
+    """A signal that arrives as rank 0 made its staging directory, before any ``finally`` owned it: was "temporary
+    data removed" with the directory left behind."""
+    from modelopt_k3.cli._common import EXIT_TERMINATED, Terminated, run_cli
+    from modelopt_k3.export.staging import StagingDir
+
+    made: list[StagingDir] = []
+
+    def make(kind: str, exc: BaseException):
+        def body() -> int:
+            made.append(StagingDir(tmp_path / "export", kind))
+            made[-1].mkdir()
+            raise exc
+        return body
+
+    assert run_cli("prog", make("tmp", Terminated(EXIT_TERMINATED))) == EXIT_TERMINATED
+    err = capsys.readouterr().err
+    assert "terminated (SIGTERM); temporary data removed" in err and not made[0].path.exists(), err
+    run_cli("prog", make("old", KeyboardInterrupt()))  # a moved-aside export: the user's, never removed here
+    err = capsys.readouterr().err
+    assert f"temporary data left at {made[1].path}" in err and made[1].path.is_dir(), err
+    made[1].discard()
