@@ -349,7 +349,9 @@ class ReadLog:
     hashes: dict[str, str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, key: str, tensor: torch.Tensor, nbytes: int, check_values: bool) -> None:
+    def record(self, key: str, tensor: torch.Tensor, nbytes: int, check_values: bool,
+               shown: Callable[[str], str] | None = None) -> None:
+        """``shown``: the name an error gives ``key`` (a view's key: the stored tensor it is part of), asked only then."""
         found = None
         if check_values:
             from .nonfinite import invalid_values
@@ -359,7 +361,7 @@ class ReadLog:
             self.keys.append(key)
             self.bytes += nbytes
             if found is not None:
-                self.invalid[key] = found
+                self.invalid[shown(key) if shown else key] = found
 
 
 # model_type -> view: a function of the checked headers returning the tensors the pipeline should see. A spec
@@ -409,6 +411,7 @@ class CheckpointReader:
         self.sizes: dict[str, int] = {}  # shard file -> size in bytes
         self._infos: dict[str, TensorInfo] = {}
         self._virtual: frozenset[str] = frozenset()  # keys a view made (read by byte range)
+        self._stored: Mapping[str, TensorInfo] = {}  # what the shards store, before a view
         self.header_digest = self._scan()
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
@@ -438,6 +441,7 @@ class CheckpointReader:
             digest.update(f"{file}\0{shard.size}\0".encode())
             digest.update(shard.raw)
         view = _view_for(self.path)
+        self._stored = self._infos
         if view is not None:
             stored = self._infos
             self._infos = view(stored)
@@ -475,6 +479,22 @@ class CheckpointReader:
         """(dtype, shape) of every tensor, by name: what the decision table is built from."""
         return {key: (info.dtype, info.shape) for key, info in self._infos.items()}
 
+    def stored_name(self, key: str) -> str:
+        """The stored tensor that holds ``key``: itself, or for a name a view derives, the stored tensor whose
+        bytes it is (errors name what the user can find in the shards, not a name only the view knows)."""
+        if key not in self._virtual:
+            return key
+        info = self._infos[key]
+        for name, stored in self._stored.items():
+            if stored.file == info.file and stored.offset <= info.offset < stored.offset + max(stored.nbytes, 1):
+                return name
+        return key
+
+    def describe(self, key: str) -> str:
+        """``key`` as an error should name it: the stored tensor, with the view's name for the part of it."""
+        stored = self.stored_name(key)
+        return key if stored == key else f"{stored} (the part the view calls {key})"
+
     def info(self, key: str) -> TensorInfo:
         try:
             return self._infos[key]
@@ -510,7 +530,7 @@ class CheckpointReader:
             tensor = buf.view(info.dtype).reshape(stop - start, *info.shape[1:])
         else:
             tensor = self._handle(info.file).get_slice(key)[start:stop]
-        self.log.record(key, tensor, info.nbytes // info.shape[0] * (stop - start), self.check_values)
+        self.log.record(key, tensor, info.nbytes // info.shape[0] * (stop - start), self.check_values, self.describe)
         return tensor
 
     # ----------------------------------------------------------------- positional reads (converter)
@@ -543,7 +563,7 @@ class CheckpointReader:
             digest = hashlib.sha256(buf.numpy()).hexdigest()
             with log._lock:
                 log.hashes[key] = digest
-        log.record(key, tensor, info.nbytes, self.check_values)
+        log.record(key, tensor, info.nbytes, self.check_values, self.describe)
         return tensor
 
     def sha256(self, key: str, chunk: int = 64 * 2**20) -> str:

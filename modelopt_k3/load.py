@@ -351,7 +351,10 @@ def _fill_dense(
 
 
 def _fused_expert_params(model: nn.Module, spec: ModelSpec) -> set[str]:
-    return {f"{name}.{p}" for name in spec.experts_modules(model) for p in spec.experts.sharded_params}
+    """The fused parameters filled from per-expert tensors (the projections): not read by their own name. Other
+    sharded parameters (GPT-OSS's expert biases) are stored fused under their own name, so checked as stored."""
+    fused = {proj.fused_param for proj in spec.experts.projections}
+    return {f"{name}.{p}" for name in spec.experts_modules(model) for p in spec.experts.sharded_params if p in fused}
 
 
 def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
@@ -372,7 +375,19 @@ def _build_on_meta(
     if placement is not None:
         spec.experts.place_experts(model, placement)  # on the instances: another model in this process may differ
     _keep_source_dtypes_on_meta(model, reader, spec)  # before sharding: a DTensor's dtype is fixed
+    tie_as_stored(model, reader)
     return model
+
+
+def tie_as_stored(model: nn.Module, reader: CheckpointReader) -> None:
+    """Tie what the config ties (``tie_word_embeddings``) as transformers' ``from_pretrained`` does: a tied
+    parameter the checkpoint does not store (``lm_head.weight``) is its source's; one stored too stays its own.
+    Called on meta and again after materialising (``to_empty`` gives each module a parameter of its own)."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is None or not getattr(model, "get_expanded_tied_weights_keys", None):
+        return
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tie(missing_keys={name for name in names if name not in reader})
 
 
 def check_against_model(path: str | Path, source: SourceLayout) -> None:
@@ -533,7 +548,7 @@ def _open_source(path: Path, trust_remote_code: bool) -> _Source:
     spec.check_transformers()
     reader = CheckpointReader(path)  # headers only, until a tensor is asked for
     check_config(raw, spec)
-    layout = check_experts(reader.headers(), raw, spec)  # the converter runs the same check
+    layout = check_experts(reader.headers(), raw, spec, reader.stored_name)  # the converter runs the same check
     spec.loading.build(path)
     model_cls, config = resolve_model_class(path, raw, trust_remote_code, spec)
     return _Source(spec, reader, layout, model_cls, config)
@@ -584,6 +599,7 @@ def _build_placed_model(
         shard_model(model, placement.fsdp_mesh, spec, shard_experts=not plan.expert_parallel)
     set_experts_implementation(model, spec, plan)
     materialize(model, plan.device)
+    tie_as_stored(model, src.reader)
     return model
 
 

@@ -16,7 +16,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-__all__ = ["DestinationError", "check_writable", "create_new", "refuse_overlap", "staging_path", "write_new"]
+__all__ = ["OWNED_RECORD", "DestinationError", "check_owned_dir", "check_writable", "create_new", "is_checkpoint_dir",
+           "refuse_overlap", "staging_path", "write_new", "write_owned"]
 
 # Mode of every file the tools write, before the umask (as any tool creating a file): 0644 under umask 022.
 FILE_MODE = 0o666
@@ -127,3 +128,131 @@ def _umask() -> int:
 
 def fix_mode(path: Path) -> None:
     os.chmod(path, output_mode())
+
+
+# ----------------------------------------------------------------- files written into a directory we own
+
+# The record of what the tools wrote into a directory that is not a checkpoint staging directory (a report):
+# name -> sha256 of the bytes written. A file there is replaced only while it still holds what we wrote.
+OWNED_RECORD = ".modelopt_k3_files.json"
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint directory: ``config.json`` and safetensors shards (nothing of ours is written into one)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_nofollow(path: Path, limit: int = 2**26) -> bytes | None:
+    """The bytes of regular file ``path`` (None when absent); never through a symlink, never a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        chunks, total = [], 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise OSError(f"{path} is larger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _owned_record(out_dir: Path, flag: str) -> dict[str, str]:
+    record = out_dir / OWNED_RECORD
+    if record.is_symlink():
+        raise DestinationError(f"{flag} {out_dir}: {record} is a symlink; it is never followed: remove it")
+    try:
+        raw = _read_nofollow(record)
+    except OSError as e:
+        raise DestinationError(f"{flag} {out_dir}: {record} cannot be read ({e}); remove it") from None
+    if raw is None:
+        return {}
+    import json
+
+    try:
+        files = json.loads(raw)["files"]
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise DestinationError(f"{flag} {out_dir}: {record} is not a record this tool wrote; remove it") from None
+    return files
+
+
+def check_owned_dir(out_dir: Path, names: list[str] | tuple[str, ...], *, flag: str) -> dict[str, str]:
+    """Refuse writing ``names`` into ``out_dir`` unless every one is new or still holds what we recorded writing
+    there: ``out_dir`` a directory (or creatable) that is no checkpoint, no name a symlink or another file. Returns
+    the record (name -> sha256). Read-only: the preflight calls it, and ``write_owned`` again before writing."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DestinationError(f"{flag} {out_dir} exists and is not a directory; choose a directory path")
+    if not out_dir.exists():
+        if out_dir.is_symlink():
+            raise DestinationError(f"{flag} {out_dir} is a dangling symlink; choose another directory")
+        where = _nearest_existing(out_dir.parent)
+        if not where.is_dir():
+            raise DestinationError(f"{flag} {out_dir} cannot be created: {where} is not a directory")
+        return {}
+    if is_checkpoint_dir(out_dir):
+        raise DestinationError(f"{flag} {out_dir} is a checkpoint directory (config.json and safetensors shards); "
+                               "nothing is written into a checkpoint: choose another directory")
+    record = _owned_record(out_dir, flag)
+    for name in names:
+        path = out_dir / name
+        if path.is_symlink():
+            raise DestinationError(f"{flag} {out_dir}: {path} is a symlink; it is never written through or "
+                                   "replaced: remove it, or choose another directory")
+        if name == OWNED_RECORD or not path.exists():
+            continue
+        try:
+            held = _read_nofollow(path)
+        except OSError as e:
+            raise DestinationError(f"{flag} {out_dir}: {path} is not a file this tool wrote ({e})") from None
+        if record.get(name) != _digest(held or b""):
+            raise DestinationError(f"{flag} {out_dir}: {path} exists and is not what this tool wrote there (not in "
+                                   f"{OWNED_RECORD}, or changed since); it is never overwritten: move it, or choose "
+                                   "another directory")
+    return record
+
+
+def write_owned(out_dir: Path, files: dict[str, bytes], *, flag: str) -> list[Path]:
+    """Write ``files`` (name -> bytes) into ``out_dir``, each created new under a fresh name (``create_new``) and
+    renamed over its final name (a rename replaces a link there, never writes through it), after
+    ``check_owned_dir``; then record them (``OWNED_RECORD``), so a later run may replace them."""
+    out_dir = Path(out_dir)
+    names = [*files, OWNED_RECORD]
+    check_owned_dir(out_dir, names, flag=flag)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = check_owned_dir(out_dir, names, flag=flag)  # again: the directory may have existed meanwhile
+    written = []
+    for name, data in files.items():
+        _replace_new(out_dir / name, data)
+        record[name] = _digest(data)
+        written.append(out_dir / name)
+    import json
+
+    _replace_new(out_dir / OWNED_RECORD, (json.dumps({"files": record}, indent=1, sort_keys=True) + "\n").encode())
+    return written
+
+
+def _replace_new(final: Path, data: bytes) -> None:
+    tmp = staging_path(final, "new")
+    write_new(tmp, data)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -122,7 +122,7 @@ def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     with CheckpointReader(ctx.checkpoint) as reader:
         spec = get_spec(raw.get("model_type", ""))
         check_config(raw, spec)
-        check_experts(reader.headers(), raw, spec)
+        check_experts(reader.headers(), raw, spec, reader.stored_name)
 
 
 @register_check("export path free")
@@ -254,7 +254,10 @@ def _calibration_size(ctx: PreflightContext) -> None:
     """The token ids of ``(--calib_size + --eval_kl) x --calib_seq`` are held in memory (8 bytes each, twice
     while they are cut): refused when that passes a quarter of this host's memory, before any is made."""
     args = ctx.args
-    sequences = args.calib_size + getattr(args, "eval_kl", 0)
+    _calib_seq_within_positions(ctx)
+    # Every flag that adds sequences: the held-out ones are max(--report_heldout, --eval_kl) (hf_ptq._held_out_count).
+    held_out = max(getattr(args, "report_heldout", None) or 0, getattr(args, "eval_kl", 0))
+    sequences = args.calib_size + held_out
     need = sequences * args.calib_seq * 8 * 2
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -262,7 +265,23 @@ def _calibration_size(ctx: PreflightContext) -> None:
         return
     if need > CALIB_MEMORY_SHARE * host:
         raise PreflightError(
-            f"--calib_size {args.calib_size} (+ --eval_kl {getattr(args, 'eval_kl', 0)}) x --calib_seq {args.calib_seq} "
+            f"--calib_size {args.calib_size} (+ {held_out} held out: --report_heldout/--eval_kl) x --calib_seq {args.calib_seq} "
             f"tokens need {need / 2**30:.1f} GiB for their ids alone, more than {CALIB_MEMORY_SHARE:.0%} of this "
             f"host's {host / 2**30:.0f} GiB; lower --calib_size (repeating data adds nothing to max calibration)"
         )
+
+
+def _calib_seq_within_positions(ctx: PreflightContext) -> None:
+    """``--calib_seq`` beyond the model's ``max_position_embeddings`` calibrates on positions it never serves
+    (and rotary tables it was not trained on): refused."""
+    from .checkpoint import CheckpointError
+
+    try:
+        raw = read_config(ctx.checkpoint)
+    except CheckpointError:
+        return  # named by the source check
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    limit = text.get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < ctx.args.calib_seq:
+        raise PreflightError(f"--calib_seq {ctx.args.calib_seq} is longer than the model's max_position_embeddings "
+                             f"= {limit} (config.json); choose --calib_seq <= {limit}")

@@ -20,7 +20,7 @@ All problems are collected and reported together, naming the tensors and the con
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,10 +96,13 @@ def check_config(config: Mapping[str, Any], spec: ModelSpec) -> None:
         spec.source_check.check_config(config)
 
 
-def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> SourceLayout:
+def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec,
+                  stored_name: Callable[[str], str] | None = None) -> SourceLayout:
     """Check every routed-expert tensor the config asks for against the checkpoint's headers.
 
-    A spec without ``expert_layout`` gets no check (only packedness is read off the names).
+    A spec without ``expert_layout`` gets no check (only packedness is read off the names). ``stored_name``
+    (``CheckpointReader.stored_name``): the stored tensor a view's per-expert name is part of; a mis-shaped
+    one is then named once by the stored tensor (what the user can find), not once per derived name.
     """
     key_re = re.compile(spec.experts.key_regex)
     expert_keys = {key for key in tensors if key_re.match(key)}
@@ -127,6 +130,7 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
     packed = kinds == {"packed"} or (not kinds and bool(layouts))
     missing: list[str] = []
     mismatched: list[str] = []
+    seen: set[str] = set()  # stored tensors already named as mis-shaped
     for layout in layouts.values():
         for proj, (out_f, in_f) in layout.projections.items():
             for kind in (PACKED, SCALE) if packed else (PLAIN,):
@@ -138,7 +142,13 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
                         missing.append(key)
                     elif tuple(meta.shape) != shape or (meta.dtype != dtype if dtype else not meta.dtype.is_floating_point):
                         need = f"{dtype} {list(shape)}" if dtype else f"a floating dtype {list(shape)}"
-                        mismatched.append(f"{key} stored as {meta.dtype} {list(meta.shape)}, config needs {need}")
+                        stored = stored_name(key) if stored_name else key
+                        if stored == key:
+                            mismatched.append(f"{key} stored as {meta.dtype} {list(meta.shape)}, config needs {need}")
+                        elif stored not in seen:
+                            seen.add(stored)
+                            mismatched.append(f"{stored} (per expert, as {key}: {meta.dtype} {list(meta.shape)}), "
+                                              f"config needs {need} per expert")
     source = next(iter(layouts.values())).source if layouts else "no MoE layers"
     _raise(f"{_count_hint(layouts, stored)}the checkpoint's routed experts do not match config.json", missing,
            mismatched, unexpected, f" (config.json: {source})")

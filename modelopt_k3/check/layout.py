@@ -10,7 +10,6 @@ a recipe before any weight is read.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError, CheckpointReader
+from ..checkpoint import CheckpointError, CheckpointReader, read_json
 from ..export.modelopt_format import config_quantization_config, hf_quant_config
 from ..formats import FP8, FP8_PB_WO, NVFP4, NVFP4_TENSOR, W4A16_NVFP4
 from ..quant.decisions import decide
@@ -134,12 +133,17 @@ def _group_linears(metas: dict[str, TensorMeta]) -> dict[str, Linear]:
 
 
 def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
+    """A JSON object file of the export through the one validating reader (``checkpoint.read_json``: a regular
+    file, bounded size, no duplicate keys, no NaN), or None when absent; anything else one ``CheckpointError``."""
+    if not path.exists() and not path.is_symlink():
         return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object (a {type(data).__name__})")
+    for key in ("quantization_config", "quantization"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise CheckpointError(f"{path}: {key} is a {type(data[key]).__name__}, not a JSON object")
+    return data
 
 
 def scan_export(export_dir: str | Path) -> tuple[Layout, CheckpointReader]:

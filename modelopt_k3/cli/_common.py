@@ -137,16 +137,27 @@ def _os_error_line(exc: OSError) -> str:
     return f"{why}{f': {where}' if where else ''}{tip}"
 
 
+def _temporary_data() -> str:
+    """What became of this process's temporary export data, truly: removed, or where it was left."""
+    from ..export.staging import discard_live
+
+    left = discard_live()
+    if not left:
+        return "temporary data removed"
+    return (f"temporary data left at {', '.join(map(str, left))} (the next run to this export path removes it, "
+            "or puts a moved-aside export back)")
+
+
 def run_cli(prog: str, body: Callable[[], int], *, debug: bool = False) -> int:
     """Run ``body`` under SIGTERM unwinding; turn expected failures into one line and exit code 2."""
     try:
         with sigterm_unwinds():
             return body()
     except Terminated:
-        print(f"{prog}: terminated (SIGTERM); temporary data removed", file=sys.stderr)
+        print(f"{prog}: terminated (SIGTERM); {_temporary_data()}", file=sys.stderr)
         return EXIT_TERMINATED
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted (SIGINT); temporary data removed", file=sys.stderr)
+        print(f"{prog}: interrupted (SIGINT); {_temporary_data()}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except expected_errors() as exc:
         if debug:

@@ -262,14 +262,21 @@ def _calibrate(args: argparse.Namespace, model, recipe, packed, group, progress:
 
 
 def _report_dir(args: argparse.Namespace, export_path: Path, ckpt: Path) -> Path | None:
-    """``--report``: default under the export, ``none`` for no report; never inside the source."""
-    from ..paths import refuse_overlap
-    from ..report import DEFAULT_DIR
+    """``--report``: default under the export, ``none`` for no report; never inside the source, never the export
+    itself (a checkpoint), never over a file we did not write there: refused before any weight is read."""
+    from ..paths import DestinationError, refuse_overlap
+    from ..report import DEFAULT_DIR, check_report_dir
 
     if args.report == "none":
         return None
-    out = export_path / DEFAULT_DIR if args.report is None else Path(args.report)
+    if args.report is None:
+        return export_path / DEFAULT_DIR  # inside the export, which is written new
+    out = Path(args.report)
     refuse_overlap(ckpt, out, flag="--report")
+    if out.absolute().resolve() == Path(export_path).absolute().resolve():
+        raise DestinationError(f"--report {out} is the export directory (a checkpoint); leave --report out to write "
+                               f"the report into {export_path / DEFAULT_DIR}, or choose another directory")
+    check_report_dir(out, flag="--report")
     return out
 
 

@@ -8,7 +8,6 @@ lines. Exit status 0, or 2 when there is no report or it is not one this version
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,16 +22,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..report import load_report
+    from ..paths import DestinationError
+    from ..report import check_report_dir, load_report
     from ..report.render import render
 
     try:
         data, where = load_report(args.path)
-    except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:
+        out = args.out or where
+        check_report_dir(out, flag="--out" if args.out else "the report directory")  # before any rendering
+        try:
+            written = render(data, out)
+        except (TypeError, KeyError, AttributeError, IndexError) as exc:  # a field of the wrong type or missing
+            raise ValueError(f"{where} is not a report this version reads: {type(exc).__name__}: {exc}") from None
+    except (OSError, ValueError, DestinationError) as exc:
         print(f"modelopt-k3-report: error: {exc}", file=sys.stderr)
         return 2
-    out = args.out or where
-    for path in render(data, out):
+    for path in written:
         print(path)
     return 0
 

@@ -185,18 +185,28 @@ def convert_checkpoint(
         report.total, report.complete, report.nothing_to_do = done, True, True
     else:
         steps("check output is writable", check_writable, dst, flag="the output directory (--dst)", inside=True)
-        if not trust_remote_code:
+        if not _builds_model(src, trust_remote_code):
             report.notes.append(_DENSE_UNCHECKED)
         _convert_under_locks(steps, plan, dst, recipe, report, options)
     report.wall_s = time.perf_counter() - t0
     return report
 
 
+def _builds_model(src: Path, trust_remote_code: bool) -> bool:
+    """Whether the converter builds the model on meta to check the source as ``load_pretrained`` does: always
+    for transformers' own classes (building runs no checkpoint code), for checkpoint code only when trusted."""
+    from ..checkpoint import read_config
+    from ..spec import get_spec
+
+    return trust_remote_code or not get_spec(read_config(src).get("model_type", "")).loading.model_class.remote_code
+
+
 def _checked_plan(steps: _Steps, src: Path, recipe: Recipe, trust_remote_code: bool) -> _Plan:
-    """The plan, on every rank; with ``trust_remote_code`` every dense tensor is also checked against the
-    model built on meta (as ``load_pretrained`` does)."""
+    """The plan, on every rank; every dense tensor is also checked against the model built on meta (as
+    ``load_pretrained`` does: the same check, so both refuse the same sources) whenever building it runs
+    no untrusted code (``_builds_model``)."""
     plan = steps("plan", _build_plan, src, recipe, trust_remote_code=trust_remote_code)
-    if trust_remote_code:
+    if _builds_model(src, trust_remote_code):
         from ..load import check_against_model
 
         steps("check the checkpoint against the model", check_against_model, src, plan.source)

@@ -33,7 +33,7 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
     raw = read_config(src)
     spec = get_spec(raw.get("model_type", ""))
     check_config(raw, spec)  # every field read below, named when missing
-    source = check_experts(reader.headers(), raw, spec)  # every routed expert the config asks for, as load_pretrained
+    source = check_experts(reader.headers(), raw, spec, reader.stored_name)  # every routed expert the config asks for, as load_pretrained
     check_dense_against_config(reader.headers(), raw, spec)  # the dense shapes config.json fixes (no model built)
     dtype = _model_dtype(raw)
     _refuse_kv_cache(recipe)

@@ -55,6 +55,22 @@ def _read_jsonl(path: Path, field: str = "text") -> list[str]:
     return out
 
 
+def _not_a_file(path: Path) -> str:
+    """Why ``path`` is no file to read, truly (a directory or a FIFO is not "missing")."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(mode):
+        return "is a directory; give a .txt or .jsonl file"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+    return f"is {kind}; only regular files are read"
+
+
 def load_texts(dataset: str | None) -> list[str]:
     """Calibration texts from ``dataset``: None/"builtin", a .txt/.jsonl path, or a ``datasets`` name."""
     if dataset in (None, BUILTIN):
@@ -65,7 +81,7 @@ def load_texts(dataset: str | None) -> list[str]:
     path = path.expanduser()
     if local or path.suffix in (".txt", ".jsonl", ".json") or path.exists():
         if not path.is_file():
-            raise DataError(f"calibration file {path} does not exist")
+            raise DataError(f"calibration file {path} {_not_a_file(path)}")
         texts = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_txt(path)
     else:
         try:
@@ -89,18 +105,39 @@ def load_texts(dataset: str | None) -> list[str]:
 def pack_sequences(tokenizer, texts: list[str], *, num_sequences: int, seq_len: int) -> torch.Tensor:
     """``[num_sequences, seq_len]`` token ids: texts tokenized, joined with EOS, cut; cycled if short."""
     eos = tokenizer.eos_token_id
+    need = num_sequences * seq_len
     stream: list[int] = []
     for text in texts:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
+        # In bounded pieces (a 20 MB line is never one tokenizer call: GBs of offsets), and no further than needed.
+        for piece in _pieces(text):
+            stream += tokenizer(piece, add_special_tokens=False)["input_ids"]
+            if len(stream) >= need:
+                break
         if eos is not None:
             stream.append(eos)
+        if len(stream) >= need:
+            break
     if not stream:
         raise DataError("the tokenizer produced no tokens from the calibration texts")
-    need = num_sequences * seq_len
     tokens = torch.tensor(stream, dtype=torch.long)
     if len(stream) < need:  # cycled in one tensor op: the request is bounded up front (preflight)
         tokens = tokens.repeat(-(-need // len(stream)))
     return tokens[:need].view(num_sequences, seq_len)
+
+
+PIECE_CHARS = 1 << 16  # characters per tokenizer call
+
+
+def _pieces(text: str, size: int = PIECE_CHARS):
+    """``text`` in pieces of about ``size`` characters, cut after whitespace where there is some (a cut inside a
+    word would tokenize it differently); a text shorter than ``size`` is one piece, tokenized as before."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.rfind(" ", start + size // 2, start + size)
+        end = cut + 1 if cut >= 0 else start + size
+        yield text[start:end]
+        start = end
+    yield text[start:]
 
 
 def rank_batches(sequences: torch.Tensor, *, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:

@@ -227,7 +227,13 @@ def _expert_parallel_choice(
             f"expert-parallel degree {ep_degree} must divide the world size {world_size}; choose one of "
             f"{[d for d in range(1, world_size + 1) if world_size % d == 0]} (CLI: --ep_degree)"
         )
-    # Replica 0 (ranks below ep_degree) writes the experts; the constructor refuses an indivisible degree.
+    if num_experts % ep_degree:  # suggest only degrees that divide the world size too (the rule just above)
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0 and num_experts % d == 0]
+        raise PlanError(
+            f"num_experts={num_experts} is not divisible by the expert-parallel degree {ep_degree}; with world size "
+            f"{world_size} choose a degree that divides both: one of {fits} (CLI: --ep_degree)"
+        )
+    # Replica 0 (ranks below ep_degree) writes the experts.
     experts = ExpertPlacement(num_experts, ep_degree, rank % ep_degree, writes_experts=rank < ep_degree)
     impl = "torch_a2a"
     # A named implementation runs the owner's experts; torch_a2a dispatches to them.

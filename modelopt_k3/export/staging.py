@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..ownership import Heartbeat, Owner, owner_status, read_record, write_record
 
-__all__ = ["OWNER_SUFFIX", "StagingDir", "remove_tree", "sweep_stale"]
+__all__ = ["OWNER_SUFFIX", "StagingDir", "discard_live", "remove_tree", "sweep_stale"]
 
 log = logging.getLogger("modelopt_k3")
 OWNER_SUFFIX = ".owner.json"
@@ -37,10 +37,25 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+# Staging directories this process claimed and has not released: what an interrupted run must remove (or name).
+_LIVE: set[StagingDir] = set()
+
+
+def discard_live() -> list[Path]:
+    """Remove this process's unreleased temporary export directories (an interrupted run: SIGTERM, SIGINT, even
+    one arriving as rank 0 made its directory, before any ``finally`` owned it); return those still on disk. A
+    moved-aside old export is never removed here: it is the user's checkpoint, put back by the next run."""
+    for staging in list(_LIVE):
+        if staging.kind == "tmp":
+            staging.discard()
+    return sorted(s.path for s in _LIVE if s.path.exists() or s.path.is_symlink())
+
+
 class StagingDir:
     """One owned sibling directory ``.<name>.<kind>-<hex>`` of ``export_dir`` (not created yet)."""
 
     def __init__(self, export_dir: Path, kind: str) -> None:
+        self.kind = kind
         self.path = export_dir.parent / f".{export_dir.name}.{kind}-{uuid.uuid4().hex[:12]}"
         self.record = self.path.with_name(self.path.name + OWNER_SUFFIX)
         self._beat: Heartbeat | None = None
@@ -48,6 +63,7 @@ class StagingDir:
     def claim(self) -> StagingDir:
         """Write the owner record (first, so the directory never exists without one) and heartbeat."""
         write_record(self.record, Owner.this_process(), {"kind": "modelopt_k3 export staging"}, exclusive=True)
+        _LIVE.add(self)
         self._beat = Heartbeat(self.record).start()
         return self
 
@@ -66,6 +82,7 @@ class StagingDir:
         if self._beat is not None:
             self._beat.stop()
         self.record.unlink(missing_ok=True)
+        _LIVE.discard(self)
 
     def discard(self) -> None:
         remove_tree(self.path)

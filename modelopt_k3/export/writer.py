@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from modelopt_k3.checkpoint import (
     INDEX_NAME,
@@ -69,7 +69,7 @@ from modelopt_k3.dist.group import RunGroup, current_group
 from modelopt_k3.export.modelopt_format import strip_source_quantization
 from modelopt_k3.export.staging import StagingDir, remove_tree, sweep_stale
 from modelopt_k3.numerics.finite import nonfinite_count
-from modelopt_k3.paths import create_new, fix_mode, write_new
+from modelopt_k3.paths import create_new, write_new
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -405,7 +405,8 @@ class ShardWriter:
     def _spill(self) -> None:
         """Move the buffered tensors' bytes to this shard's spill file, in order."""
         if self._spill_file is None:
-            self._spill_file = open(self._spill_path(), "wb")  # noqa: SIM115 - closed in _flush/__exit__
+            # Created new (O_EXCL | O_NOFOLLOW): a link planted at the spill name is never written through.
+            self._spill_file = open(create_new(self._spill_path()), "wb")  # noqa: SIM115 - closed in _flush/__exit__
         for name, t in self._buffer.items():
             self._spill_file.write(tensor_bytes(t))
             self._spilled.append((name, t.dtype, list(t.shape), t.nbytes))
@@ -436,8 +437,9 @@ class ShardWriter:
         if self._spill_file is not None:
             self._flush_spilled(path)
         else:
-            save_file(_independent(self._buffer), str(path), metadata=self.metadata)
-            fix_mode(path)  # safetensors creates it 0600; every other output file has the usual mode
+            # safetensors' bytes (at most ``spill_bytes`` here) into a file created new: ``save_file`` would open
+            # the path as it finds it, following a link planted there.
+            write_new(path, save(_independent(self._buffer), metadata=self.metadata))
         self.num_shards += 1
         self._buffer = {}
         self._buffer_bytes = 0

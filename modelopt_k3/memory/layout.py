@@ -17,15 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import (
-    INDEX_NAME,
-    SAFETENSORS_DTYPES,
-    CheckpointError,
-    read_config,
-    read_header,
-    read_weight_map,
-    shard_path,
-)
+from ..checkpoint import CheckpointReader, read_config
 from ..spec import ModelSpec, get_spec
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
@@ -135,31 +127,28 @@ def read_layout(path: str | Path) -> CheckpointLayout:
     config = read_config(path)  # the one reader's checks: a regular file, strict JSON
     spec = get_spec(config.get("model_type", ""))
     key_re = re.compile(spec.experts.key_regex)
-    weight_map = read_weight_map(path)  # shard names checked to stay inside
     dense: list[TensorMeta] = []
     groups: dict[str, ExpertGroup] = {}
     experts_seen: dict[str, set[str]] = defaultdict(set)
-    for file in sorted(set(weight_map.values())):
-        for name, meta in read_header(shard_path(path, file, path / INDEX_NAME)).items():
-            if name == "__metadata__" or weight_map.get(name) != file:
-                continue
-            dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
-            if dtype is None:
-                raise CheckpointError(f"{path / file}: tensor {name} has unsupported dtype {meta['dtype']}")
-            shape = meta["shape"]
-            m = key_re.match(name)
-            if m is None:
-                dense.append(TensorMeta(name, dtype, tuple(shape)))
-                continue
-            module, expert, proj, kind = m.group("module", "expert", "proj", "tensor")
-            group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))
-            experts_seen[module].add(expert)
-            group.stored_bytes += math.prod(shape) * dtype.itemsize
-            if kind == PACKED_CODES:
-                group.packed = True
-                group.projections[proj] = (shape[0], shape[1] * 2)
-            elif kind != PACKED_SCALES:
-                group.projections[proj] = (shape[0], shape[1])
+    # Through the one reader, its checks and the model's checkpoint view: GPT-OSS's fused MXFP4 experts are
+    # counted as the per-expert tensors the pipeline reads (a raw header walk saw "0 MoE layers", "stored decoded").
+    with CheckpointReader(path) as reader:
+        headers = dict(reader.headers())
+    for name, info in headers.items():
+        dtype, shape = info.dtype, list(info.shape)
+        m = key_re.match(name)
+        if m is None:
+            dense.append(TensorMeta(name, dtype, tuple(shape)))
+            continue
+        module, expert, proj, kind = m.group("module", "expert", "proj", "tensor")
+        group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))
+        experts_seen[module].add(expert)
+        group.stored_bytes += math.prod(shape) * dtype.itemsize
+        if kind == PACKED_CODES:
+            group.packed = True
+            group.projections[proj] = (shape[0], shape[1] * 2)
+        elif kind != PACKED_SCALES:
+            group.projections[proj] = (shape[0], shape[1])
     for name, group in groups.items():
         group.num_experts = len(experts_seen[name])
     return CheckpointLayout(path, config, spec, dense, sorted(groups.values(), key=lambda g: g.module))

@@ -496,7 +496,7 @@ class MemoryReport:
         lines = [
             f"Memory plan for {self.layout.path.name}: {len(self.layout.experts)} MoE layers x "
             f"{self.layout.num_experts} experts, calibration {self.shape.batch_size} x {self.shape.calib_seq} tokens "
-            f"per rank (top-{text.get('num_experts_per_token')}), recipe {self.shape.recipe}, "
+            f"per rank (top-{text.get('num_experts_per_token', text.get('num_experts_per_tok'))}), recipe {self.shape.recipe}, "
             f"{'accelerator' if self.shape.device != 'cpu' else 'host'} budget "
             + (f"{self.budget / GiB:.1f} GiB per rank" if self.budget else "unknown") + f"; figures in {unit} per rank",
             "",

@@ -80,24 +80,39 @@ def report(
     return data
 
 
-def write_report(data: dict[str, Any], out_dir: Path) -> list[Path]:
-    """``report.json`` plus what ``render`` makes of it."""
-    from .render import render
+REPORT_FILES = (REPORT_JSON, "report.md", "error_by_layer.png", "expert_tokens.png", "worst_modules.png")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / REPORT_JSON).write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
-    return [out_dir / REPORT_JSON, *render(data, out_dir)]
+
+def write_report(data: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``report.json`` plus what ``render`` makes of it, through ``paths.write_owned`` (each file created new and
+    renamed into place: never through a link planted there, never over a file we did not write, never into a
+    checkpoint directory)."""
+    from ..paths import write_owned
+    from .render import render_files
+
+    body = (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+    return write_owned(out_dir, {REPORT_JSON: body, **render_files(data)}, flag="the report directory")
+
+
+def check_report_dir(out_dir: Path, *, flag: str) -> None:
+    """What ``write_report`` will refuse, said before any work (hf_ptq's preflight, ``modelopt-k3-report --out``)."""
+    from ..paths import OWNED_RECORD, check_owned_dir
+
+    check_owned_dir(Path(out_dir), (*REPORT_FILES, OWNED_RECORD), flag=flag)
 
 
 def load_report(path: str | Path) -> tuple[dict[str, Any], Path]:
     """A report's data and its directory, from ``report.json``, its directory, or an export holding
     ``quant_report/``; refuses another schema or a newer version."""
+    from ..checkpoint import read_json
     from .build import SCHEMA, VERSION
 
     path = Path(path)
     for candidate in (path, path / REPORT_JSON, path / DEFAULT_DIR / REPORT_JSON):
-        if candidate.is_file():
-            data = json.loads(candidate.read_text())
+        if candidate.is_symlink() or (candidate.exists() and not candidate.is_dir()):
+            data = read_json(candidate)  # the one validating reader: regular file, bounded, strict JSON
+            if not isinstance(data, dict):
+                raise ValueError(f"{candidate} is not a JSON object (a {type(data).__name__})")
             if data.get("schema") != SCHEMA or not isinstance(data.get("version"), int) or data["version"] > VERSION:
                 raise ValueError(f"{candidate} is not a {SCHEMA} report of version <= {VERSION} "
                                  f"(schema {data.get('schema')!r}, version {data.get('version')!r})")
@@ -105,7 +120,7 @@ def load_report(path: str | Path) -> tuple[dict[str, Any], Path]:
     raise FileNotFoundError(f"no {REPORT_JSON} at {path}, {path / REPORT_JSON} or {path / DEFAULT_DIR / REPORT_JSON}")
 
 
-__all__ = ["DEFAULT_DIR", "REPORT_JSON", "load_report", "report", "write_report"]
+__all__ = ["DEFAULT_DIR", "REPORT_FILES", "REPORT_JSON", "check_report_dir", "load_report", "report", "write_report"]
 
 
 class _CallableModule(types.ModuleType):

@@ -5,9 +5,10 @@ matplotlib with the Agg backend (files only, no display); imported here and nowh
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 WORST = 20  # modules in the worst-modules plot and table
 PLOTS = ("error_by_layer.png", "expert_tokens.png", "worst_modules.png")
@@ -109,7 +110,7 @@ def _figure(*size):
     return plt, plt.figure(figsize=size)
 
 
-def plot_error_by_layer(data: dict[str, Any], path: Path) -> None:
+def plot_error_by_layer(data: dict[str, Any], path: Path | IO[bytes]) -> None:
     plt, fig = _figure(8, 4.5)
     ax = fig.add_subplot(1, 1, 1)
     if data["layers"]:
@@ -131,11 +132,11 @@ def plot_error_by_layer(data: dict[str, Any], path: Path) -> None:
     ax.legend(loc="best")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
-def plot_expert_tokens(data: dict[str, Any], path: Path) -> None:
+def plot_expert_tokens(data: dict[str, Any], path: Path | IO[bytes]) -> None:
     import numpy as np
 
     layers = data["coverage"]["layers"]
@@ -158,11 +159,11 @@ def plot_expert_tokens(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("MoE decoder layer")
     ax.set_title("Calibration tokens per expert (layers x experts)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
-def plot_worst_modules(data: dict[str, Any], path: Path) -> None:
+def plot_worst_modules(data: dict[str, Any], path: Path | IO[bytes]) -> None:
     worst = ranked_modules(data)[:WORST][::-1]
     plt, fig = _figure(9, max(3.0, 0.3 * len(worst) + 1.5))
     ax = fig.add_subplot(1, 1, 1)
@@ -178,15 +179,23 @@ def plot_worst_modules(data: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Worst {len(worst)} quantized modules by weight error")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
+def render_files(data: dict[str, Any]) -> dict[str, bytes]:
+    """``report.md`` and the plots, by file name, as bytes (written by ``render`` / ``write_report``)."""
+    files = {"report.md": markdown(data).encode()}
+    for name, plot in zip(PLOTS, (plot_error_by_layer, plot_expert_tokens, plot_worst_modules)):
+        buf = io.BytesIO()
+        plot(data, buf)
+        files[name] = buf.getvalue()
+    return files
+
+
 def render(data: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write ``report.md`` and the plots into ``out_dir``; returns the files written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.md").write_text(markdown(data))
-    plot_error_by_layer(data, out_dir / PLOTS[0])
-    plot_expert_tokens(data, out_dir / PLOTS[1])
-    plot_worst_modules(data, out_dir / PLOTS[2])
-    return [out_dir / "report.md", *(out_dir / p for p in PLOTS)]
+    """Write ``report.md`` and the plots into ``out_dir`` (``paths.write_owned``: never through a link, never over
+    a file we did not write, never into a checkpoint); returns the files written."""
+    from ..paths import write_owned
+
+    return write_owned(Path(out_dir), render_files(data), flag="the report directory")

@@ -27,7 +27,7 @@ from transformers import AutoConfig, GptOssForCausalLM
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
 
-from ...checkpoint import TensorInfo
+from ...checkpoint import CheckpointError, TensorInfo
 from ...dist.placement import ExpertPlacement
 from ...numerics.mxfp4 import mxfp4_decode
 from ...spec import PrepareContext, SpecError
@@ -63,21 +63,44 @@ class TransformersGptOss:
 
 
 def per_expert_view(stored: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """The checkpoint view (module docstring): fused MXFP4 blocks/scales as per-expert byte ranges."""
+    """The checkpoint view (module docstring): fused MXFP4 blocks/scales as per-expert byte ranges.
+
+    It cannot be fooled: a fused experts name whose tensor is not the OpenAI layout, and any stored
+    per-expert tensor (a name the view derives, or could: a checkpoint stores its experts fused), is refused
+    naming the stored tensor, so planted bytes never stand in for an expert's."""
     out: dict[str, TensorInfo] = {}
+    derived_from: dict[str, str] = {}
     for key, info in stored.items():
         m = _FUSED_RE.match(key)
-        blocks = m is not None and m["field"] == "blocks"
-        ndim = 4 if blocks else 3
-        if m is None or len(info.shape) != ndim or info.dtype != torch.uint8 or (blocks and info.shape[-1] != BLOCK_BYTES):
-            out[key] = info  # not the OpenAI layout: left for the source check to name
+        if m is None:
+            out[key] = info
             continue
+        blocks = m["field"] == "blocks"
+        ndim = 4 if blocks else 3
+        if len(info.shape) != ndim or info.dtype != torch.uint8 or (blocks and info.shape[-1] != BLOCK_BYTES):
+            need = f"uint8 [E, out, in/32, {BLOCK_BYTES}]" if blocks else "uint8 [E, out, in/32]"
+            raise CheckpointError(f"stored tensor {key} is {info.dtype} {list(info.shape)}, not the OpenAI MXFP4 "
+                                  f"layout of GPT-OSS experts ({need})")
         n, *rest = info.shape
         shape = (rest[0], rest[1] * rest[2]) if blocks else tuple(rest)
         per = info.nbytes // n if n else 0
         name = PACKED if blocks else SCALE
         for e in range(n):
-            out[f"{m['module']}.{e}.{m['proj']}.{name}"] = TensorInfo(info.file, info.dtype, shape, per, info.offset + e * per)
+            derived = f"{m['module']}.{e}.{m['proj']}.{name}"
+            derived_from[derived] = key
+            out[derived] = TensorInfo(info.file, info.dtype, shape, per, info.offset + e * per)
+    fused_modules = {derived.rsplit(".", 3)[0] for derived in derived_from}
+    for key in stored:
+        m = EXPERT_KEY_RE.match(key)
+        if m is None:
+            continue
+        if key in derived_from:
+            raise CheckpointError(f"stored tensor {key} has the name the checkpoint view gives expert {m['expert']} "
+                                  f"of stored {derived_from[key]}; a GPT-OSS checkpoint stores its experts fused, "
+                                  "so this tensor is refused, never read in that expert's place")
+        if m["module"] in fused_modules:
+            raise CheckpointError(f"stored tensor {key} is a per-expert tensor of {m['module']}, whose experts are "
+                                  "stored fused (_blocks/_scales); a checkpoint stores them one way")
     return out
 
 
