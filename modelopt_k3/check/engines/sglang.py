@@ -229,8 +229,7 @@ class SglangEngine(ModelOptEngine):
             return None
         return (f"SGLang's flashinfer_trtllm NVFP4 MoE post-processing (shuffle_matrix_sf_a) asserts routed-expert "
                 f"GEMM rows % {SHUFFLE_ROWS} == 0; this export has "
-                + ", ".join(f"{k} {n}" for k, n in short.items()) + " (AssertionError after load_weights; SGLang "
-                "pads only the intermediate dimension, GEMM2's rows are the hidden size)")
+                + ", ".join(f"{k} {n}" for k, n in short.items()) + " (AssertionError after load_weights)")
 
     def experts_deviations(self, method, module_name, per_expert, serving, layout):
         """W4A16_NVFP4 experts on flashinfer_trtllm: ``ModelOptFp4Config.from_config`` builds the same
