@@ -142,3 +142,25 @@ def test_pip_constraint_is_never_changed_silently(monkeypatch):
     monkeypatch.delenv("PIP_CONSTRAINT")
     said.clear()
     assert "PIP_CONSTRAINT" not in venv.install_env(None, said.append) and said == []
+
+
+def test_the_harness_is_not_part_of_the_library():
+    """It builds checkpoints and runs hf_ptq: a tool (tools/conformance), which no library module imports."""
+    import importlib.util
+
+    import modelopt_k3
+
+    assert importlib.util.find_spec("modelopt_k3.check.conformance") is None
+    root = Path(modelopt_k3.__file__).parent
+    assert not [p for p in root.rglob("*.py") if "tools.conformance" in p.read_text() or "from tools" in p.read_text()]
+
+
+def test_regenerating_the_committed_matrix_and_report_changes_nothing(tmp_path):
+    """The committed files are a fixed point of the writer: same JSON, same report, every section kept."""
+    root = Path(__file__).parents[2]
+    js, md = root / run.COMMITTED_JSON, root / run.COMMITTED_DOC
+    doc = json.loads(js.read_text())
+    report.write_report(doc, tmp_path / "m.json", tmp_path / "r.md", order=[c.id for c in CELLS],
+                        keep_sections_of=md, generated=doc["generated"])
+    assert (tmp_path / "m.json").read_text() == js.read_text()
+    assert (tmp_path / "r.md").read_text() == md.read_text()

@@ -70,7 +70,7 @@ def merge_rows(old: dict, fresh: dict, order: list[str]) -> dict:
 
 
 def write_report(result: dict, json_path: Path, md_path: Path, *, order: list[str],
-                 keep_sections_of: Path | None = None) -> dict:
+                 keep_sections_of: Path | None = None, generated: str | None = None) -> dict:
     """Write the matrix (JSON) and its report (Markdown); returns the written matrix. Rows follow ``order``,
     engines their names; ``keep_sections_of``: a report whose sections other than the generated ones
     (findings, how to run, before/after tables) are carried over, in their order."""
@@ -86,14 +86,14 @@ def write_report(result: dict, json_path: Path, md_path: Path, *, order: list[st
         row["agree"] = {e: agreement(row, e) for e in row["observed"]}
         cells.append(row)
     engines = dict(sorted(result["engines"].items()))
-    doc = {"schema": SCHEMA, "generated": datetime.date.today().isoformat(), "engines": engines,
+    doc = {"schema": SCHEMA, "generated": generated or datetime.date.today().isoformat(), "engines": engines,
            "stubs": {e: [{"name": n, "why": w} for n, w in STUBS[e]] for e in engines},
            "cells": cells}
     kept = kept_sections(keep_sections_of.read_text()) if keep_sections_of and keep_sections_of.exists() else []
     json_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    md_path.write_text("\n".join([markdown(doc).rstrip("\n"), *kept]).rstrip("\n") + "\n")
+    md_path.write_text(markdown(doc).rstrip("\n") + "".join(f"\n\n{section}" for section in kept) + "\n")
     return doc
 
 
@@ -105,7 +105,7 @@ def kept_sections(text: str) -> list[str]:
             sections.append([line])
         elif sections:
             sections[-1].append(line)
-    return ["\n" + "\n".join(s).rstrip("\n") + "\n" for s in sections if s[0] not in GENERATED_SECTIONS]
+    return ["\n".join(s).strip("\n") for s in sections if s[0] not in GENERATED_SECTIONS]
 
 
 def _cell_text(row: dict, engine: str) -> str:

@@ -164,6 +164,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--update_committed", action="store_true",
                    help=f"also regenerate {COMMITTED_JSON} and {COMMITTED_DOC} (a --cells subset updates its rows; "
                         "the doc's hand-written sections are kept)")
+    p.add_argument("--recheck", action="store_true",
+                   help=f"no engine run: rebuild the cells' exports, re-run modelopt-k3-check on them and rewrite the "
+                        f"check verdicts of {COMMITTED_JSON} / {COMMITTED_DOC} (the recorded observations kept)")
     p.add_argument("--pip_constraint", default=None, metavar="FILE",
                    help="PIP_CONSTRAINT for the engine installs ('' for none); default: the environment's, as is")
     args = p.parse_args(argv)
@@ -194,11 +197,32 @@ def disagreements(doc: dict) -> list[tuple[str, str]]:
     return [(row["id"], e) for row in doc["cells"] for e in sorted(row["observed"]) if agreement(row, e) is False]
 
 
+def recheck(doc: dict, work: Path, cell_ids: list[str] | None, *, reuse_exports: bool, say=print) -> dict:
+    """``doc`` with the check verdicts of its cells (or of ``cell_ids``) recomputed on freshly built exports."""
+    from .matrix import CELLS, build_export
+
+    built: dict[str, Path] = {}
+    cells = {c.id: c for c in CELLS}
+    for row in doc["cells"]:
+        if row["id"] in cells and (not cell_ids or row["id"] in cell_ids):
+            say(f"[recheck] {row['id']}")
+            row["check"] = check_verdicts(build_export(cells[row["id"]], work, built, reuse=reuse_exports))
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from .matrix import CELLS
     from .report import merge_rows, write_report
     from .venv import DEFAULT_ROOT
+
+    if args.recheck:
+        doc = recheck(json.loads(COMMITTED_JSON.read_text()), args.work, args.cell_ids,
+                      reuse_exports=args.reuse_exports)
+        written = write_report(doc, COMMITTED_JSON, COMMITTED_DOC, order=[c.id for c in CELLS],
+                               keep_sections_of=COMMITTED_DOC, generated=doc.get("generated"))
+        print(f"updated the check verdicts of {COMMITTED_JSON} and {COMMITTED_DOC}")
+        return _exit(disagreements(written))
 
     result = run_matrix(args.engines, venv_root=args.venv_root or DEFAULT_ROOT, work=args.work,
                         cell_ids=args.cell_ids, timeout=args.timeout, reuse_exports=args.reuse_exports,
@@ -212,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             committed = merge_rows(json.loads(COMMITTED_JSON.read_text()), result, order)
         write_report(committed, COMMITTED_JSON, COMMITTED_DOC, order=order, keep_sections_of=COMMITTED_DOC)
         print(f"updated {COMMITTED_JSON} and {COMMITTED_DOC}")
-    found = disagreements(written)
+    return _exit(disagreements(written))
+
+
+def _exit(found: list[tuple[str, str]]) -> int:
     if found:
         print(f"{len(found)} disagreement(s) between modelopt-k3-check and the engines: "
               + ", ".join(f"{c} ({e})" for c, e in found), file=sys.stderr)
