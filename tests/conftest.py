@@ -132,7 +132,7 @@ def tiny_wide_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with 128-wide routed experts (the conformance matrix's ``wide`` experts sizes): the
     smallest one SGLang's NVFP4 MoE post-processing takes (flashinfer's shuffle needs routed-expert GEMM
     rows % 128). Built once per session; do not modify it."""
-    from modelopt_k3.check.conformance.matrix import WIDE_SIZES
+    from tools.conformance.matrix import WIDE_SIZES
 
     return make_tiny_kimi_k3(tmp_path_factory.mktemp("tiny_wide") / "ckpt", seed=0, **WIDE_SIZES)
 

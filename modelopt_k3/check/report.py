@@ -46,6 +46,8 @@ class EngineResult:
     deviations: list[Deviation] = field(default_factory=list)
     # Flags the serve command needs for this export (each "flag: why"); they do not change the verdict.
     serve_flags: list[str] = field(default_factory=list)
+    # What the engine warns about while loading (each "where: what"); they do not change the verdict either.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -105,6 +107,7 @@ class CheckReport:
             head = result.headline()
             lines.append(f"  {name:<{width}}  {result.verdict}" + (f" -- {head}" if head else ""))
             lines += [f"  {'':<{width}}  serve with {flag}" for flag in result.serve_flags]
+            lines += [f"  {'':<{width}}  warns: {w}" for w in result.warnings]
         if details:
             for name, result in self.results.items():
                 if not result.ok and (details is True or name in details):

@@ -1,5 +1,5 @@
 """The engine-free parts of the conformance harness: what it calls landed, never written, a post-load
-scale mismatch, and the verdict it derives (``modelopt_k3.check.conformance``; the drivers' shared code
+scale mismatch, and the verdict it derives (``tools/conformance``; the drivers' shared code
 ``drivers/_common.py`` runs in the engine venvs but needs only torch)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from modelopt_k3.check import DIFFERENT, LOADS, REFUSES
-from modelopt_k3.check.conformance import matrix
-from modelopt_k3.check.conformance.run import export_fingerprint, observed_verdict
+from tools.conformance import matrix
+from tools.conformance.run import export_fingerprint
+from tools.conformance.verdict import observed_verdict
 
 sys.path.insert(0, str(Path(matrix.__file__).parent / "drivers"))
 import _common as C  # noqa: E402

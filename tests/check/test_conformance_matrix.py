@@ -1,6 +1,6 @@
 """``modelopt-k3-check`` against what vLLM's and SGLang's own loaders did with the same exports.
 
-``tests/data/engine_conformance.json`` is written by ``python -m modelopt_k3.check.conformance`` (opt-in:
+``tests/data/engine_conformance.json`` is written by ``python -m tools.conformance`` (opt-in:
 it installs the engines; see docs/ENGINE_CONFORMANCE.md). These tests need no engine: they recompute
 the check's verdict for every cell and compare it with the engines' recorded verdict. A cell where the
 check and the engine disagree must be one the committed file records as disagreeing (and the report
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from modelopt_k3.check import check_export, check_layout, planned_layout
-from modelopt_k3.check.conformance import matrix
+from tools.conformance import matrix
 
 MATRIX = Path(__file__).parents[1] / "data" / "engine_conformance.json"
 DOC = json.loads(MATRIX.read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_k3.check import LOADS, REFUSES, check_layout, planned_layout
+from modelopt_k3.check import DIFFERENT, LOADS, REFUSES, check_layout, planned_layout
 from modelopt_k3.cli import check as check_cli
 from modelopt_k3.cli import convert as convert_cli
 from modelopt_k3.cli import hf_ptq
@@ -26,8 +26,10 @@ pytestmark = pytest.mark.slow  # a tiny checkpoint of its own, and whole-export 
 MIRROR = "models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention"
 EXPERTS = "models/moonshotai/Kimi-K3/nvfp4_experts"
 ENGINES = ("vllm", "sglang", "trtllm")
-# Every Linear dimension the mirror quantizes a multiple of 128, as in Kimi-K3 (routed experts too).
-ALIGNED = {"linear_head_dim": 128, "q_lora_rank": 128, "kv_lora_rank": 128, "v_head_dim": 64,
+LM = "language_model.model"
+# Every Linear dimension the mirror quantizes a multiple of 128, as in Kimi-K3 (routed experts too; MLA kv_b_proj
+# has num_heads x (qk_nope_head_dim + v_head_dim) rows, which TensorRT-LLM's FP8 read needs 128-aligned as well).
+ALIGNED = {"linear_head_dim": 128, "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 128, "v_head_dim": 128,
            "moe_intermediate_size": 128, "routed_expert_hidden_size": 128}
 
 
@@ -104,19 +106,23 @@ def test_sglang_mixed_precision_needs_quant_method_modelopt_mixed(tiny128: Path)
 
 def test_trtllm_is_a_target_for_the_mirror_and_the_experts_recipe(tiny_ckpt: Path, tiny128: Path, tmp_path: Path,
                                                                   capsys):
-    """Acceptance of issue 17 part 2 on the default tiny model: the converter's and hf_ptq's exports."""
-    for recipe in (MIRROR, EXPERTS):
+    """Acceptance of issue 17 part 2: the converter's and hf_ptq's exports. The mirror's FP8 attention needs
+    Kimi-K3's 128-aligned dims in TensorRT-LLM's newest K3 loader (FP8 KDA projections, MLA kv_b_proj), so it
+    is built on the 128-aligned tiny model; the default tiny model's mirror is refused there."""
+    for recipe, src in ((MIRROR, tiny128), (EXPERTS, tiny_ckpt)):
         out = tmp_path / recipe.rsplit("/", 1)[1]
-        assert convert_cli.main(["--src", str(tiny_ckpt), "--dst", str(out), "--recipe", recipe,
+        assert convert_cli.main(["--src", str(src), "--dst", str(out), "--recipe", recipe,
                                  "--target_engines", "trtllm", "--no_progress"]) == 0
         assert check_cli.main([str(out), "--engine", "trtllm"]) == 0
+    assert convert_cli.main(["--src", str(tiny_ckpt), "--dst", str(tmp_path / "mirror64"), "--recipe", MIRROR,
+                             "--target_engines", "trtllm", "--no_progress"]) != 0
     out = tmp_path / "hf_ptq_mirror"
-    assert hf_ptq.main(["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--recipe", MIRROR,
+    assert hf_ptq.main(["--pyt_ckpt_path", str(tiny128), "--trust_remote_code", "--recipe", MIRROR,
                         "--export_path", str(out), "--target_engines", "trtllm", "--no_progress"]) == 0
     assert check_cli.main([str(out), "--engine", "trtllm"]) == 0
     capsys.readouterr()
     # One writer: both exporters write exactly the manifest the plan declares (the golden test's subject).
-    planned = planned_layout(tiny_ckpt, load_recipe(MIRROR))
+    planned = planned_layout(tiny128, load_recipe(MIRROR))
     for export in (tmp_path / "nvfp4_experts-fp8_pb_attention", out):
         assert json.loads((export / "hf_quant_config.json").read_text()) == planned.hf_quant
         assert json.loads((export / "config.json").read_text())["quantization_config"] == planned.quant
@@ -127,21 +133,57 @@ def test_trtllm_is_a_target_for_the_mirror_and_the_experts_recipe(tiny_ckpt: Pat
     assert _verdicts(planned_layout(tiny128, load_recipe("trtllm"))) == dict.fromkeys(ENGINES, LOADS)
 
 
-def test_sglang_reads_a_single_format_w4a16_nvfp4_manifest(tiny_ckpt: Path):
-    """SGLang 0.5.23's ModelOptFp4Config takes W4A16_NVFP4 (FP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4)."""
+def test_sglang_reads_a_single_format_w4a16_nvfp4_manifest(tiny128: Path):
+    """SGLang 0.5.23's ModelOptFp4Config takes W4A16_NVFP4 (FP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4); its routed experts
+    then run on flashinfer_trtllm (K3's situ needs it), whose activation scales stay the 1.0 fill: the export
+    loads but serves different numbers."""
     from modelopt_k3.export.modelopt_format import config_quantization_config, hf_quant_config
 
     recipe = recipe_from_dict({"quant_cfg": [
         {"pattern": "*.block_sparse_moe.experts*", "weights": "nvfp4", "inputs": None},
         {"import": "units/default_disabled"},
     ]}, name="experts_w4a16")
-    layout = copy.deepcopy(planned_layout(tiny_ckpt, recipe))
+    layout = copy.deepcopy(planned_layout(tiny128, recipe))
     experts = [n for n, lin in layout.linears.items() if lin.fmt == "w4a16_nvfp4"]
     unquantized = [n for n, lin in layout.linears.items() if lin.fmt == "bf16"]
     layout.hf_quant = hf_quant_config(dict.fromkeys(experts, "W4A16_NVFP4"), kv_cache=None, unquantized=unquantized)
     layout.quant = config_quantization_config(layout.hf_quant)
     assert layout.quant["quant_algo"] == "W4A16_NVFP4"
     sglang = check_layout(layout, ("sglang",), numerics=False).results["sglang"]
-    assert sglang.verdict == LOADS, sglang.headline()
+    assert sglang.verdict == DIFFERENT and not sglang.refusals, sglang.headline()
+    assert all("fill value 1.0" in d.what for d in sglang.deviations) and len(sglang.deviations) == 3
     layout.quant["quant_algo"] = "NVFP4_GPTQ"
     assert "supports only FP8, NVFP4" in check_layout(layout, ("sglang",), numerics=False).results["sglang"].headline()
+
+
+def _trt(layout) -> list:
+    result = check_layout(layout, ("trtllm",), numerics=False).results["trtllm"]
+    return result.refusals
+
+
+def test_trtllm_newest_k3_loader_refuses_the_three_manifest_edits(tiny128: Path):
+    """TensorRT-LLM's newest K3 loader (models/kimi_k3/serving.py): the aligned mirror loads; each manifest edit
+    issue 30's replay found raising is refused -- attention declared other than unquantized/FP8_BLOCK_SCALES (or
+    aliases disagreeing), KDA q/k/v/g/o not FP8 all together, a routed-expert bank in exclude_modules."""
+    mirror = planned_layout(tiny128, load_recipe(MIRROR))
+    assert _trt(mirror) == []
+    (warning,) = check_layout(mirror, ("trtllm",), numerics=False).results["trtllm"].warnings
+    assert "config.json: quantization_config has no group_size" in warning
+    mla, kda = f"{LM}.layers.3.self_attn", f"{LM}.layers.2.self_attn"
+
+    def declare(algo, names):
+        return lambda layers: {**layers, **{n: {"quant_algo": algo} for n in names}}
+
+    refused = _trt(_with_layers(mirror, declare("FP8", [f"{mla}.q_b_proj", "model.layers.3.self_attn.q_b_proj",
+                                                        "layers.3.self_attn.q_b_proj"])))
+    assert [r.tensor for r in refused] == [f"{mla}.q_b_proj.weight"] and "declared FP8" in refused[0].reason
+    refused = _trt(_with_layers(mirror, declare("NVFP4", ["model.layers.3.self_attn.q_b_proj"])))  # one alias only
+    assert [r.tensor for r in refused] == [f"{mla}.q_b_proj.weight"] and "Conflicting" in refused[0].reason
+    without_g = _with_layers(mirror, lambda layers: {k: v for k, v in layers.items() if not k.endswith("2.self_attn.g_proj")})
+    refused = _trt(without_g)
+    assert [r.tensor for r in refused] == [f"{kda}.q_proj.weight"] and "all together or none" in refused[0].reason
+    banked = copy.deepcopy(mirror)
+    banked.hf_quant["quantization"]["exclude_modules"].append(f"{LM}.layers.2.block_sparse_moe.experts")
+    refused = _trt(banked)
+    assert [r.tensor for r in refused] == [f"{LM}.layers.2.block_sparse_moe.experts.0.w1.weight"]
+    assert "NotImplementedError" in refused[0].reason and "before quantized_layers" in refused[0].reason

@@ -337,15 +337,19 @@ def test_sglang_refuses_64_wide_nvfp4_experts_at_flashinfers_shuffle(tiny_ckpt: 
 
 
 def test_the_converters_mirror_loads_in_trtllm_and_the_tiny_dims_decide_vllm_and_sglang(tiny_ckpt: Path, tmp_path):
-    """The mirror as the converter writes it: TensorRT-LLM loads it (banks declared NVFP4, FP8_PB_WO trunk
-    dequantized); vLLM 0.33.0 and SGLang 0.5.23 dispatch FP8_PB_WO but the 64-wide tiny model misses their
-    128 alignments (at 128-aligned sizes they load it: tests/check/test_engine_snapshots.py)."""
+    """The mirror as the converter writes it: every engine dispatches its FP8_PB_WO attention (TensorRT-LLM's
+    newest K3 loader reads it as FP8, banks declared NVFP4), but the 64-wide tiny model misses each engine's 128
+    alignments -- TensorRT-LLM's for FP8 KDA projections and MLA kv_b_proj included (at 128-aligned sizes they
+    load it: tests/check/test_engine_snapshots.py)."""
     from modelopt_k3 import convert_checkpoint
 
     mirror = convert_checkpoint(tiny_ckpt, tmp_path / "mirror", MIRROR, progress=False).dst
-    assert check_cli.main([str(mirror), "--engine", "trtllm"]) == 0
+    assert check_cli.main([str(mirror), "--engine", "trtllm"]) == 1
     report = check_export(mirror, ("vllm", "sglang", "trtllm"))
-    assert verdicts(report) == {"vllm": REFUSES, "sglang": REFUSES, "trtllm": LOADS}
+    assert verdicts(report) == {"vllm": REFUSES, "sglang": REFUSES, "trtllm": REFUSES}
+    trt_refused = {r.tensor.rsplit(".", 2)[-2] for r in report.results["trtllm"].refusals}
+    assert trt_refused == {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "kv_b_proj"}, trt_refused
+    assert all("multiples of 128" in r.reason for r in report.results["trtllm"].refusals)
     assert "FP8_PB_WO requires in divisible by 128, got 32" in report.results["vllm"].refusals[0].reason  # f_b_proj
     assert "validate_block_quant_shapes" in report.results["sglang"].refusals[0].reason  # fused_qkvg_proj
     (flag,) = report.results["sglang"].serve_flags
@@ -360,7 +364,8 @@ def test_the_converters_mirror_loads_in_trtllm_and_the_tiny_dims_decide_vllm_and
         hf["quantized_layers"] = cfg["quantized_layers"] = layers
 
     trt = check_export(edit_export(mirror, tmp_path / "per_expert", quant=per_expert), ("trtllm",)).results["trtllm"]
-    assert trt.verdict == REFUSES and "no <prefix>layers.{i}.block_sparse_moe.experts entry" in trt.refusals[0].reason
+    assert trt.verdict == REFUSES
+    assert any("no <prefix>layers.{i}.block_sparse_moe.experts entry" in r.reason for r in trt.refusals)
 
 
 def test_hf_quant_config_fallback_producer_matters_to_vllm_only(good: Path, tmp_path):

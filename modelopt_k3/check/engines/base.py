@@ -10,8 +10,9 @@ shapes, scale use -- is one function for all of them.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -81,12 +82,21 @@ class ModelServing:
     # the checkpoint's ``...self_attn`` module), and why there are no others (for messages).
     kv_scale_params: tuple[str, ...]
     kv_note: str
+    # (regex searched in the engine module name, reason): checkpoint modules the class has no parameter for;
+    # its load_weights skips their tensors without an error and what the class built there stays unwritten.
+    ignored: tuple[tuple[str, str], ...] = ()
+    # The MoE runner backend the engine's config-time override picks for this class under the default
+    # ``auto`` (None: the engine's generic default), from the checkpoint's configs.
+    moe_runner: Callable[[Layout], str | None] | None = None
 
     def engine_prefix(self, name: str) -> str:
         return self.mapper(name).removeprefix(self.strip_prefix)
 
     def unquantized_reason(self, name: str) -> str | None:
         return _first_match(self.unquantized, name)
+
+    def ignored_reason(self, name: str) -> str | None:
+        return _first_match(self.ignored, name)
 
     def format_reason(self, name: str, fmt: str) -> str | None:
         """Why ``fmt`` cannot be stored at module ``name`` (None: it can)."""
@@ -165,6 +175,12 @@ class ModelOptEngine:
                         layout: Layout) -> str | None:
         """Why the engine refuses the routed-expert bank as a whole after loading (None: it does not)."""
         return None
+
+    def experts_deviations(self, method: str, module_name: str, per_expert: dict[int, dict[str, Linear]],
+                           serving: ModelServing, layout: Layout) -> list[Deviation]:
+        """What the engine's post-processing of a loaded routed-expert bank computes differently (beyond the
+        scale use every engine shares, ``experts_scale_deviations``)."""
+        return []
 
     def serve_flags(self, layout: Layout, serving: ModelServing) -> list[str]:
         """Serve-command flags this export needs on this engine (each with its reason)."""
@@ -260,6 +276,9 @@ class ModelOptEngine:
         return kv_deviations(layout, dropped, numerics)
 
     def _dense(self, layout, serving, qv, module: EngineModule, numerics: bool) -> list[Deviation]:
+        ignored = serving.ignored_reason(module.name)
+        if ignored:  # skipped without an error: not a refusal, the served numbers are simply not these
+            return [Deviation(module.name, f"its tensors land in no parameter: {ignored}", math.inf)]
         quantized = [p for p in module.pieces if p.fmt != "bf16"]
         built_plain = serving.unquantized_reason(module.name)
         for piece in quantized:
@@ -304,9 +323,10 @@ class ModelOptEngine:
         problem = self.experts_problem(method, per_expert, serving, layout)
         if problem:
             raise Refuse(min(pieces, key=lambda p: p.name).tensor_name(), problem)
+        post = self.experts_deviations(method, module_name, per_expert, serving, layout)
         if not numerics or not quantized:
-            return []
-        return experts_scale_deviations(layout, module_name, per_expert, serving.gate_up, method)
+            return post
+        return experts_scale_deviations(layout, module_name, per_expert, serving.gate_up, method) + post
 
 
 # ---------------------------------------------------------------------- shared pieces of the replay

@@ -19,11 +19,13 @@ shuffle: routed-expert GEMM rows % 128). The Kimi-K3 class is in
 
 from __future__ import annotations
 
+import math
 import re
 
 from ...formats import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4
 from ...numerics.constants import FP8_BLOCK
 from ..layout import Layout
+from ..report import Deviation
 from .base import (
     EngineModule,
     ModelOptEngine,
@@ -45,6 +47,8 @@ MIXED_ALGOS = {s.algo: s.engine_method for s in (FP8, FP8_PB_WO, NVFP4, W4A16_NV
 # The runner backends whose ModelOpt NVFP4 MoE takes the situ activation (ModelOptNvFp4FusedMoEMethod.apply).
 SITU_BACKEND = "flashinfer_trtllm"
 SHUFFLE_ROWS = 128  # flashinfer's shuffle of the NVFP4 expert weights: rows (N) of w13 and w2 % 128
+# Expert methods ModelOptNvFp4FusedMoEMethod serves (ModelOptFp4Config.get_quant_method, Moe=...).
+NVFP4_EXPERT_METHODS = (NVFP4.engine_method, W4A16_NVFP4.engine_method)
 
 
 def _hf_quant_config_method(quant: dict, source: str) -> None:
@@ -181,25 +185,36 @@ class SglangEngine(ModelOptEngine):
     def serve_flags(self, layout: Layout, serving: ModelServing) -> list[str]:
         """NVFP4 routed experts with K3's situ activation: only the flashinfer_trtllm (or flashinfer_megamoe)
         runner backend runs them; the default ``auto`` passes loading and fails at the first forward."""
-        text = layout.config.get("text_config") if isinstance(layout.config.get("text_config"), dict) else layout.config
-        expert_re = re.compile(serving.expert_re)
-        experts = [lin for name, lin in layout.linears.items() if expert_re.fullmatch(name)]
-        nvfp4 = [lin for lin in experts if lin.fmt in (NVFP4.engine_method, W4A16_NVFP4.engine_method)]
-        if not nvfp4 or text.get("hidden_act") != "situ":
+        if not self._situ_nvfp4_experts(layout, serving):
             return []
         flag = (f"--moe-runner-backend {SITU_BACKEND} (ModelOpt NVFP4 MoE takes the situ activation only on "
                 "flashinfer_trtllm/flashinfer_megamoe; the default auto fails at the first forward)")
         return [flag]
 
+    @staticmethod
+    def _situ_nvfp4_experts(layout: Layout, serving: ModelServing) -> bool:
+        text = layout.config.get("text_config") if isinstance(layout.config.get("text_config"), dict) else layout.config
+        expert_re = re.compile(serving.expert_re)
+        return text.get("hidden_act") == "situ" and any(
+            lin.fmt in NVFP4_EXPERT_METHODS for name, lin in layout.linears.items() if expert_re.fullmatch(name))
+
+    def moe_runner(self, layout: Layout, serving: ModelServing) -> str | None:
+        """The MoE runner backend SGLang serves this export's routed experts with: the one ``serve_flags``
+        asks for, else the class's config-time override of ``auto`` (``ModelServing.moe_runner``)."""
+        if self._situ_nvfp4_experts(layout, serving):
+            return SITU_BACKEND
+        return serving.moe_runner(layout) if serving.moe_runner else None
+
     def experts_problem(self, method, per_expert, serving, layout):
-        """With flashinfer_trtllm (the backend K3's situ experts need, ``serve_flags``),
-        ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` (modelopt_quant.py) runs
-        ``moe_runner/flashinfer_trtllm.py::align_fp4_moe_weights_for_flashinfer_trtllm``, whose
-        ``shuffle_matrix_sf_a`` asserts each GEMM's scale rows % 128 == 0 (flashinfer ``utils.py``
+        """With flashinfer_trtllm (the backend K3's situ experts need, ``serve_flags``, and the one SGLang's
+        Qwen3-MoE override picks, ``ModelServing.moe_runner``),
+        ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` (modelopt_quant.py; the MoE method of
+        NVFP4 and W4A16_NVFP4 alike) runs ``moe_runner/flashinfer_trtllm.py::align_fp4_moe_weights_for_flashinfer_trtllm``,
+        whose ``shuffle_matrix_sf_a`` asserts each GEMM's scale rows % 128 == 0 (flashinfer ``utils.py``
         ``get_shuffle_matrix_sf_a_row_indices``): GEMM1 has 2 x intermediate rows (``create_weights`` pads
         intermediate to 64, gated), GEMM2 has hidden rows, unpadded (``trtllm_nvfp4_hidden_alignment``: 1
         for a gated static-activation MoE)."""
-        if method != NVFP4.engine_method or not self.serve_flags(layout, serving):
+        if method not in NVFP4_EXPERT_METHODS or self.moe_runner(layout, serving) != SITU_BACKEND:
             return None
         expert = next(iter(per_expert.values()))
         gate_up = [lin for proj, lin in expert.items() if proj in serving.gate_up]
@@ -215,6 +230,19 @@ class SglangEngine(ModelOptEngine):
         return (f"SGLang's flashinfer_trtllm NVFP4 MoE post-processing (shuffle_matrix_sf_a) asserts routed-expert "
                 f"GEMM rows % {SHUFFLE_ROWS} == 0; this export has "
                 + ", ".join(f"{k} {n}" for k, n in short.items()) + " (AssertionError after load_weights)")
+
+    def experts_deviations(self, method, module_name, per_expert, serving, layout):
+        """W4A16_NVFP4 experts on flashinfer_trtllm: ``ModelOptFp4Config.from_config`` builds the same
+        ``ModelOptNvFp4FusedMoEMethod`` (``use_per_token_activation`` False), whose ``create_weights`` fills
+        ``w13_input_scale``/``w2_input_scale`` with 1.0 (``_make_per_tensor_scale_parameter(fill_value=1.0)``);
+        a W4A16 export has no input_scale to overwrite them, and trtllm-gen has only the W4A4 NVFP4 MoE path
+        (arg_groups/model_overrides/qwen3_moe.py), so the activations are quantized to NVFP4 with scale 1.0."""
+        if method != W4A16_NVFP4.engine_method or self.moe_runner(layout, serving) != SITU_BACKEND:
+            return []
+        return [Deviation(module_name, "W4A16_NVFP4 routed experts on SGLang's flashinfer_trtllm runner: the "
+                                       "activations are quantized to NVFP4 with the input-scale parameters' fill "
+                                       "value 1.0 (the export has no input_scale; modelopt_quant.py "
+                                       "ModelOptNvFp4FusedMoEMethod.create_weights)", math.inf)]
 
     def remap_kv_scale(self, name: str, params: set[str]) -> tuple[str, bool]:
         """weight_utils.maybe_remap_kv_scale_name: ...self_attn.{k,v}_proj.{k,v}_scale (ModelOpt) and any

@@ -16,6 +16,9 @@ single commit; not run here -- where the versions disagree the rule refuses):
 * ``tensorrt_llm/_torch/modules/linear.py`` ``NVFP4LinearMethod.load_weight_scales``: the pieces of
   a fused Linear (qkv_proj, gate_up_proj) must carry equal ``input_scale`` and equal ``weight_scale_2``
   (asserted, not maxed as vLLM/SGLang do).
+* Newer builds (the Kimi-K3 loader's snapshot cited in ``models/kimi_k3/serving.py``) match an
+  ``exclude_modules`` pattern against the module's name *and every ancestor* (``trt_excluded_or_ancestor``),
+  and read ``quant_algo`` ``FP8_PB_WO`` as ``FP8_BLOCK_SCALES`` (``trt_algo``).
 * ``tensorrt_llm/_torch/modules/fused_moe/quantization.py`` (NVFP4 fused-MoE method,
   ``load_expert_fc31_input_scale_nvfp4`` / ``load_expert_fc31_alpha_nvfp4``): per expert, w1 and w3
   must carry equal ``input_scale`` and equal ``weight_scale_2`` (asserted); the layer's GEMM input
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from ...formats import FP8, NVFP4
+from ...formats import FP8, FP8_PB_WO, NVFP4
 from ..layout import Layout, Linear
 from ..report import Refusal
 from .base import Refuse
@@ -34,6 +37,7 @@ from .base import Refuse
 # Single quant_algo values this check replays for TensorRT-LLM -> the Linear.fmt the method loads.
 TRT_METHODS = {s.algo: s.engine_method for s in (NVFP4, FP8)}
 HF_QUANT_CONFIG = "hf_quant_config.json"
+FP8_BLOCK_SCALES = "FP8_BLOCK_SCALES"  # QuantAlgo.FP8_BLOCK_SCALES: 128x128 block FP8 weights
 
 
 def trt_quant(layout: Layout) -> tuple[str | None, list[str]]:
@@ -67,6 +71,27 @@ def trt_excluded(name: str, exclude: list[str]) -> bool:
             raise Refuse(name, f"only its ancestor {ancestor} matches exclude entry {hit!r}: older TensorRT-LLM "
                                "builds match the module's own name only, newer ones also ancestors; unsettled")
     return False
+
+
+def trt_excluded_or_ancestor(name: str, exclude: list[str]) -> bool:
+    """``is_module_excluded_from_quantization`` as the newer builds run it: the name or any ancestor matches."""
+    parts = name.split(".")
+    return any(fnmatchcase(".".join(parts[:i]), p) for i in range(len(parts), 0, -1) for p in exclude)
+
+
+def trt_algo(algo: str | None) -> str | None:
+    """A ModelOpt quant_algo as TensorRT-LLM's QuantAlgo names it (FP8_PB_WO is its FP8_BLOCK_SCALES)."""
+    algo = str(algo).upper() if algo else None
+    return FP8_BLOCK_SCALES if algo == FP8_PB_WO.algo else algo
+
+
+def config_json_group_size_warning(layout: Layout) -> list[str]:
+    """TensorRT-LLM warns when config.json's ``quantization_config`` carries no top-level ``group_size``
+    (issue 30's replay of the newest loader; the hf_quant_config.json value is used)."""
+    if isinstance(layout.quant, dict) and "group_size" not in layout.quant:
+        return ["config.json: quantization_config has no group_size (TensorRT-LLM warns and reads "
+                "hf_quant_config.json's)"]
+    return []
 
 
 def trt_method(algo: str | None, excluded: bool) -> str:

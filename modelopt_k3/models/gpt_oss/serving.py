@@ -1,7 +1,7 @@
 """What each serving engine's GPT-OSS class does with our export (per-expert NVFP4 experts): the check's rules.
 
-Read from the engines' sources as users install them (not run; the conformance harness has no GPT-OSS
-driver yet):
+Read from the engines' sources as users install them (the conformance harness has no GPT-OSS driver yet; the
+SGLang outcomes are those issue 30's independent engine run observed):
 
 * vLLM 0.33.0 (PyPI wheel), ``model_executor/models/gpt_oss.py``: a ``quant_method: modelopt`` config takes
   ``GptOssModel._load_weights_other``. ``GptOssForCausalLM.hf_to_vllm_mapper`` renames
@@ -13,13 +13,16 @@ driver yet):
   which narrows and transposes the tensor as a BF16 ``[in, out]`` weight: packed codes and block scales land
   transposed (or the copy fails on the shapes). ModelOpt's own fused layout fares no better there:
   ``gate_up_proj`` loads, ``gate_up_proj_weight_scale*`` match no mapping and are skipped.
-* SGLang 0.5.23 (PyPI wheel), ``srt/models/gpt_oss.py``: a ModelOpt config takes
-  ``GptOssForCausalLM._load_normal_weights``, whose expert mapping
-  (``FusedMoE.make_expert_params_mapping_fused``) matches only the fused names ``experts.gate_up_proj`` /
-  ``experts.down_proj`` (+ ``_bias``); per-expert ``experts.<e>.gate_up_proj.*`` match nothing and are skipped
-  without an error, so the routed experts keep uninitialised weights. (ModelOpt's fused layout: the mapping's
-  substring replace turns ``experts.gate_up_proj_weight_scale`` into ``experts.w13_weight_weight_scale``,
-  no parameter, skipped.)
+* SGLang 0.5.23 (PyPI wheel), ``srt/models/gpt_oss.py``: ``GptOssDecoderLayer.__init__`` builds
+  ``GptOssAttention`` without passing its ``quant_config`` (so ``qkv_proj``/``o_proj`` are BF16
+  ``QKVParallelLinear``/``RowParallelLinear``): stored NVFP4/FP8 attention trips the Linear's weight-loader
+  shape assert -- refused. A ModelOpt config takes ``GptOssForCausalLM._load_normal_weights``, whose expert
+  mapping (``FusedMoE.make_expert_params_mapping_fused``) matches only the fused names
+  ``experts.gate_up_proj`` / ``experts.down_proj`` (+ ``_bias``); per-expert ``experts.<e>.gate_up_proj.*``
+  and our fused ``experts.gate_up_proj_bias`` match no parameter and are skipped without an error, so every
+  routed-expert parameter keeps its initial value: the engine loads and **serves different numbers**.
+  (ModelOpt's fused layout: the mapping's substring replace turns ``experts.gate_up_proj_weight_scale`` into
+  ``experts.w13_weight_weight_scale``, no parameter, skipped.)
 * TensorRT-LLM (PyTorch backend), NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_gpt_oss.py`` @
   050b6cb9 (``GptOssForCausalLM.load_weights`` -> ``load_hf_weights`` for HF names, i.e. any ``q_proj`` key;
   ``MLPBlock`` builds the experts with ``MoEWeightLoadingMode.FUSED_GATE_UP_PROJ``) and
@@ -29,28 +32,34 @@ driver yet):
   MXFP4). Per-expert ``experts.<e>.gate_up_proj.*`` give neither key, so the load raises ``KeyError``
   whatever the experts' format; ModelOpt's fused NVFP4 names are not read either (not replayed here).
 
-So every engine refuses a GPT-OSS export whose routed experts are NVFP4 (what the GPT-OSS recipes produce);
-TensorRT-LLM refuses any per-expert export.
+So vLLM refuses a GPT-OSS export whose routed experts are NVFP4 (what the GPT-OSS recipes produce);
+SGLang refuses quantized attention (the calibrated recipe) and otherwise silently mis-loads the per-expert
+experts (the converter's default); TensorRT-LLM refuses any per-expert export.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 from ...check.engines import register_serving
 from ...check.layout import Layout
-from ...check.report import EngineResult, Refusal
+from ...check.report import Deviation, EngineResult, Refusal
 
 EXPERT_RE = re.compile(r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_up_proj|down_proj)")
+ATTENTION_RE = re.compile(r".+\.self_attn\.(q|k|v|o)_proj")
 REASONS = {
     "vllm": ("vLLM 0.33.0's GPT-OSS loads ModelOpt per-expert tensors through GptOssRoutedExperts."
              "_load_unquantized_expert (a BF16 [in, out] transpose; the packed path is only for MXFP4 and "
              "compressed-tensors NVFP4) and hf_to_vllm_mapper drops weight_scale_2 (gpt_oss.py "
              "GptOssModel._load_weights_other)"),
-    "sglang": ("SGLang 0.5.23's GPT-OSS maps only the fused experts.gate_up_proj/down_proj names; per-expert "
-               "tensors match nothing and are skipped, leaving the experts uninitialised (gpt_oss.py "
-               "GptOssForCausalLM._load_normal_weights)"),
 }
+SGLANG_ATTENTION = ("SGLang 0.5.23's GptOssDecoderLayer builds GptOssAttention without a quant config, so its "
+                    "QKVParallelLinear/RowParallelLinear are BF16 and their weight loader asserts on the stored "
+                    "tensors (gpt_oss.py GptOssDecoderLayer.__init__)")
+SGLANG_EXPERTS = ("SGLang 0.5.23's GPT-OSS maps only the fused experts.gate_up_proj/down_proj(+_bias) names; the "
+                  "per-expert tensors and the expert biases match nothing and are skipped without an error, so "
+                  "every routed-expert parameter is never written (gpt_oss.py GptOssForCausalLM._load_normal_weights)")
 
 
 def _replay(engine: str):
@@ -67,8 +76,26 @@ def _replay(engine: str):
     return replay
 
 
-for _engine in REASONS:
-    register_serving("gpt_oss", _engine, _replay(_engine))
+def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """SGLang's GPT-OSS: quantized attention refused; per-expert experts skipped (served numbers differ)."""
+    result = EngineResult("sglang")
+    modules: dict[str, str] = {}
+    for name, linear in sorted(layout.linears.items()):
+        if ATTENTION_RE.fullmatch(name) and linear.fmt != "bf16":
+            result.refusals.append(Refusal(linear.tensor_name(), f"stored {linear.fmt}: {SGLANG_ATTENTION}"))
+        m = EXPERT_RE.fullmatch(name)
+        if m:
+            modules.setdefault(m["module"], linear.fmt)
+    result.deviations += [Deviation(module, f"per-expert {fmt} experts land in no parameter: {SGLANG_EXPERTS}",
+                                    math.inf) for module, fmt in modules.items()]
+    if not result.refusals and not result.deviations:
+        result.refusals.append(Refusal("config.json", "modelopt-k3-check knows SGLang's GPT-OSS rules only for "
+                                                      "per-expert routed experts (fused exports are not replayed)"))
+    return result
+
+
+register_serving("gpt_oss", "vllm", _replay("vllm"))
+register_serving("gpt_oss", "sglang", replay_sglang)
 
 TRT_REASON = ("TensorRT-LLM's GPT-OSS reads the MoE's weights under the fused names gate_up_proj/down_proj (BF16) "
               "or gate_up_proj_blocks/_scales (MXFP4) only; per-expert experts.<e>.* names give neither and the "

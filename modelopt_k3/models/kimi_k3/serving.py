@@ -26,8 +26,19 @@ One snapshot per engine, as users install it:
   / ``flashinfer_megamoe`` runner backends) and ``layers/quantization/fp8.py``
   (``validate_block_quant_shapes``: each output partition of a merged block-FP8 Linear divisible by 128).
 * TensorRT-LLM: NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_kimi_linear.py`` @ cf328e85
-  (``KimiK3MoERuntime._resolve_routed_quant_config``, ``_K3_EXPERT_CKPT_SPECS``, ``load_weights``); no
-  PyPI release has Kimi-K3.
+  (``KimiK3MoERuntime._resolve_routed_quant_config``, ``_K3_EXPERT_CKPT_SPECS``, ``load_weights``), and a newer
+  snapshot of the same file (a fork in the code index, 145,529 characters, no commit id recorded; issue 30 ran
+  its functions from verbatim excerpts): ``resolve_attention_quant_config`` (each attention projection looked
+  up as ``<prefix>layers.{i}.self_attn.<proj>``: excluded -> unquantized; aliases in ``quantized_layers`` must
+  agree, else ``ValueError``; MIXED_PRECISION without an entry -> unquantized; anything but unquantized or
+  ``FP8_BLOCK_SCALES`` -> ``ValueError``), called for KDA q/k/v/g/o (``KimiLinearDecoderLayer.__init__``) and
+  MLA q_a/kv_a/q_b/kv_b/g/o (``KimiMLARuntime.__init__``); FP8 attention is read as FP8 codes with 128x128
+  scales (``_Fp8BlockScaleWeightReadLinear``), no longer dequantized; ``KimiKDALinearAttention`` takes its
+  five FP8 projections together or not at all and, like MLA ``kv_b_proj``, only 128-multiple dims (issue 30's
+  replay; Kimi-K3's real dims pass, the 64-wide tiny model's do not);
+  ``KimiK3MoERuntime._resolve_routed_quant_config`` checks ``exclude_modules`` (name and ancestors) *before*
+  ``quantized_layers`` and returns no quant_algo for an excluded bank, which ``_k3_expert_ckpt_spec`` refuses
+  with ``NotImplementedError``. No PyPI release has Kimi-K3.
 
 The engines' generic ModelOpt rules (config parsing, exclusions, scale use) are in
 ``modelopt_k3/check/engines``.
@@ -36,9 +47,16 @@ The engines' generic ModelOpt rules (config parsing, exclusions, scale use) are 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from ...check.engines import register_kv_scale_names, register_serving
-from ...check.engines.base import Fused, ModelServing, WeightsMapper, kv_deviations
+from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, kv_deviations
+from ...check.engines.trtllm import (
+    FP8_BLOCK_SCALES,
+    config_json_group_size_warning,
+    trt_algo,
+    trt_excluded_or_ancestor,
+)
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
 from ...formats import FP8, FP8_PB_WO, NVFP4
@@ -203,17 +221,125 @@ def _trt_problem(linear: Linear, per_layer: dict[str, str]) -> str | None:
     return f"stored {linear.fmt}, but TensorRT-LLM's K3 loads layer {m['layer']}'s routed experts as {algo} ({why})"
 
 
+TRT_ATTN_RE = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>\w+)$")
+# The projections resolve_attention_quant_config is asked about (KimiLinearDecoderLayer / KimiMLARuntime).
+TRT_KDA_RESOLVED = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")
+TRT_MLA_RESOLVED = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "g_proj", "o_proj")
+TRT_FP8_BLOCK = 128  # FP8 KDA projections and MLA kv_b_proj: both dims multiples of 128
+TRT_BANK_PREFIXES = ("language_model.model.", "model.")  # _K3_ROUTED_EXPERT_MODULE_PREFIXES
+
+
+@dataclass(frozen=True)
+class TrtQuant:
+    """hf_quant_config.json as TensorRT-LLM's ModelConfig holds it (algos in QuantAlgo's spelling)."""
+
+    algo: str | None
+    exclude: tuple[str, ...]
+    per_layer: dict[str, str | None]
+
+
+def trt_quant_of(layout: Layout) -> TrtQuant:
+    q = (layout.hf_quant or {}).get("quantization") or {}
+    return TrtQuant(trt_algo(q.get("quant_algo")), tuple(q.get("exclude_modules") or ()),
+                    {k: trt_algo(v) for k, v in _trt_per_layer_algos(layout).items()})
+
+
+def trt_attention_algo(q: TrtQuant, layer: int, proj: str) -> str | None:
+    """``resolve_attention_quant_config``: None (unquantized) or FP8_BLOCK_SCALES; anything else raises."""
+    names = [f"{p}layers.{layer}.self_attn.{proj}" for p in TRT_KEY_PREFIXES]
+    if any(trt_excluded_or_ancestor(n, list(q.exclude)) for n in names):
+        return None
+    declared = [q.per_layer[n] for n in names if n in q.per_layer]
+    if len(set(declared)) > 1:
+        raise Refuse(names[0], f"quantized_layers gives the aliases of {names[0]} different algos "
+                               f"({', '.join(sorted(map(str, set(declared))))}): TensorRT-LLM's "
+                               "resolve_attention_quant_config raises 'Conflicting Kimi K3 quantization aliases'")
+    algo = declared[0] if declared else (None if q.algo == "MIXED_PRECISION" else q.algo)
+    if algo not in (None, FP8_BLOCK_SCALES):
+        raise Refuse(names[0], f"attention projection declared {algo}: TensorRT-LLM's K3 resolve_attention_quant_"
+                               "config accepts only unquantized or FP8_BLOCK_SCALES (ValueError)")
+    return algo
+
+
+def _trt_attention(layout: Layout, q: TrtQuant) -> list[Refusal]:
+    """The resolved attention projections: declared format stored, FP8 KDA all-or-none, 128 alignment."""
+    layers: dict[int, dict[str, Linear]] = {}
+    for name, linear in layout.linears.items():
+        m = TRT_ATTN_RE.fullmatch(name)
+        if m:
+            layers.setdefault(int(m["layer"]), {})[m["proj"]] = linear
+    out: list[Refusal] = []
+    for layer, projs in sorted(layers.items()):
+        kda = "q_proj" in projs
+        resolved = [p for p in (TRT_KDA_RESOLVED if kda else TRT_MLA_RESOLVED) if p in projs]
+        try:
+            algos = {p: trt_attention_algo(q, layer, p) for p in resolved}
+        except Refuse as r:
+            out.append(Refusal(projs[r.refusal.tensor.rsplit(".", 1)[1]].tensor_name(), r.refusal.reason))
+            continue
+        if kda and len(set(algos.values())) > 1:
+            fp8 = sorted(p for p, a in algos.items() if a)
+            out.append(Refusal(projs["q_proj"].tensor_name(), f"KDA layer {layer}: FP8 declared for {', '.join(fp8)} "
+                                                               "only; TensorRT-LLM's KimiKDALinearAttention takes "
+                                                               "q/k/v/g/o as FP8 all together or none"))
+            continue
+        for proj, algo in algos.items():
+            problem = _trt_attention_problem(projs[proj], algo, kda or proj == "kv_b_proj")
+            if problem:
+                out.append(Refusal(projs[proj].tensor_name(), problem))
+    return out
+
+
+def _trt_attention_problem(linear: Linear, algo: str | None, aligned: bool) -> str | None:
+    want = FP8_PB_WO.engine_method if algo else "bf16"
+    if linear.fmt != want:
+        built = ("as FP8_BLOCK_SCALES (FP8 codes with 128x128 scales, read as stored)" if algo
+                 else "unquantized (BF16; nothing in the configs quantizes it)")
+        return (f"stored {linear.fmt}, but TensorRT-LLM's K3 resolve_attention_quant_config builds this projection "
+                f"{built}")
+    if algo and aligned and any(d % TRT_FP8_BLOCK for d in linear.shape):
+        return (f"FP8 [{', '.join(map(str, linear.shape))}]: TensorRT-LLM's K3 FP8 KDA projections and MLA kv_b_proj "
+                f"need both dims multiples of {TRT_FP8_BLOCK} (exact 128x128 block scales)")
+    return None
+
+
+def _trt_bank_excluded(q: TrtQuant, layer: int) -> bool:
+    return any(trt_excluded_or_ancestor(f"{p}layers.{layer}.{s}", list(q.exclude))
+               for p in TRT_BANK_PREFIXES for s in TRT_KEY_SUFFIXES)
+
+
 def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
-    """TensorRT-LLM's K3 ``load_weights``: name-by-name into BF16 trunk parameters and expert slots."""
-    result = EngineResult("trtllm")
+    """TensorRT-LLM's K3 ``load_weights``: attention resolved per projection, the rest name-by-name into BF16
+    trunk parameters and expert slots."""
+    result = EngineResult("trtllm", warnings=config_json_group_size_warning(layout))
     per_layer = _trt_per_layer_algos(layout)
+    q = trt_quant_of(layout)
+    result.refusals += _trt_attention(layout, q)
+    excluded_banks: set[str] = set()
     for _, linear in sorted(layout.linears.items()):
+        m = TRT_EXPERT_RE.fullmatch(linear.name)
+        if m and _trt_bank_excluded(q, int(m["layer"])):
+            if m["module"] not in excluded_banks:
+                excluded_banks.add(m["module"])
+                result.refusals.append(Refusal(linear.tensor_name(), (
+                    f"exclude_modules matches layer {m['layer']}'s routed-expert bank: TensorRT-LLM's K3 "
+                    "_resolve_routed_quant_config checks exclusion before quantized_layers and returns no "
+                    "quant_algo, for which _k3_expert_ckpt_spec raises NotImplementedError")))
+            continue
+        if m is None and _trt_resolved_attention(linear.name):
+            continue
         problem = _trt_problem(linear, per_layer)
         if problem:
             result.refusals.append(Refusal(linear.tensor_name(), problem))
+    result.refusals.sort(key=lambda r: r.tensor)
     if layout.kv_scales:
         result.deviations += kv_deviations(layout, dict.fromkeys(layout.kv_scales, TRT_KV_DROPPED), numerics)
     return result
+
+
+def _trt_resolved_attention(name: str) -> bool:
+    m = TRT_ATTN_RE.fullmatch(name)
+    return m is not None and m["proj"] in TRT_KDA_RESOLVED + TRT_MLA_RESOLVED
 
 
 register_serving("kimi_k3", "vllm", VLLM_K3)

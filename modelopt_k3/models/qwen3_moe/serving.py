@@ -15,6 +15,15 @@
   ``{qkv_proj, gate_up_proj}``; ``load_weights``: ``stacked_params_mapping`` (qkv, gate_up) and
   ``FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
   ckpt_up_proj_name="up_proj")``; names not in ``params_dict`` are skipped.
+  ``Qwen3MoeDecoderLayer.stage_facts`` hard-codes ``sparse=True`` ("Qwen3MoE all layers are sparse"), so
+  ``mlp_only_layers`` / ``decoder_sparse_step`` are ignored: a dense layer's ``mlp.{gate,up,down}_proj`` land
+  in no parameter (skipped, no error) and that layer's experts and router are never written -- the engine
+  serves different numbers. ``arg_groups/model_overrides/qwen3_moe.py`` ``_qwen3_moe_family_overrides`` (on
+  SM100, the NVFP4 MoE hardware) turns the default ``--moe-runner-backend auto`` into ``flashinfer_trtllm``
+  for ``modelopt_fp4``/``fp8``/``modelopt_mixed`` configs, and into ``marlin`` only for a ``modelopt_mixed``
+  config whose ``quantized_layers`` give ``.experts`` layers W4A16_NVFP4; flashinfer_trtllm's post-processing
+  then asserts the expert GEMM rows % 128 and serves W4A16 experts with activation scale 1.0
+  (``check/engines/sglang.py``).
 * TensorRT-LLM (PyTorch backend; NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_qwen3_moe.py`` @
   03441af1, ``checkpoints/hf/qwen3_moe_weight_mapper.py`` @ 16f10114 and ``qwen2_moe_weight_mapper.py`` @
   00be09f7; generic ModelOpt rules in ``modelopt_k3/check/engines/trtllm.py``): ``Qwen3MoEDecoderLayer``
@@ -40,7 +49,7 @@ from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, ex
 from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
-from ...formats import NVFP4
+from ...formats import NVFP4, W4A16_NVFP4
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")  # w13 in both engines' make_expert_params_mapping
@@ -65,6 +74,19 @@ VLLM_QWEN3_MOE = ModelServing(
     kv_note="vLLM's Qwen3MoeAttention holds its KV-cache scales on its Attention layer (attn)",
 )
 
+
+
+def sglang_moe_runner(layout: Layout) -> str:
+    """``_qwen3_moe_family_overrides`` under ``auto`` on SM100: marlin only for a modelopt_mixed config with
+    W4A16_NVFP4 ``.experts`` layers, else flashinfer_trtllm."""
+    quant = layout.quant if isinstance(layout.quant, dict) else {}
+    mixed = str(quant.get("quant_method", "")).lower() == "modelopt_mixed"
+    layers = quant.get("quantized_layers") or {}
+    w4a16 = any(".experts" in k and str((v or {}).get("quant_algo", "")).upper() == W4A16_NVFP4.algo
+                for k, v in layers.items() if isinstance(v, dict))
+    return "marlin" if mixed and w4a16 else "flashinfer_trtllm"
+
+
 SGLANG_QWEN3_MOE = ModelServing(
     engine="sglang",
     model_type="qwen3_moe",
@@ -82,6 +104,11 @@ SGLANG_QWEN3_MOE = ModelServing(
     gate_up=GATE_UP,
     kv_scale_params=("attn.k_scale", "attn.v_scale"),
     kv_note="SGLang's Qwen3MoeAttention holds its KV-cache scales on its RadixAttention (attn)",
+    ignored=((r"\.mlp\.(gate_up|gate|up|down)_proj$",
+              "SGLang 0.5.23 builds every Qwen3-MoE layer's mlp as Qwen3MoeSparseMoeBlock, ignoring mlp_only_layers "
+              "(qwen3_moe.py Qwen3MoeDecoderLayer.stage_facts: sparse=True); load_weights skips this dense MLP's "
+              "names and the layer's experts and router are never written"),),
+    moe_runner=sglang_moe_runner,
 )
 
 register_serving("qwen3_moe", "vllm", VLLM_QWEN3_MOE)

@@ -27,7 +27,7 @@ class EngineSpec:
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
         name, sep, version = text.partition("==")
-        if not sep or name not in DISTRIBUTIONS or not version:
+        if not sep or name not in DISTRIBUTIONS or not version or any(c.isspace() or c in "=<>!,;" for c in version):
             raise ValueError(f"--engine {text!r}: expected one of {sorted(DISTRIBUTIONS)} as NAME==VERSION")
         return cls(name, version)
 
@@ -42,21 +42,51 @@ def python_of(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def ensure_venv(spec: EngineSpec, root: Path = DEFAULT_ROOT, *, say=print) -> Path:
+# pip output lines worth a progress line (the rest goes to install.log only).
+PROGRESS_PREFIXES = ("Collecting ", "Downloading ", "Installing collected packages", "Successfully installed",
+                     "ERROR", "error:")
+
+
+def install_env(pip_constraint: str | None, say=print) -> dict[str, str]:
+    """The environment pip runs in: the caller's, unchanged, unless ``pip_constraint`` is given (a file, or ''
+    for none) -- and said either way, since a host constraint pinning a CPU torch breaks an engine install."""
+    env = dict(os.environ)
+    if pip_constraint is None:
+        if env.get("PIP_CONSTRAINT"):
+            say(f"note: PIP_CONSTRAINT={env['PIP_CONSTRAINT']} applies to the engine installs "
+                "(pass --pip_constraint '' to install without it)")
+        return env
+    env["PIP_CONSTRAINT"] = pip_constraint
+    say(f"engine installs run with PIP_CONSTRAINT={pip_constraint!r} (--pip_constraint)")
+    return env
+
+
+def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], *, label: str, say=print) -> None:
+    """Run ``cmd``, its output into ``log_path``; progress lines (``PROGRESS_PREFIXES``) also to ``say``."""
+    with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if line.lstrip().startswith(PROGRESS_PREFIXES):
+                say(f"  [{label}] {line.strip()[:160]}")
+    if proc.returncode:
+        raise RuntimeError(f"{label}: {' '.join(cmd[-3:])} exited {proc.returncode}; its output: {log_path}")
+
+
+def ensure_venv(spec: EngineSpec, root: Path = DEFAULT_ROOT, *, say=print, pip_constraint: str | None = None) -> Path:
     """The ready venv of ``spec`` under ``root``, created and installed when missing (network: PyPI)."""
     venv = spec.venv(root)
     if (venv / STAMP).exists():
+        say(f"[{spec}] using {venv}")
         return venv
     root.mkdir(parents=True, exist_ok=True)
     if not python_of(venv).exists():
         say(f"creating {venv}")
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    say(f"installing {spec} into {venv} (CUDA wheels, several GB; log: {venv}/install.log)")
-    # The host's pip constraints (if any) pin this project's CPU torch; the engine needs its own torch.
-    env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
-    with open(venv / "install.log", "w") as log:
-        subprocess.run([str(python_of(venv)), "-m", "pip", "install", f"{DISTRIBUTIONS[spec.name]}=={spec.version}"],
-                       check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+    say(f"installing {spec} into {venv} (CUDA wheels, several GB, often 10+ minutes; log: {venv}/install.log)")
+    run_logged([str(python_of(venv)), "-m", "pip", "install", f"{DISTRIBUTIONS[spec.name]}=={spec.version}"],
+               venv / "install.log", install_env(pip_constraint, say), label=str(spec), say=say)
     (venv / STAMP).write_text(f"{spec}\n")
     return venv
 

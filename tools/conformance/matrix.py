@@ -79,7 +79,7 @@ CELL_BY_ID = {c.id: c for c in CELLS}
 
 def tiny_checkpoint(root: Path, tiny: str) -> Path:
     """The tiny Kimi-K3 source of a cell (generated once under ``root``; same seed, same bytes)."""
-    from ...testing import make_tiny_kimi_k3
+    from modelopt_k3.testing import make_tiny_kimi_k3
 
     path = root / f"tiny-{tiny}"
     if not (path / INDEX).exists():
@@ -89,7 +89,7 @@ def tiny_checkpoint(root: Path, tiny: str) -> Path:
 
 def recipe_of(name: str):
     """A cell's recipe: a recipe name, or ``inline:<name>`` for the matrix's own inline recipes."""
-    from ...recipe import load_recipe, recipe_from_dict
+    from modelopt_k3.recipe import load_recipe, recipe_from_dict
 
     if name == "inline:mlp0_fp8_pb":
         return recipe_from_dict(MLP0_FP8_PB, name="mlp0_fp8_pb")
@@ -112,11 +112,11 @@ def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool 
         base = built.get(cell.base) or build_export(CELL_BY_ID[cell.base], root, built, reuse=reuse)
         EDITS[cell.edit](base, dst)
     elif cell.how == "convert":
-        from ...convert import convert_checkpoint
+        from modelopt_k3.convert import convert_checkpoint
 
         convert_checkpoint(tiny_checkpoint(root, cell.tiny), dst, recipe_of(cell.recipe), progress=False)
     elif cell.how == "hf_ptq":
-        from ...cli import hf_ptq
+        from modelopt_k3.cli import hf_ptq
 
         rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_checkpoint(root, cell.tiny)), "--trust_remote_code",
                           "--recipe", cell.recipe, "--calib_size", "4", "--calib_seq", "32", "--no_progress",
@@ -175,7 +175,7 @@ def _w3_scale(src: Path, dst: Path) -> Path:
 
 
 def _latent_nvfp4(src: Path, dst: Path) -> Path:
-    from ...formats import NVFP4_TENSOR
+    from modelopt_k3.formats import NVFP4_TENSOR
 
     module = f"{LM}.layers.1.block_sparse_moe.routed_expert_down_proj"
     w = _read(src, f"{module}.weight").float()

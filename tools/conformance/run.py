@@ -1,14 +1,8 @@
 """Run the engines' own loaders over exports and compare with ``modelopt-k3-check``'s verdicts.
 
 Per (engine version, export) cell a driver runs in the engine's venv (``drivers/<engine>_k3.py``, a
-subprocess with a timeout) and writes what it saw as JSON; this module turns that into an observed
-verdict in the check's vocabulary:
-
-* ``refuses``: the engine raised while building its model from the export's configs, in
-  ``load_weights``, or in ``process_weights_after_loading``;
-* ``loads but serves different numbers``: it loaded, but an export tensor landed in no parameter byte
-  for byte, an engine parameter was never written, or a post-load scale differs from the export's;
-* ``loads correctly``: none of those.
+subprocess with a timeout) and writes what it saw as JSON; ``verdict.py`` turns that into an observed
+verdict in the check's vocabulary (refuses / loads but serves different numbers / loads correctly).
 
 What the CPU run cannot observe (post-processing a kernel layout that needs a GPU, the first forward)
 is recorded per cell, not guessed.
@@ -25,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..report import DIFFERENT, LOADS, REFUSES
 from .venv import EngineSpec, driver_stub, ensure_venv, installed_version, python_of
+from .verdict import observed_verdict
 
 DRIVERS = Path(__file__).parent / "drivers"
 CHECK_ENGINES = ("vllm", "sglang", "trtllm")
@@ -97,34 +91,8 @@ def _driver_process(spec: EngineSpec, venv: Path, exports: list[Path], timeout: 
     return answered
 
 
-# Errors that are the CPU's, not the engine's answer: a CUDA op without a CPU kernel, torch.compile of a
-# GPU path, a kernel entry point that did not load, a call that needs the GPU driver.
-CPU_LIMITS = ("from the 'CPU' backend", "InternalTorchDynamoError", "'NoneType' object is not callable",
-              "Found no NVIDIA driver", "Torch not compiled with CUDA")
-
-
-def cpu_limit(error: dict) -> bool:
-    return any(s in f"{error.get('type')}: {error.get('message')}" for s in CPU_LIMITS)
-
-
-def observed_verdict(result: dict) -> str | None:
-    """The check-vocabulary verdict the engine's behaviour amounts to (None: not observed, because the
-    driver did not get far enough or the step needs a GPU)."""
-    if result.get("error"):
-        if cpu_limit(result["error"]):
-            return None
-        return REFUSES if result["error"]["stage"] in ("build", "load_weights", "post_process") else None
-    if result.get("outcome") != "ran":
-        return None
-    load = result["load"]
-    post = result.get("post_load", {})
-    if load["not_landed"] or load["params_never_written"] or post.get("mismatches"):
-        return DIFFERENT
-    return LOADS
-
-
 def check_verdicts(export: Path) -> dict:
-    from .. import check_export
+    from modelopt_k3.check import check_export
 
     report = check_export(export, CHECK_ENGINES)
     out = {}
@@ -139,7 +107,7 @@ def check_verdicts(export: Path) -> dict:
 
 
 def run_matrix(engines: list[EngineSpec], *, venv_root: Path, work: Path, cell_ids: list[str] | None,
-               timeout: float, reuse_exports: bool = False, say=print) -> dict:
+               timeout: float, reuse_exports: bool = False, pip_constraint: str | None = None, say=print) -> dict:
     from .matrix import CELLS, build_export
 
     cells = [c for c in CELLS if not cell_ids or c.id in cell_ids]
@@ -151,8 +119,8 @@ def run_matrix(engines: list[EngineSpec], *, venv_root: Path, work: Path, cell_i
         rows.append({"id": cell.id, "how": cell.how, "recipe": cell.recipe, "tiny": cell.tiny, "about": cell.about,
                      "check": check_verdicts(export), "observed": {}, "_export": export})
     versions = {}
-    for spec in engines:
-        venv = ensure_venv(spec, venv_root, say=say)
+    for spec in sorted(engines, key=lambda e: e.name):  # stable: engines by name, whatever the --engine order
+        venv = ensure_venv(spec, venv_root, say=say, pip_constraint=pip_constraint)
         versions[spec.name] = installed_version(venv, spec.name)
         say(f"[{spec}] {len(rows)} exports in one engine process")
         for row, result in zip(rows, run_driver(spec, venv, [r["_export"] for r in rows], timeout=timeout)):
@@ -165,40 +133,117 @@ def run_matrix(engines: list[EngineSpec], *, venv_root: Path, work: Path, cell_i
     return {"engines": versions, "cells": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
+COMMITTED_JSON = Path("tests/data/engine_conformance.json")
+COMMITTED_DOC = Path("docs/ENGINE_CONFORMANCE.md")
+JSON_NAME, DOC_NAME = COMMITTED_JSON.name, COMMITTED_DOC.name
+
+
+def parse_args(argv: list[str] | None = None):
+    """The command's arguments, every one validated before anything is installed, built or written: a bad
+    one is one ``error:`` line (exit 2)."""
     import argparse
 
+    from . import PINNED
     from .matrix import CELLS
-    from .report import write_report
 
-    p = argparse.ArgumentParser(prog="python -m modelopt_k3.check.conformance",
+    p = argparse.ArgumentParser(prog="python -m tools.conformance",
                                 description="Run vLLM's and SGLang's own Kimi-K3 loaders on CPU over the "
-                                            "conformance matrix and compare with modelopt-k3-check.")
+                                            "conformance matrix and compare with modelopt-k3-check; exits 1 on "
+                                            "any disagreement.")
     p.add_argument("--engine", action="append", default=None, metavar="NAME==VERSION",
-                   help="engine release from PyPI (repeatable; default: the pins in conformance/__init__.py)")
+                   help="engine release from PyPI (repeatable; default: the pins in tools/conformance/__init__.py)")
     p.add_argument("--venv_root", type=Path, default=None, help="where the engine venvs are cached")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "modelopt_k3" / "conformance",
                    help="scratch directory for the tiny checkpoints and the matrix's exports")
     p.add_argument("--cells", default=None, help=f"comma-separated subset of: {', '.join(c.id for c in CELLS)}")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per (engine, cell)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per (engine, cell); > 0")
     p.add_argument("--reuse_exports", action="store_true",
                    help="keep the exports a previous run under --work finished building (same code only)")
-    p.add_argument("--json", type=Path, default=Path("tests/data/engine_conformance.json"))
-    p.add_argument("--report", type=Path, default=Path("docs/ENGINE_CONFORMANCE.md"))
+    p.add_argument("--out", type=Path, default=Path("conformance-out"),
+                   help=f"directory for the results ({JSON_NAME}, {DOC_NAME}); the committed files are untouched")
+    p.add_argument("--update_committed", action="store_true",
+                   help=f"also regenerate {COMMITTED_JSON} and {COMMITTED_DOC} (a --cells subset updates its rows; "
+                        "the doc's hand-written sections are kept)")
+    p.add_argument("--recheck", action="store_true",
+                   help=f"no engine run: rebuild the cells' exports, re-run modelopt-k3-check on them and rewrite the "
+                        f"check verdicts of {COMMITTED_JSON} / {COMMITTED_DOC} (the recorded observations kept)")
+    p.add_argument("--pip_constraint", default=None, metavar="FILE",
+                   help="PIP_CONSTRAINT for the engine installs ('' for none); default: the environment's, as is")
     args = p.parse_args(argv)
-    from . import PINNED
+    try:
+        args.engines = [EngineSpec.parse(e) for e in (args.engine or PINNED)]
+    except ValueError as e:
+        p.error(str(e))
+    names = [e.name for e in args.engines]
+    if len(set(names)) != len(names):
+        p.error(f"--engine names one engine twice: {names}")
+    known = {c.id for c in CELLS}
+    args.cell_ids = [c.strip() for c in args.cells.split(",") if c.strip()] if args.cells is not None else None
+    if args.cell_ids is not None:
+        unknown = [c for c in args.cell_ids if c not in known]
+        if unknown or not args.cell_ids:
+            p.error(f"--cells: unknown cell id(s) {unknown or args.cells!r}; known: {', '.join(sorted(known))}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    if args.pip_constraint and not Path(args.pip_constraint).is_file():
+        p.error(f"--pip_constraint {args.pip_constraint}: no such file")
+    return args
+
+
+def disagreements(doc: dict) -> list[tuple[str, str]]:
+    """(cell, engine) pairs whose observed verdict differs from the check's (not-observed cells never count)."""
+    from .report import agreement
+
+    return [(row["id"], e) for row in doc["cells"] for e in sorted(row["observed"]) if agreement(row, e) is False]
+
+
+def recheck(doc: dict, work: Path, cell_ids: list[str] | None, *, reuse_exports: bool, say=print) -> dict:
+    """``doc`` with the check verdicts of its cells (or of ``cell_ids``) recomputed on freshly built exports."""
+    from .matrix import CELLS, build_export
+
+    built: dict[str, Path] = {}
+    cells = {c.id: c for c in CELLS}
+    for row in doc["cells"]:
+        if row["id"] in cells and (not cell_ids or row["id"] in cell_ids):
+            say(f"[recheck] {row['id']}")
+            row["check"] = check_verdicts(build_export(cells[row["id"]], work, built, reuse=reuse_exports))
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from .matrix import CELLS
+    from .report import merge_rows, write_report
     from .venv import DEFAULT_ROOT
 
-    engines = [EngineSpec.parse(e) for e in (args.engine or PINNED)]
-    result = run_matrix(engines, venv_root=args.venv_root or DEFAULT_ROOT, work=args.work,
-                        cell_ids=args.cells.split(",") if args.cells else None, timeout=args.timeout,
-                        reuse_exports=args.reuse_exports)
-    if args.cells and args.json.exists():  # a subset updates its cells in the committed matrix
-        old = json.loads(args.json.read_text())
-        fresh = {r["id"]: r for r in result["cells"]}
-        result["cells"] = [fresh.pop(r["id"], r) for r in old["cells"]] + list(fresh.values())
-    write_report(result, args.json, args.report)
-    print(f"wrote {args.json} and {args.report}")
+    if args.recheck:
+        doc = recheck(json.loads(COMMITTED_JSON.read_text()), args.work, args.cell_ids,
+                      reuse_exports=args.reuse_exports)
+        written = write_report(doc, COMMITTED_JSON, COMMITTED_DOC, order=[c.id for c in CELLS],
+                               keep_sections_of=COMMITTED_DOC, generated=doc.get("generated"))
+        print(f"updated the check verdicts of {COMMITTED_JSON} and {COMMITTED_DOC}")
+        return _exit(disagreements(written))
+
+    result = run_matrix(args.engines, venv_root=args.venv_root or DEFAULT_ROOT, work=args.work,
+                        cell_ids=args.cell_ids, timeout=args.timeout, reuse_exports=args.reuse_exports,
+                        pip_constraint=args.pip_constraint)
+    order = [c.id for c in CELLS]
+    written = write_report(result, args.out / JSON_NAME, args.out / DOC_NAME, order=order)
+    print(f"wrote {args.out / JSON_NAME} and {args.out / DOC_NAME}")
+    if args.update_committed:
+        committed = result
+        if args.cell_ids and COMMITTED_JSON.exists():  # a subset updates its rows of the committed matrix
+            committed = merge_rows(json.loads(COMMITTED_JSON.read_text()), result, order)
+        write_report(committed, COMMITTED_JSON, COMMITTED_DOC, order=order, keep_sections_of=COMMITTED_DOC)
+        print(f"updated {COMMITTED_JSON} and {COMMITTED_DOC}")
+    return _exit(disagreements(written))
+
+
+def _exit(found: list[tuple[str, str]]) -> int:
+    if found:
+        print(f"{len(found)} disagreement(s) between modelopt-k3-check and the engines: "
+              + ", ".join(f"{c} ({e})" for c, e in found), file=sys.stderr)
+        return 1
     return 0
 
 
