@@ -24,14 +24,13 @@ pytestmark = pytest.mark.slow
 # Every module of the package, imported from the installed copy; it prints where the package came from.
 IMPORT_ALL = """
 import importlib, pkgutil, sys
-# The stand-in's hub files (transformers imports them as a checkpoint's own code) and the conformance
-# drivers (run inside an engine's venv beside their _common.py).
-SCRIPTS = ("modelopt_k3.testing.remote_code.", "modelopt_k3.check.conformance.drivers.")
+# The stand-in's hub files: transformers imports them as a checkpoint's own code.
+SCRIPTS = ("modelopt_k3.testing.remote_code.",)
 import modelopt_k3
 failed = []
 for info in pkgutil.walk_packages(modelopt_k3.__path__, "modelopt_k3."):
     if info.name.startswith(SCRIPTS) or info.name.endswith(".__main__"):
-        continue  # files run as scripts, not imported: entry points, hub files, engine-venv drivers
+        continue  # files run, not imported: entry points and hub files
     try:
         importlib.import_module(info.name)
     except Exception as exc:
