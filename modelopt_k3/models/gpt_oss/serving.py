@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import re
 
-from ...check.engines import register_serving
 from ...check.layout import Layout
 from ...check.report import EngineResult, Refusal
 
@@ -67,9 +66,6 @@ def _replay(engine: str):
     return replay
 
 
-for _engine in REASONS:
-    register_serving("gpt_oss", _engine, _replay(_engine))
-
 TRT_REASON = ("TensorRT-LLM's GPT-OSS reads the MoE's weights under the fused names gate_up_proj/down_proj (BF16) "
               "or gate_up_proj_blocks/_scales (MXFP4) only; per-expert experts.<e>.* names give neither and the "
               "load raises KeyError (modeling_gpt_oss.py GptOssForCausalLM.load_hf_weights, "
@@ -92,4 +88,5 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
-register_serving("gpt_oss", "trtllm", replay_trtllm)
+# The spec's ``ServingSpec.rules``: engine -> rules.
+SERVING = {**{engine: _replay(engine) for engine in REASONS}, "trtllm": replay_trtllm}

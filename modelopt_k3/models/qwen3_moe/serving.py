@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import re
 
-from ...check.engines import register_serving
 from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, experts_scale_deviations
 from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
 from ...check.layout import Layout, Linear
@@ -84,8 +83,6 @@ SGLANG_QWEN3_MOE = ModelServing(
     kv_note="SGLang's Qwen3MoeAttention holds its KV-cache scales on its RadixAttention (attn)",
 )
 
-register_serving("qwen3_moe", "vllm", VLLM_QWEN3_MOE)
-register_serving("qwen3_moe", "sglang", SGLANG_QWEN3_MOE)
 
 
 # ---------------------------------------------------------------------- TensorRT-LLM
@@ -202,4 +199,5 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
-register_serving("qwen3_moe", "trtllm", replay_trtllm)
+# The spec's ``ServingSpec.rules``: engine -> rules.
+SERVING = {"vllm": VLLM_QWEN3_MOE, "sglang": SGLANG_QWEN3_MOE, "trtllm": replay_trtllm}
