@@ -4,7 +4,7 @@ calibration reached (``report.json``, ``report.md``, PNG plots). See docs/REPORT
 ``report(model, out_dir, ...)`` runs on every rank of a quantized model; each rank summarises what it
 owns (``collect.py``), rank 0 merges and writes. The numbers are pure functions (``stats.py``); the
 files come from the JSON alone (``render.py``), so ``modelopt-k3-report`` re-renders them.
-Imports are lazy: ``quant/`` imports ``report.stats`` while it is itself being imported.
+Imports are lazy: the report sits above ``quant/``, whose modules it imports only when it runs.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import re
 
-from ...formats import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4
 from ...numerics.constants import FP8_BLOCK
+from ...quant.schemes import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4
 from ..layout import Layout
 from .base import (
     EngineModule,

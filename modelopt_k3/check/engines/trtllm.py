@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from ...formats import FP8, NVFP4
+from ...quant.schemes import FP8, NVFP4
 from ..layout import Layout, Linear
 from ..report import Refusal
 from .base import Refuse

@@ -40,7 +40,7 @@ import re
 from ...check.engines.base import Fused, ModelServing, WeightsMapper, kv_deviations
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
-from ...formats import FP8, FP8_PB_WO, NVFP4
+from ...quant.schemes import FP8, FP8_PB_WO, NVFP4
 
 EXPERT_RE = r"(?P<module>.+\.block_sparse_moe\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])"
 GATE_UP = ("w1", "w3")  # fused into w13 by both engines' make_expert_params_mapping(w1, w2, w3)

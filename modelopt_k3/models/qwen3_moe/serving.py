@@ -39,7 +39,7 @@ from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, ex
 from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
-from ...formats import NVFP4
+from ...quant.schemes import NVFP4
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")  # w13 in both engines' make_expert_params_mapping
