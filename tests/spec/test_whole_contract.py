@@ -133,6 +133,7 @@ def test_nothing_is_found_by_its_file_name():
                 offenders.append(f"{rel}:{node.value.lineno} overwrite=")
     allowed = {
         "__init__.py": {"import_module"},  # the package's lazy public API (a fixed table of names)
+        "quant/__init__.py": {"import_module"},  # quant's lazy public API (a fixed table of names)
         "spec/registry.py": {"import_module", "find_spec"},  # models/<model_type>: the one lookup
         "models/kimi_k3/shims.py": {"import_module"},  # transformers' modules the hub's remote code imports
         # The conformance harness imports each engine's own modules from its side venv (it leaves the library).
