@@ -364,34 +364,28 @@ class ReadLog:
                 self.invalid[shown(key) if shown else key] = found
 
 
-# model_type -> view: a function of the checked headers returning the tensors the pipeline should see. A spec
-# registers one when its checkpoint stores what the pipeline reads per expert in another layout; every entry
-# it returns is a contiguous byte range of a stored tensor (e.g. GPT-OSS's fused MXFP4 experts, ``[E, ...]``,
-# as per-expert ``weight_packed``/``weight_scale``), read with ``pread`` (a virtual key is no safetensors name).
+# A view: a function of the checked headers returning the tensors the pipeline should see
+# (``LoadingSpec.checkpoint_view``: a model whose checkpoint stores what the pipeline reads per expert in
+# another layout). Every entry it returns is a contiguous byte range of a stored tensor (e.g. GPT-OSS's fused
+# MXFP4 experts, ``[E, ...]``, as per-expert ``weight_packed``/``weight_scale``), read with ``pread`` (a
+# virtual key is no safetensors name).
 CheckpointView = Callable[[Mapping[str, TensorInfo]], dict[str, TensorInfo]]
-_VIEWS: dict[str, CheckpointView] = {}
-
-
-def register_checkpoint_view(model_type: str, view: CheckpointView) -> None:
-    """Show checkpoints of ``model_type`` (config.json) to every ``CheckpointReader`` through ``view``."""
-    _VIEWS[model_type] = view
 
 
 def _view_for(path: Path) -> CheckpointView | None:
-    """The registered view of the checkpoint at ``path`` (by its config.json's model_type), if any. The
-    model's spec registers it on import: a reader opened before anything asked for the spec imports it."""
+    """The view the spec of the checkpoint at ``path`` (its config.json's model_type) declares, if any."""
     try:
         model_type = read_config(path).get("model_type") if (path / "config.json").is_file() else None
     except CheckpointError:  # reported by whoever reads the config for its contents
         return None
-    if isinstance(model_type, str) and model_type not in _VIEWS:
-        from .spec import SpecError, get_spec  # the spec registry (imports a built-in spec lazily)
+    if not isinstance(model_type, str):
+        return None
+    from .spec import SpecError, get_spec  # the spec registry (imports a built-in spec lazily)
 
-        try:
-            get_spec(model_type)
-        except SpecError:
-            return None
-    return _VIEWS.get(model_type)
+    try:
+        return get_spec(model_type).loading.checkpoint_view
+    except SpecError:
+        return None
 
 
 class CheckpointReader:

@@ -21,7 +21,6 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from .checkpoint import CheckpointReader, read_config
 from .dist.collectives import run_together
@@ -578,10 +577,11 @@ def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_
 
 
 def _prepare(src: _Source, path: Path, plan: DistributionPlan) -> list:
-    """Stage 3: the spec patches the checkpoint's classes; returns the checkpoint converters it registered."""
-    src.spec.loading.prepare(PrepareContext(src.model_cls, src.config, path, plan.experts_implementation,
-                                    packed_experts=src.layout.packed_experts))
-    return get_checkpoint_conversion_mapping(src.model_cls.__name__) or []
+    """Stage 3: the spec patches the checkpoint's classes; returns the spec's checkpoint converters."""
+    ctx = PrepareContext(src.model_cls, src.config, path, plan.experts_implementation,
+                         packed_experts=src.layout.packed_experts)
+    src.spec.loading.prepare(ctx)
+    return src.spec.loading.converters(ctx)
 
 
 def _build_placed_model(

@@ -23,7 +23,7 @@ from typing import Any
 
 from .checkpoint import CheckpointReader, read_config
 from .export.staging import sweep_stale
-from .paths import check_writable, refuse_overlap
+from .files.paths import check_writable, refuse_overlap
 from .recipe import Recipe
 from .spec import get_spec
 
@@ -158,33 +158,15 @@ def _stale_temp_data(ctx: PreflightContext) -> None:
         _lock_export_path(ctx)
 
 
-def export_lock_path(export_path: Path) -> Path:
-    return export_path.parent / f".{export_path.name}.lock"
-
-
 def _lock_export_path(ctx: PreflightContext) -> None:
-    """Rank 0 holds ``.<name>.lock`` next to the export path from here to the end of the run (``ctx.close``),
-    so two runs to one path cannot both pass the preflight. Parent directories it had to create are
-    removed again on release when still empty."""
-    from .ownership import LockHeld, acquire_lock
+    """Rank 0 holds the export path's lock (``files.locks.acquire_export_lock``) from here to the end of the run
+    (``ctx.close``), so two runs to one path cannot both pass the preflight."""
+    from .files.locks import LockHeld, acquire_export_lock
 
-    lock_path = export_lock_path(ctx.export_path.absolute())
-    made = [p for p in (lock_path.parent, *lock_path.parent.parents) if not p.exists()][::-1]
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-
-    def remove_made() -> None:
-        for p in reversed(made):
-            try:
-                p.rmdir()
-            except OSError:
-                break
-
-    ctx.cleanup.append(remove_made)
     try:
-        lock = acquire_lock(lock_path, {"kind": "modelopt_k3 export lock"}, ctx.notes)
+        acquire_export_lock(ctx.export_path, ctx.cleanup, ctx.notes)
     except LockHeld as e:
         raise PreflightError(f"another run is exporting to {ctx.export_path}: {e}") from None
-    ctx.cleanup.append(lock.release)
 
 
 @register_check("export format")

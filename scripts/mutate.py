@@ -61,7 +61,7 @@ AREAS: dict[str, Area] = {
         ("modelopt_k3/numerics/*.py",),
         ("tests/numerics/test_numerics.py", "tests/numerics/test_finite.py", "tests/test_formats.py")),
     "formats": Area(
-        ("modelopt_k3/formats.py", "modelopt_k3/export/formats.py"),
+        ("modelopt_k3/quant/schemes.py", "modelopt_k3/export/layouts.py"),
         ("tests/test_formats.py", "tests/export/test_modelopt_format.py", "tests/quant/test_decisions.py")),
     "placement": Area(
         ("modelopt_k3/dist/placement.py",),

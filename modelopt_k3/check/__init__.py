@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import read_config
-from ..export.formats import MODELOPT
+from ..export.layouts import MODELOPT
 from ..preflight import PreflightContext, PreflightError, register_check
 from ..recipe import Recipe, load_recipe
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay

@@ -19,8 +19,8 @@ import torch
 
 from ..checkpoint import CheckpointError, CheckpointReader, read_json
 from ..export.modelopt_format import config_quantization_config, hf_quant_config
-from ..formats import FP8, FP8_PB_WO, NVFP4, NVFP4_TENSOR, W4A16_NVFP4
 from ..quant.decisions import decide
+from ..quant.schemes import FP8, FP8_PB_WO, NVFP4, NVFP4_TENSOR, W4A16_NVFP4
 from ..recipe import Recipe
 from ..spec import get_spec
 

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     """The whole job for parsed ``args``; raises on failure (``main`` turns that into a line and an exit code)."""
     from ..dist.collectives import run_together
     from ..dist.group import run_group
-    from ..export.formats import export_format
+    from ..export.layouts import export_format
 
     args.export_format = export_format(args.export_format)  # resolved once; preflight and export take the object
     with run_group() as group:
@@ -264,7 +264,7 @@ def _calibrate(args: argparse.Namespace, model, recipe, packed, group, progress:
 def _report_dir(args: argparse.Namespace, export_path: Path, ckpt: Path) -> Path | None:
     """``--report``: default under the export, ``none`` for no report; never inside the source, never the export
     itself (a checkpoint), never over a file we did not write there: refused before any weight is read."""
-    from ..paths import DestinationError, refuse_overlap
+    from ..files.paths import DestinationError, refuse_overlap
     from ..report import DEFAULT_DIR, check_report_dir
 
     if args.report == "none":

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..paths import DestinationError
+    from ..files.paths import DestinationError
     from ..report import check_report_dir, load_report
     from ..report.render import render
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from ..dist.group import RunGroup
+from ..files.locks import RANK_LOCK_DIR, FileLock, LockHeld, acquire_rank_lock, live_locks
+from ..files.paths import check_writable, refuse_overlap
 from ..nonfinite import warn_passthrough
-from ..paths import check_writable, refuse_overlap
 from ..recipe import Recipe, load_recipe
 from .jobs import _Plan
-from .lock import LOCK_DIR, RankLock, acquire_rank_lock, live_locks
 from .plan import _build_plan
 from .report import ConvertReport, ConvertStats
 from .shard import _finish_shard, _write_shard
@@ -35,6 +35,7 @@ from .state import (
     _prepare_dst,
     _record_path,
     check_source,
+    make_state_dirs,
 )
 
 log = logging.getLogger("modelopt_k3")
@@ -159,7 +160,7 @@ def convert_checkpoint(
     config.json (``source_check``, the check ``load_pretrained`` runs); with ``trust_remote_code``
     the model is built on meta and every dense tensor is checked against it too. ``dst`` holding
     this job's complete output is nothing to do (``report.nothing_to_do``). Each rank holds a lock on
-    ``dst`` while it works (``convert/lock.py``): a second run on the same destination is refused,
+    ``dst`` while it works (``files/locks.py``): a second run on the same destination is refused,
     naming the holder. Source values that are not numbers refuse the shard that reads them
     (``allow_nonfinite_passthrough``: copied tensors pass unchanged, with a warning in the report).
 
@@ -217,7 +218,7 @@ def _convert_under_locks(
     steps: _Steps, plan: _Plan, dst: Path, recipe: Recipe, report: ConvertReport, options: _Options
 ) -> None:
     """Lock this rank's part of ``dst``, adopt it, convert this rank's shards and finalize when all are done."""
-    locks: list[RankLock] = []
+    locks: list[FileLock] = []
     try:
         steps("lock output", _lock_into, locks, dst, report, plan.fingerprint)
         steps.by_state_writer("prepare output", _prepare_dst, dst, plan, recipe)
@@ -232,10 +233,14 @@ def _convert_under_locks(
             report.total, report.complete, report.pending = total, True, []
 
 
-def _lock_into(locks: list[RankLock], dst: Path, report: ConvertReport, fingerprint: str) -> None:
+def _lock_into(locks: list[FileLock], dst: Path, report: ConvertReport, fingerprint: str) -> None:
     """Take this rank's lock; it is appended at once, so a failure of another rank still releases it."""
-    locks.append(acquire_rank_lock(dst, dst / STATE_DIR, rank=report.rank, world_size=report.world_size,
-                                   fingerprint=fingerprint, notes=report.notes))
+    make_state_dirs(dst)  # refuses a symlink or a file planted where our state directories go
+    try:
+        locks.append(acquire_rank_lock(dst, dst / STATE_DIR / RANK_LOCK_DIR, rank=report.rank,
+                                       world_size=report.world_size, fingerprint=fingerprint, notes=report.notes))
+    except LockHeld as e:
+        raise ConvertError(str(e)) from None
 
 
 def _finalize_if_ready(plan: _Plan, dst: Path, recipe: Recipe, report: ConvertReport) -> None:
@@ -330,7 +335,7 @@ def finalize_conversion(
     if not (dst / STATE_DIR / JOB_FILE).is_file():
         raise ConvertError(f"{dst} holds no modelopt_k3 conversion ({STATE_DIR}/{JOB_FILE} is missing); run "
                            "convert_checkpoint (modelopt-k3-convert without --finalize) with this --dst first")
-    for path, owner, record, _ in live_locks(dst / STATE_DIR / LOCK_DIR):
+    for path, owner, record, _ in live_locks(dst / STATE_DIR / RANK_LOCK_DIR):
         if record.get("fingerprint") != plan.fingerprint:
             raise ConvertError(f"{dst} is being written by another conversion ({owner.describe()}); "
                                f"wait for it to end, or remove {path} if that run is dead")

@@ -13,11 +13,11 @@ import torch
 from ..checkpoint import ReadLog
 from ..export.modelopt_format import input_scale_tensor
 from ..export.writer import PlannedShard, write_json_atomic
+from ..files.paths import is_staging_name, staging_path
 from ..nonfinite import source_refusal
 from ..numerics.constants import NVFP4_BLOCK
 from ..numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
 from ..numerics.mxfp4 import mxfp4_decode
-from ..paths import is_staging_name, staging_path
 from .jobs import _ModuleJob, _Plan
 from .report import ConvertStats
 from .state import RECORD_VERSION, _fsync, _record_path, source_identity
@@ -126,7 +126,7 @@ def _write_shard(
     allow_nonfinite_passthrough: bool = False,
 ) -> tuple[Path, dict]:
     """Write source shard ``file`` into a fresh staging file ``dst/.<file>.<32 hex>.partial``
-    (``paths.staging_path``, created with O_EXCL | O_NOFOLLOW: a planted file or symlink is never
+    (``files.paths.staging_path``, created with O_EXCL | O_NOFOLLOW: a planted file or symlink is never
     opened); return it and its record.
 
     Jobs (copies and modules) run on ``pool`` when given; each writes its own byte ranges and adds their

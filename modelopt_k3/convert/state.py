@@ -28,7 +28,7 @@ from ..export.writer import (
     write_index,
     write_json_atomic,
 )
-from ..paths import is_staging_name
+from ..files.paths import is_staging_name
 from ..recipe import Recipe
 from .jobs import _Plan
 from .report import ConvertStats
@@ -234,7 +234,7 @@ def sweep_tmp_files(where: Path) -> list[Path]:
     """Remove the ``write_json_atomic`` temporaries a killed run left in ``where``: those of processes that
     no longer run on this host, or older than the stale limit (another host's). Never trusted by a rerun
     (dot names no reader opens), removed so that they do not pile up."""
-    from ..ownership import _stale_after_s
+    from ..files.locks import _stale_after_s
 
     removed = []
     now = time.time()

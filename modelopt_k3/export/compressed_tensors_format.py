@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import SCHEMES, KvCacheFormat
+from ..quant.schemes import SCHEMES, KvCacheFormat
 
 FORMAT_NAME = "nvfp4-pack-quantized"
 

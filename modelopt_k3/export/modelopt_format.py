@@ -2,7 +2,7 @@
 
 Pure functions: given what was quantized, ``hf_quant_config.json`` and the ``quantization_config`` for
 ``config.json`` (each layer's entry is its registry ``Scheme``'s; the tensors of one quantized Linear
-are its ``TensorFormat``'s, ``modelopt_k3/formats.py``). Both the model exporter and the
+are its ``TensorFormat``'s, ``modelopt_k3/quant/schemes.py``). Both the model exporter and the
 calibration-free streaming converter write through these.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from .. import __version__
-from ..formats import SCHEMES, KvCacheFormat, kv_cache_named
+from ..quant.schemes import SCHEMES, KvCacheFormat, kv_cache_named
 from ..spec import ManifestNaming
 
 # The layout this module writes is nvidia-modelopt 0.47.0's; engines check the producer's name.

@@ -2,7 +2,7 @@
 
 An export is written into ``.<name>.tmp-<hex>/`` next to ``<name>`` and renamed into place at the
 end; replacing an old export first moves it aside to ``.<name>.old-<hex>/``. Each such directory has
-an owner record ``<dir>.owner.json`` beside it (``ownership.Owner``: pid, host, boot id, process
+an owner record ``<dir>.owner.json`` beside it (``files.locks.Owner``: pid, host, boot id, process
 start time; its mtime is the owner's heartbeat), written before the directory is made and removed
 after it is gone. A run that ends normally, fails or gets SIGTERM removes its own directory; one
 killed outright (``kill -9``, OOM killer, a lost node) cannot, so the next run to the same export
@@ -18,7 +18,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ..ownership import Heartbeat, Owner, owner_status, read_record, write_record
+from ..files.locks import Heartbeat, Owner, owner_status, read_record, write_record
 
 __all__ = ["OWNER_SUFFIX", "StagingDir", "discard_live", "remove_tree", "sweep_stale"]
 

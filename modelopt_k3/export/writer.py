@@ -68,8 +68,8 @@ from modelopt_k3.dist.collectives import (
 from modelopt_k3.dist.group import RunGroup, current_group
 from modelopt_k3.export.modelopt_format import strip_source_quantization
 from modelopt_k3.export.staging import StagingDir, remove_tree, sweep_stale
+from modelopt_k3.files.paths import create_new, write_new
 from modelopt_k3.numerics.finite import nonfinite_count
-from modelopt_k3.paths import create_new, write_new
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -135,7 +135,7 @@ def pwrite_all(fd: int, data, offset: int) -> None:
 
 def _tmp_name(path: Path) -> Path:
     # Unique per writer: ranks on different hosts may share a pid and write to one shared filesystem;
-    # unpredictable, and created with O_EXCL | O_NOFOLLOW (``paths.create_new``): nothing planted is opened.
+    # unpredictable, and created with O_EXCL | O_NOFOLLOW (``files.paths.create_new``): nothing planted is opened.
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
 
 
@@ -548,8 +548,8 @@ class PlannedShard:
 
     Tensors are laid out by element size (largest first), then planned order, so every tensor starts
     at a multiple of its element size, as safetensors' own writer does. ``digest`` covers every byte
-    written (``ShardDigest``). ``discard`` removes the file. ``path`` is created new (``paths.create_new``:
-    a file or symlink already there refuses it), so it must be a fresh name (``paths.staging_path``).
+    written (``ShardDigest``). ``discard`` removes the file. ``path`` is created new (``files.paths.create_new``:
+    a file or symlink already there refuses it), so it must be a fresh name (``files.paths.staging_path``).
     """
 
     def __init__(self, path: Path, planned: Sequence[PlannedTensor]):

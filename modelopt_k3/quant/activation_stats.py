@@ -4,7 +4,7 @@ During calibration a counter sees every value its quantizer observes: how many, 
 above a constant ``input_amax`` (with ``max`` calibration nothing lies above the calibrated amax: it
 is the largest value seen, max-reduced over ranks). During the report's held-out pass
 (``held_out_active``) it counts, under the final scale, values clipped and blocks whose scale
-underflows (``report/stats.py``). Counts are per rank; the report sums them.
+underflows (``numerics/stats.py``). Counts are per rank; the report sums them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..report.stats import input_counts
+from ..numerics.stats import input_counts
 from .modules import iter_quantizers
 
 

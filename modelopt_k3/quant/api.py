@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
-from ..formats import TensorFormat
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..packed_experts import is_packed
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
@@ -28,6 +27,7 @@ from .decisions import DecisionTable, decide
 from .kv_cache import attach_kv_cache
 from .modules import attach_experts, attach_linear
 from .mxfp4_source import Mxfp4ExpertSource
+from .schemes import TensorFormat
 from .shared_inputs import discover_shared_inputs
 
 log = logging.getLogger(__name__)

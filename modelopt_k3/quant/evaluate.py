@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist.group import current_group
-from ..report.stats import hidden_error_sums, kl_and_top1, rel_rms
+from ..numerics.stats import hidden_error_sums, kl_and_top1, rel_rms
 from .activation_stats import held_out_counting
 from .modules import iter_quantizers, set_mode
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import KvCacheFormat
 from ..spec.kv_cache import CachedOutput, KvCacheSite
 from .quantizer import TensorQuantizer
+from .schemes import KvCacheFormat
 
 
 def _cached_output_hook(quantizer: TensorQuantizer, start: int | None):

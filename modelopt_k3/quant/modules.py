@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..formats import TensorFormat
 from ..packed_experts import experts_device, is_packed, packed_weight_amax
 from .quantizer import TensorQuantizer
+from .schemes import TensorFormat
 
 
 def _swap_during_forward(module: nn.Module, replacements: Callable[[], dict[str, torch.Tensor]]) -> None:

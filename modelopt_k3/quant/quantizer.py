@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..dist.fsdp import full_amax
-from ..formats import TensorFormat
+from .schemes import TensorFormat
 
 Mode = Literal["off", "calib", "quant"]
 
@@ -35,7 +35,7 @@ class TensorQuantizer(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(fmt, TensorFormat):
-            raise QuantizerError(f"format {fmt!r} is not a registry format (modelopt_k3.formats)")
+            raise QuantizerError(f"format {fmt!r} is not a registry format (modelopt_k3.quant.schemes)")
         self.fmt = fmt
         self.role = role
         self.mode: Mode = "off"

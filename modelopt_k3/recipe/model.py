@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..formats import (
+from ..quant.schemes import (
     FP8_BLOCK_TENSOR,
     FP8_TENSOR,
     INPUT_FORMAT_NAMES,
@@ -28,7 +28,7 @@ from ..formats import (
     tensor_format,
 )
 
-# The registry's keys, as recipes spell them (modelopt_k3/formats.py owns the formats).
+# The registry's keys, as recipes spell them (modelopt_k3/quant/schemes.py owns the formats).
 WEIGHT_FORMATS = WEIGHT_FORMAT_NAMES
 INPUT_FORMATS = INPUT_FORMAT_NAMES
 KV_CACHE_FORMATS = KV_CACHE_FORMAT_NAMES
@@ -43,7 +43,7 @@ class RecipeError(ValueError):
 class QuantFormat:
     """What one Linear gets. ``weights=None`` means disabled (stays BF16).
 
-    ``weights``/``inputs`` are registry formats (``modelopt_k3.formats``); a recipe name given here is
+    ``weights``/``inputs`` are registry formats (``modelopt_k3.quant.schemes``); a recipe name given here is
     resolved once, on construction (the parser builds every QuantFormat), and never again downstream.
     """
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..formats import TensorFormat, format_for_ct_args, kv_cache_format, tensor_format
+from ..quant.schemes import TensorFormat, format_for_ct_args, kv_cache_format, tensor_format
 from .finder import RecipeRoots
 from .model import (
     ALGORITHMS,

@@ -4,7 +4,7 @@ calibration reached (``report.json``, ``report.md``, PNG plots). See docs/REPORT
 ``report(model, out_dir, ...)`` runs on every rank of a quantized model; each rank summarises what it
 owns (``collect.py``), rank 0 merges and writes. The numbers are pure functions (``stats.py``); the
 files come from the JSON alone (``render.py``), so ``modelopt-k3-report`` re-renders them.
-Imports are lazy: ``quant/`` imports ``report.stats`` while it is itself being imported.
+Imports are lazy: the report sits above ``quant/``, whose modules it imports only when it runs.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def write_report(data: dict[str, Any], out_dir: Path) -> list[Path]:
     """``report.json`` plus what ``render`` makes of it, through ``paths.write_owned`` (each file created new and
     renamed into place: never through a link planted there, never over a file we did not write, never into a
     checkpoint directory)."""
-    from ..paths import write_owned
+    from ..files.paths import write_owned
     from .render import render_files
 
     body = (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
@@ -96,7 +96,7 @@ def write_report(data: dict[str, Any], out_dir: Path) -> list[Path]:
 
 def check_report_dir(out_dir: Path, *, flag: str) -> None:
     """What ``write_report`` will refuse, said before any work (hf_ptq's preflight, ``modelopt-k3-report --out``)."""
-    from ..paths import OWNED_RECORD, check_owned_dir
+    from ..files.paths import OWNED_RECORD, check_owned_dir
 
     check_owned_dir(Path(out_dir), (*REPORT_FILES, OWNED_RECORD), flag=flag)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .stats import WEIGHT_FIELDS, rel_rms
+from ..numerics.stats import WEIGHT_FIELDS, rel_rms
 
 SCHEMA = "modelopt_k3.quant_report"
 VERSION = 1

@@ -196,6 +196,6 @@ def render_files(data: dict[str, Any]) -> dict[str, bytes]:
 def render(data: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write ``report.md`` and the plots into ``out_dir`` (``paths.write_owned``: never through a link, never over
     a file we did not write, never into a checkpoint); returns the files written."""
-    from ..paths import write_owned
+    from ..files.paths import write_owned
 
     return write_owned(Path(out_dir), render_files(data), flag="the report directory")

@@ -21,12 +21,13 @@ from .contract import (
     RecipesSpec,
     RemoteCodeClass,
     ReportSpec,
+    ServingSpec,
     SourceCheckSpec,
     SpecError,
     TransformersClass,
 )
 from .kv_cache import CachedOutput, KvCacheSite
-from .registry import builtin_model_packages, builtin_module, get_spec, known_model_types, register_spec
+from .registry import builtin_model_packages, get_spec, known_model_types, register_spec
 
 __all__ = [
     "CachedOutput",
@@ -45,11 +46,11 @@ __all__ = [
     "RecipesSpec",
     "RemoteCodeClass",
     "ReportSpec",
+    "ServingSpec",
     "SourceCheckSpec",
     "SpecError",
     "TransformersClass",
     "builtin_model_packages",
-    "builtin_module",
     "get_spec",
     "known_model_types",
     "register_spec",

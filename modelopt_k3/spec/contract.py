@@ -15,6 +15,11 @@ A spec is data plus a few hooks, grouped by who reads them, so each stage sees o
 * ``ReportSpec``      - the quantization report and ``quant/evaluate``: the decoder layers it compares.
 * ``RecipesSpec``     - the command lines (``cli/``): which recipe ``--qformat`` names for this model and what
   the calibration-free converter writes when no ``--recipe`` is given.
+* ``ServingSpec``     - the engine checks (``check/engines``): what each serving engine's class for this model
+  does when it loads an export, and the KV-cache scale tensors an export holds.
+* ``stand_in``        - the tiny stand-in checkpoint generator tests and examples use (``testing.make_tiny``).
+
+A model registers one spec and nothing else: no registry outside this one, no module found by its file name.
 
 The generic code reads a spec and never looks at model-specific classes itself; model-specific code
 lives in ``models/<model>/``. This module imports nothing from ``modelopt_k3`` (it is the bottom layer
@@ -164,6 +169,11 @@ def _no_import_shims(checkpoint: Path) -> None:
     """The default ``LoadingSpec.build``: nothing to shim."""
 
 
+def _no_converters(ctx: PrepareContext) -> list:
+    """The default ``LoadingSpec.converters``: checkpoint names are the model's parameter names."""
+    return []
+
+
 # --- the groups ------------------------------------------------------------------------------------------
 
 
@@ -186,6 +196,15 @@ class LoadingSpec:
     # Conversions of dense checkpoint tensors into the parameters the model declares (transformers
     # ``WeightConverter``s, run by the loader on the whole source tensor), e.g. a zero-padded vector.
     dense_converters: tuple[Any, ...] = ()
+    # The checkpoint conversion mapping: (the context ``prepare`` got) -> transformers ``WeightConverter``s /
+    # ``WeightRenaming``s from checkpoint names to the prepared model's parameters, which the loader runs on
+    # this rank's tensors (e.g. per-expert w1/w3 -> gate_up_proj, with the MXFP4 decode when packed).
+    converters: Callable[[PrepareContext], list] = _no_converters
+    # The checkpoint view: the checked safetensors headers (key -> ``checkpoint.TensorInfo``) -> the tensors
+    # the pipeline should see, for a checkpoint that stores what the pipeline reads per expert in another
+    # layout (GPT-OSS's fused ``[E, ...]`` MXFP4 blocks as per-expert ``weight_packed``/``weight_scale``).
+    # Every entry it returns is a contiguous byte range of a stored tensor (``CheckpointReader`` reads it so).
+    checkpoint_view: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -294,6 +313,19 @@ class RecipesSpec:
 
 
 @dataclass(frozen=True)
+class ServingSpec:
+    """Read by the engine checks (``check/engines``: ``modelopt-k3-check`` and the export's engine check)."""
+
+    # () -> engine name ("vllm", "sglang", "trtllm") -> what that engine's class for this model does when it
+    # loads an export (a ``check.engines.base.ModelServing``, or a replay function for an engine whose model
+    # class is replayed whole). A function: the rules are built from ``check/``'s classes, a layer above the
+    # loader, so they are imported when a check first asks, not with the spec.
+    rules: Callable[[], Mapping[str, Any]] | None = None
+    # config.json -> the KV-cache scale tensors an export with a KV-cache format holds (None: none).
+    kv_scale_names: Callable[[Mapping[str, Any]], list[str]] | None = None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model type's spec: its identity and one group per consumer (see the module docstring)."""
 
@@ -307,10 +339,10 @@ class ModelSpec:
     source_check: SourceCheckSpec = SourceCheckSpec()
     report: ReportSpec = ReportSpec()
     recipes: RecipesSpec = RecipesSpec()
-
-    def recipe_for_qformat(self, qformat: str) -> str:
-        """The recipe ``--qformat qformat`` means for this model (the model's own, else ``presets/<qformat>``)."""
-        return self.recipes.qformat.get(qformat, f"presets/{qformat}")
+    serving: ServingSpec = ServingSpec()
+    # (path, **sizes) -> Path: writes the model's tiny stand-in checkpoint at ``path`` (``testing.make_tiny``);
+    # None: the model has none.
+    stand_in: Callable[..., Path] | None = None
 
     def converter_recipe(self) -> str:
         """The recipe the converter writes without ``--recipe``; SpecError when the model has none."""

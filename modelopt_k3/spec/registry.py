@@ -3,7 +3,10 @@
 Builtin models are the packages under ``modelopt_k3/models/``, one per model, named after the
 ``model_type`` they register (``models/kimi_k3`` registers ``kimi_k3``). They are found by listing that
 directory and imported only when their model type is asked for, so importing the tools stays cheap and
-adding a model edits no list here.
+adding a model edits no list here. The package's spec is the whole contract: everything else a consumer
+needs of the model (serving rules, checkpoint view, conversion mapping, stand-in) is a field of it, so
+nothing looks for any other module by its name. A model type registers once; a second registration is
+an error, never a silent replacement.
 """
 
 from __future__ import annotations
@@ -34,19 +37,11 @@ def builtin_model_packages() -> dict[str, str]:
     }
 
 
-def builtin_module(model_type: str, submodule: str = "") -> str | None:
-    """The module name of ``model_type``'s builtin package (or of its ``submodule``, e.g. ``serving``), or
-    None when there is no such builtin package or submodule."""
-    package = builtin_model_packages().get(model_type)
-    if package is None or not submodule:
-        return package
-    name = f"{package}.{submodule}"
-    return name if importlib.util.find_spec(name) is not None else None
-
-
-def register_spec(spec: ModelSpec, *, overwrite: bool = False) -> ModelSpec:
-    if spec.model_type in _REGISTRY and not overwrite:
-        raise SpecError(f"a spec for model_type {spec.model_type!r} is already registered")
+def register_spec(spec: ModelSpec) -> ModelSpec:
+    """Register ``spec`` under its ``model_type``; SpecError if that model type already has one."""
+    if spec.model_type in _REGISTRY:
+        raise SpecError(f"a spec for model_type {spec.model_type!r} is already registered "
+                        f"({_REGISTRY[spec.model_type].loading.prepare.__module__}); a model type registers once")
     _REGISTRY[spec.model_type] = spec
     return spec
 
@@ -57,7 +52,7 @@ def known_model_types() -> list[str]:
 
 def get_spec(model_type: str) -> ModelSpec:
     if model_type not in _REGISTRY:
-        module = builtin_module(model_type)
+        module = builtin_model_packages().get(model_type)
         if module is not None:
             importlib.import_module(module)
     try:

@@ -50,7 +50,7 @@ from modelopt_k3.export.modelopt_format import (
     hf_quant_config,
     summarize_exclusions,
 )
-from modelopt_k3.formats import NVFP4_TENSOR
+from modelopt_k3.quant.schemes import NVFP4_TENSOR
 from modelopt_k3.recipe import load_recipe, recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
 

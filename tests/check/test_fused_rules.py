@@ -21,8 +21,8 @@ from engine_emulation import edit_export, quantized_modules
 from modelopt_k3 import check_export, convert_checkpoint
 from modelopt_k3.check import DIFFERENT, LOADS, EngineRefusal, check_recipe_for_engines, scan_export
 from modelopt_k3.export.modelopt_format import config_quantization_config, hf_quant_config
-from modelopt_k3.formats import NVFP4_TENSOR
 from modelopt_k3.models.kimi_k3.manifest import KIMI_K3_MANIFEST
+from modelopt_k3.quant.schemes import NVFP4_TENSOR
 from modelopt_k3.recipe import recipe_from_dict
 from modelopt_k3.testing.reference import read_checkpoint
 

@@ -28,8 +28,8 @@ from modelopt_k3.convert import (
     convert_checkpoint,
     finalize_conversion,
 )
+from modelopt_k3.files.paths import staging_path
 from modelopt_k3.numerics import fp8_quantize_blockwise, mxfp4_decode, nvfp4_dequantize
-from modelopt_k3.paths import staging_path
 from modelopt_k3.recipe import RecipeError, load_recipe
 from modelopt_k3.testing import make_tiny_kimi_k3
 

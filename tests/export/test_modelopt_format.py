@@ -12,7 +12,7 @@ from modelopt_k3.export.modelopt_format import (
     hf_quant_config,
     summarize_exclusions,
 )
-from modelopt_k3.formats import KV_FP8, NVFP4_TENSOR, TENSOR_FORMATS, tensor_format
+from modelopt_k3.quant.schemes import KV_FP8, NVFP4_TENSOR, TENSOR_FORMATS, tensor_format
 
 
 @pytest.mark.parametrize("fmt", list(TENSOR_FORMATS.values()), ids=list(TENSOR_FORMATS))

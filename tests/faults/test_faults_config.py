@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from faults.helpers import MIRROR, SMALL, temp_leftovers, tree_digest
-from modelopt_k3.paths import output_mode
+from modelopt_k3.files.paths import output_mode
 
 BUDGET_S = 5.0
 

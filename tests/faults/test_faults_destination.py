@@ -18,8 +18,8 @@ from faults.helpers import MIRROR, SMALL, temp_leftovers, tree_digest
 from modelopt_k3.checkpoint import CheckpointReader
 from modelopt_k3.convert import COMPLETE_MARKER, STATE_DIR, ConvertError, convert_checkpoint
 from modelopt_k3.export.staging import OWNER_SUFFIX, sweep_stale
-from modelopt_k3.ownership import STALE_AFTER_ENV, Owner, write_record
-from modelopt_k3.paths import DestinationError
+from modelopt_k3.files.locks import STALE_AFTER_ENV, Owner, write_record
+from modelopt_k3.files.paths import DestinationError
 
 PREFLIGHT_BUDGET_S = 5.0
 

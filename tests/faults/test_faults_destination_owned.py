@@ -20,7 +20,7 @@ import pytest
 from faults.helpers import MIRROR, temp_leftovers, tree_digest
 from modelopt_k3.convert import COMPLETE_MARKER, STATE_DIR, convert_checkpoint
 from modelopt_k3.export.writer import PlannedShard, PlannedTensor
-from modelopt_k3.paths import staging_path
+from modelopt_k3.files.paths import staging_path
 
 INDEX = "model.safetensors.index.json"
 REFUSAL_BUDGET_S = 5.0

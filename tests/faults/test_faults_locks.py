@@ -14,7 +14,7 @@ import pytest
 
 from faults.helpers import MIRROR, SMALL, temp_leftovers, tree_digest
 from modelopt_k3.convert import STATE_DIR, convert_checkpoint
-from modelopt_k3.preflight import export_lock_path
+from modelopt_k3.files.locks import export_lock_path
 
 INTERRUPTED = 128 + signal.SIGINT
 
@@ -26,7 +26,7 @@ def _ptq_args(src: Path, out: Path, *extra) -> list[str]:
 def _preflight(src: Path, out: Path):
     from modelopt_k3.cli.hf_ptq import _preflight as preflight
     from modelopt_k3.cli.hf_ptq import build_parser
-    from modelopt_k3.export.formats import export_format
+    from modelopt_k3.export.layouts import export_format
 
     args = build_parser().parse_args(_ptq_args(src, out))
     args.export_format = export_format(args.export_format)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modelopt_k3.export.writer import ShardWriter
-from modelopt_k3.paths import OWNED_RECORD, DestinationError, write_owned
+from modelopt_k3.files.paths import OWNED_RECORD, DestinationError, write_owned
 from modelopt_k3.report import REPORT_FILES
 from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
 

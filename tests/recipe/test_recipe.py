@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_k3.formats import KV_FP8
+from modelopt_k3.quant.schemes import KV_FP8
 from modelopt_k3.recipe import (
     DISABLED,
     FP8_PB_WO,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from modelopt_k3.cli import hf_ptq
-from modelopt_k3.paths import DestinationError
+from modelopt_k3.files.paths import DestinationError
 
 
 def _args(*argv: str):

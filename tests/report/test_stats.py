@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from modelopt_k3.report.build import weight_summary
-from modelopt_k3.report.stats import (
+from modelopt_k3.numerics.stats import (
     WEIGHT_FIELDS,
     block_flags,
     input_counts,
@@ -15,6 +14,7 @@ from modelopt_k3.report.stats import (
     rel_rms,
     weight_rows,
 )
+from modelopt_k3.report.build import weight_summary
 
 F = {name: i for i, name in enumerate(WEIGHT_FIELDS)}
 
@@ -60,14 +60,14 @@ def test_input_counts_and_kl():
 
 def test_public_call_survives_importing_the_package():
     import modelopt_k3
-    import modelopt_k3.report.stats  # noqa: F401  binds the package module to modelopt_k3.report
+    import modelopt_k3.report.build  # noqa: F401  binds the package module to modelopt_k3.report
 
     assert callable(modelopt_k3.report) and modelopt_k3.report.report.__name__ == "report"
 
 
 def test_fp8_fake_quant_of_stacked_experts_is_per_expert():
     """The report's (and the fake-quant forward's) per-tensor FP8 experts: one scale per expert."""
-    from modelopt_k3.formats import FP8_TENSOR
+    from modelopt_k3.quant.schemes import FP8_TENSOR
 
     x = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
     scales = x.abs().amax(dim=(1, 2)) / 448

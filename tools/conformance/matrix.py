@@ -175,7 +175,7 @@ def _w3_scale(src: Path, dst: Path) -> Path:
 
 
 def _latent_nvfp4(src: Path, dst: Path) -> Path:
-    from modelopt_k3.formats import NVFP4_TENSOR
+    from modelopt_k3.quant.schemes import NVFP4_TENSOR
 
     module = f"{LM}.layers.1.block_sparse_moe.routed_expert_down_proj"
     w = _read(src, f"{module}.weight").float()

@@ -2,17 +2,16 @@
 
 An engine's generic ModelOpt code is replayed by a ``ModelOptEngine`` (``vllm.py``, ``sglang.py``);
 what the engine's class for one model type does (fused parameters, layers it builds unquantized,
-name rewrites, KV-cache handling) is a ``ModelServing`` registered by the model's package
-(``models/<model>/serving.py``). An engine whose model class we replay whole (TensorRT-LLM's
-Kimi-K3 loader) registers a replay function instead.
+name rewrites, KV-cache handling) is a ``ModelServing`` that the model's spec declares
+(``ServingSpec.rules``, built in ``models/<model>/serving.py``). An engine whose model class we replay
+whole (TensorRT-LLM's Kimi-K3 loader) is given a replay function instead.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
-from ...spec import builtin_module
+from ...spec import ServingSpec, SpecError, get_spec
 from ..layout import Layout
 from ..report import EngineResult, Refusal
 from .base import ModelOptEngine, ModelServing
@@ -23,40 +22,24 @@ ENGINE_NAMES = ("vllm", "sglang", "trtllm")
 MODELOPT_ENGINES: dict[str, ModelOptEngine] = {"vllm": VLLM, "sglang": SGLANG}
 Replay = Callable[..., EngineResult]
 
-_SERVING: dict[tuple[str, str], ModelServing | Replay] = {}
-# model_type -> config -> the KV-cache scale tensors an export with a KV-cache format holds.
-_KV_SCALE_NAMES: dict[str, Callable[[dict], list[str]]] = {}
 
-
-def register_serving(model_type: str, engine: str, rules: ModelServing | Replay) -> None:
-    if engine not in ENGINE_NAMES:
-        raise ValueError(f"unknown engine {engine!r}; known: {list(ENGINE_NAMES)}")
-    _SERVING[(model_type, engine)] = rules
-
-
-def register_kv_scale_names(model_type: str, names: Callable[[dict], list[str]]) -> None:
-    _KV_SCALE_NAMES[model_type] = names
-
-
-def _load_builtin(model_type: str) -> None:
-    """Import the builtin model package's ``serving`` module, which registers its rules (lazy, like the specs)."""
-    module = builtin_module(model_type, "serving")
-    if module is not None:
-        importlib.import_module(module)
+def _serving(model_type: str) -> ServingSpec:
+    """The model's serving declarations (none for a model type without a spec)."""
+    try:
+        return get_spec(model_type).serving
+    except SpecError:
+        return ServingSpec()
 
 
 def serving_rules(model_type: str, engine: str) -> ModelServing | Replay | None:
-    if (model_type, engine) not in _SERVING:
-        _load_builtin(model_type)
-    return _SERVING.get((model_type, engine))
+    """What ``engine``'s class for ``model_type`` does when it loads an export (None: no rules known)."""
+    rules = _serving(model_type).rules
+    return rules().get(engine) if rules is not None else None
 
 
 def kv_scale_names(config: dict) -> list[str]:
     """The KV-cache scale tensors an export of a model with this config holds (none if unknown)."""
-    model_type = str(config.get("model_type", ""))
-    if model_type not in _KV_SCALE_NAMES:
-        _load_builtin(model_type)
-    names = _KV_SCALE_NAMES.get(model_type)
+    names = _serving(str(config.get("model_type", ""))).kv_scale_names
     return names(config) if names else []
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...formats import KV_FP8, scheme_of_method
 from ...numerics import fp8 as fp8n
+from ...quant.schemes import KV_FP8, scheme_of_method
 from ..layout import Layout, Linear
 from ..report import Deviation, EngineResult, Refusal
 

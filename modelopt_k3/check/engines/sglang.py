@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import re
 
-from ...formats import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4
 from ...numerics.constants import FP8_BLOCK
+from ...quant.schemes import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4
 from ..layout import Layout
 from ..report import Deviation
 from .base import (

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from ...formats import FP8, FP8_PB_WO, NVFP4
+from ...quant.schemes import FP8, FP8_PB_WO, NVFP4
 from ..layout import Layout, Linear
 from ..report import Refusal
 from .base import Refuse

@@ -22,8 +22,8 @@ from fnmatch import fnmatch
 
 import torch
 
-from ...formats import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4, scheme_of_method
 from ...numerics.constants import FP8_BLOCK
+from ...quant.schemes import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4, scheme_of_method
 from ..layout import Layout, Linear
 from .base import (
     ModelOptEngine,

@@ -7,7 +7,10 @@ checkpoint view and converters. ``experts``: the fused experts module. Facts: do
 
 from __future__ import annotations
 
-from ...checkpoint import register_checkpoint_view
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 from ...spec import (
     ExpertProjection,
     ExpertsSpec,
@@ -17,6 +20,7 @@ from ...spec import (
     QuantSpec,
     RecipesSpec,
     ReportSpec,
+    ServingSpec,
     SourceCheckSpec,
     register_spec,
 )
@@ -26,13 +30,26 @@ from .model import (
     EXPERT_KEY_RE,
     FusedGptOssForCausalLM,
     TransformersGptOss,
+    checkpoint_converters,
     per_expert_view,
     place_experts,
     prepare,
 )
 from .probe import probe_model
 
-register_checkpoint_view("gpt_oss", per_expert_view)
+
+def serving_rules() -> Mapping[str, Any]:
+    """``ServingSpec.rules``: built from ``check/``'s classes, so imported when a check first asks."""
+    from .serving import SERVING
+
+    return SERVING
+
+
+def make_stand_in(path: str | Path, **sizes: Any) -> Path:
+    """``ModelSpec.stand_in``: the tiny GPT-OSS (``testing/tiny_gpt_oss.py``)."""
+    from ...testing.tiny_gpt_oss import make_tiny_gpt_oss
+
+    return make_tiny_gpt_oss(path, **sizes)
 
 GPT_OSS_SPEC = register_spec(
     ModelSpec(
@@ -43,6 +60,8 @@ GPT_OSS_SPEC = register_spec(
             model_class=TransformersGptOss(),
             prepare=prepare,
             source_formats=frozenset({"mxfp4"}),
+            converters=checkpoint_converters,
+            checkpoint_view=per_expert_view,
         ),
         experts=ExpertsSpec(
             module_regex=r"\.mlp\.experts$",
@@ -63,8 +82,9 @@ GPT_OSS_SPEC = register_spec(
             qformat={"nvfp4": "models/openai/gpt-oss/nvfp4"},
             converter="models/openai/gpt-oss/nvfp4_experts",
         ),
+        serving=ServingSpec(rules=serving_rules),
+        stand_in=make_stand_in,
     ),
-    overwrite=True,
 )
 
 __all__ = ["GPT_OSS_SPEC", "FusedGptOssForCausalLM", "GptOssFusedExperts", "TransformersGptOss"]

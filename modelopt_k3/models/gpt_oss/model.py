@@ -4,13 +4,13 @@
   constructor gives each built layer's ``mlp`` a ``GptOssFusedExperts`` (the instances only: transformers'
   classes stay untouched, so its own ``GptOssForCausalLM`` in the same process is unaffected). No
   checkpoint code runs (``TransformersGptOss.remote_code`` is False).
-- Checkpoint view (``checkpoint.register_checkpoint_view``): the fused OpenAI MXFP4 tensors
+- Checkpoint view (``LoadingSpec.checkpoint_view``): the fused OpenAI MXFP4 tensors
   ``<experts>.<p>_blocks [E, out, in/32, 16]`` / ``<p>_scales [E, out, in/32]`` are shown as per-expert
   ``<experts>.<e>.<p>.weight_packed [out, in/2]`` / ``.weight_scale [out, in/32]``: the same bytes (one
   contiguous range per expert), so a rank reads exactly its experts' bytes and every per-expert stage (the
   decisions, the lossless cast, the converter's jobs, the export) works unchanged. Expert biases stay fused
   under their own names (``<experts>.<p>_bias [E, out]``) and load by this rank's rows.
-- Converters: per-expert ``weight_packed``/``weight_scale`` -> decoded, stacked ``gate_up_proj [E, 2I, H]``
+- Converters (``LoadingSpec.converters``): per-expert ``weight_packed``/``weight_scale`` -> decoded, stacked ``gate_up_proj [E, 2I, H]``
   / ``down_proj [E, H, I]`` (rows as stored: gate/up interleaved).
 """
 
@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoConfig, GptOssForCausalLM
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
 
 from ...checkpoint import CheckpointError, TensorInfo
@@ -142,17 +141,19 @@ def gpt_oss_converters(*, packed: bool) -> list[WeightConverter]:
 
 
 def prepare(ctx: PrepareContext) -> None:
-    """Register the experts converters for our class (its own name: transformers' GPT-OSS loading is untouched)."""
+    """Check the class and the checkpoint's quantization method (transformers' GPT-OSS loading is untouched)."""
     if ctx.model_cls is not FusedGptOssForCausalLM:
         raise SpecError(f"the GPT-OSS spec builds {FusedGptOssForCausalLM.__name__}, not {ctx.model_cls.__name__}")
     qcfg = getattr(ctx.config, "quantization_config", None)
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else getattr(qcfg, "quant_method", None)
-    packed = ctx.packed_experts
-    if packed and str(getattr(method, "value", method)) != "mxfp4":
+    if ctx.packed_experts and str(getattr(method, "value", method)) != "mxfp4":
         raise SpecError(f"GPT-OSS experts are stored MXFP4-packed but quantization_config's quant_method is {method!r}, "
                         "not 'mxfp4'")
-    register_checkpoint_conversion_mapping(ctx.model_cls.__name__, gpt_oss_converters(packed=bool(packed)),
-                                           overwrite=True)
+
+
+def checkpoint_converters(ctx: PrepareContext) -> list[WeightConverter]:
+    """The spec's conversion mapping (``LoadingSpec.converters``): the experts converters for this checkpoint."""
+    return gpt_oss_converters(packed=bool(ctx.packed_experts))
 
 
 def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 import re
 
-from ...check.engines import register_serving
 from ...check.layout import Layout
 from ...check.report import Deviation, EngineResult, Refusal
 
@@ -94,9 +93,6 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
-register_serving("gpt_oss", "vllm", _replay("vllm"))
-register_serving("gpt_oss", "sglang", replay_sglang)
-
 TRT_REASON = ("TensorRT-LLM's GPT-OSS reads the MoE's weights under the fused names gate_up_proj/down_proj (BF16) "
               "or gate_up_proj_blocks/_scales (MXFP4) only; per-expert experts.<e>.* names give neither and the "
               "load raises KeyError (modeling_gpt_oss.py GptOssForCausalLM.load_hf_weights, "
@@ -119,4 +115,5 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
-register_serving("gpt_oss", "trtllm", replay_trtllm)
+# The spec's ``ServingSpec.rules``: engine -> rules.
+SERVING = {"vllm": _replay("vllm"), "sglang": replay_sglang, "trtllm": replay_trtllm}

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 from ...spec import (
     ExpertProjection,
     ExpertsSpec,
@@ -13,18 +17,34 @@ from ...spec import (
     RecipesSpec,
     RemoteCodeClass,
     ReportSpec,
+    ServingSpec,
     SourceCheckSpec,
     register_spec,
 )
 from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
-from .kv_cache import kv_cache_sites
+from .kv_cache import kv_cache_sites, kv_scale_names
 from .layout import check_config_fields, dense_layout, expert_layout
 from .manifest import KIMI_K3_MANIFEST
 from .memory import activation_memory
-from .prepare import SUPPORTED_SOURCE_FORMATS, place_experts, prepare
+from .prepare import SUPPORTED_SOURCE_FORMATS, checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .shims import apply_import_shims
+
+
+def serving_rules() -> Mapping[str, Any]:
+    """``ServingSpec.rules``: built from ``check/``'s classes, so imported when a check first asks."""
+    from .serving import SERVING
+
+    return SERVING
+
+
+def make_stand_in(path: str | Path, **sizes: Any) -> Path:
+    """``ModelSpec.stand_in``: the tiny Kimi-K3 (``testing/tiny.py``)."""
+    from ...testing.tiny import make_tiny_kimi_k3
+
+    return make_tiny_kimi_k3(path, **sizes)
+
 
 KIMI_K3_SPEC = register_spec(
     ModelSpec(
@@ -41,6 +61,7 @@ KIMI_K3_SPEC = register_spec(
             keep_source_dtype=r"\.block_sparse_moe\.gate\.e_score_correction_bias$",
             # A_log: declared [num_heads], stored [head_dim] zero-padded in the real checkpoint.
             dense_converters=(A_LOG_CONVERTER,),
+            converters=checkpoint_converters,
         ),
         experts=ExpertsSpec(
             module_regex=r"\.block_sparse_moe\.experts$",
@@ -72,8 +93,9 @@ KIMI_K3_SPEC = register_spec(
         # KimiDecoderLayer instances of the language model (the vision tower's are encoder.blocks).
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(converter="models/moonshotai/Kimi-K3/nvfp4_experts"),
+        serving=ServingSpec(rules=serving_rules, kv_scale_names=kv_scale_names),
+        stand_in=make_stand_in,
     ),
-    overwrite=True,
 )
 
 __all__ = ["KIMI_K3_SPEC", "KimiK3Experts", "kimi_k3_converters", "prepare"]

@@ -31,3 +31,11 @@ def kv_cache_sites(model: nn.Module) -> list[KvCacheSite]:
         for module in model.modules()
         if type(module).__name__ == MLA_CLASS
     ]
+
+
+def kv_scale_names(config: dict) -> list[str]:
+    """The KV-cache scales the exporter writes: one pair per MLA layer (every layer not in kda_layers)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kda = set((text.get("linear_attn_config") or {}).get("kda_layers") or [])  # 1-indexed
+    return [f"language_model.model.layers.{i}.self_attn.{key}"
+            for i in range(int(text.get("num_hidden_layers", 0))) if i + 1 not in kda for key in KV_SCALE_NAMES]

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from types import ModuleType
 
 from torch import nn
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
 from ...checkpoint import CheckpointReader
 from ...dist.placement import ExpertPlacement
@@ -150,19 +149,32 @@ def _one_expert_module(module: ModuleType) -> Iterator[None]:
         setattr(module, EXPERT_CLASS, cls)
 
 
+def _packed_experts(ctx: PrepareContext) -> bool:
+    """Whether the routed experts are stored MXFP4-packed: as the caller's source check found, else checked here."""
+    if ctx.packed_experts is not None:
+        return ctx.packed_experts
+    if ctx.checkpoint is None:
+        raise SpecError("Kimi-K3 prepare needs the checkpoint path (to validate its experts before patching)")
+    from ...source_check import check_experts  # not checked by the caller (load_pretrained checks first)
+    from . import KIMI_K3_SPEC
+
+    with CheckpointReader(ctx.checkpoint) as reader:
+        return check_experts(reader.headers(), ctx.config.to_dict(), KIMI_K3_SPEC).packed_experts
+
+
+def checkpoint_converters(ctx: PrepareContext) -> list:
+    """The spec's conversion mapping (``LoadingSpec.converters``): per-expert w1/w3 -> ``gate_up_proj``, w2 ->
+    ``down_proj``, decoding MXFP4 when the experts are stored packed."""
+    return kimi_k3_converters(packed=_packed_experts(ctx))
+
+
 def prepare(ctx: PrepareContext) -> None:
     if ctx.checkpoint is None:
         raise SpecError("Kimi-K3 prepare needs the checkpoint path (to validate its experts before patching)")
     module = find_block_module(ctx.model_cls)
     text_config = getattr(ctx.config, "text_config", ctx.config)
     scheme = parse_source_scheme(ctx.config)
-    packed = ctx.packed_experts
-    if packed is None:  # not checked by the caller (load_pretrained checks before it builds anything)
-        from ...source_check import check_experts
-        from . import KIMI_K3_SPEC
-
-        with CheckpointReader(ctx.checkpoint) as reader:
-            packed = check_experts(reader.headers(), ctx.config.to_dict(), KIMI_K3_SPEC).packed_experts
+    packed = _packed_experts(ctx)
     if packed and scheme is None:
         raise SpecError("routed experts are stored MXFP4-packed but the config has no quantization_config")
 
@@ -175,9 +187,6 @@ def prepare(ctx: PrepareContext) -> None:
     # classes, rejects grouped_mm (its check greps the class source for the decorator). Construct with
     # eager; set_experts_implementation() installs the plan's choice on the built model.
     text_config._experts_implementation = "eager"
-    register_checkpoint_conversion_mapping(
-        ctx.model_cls.__name__, kimi_k3_converters(packed=packed), overwrite=True
-    )
 
 
 def unprepare(model_cls: type) -> None:

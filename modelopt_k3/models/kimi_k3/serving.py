@@ -49,7 +49,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...check.engines import register_kv_scale_names, register_serving
 from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, kv_deviations
 from ...check.engines.trtllm import (
     FP8_BLOCK_SCALES,
@@ -59,8 +58,7 @@ from ...check.engines.trtllm import (
 )
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
-from ...formats import FP8, FP8_PB_WO, NVFP4
-from .kv_cache import KV_SCALE_NAMES
+from ...quant.schemes import FP8, FP8_PB_WO, NVFP4
 
 EXPERT_RE = r"(?P<module>.+\.block_sparse_moe\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])"
 GATE_UP = ("w1", "w3")  # fused into w13 by both engines' make_expert_params_mapping(w1, w2, w3)
@@ -342,17 +340,5 @@ def _trt_resolved_attention(name: str) -> bool:
     return m is not None and m["proj"] in TRT_KDA_RESOLVED + TRT_MLA_RESOLVED
 
 
-register_serving("kimi_k3", "vllm", VLLM_K3)
-register_serving("kimi_k3", "sglang", SGLANG_K3)
-register_serving("kimi_k3", "trtllm", replay_trtllm)
-
-
-def kv_scale_names(config: dict) -> list[str]:
-    """The KV-cache scales the exporter writes: one pair per MLA layer (every layer not in kda_layers)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    kda = set((text.get("linear_attn_config") or {}).get("kda_layers") or [])  # 1-indexed
-    return [f"language_model.model.layers.{i}.self_attn.{key}"
-            for i in range(int(text.get("num_hidden_layers", 0))) if i + 1 not in kda for key in KV_SCALE_NAMES]
-
-
-register_kv_scale_names("kimi_k3", kv_scale_names)
+# The spec's ``ServingSpec.rules``: engine -> rules.
+SERVING = {"vllm": VLLM_K3, "sglang": SGLANG_K3, "trtllm": replay_trtllm}

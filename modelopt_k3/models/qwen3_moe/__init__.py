@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 from ...spec import (
     ExpertProjection,
     ExpertsSpec,
@@ -11,14 +15,29 @@ from ...spec import (
     QuantSpec,
     RecipesSpec,
     ReportSpec,
+    ServingSpec,
     SourceCheckSpec,
     TransformersClass,
     register_spec,
 )
 from .experts import Qwen3MoeFusedExperts
 from .layout import check_config_fields, dense_layout, expert_layout
-from .prepare import place_experts, prepare
+from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
+
+
+def serving_rules() -> Mapping[str, Any]:
+    """``ServingSpec.rules``: built from ``check/``'s classes, so imported when a check first asks."""
+    from .serving import SERVING
+
+    return SERVING
+
+
+def make_stand_in(path: str | Path, **sizes: Any) -> Path:
+    """``ModelSpec.stand_in``: the tiny Qwen3-MoE (``testing/qwen3_moe.py``)."""
+    from ...testing.qwen3_moe import make_tiny_qwen3_moe
+
+    return make_tiny_qwen3_moe(path, **sizes)
 
 EXPERT_KEY_RE = r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)\.(?P<tensor>\w+)$"
 
@@ -27,7 +46,8 @@ QWEN3_MOE_SPEC = register_spec(
         model_type="qwen3_moe",
         # Fused Qwen3MoeExperts behind the experts interface, and the qwen2_moe checkpoint conversion.
         min_transformers="5.0.0",
-        loading=LoadingSpec(model_class=TransformersClass("Qwen3MoeForCausalLM"), prepare=prepare),
+        loading=LoadingSpec(model_class=TransformersClass("Qwen3MoeForCausalLM"), prepare=prepare,
+                            converters=checkpoint_converters),
         experts=ExpertsSpec(
             module_regex=r"\.mlp\.experts$",
             sharded_params={"gate_up_proj": 0, "down_proj": 0},
@@ -53,8 +73,9 @@ QWEN3_MOE_SPEC = register_spec(
             converter=None,
             no_converter_reason="its routed experts are BF16, so NVFP4 input scales need calibration",
         ),
+        serving=ServingSpec(rules=serving_rules),
+        stand_in=make_stand_in,
     ),
-    overwrite=True,
 )
 
 __all__ = ["QWEN3_MOE_SPEC", "Qwen3MoeFusedExperts"]

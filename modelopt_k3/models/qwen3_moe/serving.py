@@ -44,12 +44,11 @@ from __future__ import annotations
 
 import re
 
-from ...check.engines import register_serving
 from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, experts_scale_deviations
 from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
-from ...formats import NVFP4, W4A16_NVFP4
+from ...quant.schemes import NVFP4, W4A16_NVFP4
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")  # w13 in both engines' make_expert_params_mapping
@@ -111,8 +110,6 @@ SGLANG_QWEN3_MOE = ModelServing(
     moe_runner=sglang_moe_runner,
 )
 
-register_serving("qwen3_moe", "vllm", VLLM_QWEN3_MOE)
-register_serving("qwen3_moe", "sglang", SGLANG_QWEN3_MOE)
 
 
 # ---------------------------------------------------------------------- TensorRT-LLM
@@ -229,4 +226,5 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
-register_serving("qwen3_moe", "trtllm", replay_trtllm)
+# The spec's ``ServingSpec.rules``: engine -> rules.
+SERVING = {"vllm": VLLM_QWEN3_MOE, "sglang": SGLANG_QWEN3_MOE, "trtllm": replay_trtllm}

@@ -1,6 +1,6 @@
 """Export formats: one object per on-disk checkpoint layout a quantized model can be written in.
 
-The quantization formats (NVFP4, FP8, ...) are ``modelopt_k3.formats``; this registry is the other
+The quantization formats (NVFP4, FP8, ...) are ``modelopt_k3.quant.schemes``; this registry is the other
 axis, the file layout: how one quantized Linear's tensors are named, whether a recipe can be expressed
 at all, and which config files describe it. The CLI and ``export_checkpoint`` resolve the name here
 once (``export_format``) and hand the object on; nothing else compares export-format names.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import KvCacheFormat
+from ..quant.schemes import KvCacheFormat
 from ..recipe import Recipe
 from ..spec import ManifestNaming
 from . import compressed_tensors_format as ct_format

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .numerics import fp8 as fp8n
-from .numerics import nvfp4 as nvn
-from .numerics.constants import FP8_BLOCK, NVFP4_BLOCK
+from ..numerics import fp8 as fp8n
+from ..numerics import nvfp4 as nvn
+from ..numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 # (suffix, dtype, shape) of one exported tensor of a quantized Linear.
 TensorLayout = list[tuple[str, torch.dtype, tuple[int, ...]]]

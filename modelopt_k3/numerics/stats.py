@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..numerics.constants import FP4_MAX, FP8_E4M3_MAX, FP8_E4M3_MIN_SUBNORMAL
+from .constants import FP4_MAX, FP8_E4M3_MAX, FP8_E4M3_MIN_SUBNORMAL
 
 # Fields of one weight row (per expert or per dense module), in this order (``weight_rows``).
 WEIGHT_FIELDS = ("numel", "sse", "ssq", "max_abs_err", "amax", "units", "saturated", "underflow")

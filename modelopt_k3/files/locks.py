@@ -1,4 +1,13 @@
-"""Who owns a temporary directory or a lock, and whether that owner still runs.
+"""Every lock the tools hold, and who owns a temporary directory or a lock and whether that owner still runs.
+
+The locks, all owner records created whole and held with a heartbeat (``FileLock``):
+
+* ``acquire_lock``: one lock file, refused (``LockHeld``) while a live owner holds it;
+* ``acquire_export_lock``: ``hf_ptq``'s export path, ``.<name>.lock`` beside it, held by rank 0 from the
+  preflight to the end of the run, so two runs to one path cannot both pass the preflight;
+* ``acquire_rank_lock``: the converter's output, one lock file per rank (``locks/rank-<r>.json`` in its
+  state directory, with the job fingerprint and world size), so the ranks of one job (torchrun, or
+  independent processes on hosts sharing ``dst``) write disjoint shards and a second job is refused.
 
 A run that leaves data behind it (a temporary export directory, a converter's per-rank lock) writes
 an owner record next to it: pid, host, the host's boot id and the process's start time, the time it
@@ -21,15 +30,20 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = [
     "HEARTBEAT_S",
+    "RANK_LOCK_DIR",
     "FileLock",
     "LockHeld",
+    "acquire_export_lock",
     "acquire_lock",
+    "acquire_rank_lock",
+    "export_lock_path",
+    "live_locks",
     "STALE_AFTER_ENV",
     "Heartbeat",
     "Owner",
@@ -226,3 +240,101 @@ def acquire_lock(path: Path, extra: dict | None = None, notes: list[str] | None 
         if notes is not None:
             notes.append(note)
     raise LockHeld(f"{path} reappears each time it is removed: another run is taking it; try again later")
+
+
+# --- the export path's lock (hf_ptq) ----------------------------------------------------------------------
+
+
+def export_lock_path(export_path: Path) -> Path:
+    """The lock file of an export path: ``.<name>.lock`` beside it."""
+    return export_path.parent / f".{export_path.name}.lock"
+
+
+def acquire_export_lock(export_path: Path, cleanup: list[Callable[[], None]], notes: list[str]) -> None:
+    """Hold ``export_lock_path(export_path)`` or raise ``LockHeld``. What undoes it goes on ``cleanup`` (undone
+    last first): the release, and the removal of the parent directories it had to create, when still empty
+    (that one also when the lock is refused)."""
+    lock_path = export_lock_path(export_path.absolute())
+    made = [p for p in (lock_path.parent, *lock_path.parent.parents) if not p.exists()][::-1]
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def remove_made() -> None:
+        for p in reversed(made):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    cleanup.append(remove_made)
+    cleanup.append(acquire_lock(lock_path, {"kind": "modelopt_k3 export lock"}, notes).release)
+
+
+# --- the converter's per-rank locks -----------------------------------------------------------------------
+#
+# Each rank of a conversion holds ``<state dir>/locks/rank-<r>.json`` (an owner record plus its job
+# fingerprint and world size, created exclusively; its mtime is the heartbeat). A process is refused, naming
+# the holder, when a live lock holds its rank, or belongs to another job (another recipe or source) or
+# another world size. Locks of dead owners (``owner_status``) are removed, saying so. A lock is released
+# when its run ends, however it ends short of ``kill -9``; that one is found dead by the next run.
+
+RANK_LOCK_DIR = "locks"
+
+
+def _rank_lock_path(locks: Path, rank: int) -> Path:
+    return locks / f"rank-{rank:05d}.json"
+
+
+def live_locks(locks: Path, notes: list[str] | None = None) -> list[tuple[Path, Owner, dict, str]]:
+    """The live rank locks in ``locks`` (path, owner, record, why alive); dead ones are removed (noted)."""
+    live = []
+    for path in sorted(locks.glob("rank-*.json")) if locks.is_dir() else ():
+        found = read_record(path)
+        if found is None:
+            # A lock is created whole (``write_record``: written aside, then linked in), so one that is
+            # empty or unreadable was never a live run's: a crash or a full disk left it.
+            if path.exists():
+                path.unlink(missing_ok=True)
+                if notes is not None:
+                    notes.append(f"removed the lock file {path}: it is empty or unreadable, so no live run holds it "
+                                 "(a crash or a full disk left it)")
+            continue
+        owner, record = found
+        alive, why = owner_status(owner, path)
+        if alive:
+            live.append((path, owner, record, why))
+        else:
+            path.unlink(missing_ok=True)
+            if notes is not None:
+                notes.append(f"removed the stale lock of rank {record.get('rank')} ({owner.describe()}; {why})")
+    return live
+
+
+def _rank_conflict(dst: Path, rank: int, world_size: int, fingerprint: str, locks: Path) -> str | None:
+    for path, owner, record, why in live_locks(locks):
+        held = f"{owner.describe()}, rank {record.get('rank')} of {record.get('world_size')}; {why}"
+        if record.get("fingerprint") != fingerprint or record.get("world_size") != world_size:
+            return (f"{dst} is being written by another conversion ({held}; another recipe, source or world "
+                    f"size); wait for it to end, or remove {path} if that run is dead")
+        if record.get("rank") == rank:
+            return (f"rank {rank} of {dst} is already being converted ({held}); wait for it to end, "
+                    f"or remove {path} if that run is dead")
+    return None
+
+
+def acquire_rank_lock(
+    dst: Path, locks: Path, *, rank: int, world_size: int, fingerprint: str, notes: list[str]
+) -> FileLock:
+    """Take rank ``rank``'s lock in ``locks`` (the lock directory of output ``dst``), or raise ``LockHeld``
+    naming who holds the destination. Dead owners' locks are cleared first (noted)."""
+    live_locks(locks, notes)
+    problem = _rank_conflict(dst, rank, world_size, fingerprint, locks)
+    if problem is None:
+        path = _rank_lock_path(locks, rank)
+        extra = {"rank": rank, "world_size": world_size, "fingerprint": fingerprint}
+        try:
+            write_record(path, Owner.this_process(), extra, exclusive=True)
+        except FileExistsError:  # another process took it between the check and now
+            problem = _rank_conflict(dst, rank, world_size, fingerprint, locks) or f"{path} appeared meanwhile"
+        else:
+            return FileLock(path, Heartbeat(path).start())
+    raise LockHeld(problem)
