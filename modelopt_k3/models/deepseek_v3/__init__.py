@@ -22,6 +22,7 @@ from ...spec import (
     register_spec,
 )
 from .experts import DeepseekV3FusedExperts
+from .kv_cache import kv_cache_sites
 from .layout import check_config_fields
 from .prepare import place_experts, prepare
 from .probe import probe_model
@@ -53,7 +54,8 @@ DEEPSEEK_V3_SPEC = register_spec(
             place_experts=place_experts,
         ),
         # vLLM/SGLang/TensorRT-LLM fuse each expert's gate/up into w13: one weight_scale_2 and input_scale.
-        quant=QuantSpec(shared_scale_groups=(("gate_proj", "up_proj"),), probe_model=probe_model),
+        quant=QuantSpec(shared_scale_groups=(("gate_proj", "up_proj"),), kv_cache_sites=kv_cache_sites,
+                        probe_model=probe_model),
         # _no_split_modules: DeepseekV3DecoderLayer.
         memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\."),
         source_check=SourceCheckSpec(check_config=check_config_fields),

@@ -177,3 +177,39 @@ def test_converter_refuses_block_fp8_and_int4_sources(source, deepseek_fp8_ckpt,
     with pytest.raises(ValueError, match="block-FP8" if source == "fp8" else "pack-quantized"):
         convert_checkpoint(ckpt, tmp_path / "out", "w4a16_nvfp4")
     assert not (tmp_path / "out").exists()
+
+
+def test_mla_kv_cache_scale_is_the_latent_and_rope_key_amax(deepseek_fp8_ckpt, tmp_path):
+    """kv_cache fp8: one scale per MLA layer = amax over kv_a_layernorm's output and the rope columns of
+    kv_a_proj_with_mqa's output, / 448, exported as self_attn.k_proj.k_scale == self_attn.v_proj.v_scale."""
+    import modelopt_k3
+    from modelopt_k3.recipe import load_recipe
+
+    model = modelopt_k3.load_pretrained(deepseek_fp8_ckpt, progress=False)
+    ids = calibration_token_ids()
+    seen: dict[str, float] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+
+        def keep(mod, args, out, i=i, start=None):
+            part = out if start is None else out[..., start:]
+            seen[f"{i}"] = max(seen.get(f"{i}", 0.0), part.detach().float().abs().max().item())
+
+        hooks.append(attn.kv_a_layernorm.register_forward_hook(keep))
+        hooks.append(attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, a, o, i=i, s=attn.kv_lora_rank: keep(
+            m, a, o, i=i, start=s)))
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=ids)
+
+    recipe = load_recipe("models/deepseek-ai/DeepSeek-V3/nvfp4", overrides={"kv_cache": "fp8"})
+    modelopt_k3.quantize(model, recipe, loop, verbose=False)
+    for h in hooks:
+        h.remove()
+    out = _stored(modelopt_k3.export_checkpoint(model, tmp_path / "export", progress=False))
+    for i in range(3):
+        k = out[f"model.layers.{i}.self_attn.k_proj.k_scale"]
+        assert torch.equal(k, out[f"model.layers.{i}.self_attn.v_proj.v_scale"])
+        assert k.item() == pytest.approx(seen[f"{i}"] / 448.0, rel=1e-6), i
