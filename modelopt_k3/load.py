@@ -60,6 +60,8 @@ class LoadInfo:
     model_cls: type | None = None  # the checkpoint's own class (before any FSDP2 wrapping)
     source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
+    # Dense names decoded from a source format at load -> the source keys they consumed (``decoded_dense``).
+    decoded_dense: dict[str, tuple[str, ...]] = field(default_factory=dict)
     bytes_read: int = 0
     keys_read: list[str] = field(default_factory=list)
     # Source tensors with NaN/Inf (or NaN E8M0 scales) let through by allow_nonfinite_passthrough.
@@ -259,7 +261,8 @@ def _decode_experts_into(reader: CheckpointReader, conv, by_pattern: dict, local
     # Blocks spread over the numerics workers (each decodes whole blocks; a small expert is one slab, so
     # decoding them one by one from here would keep one worker busy at a time). A worker's error is raised here.
     run_slabs(len(blocks), math.prod(blocks[0].shape) if blocks else 0, param.device, decode_blocks)
-    return {key for pair in pairs for key in pair}
+    # Every source pattern's keys are consumed, also the ones the decode does not read (e.g. a weight_shape).
+    return {by_pattern[p][e] for p in conv.source_patterns for e in local}
 
 
 def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:
@@ -299,16 +302,28 @@ def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _plan_dense_conversions(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[object, str, str]]:
-    """target name -> (converter, source pattern, source key) for the dense tensors a spec converter takes."""
-    plan: dict[str, tuple[object, str, str]] = {}
+def _plan_dense_conversions(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[object, dict[str, str]]]:
+    """target name -> (converter, {source pattern: source key}) for the dense tensors a spec converter takes
+    (one key, or several, e.g. a block-FP8 ``weight`` and its ``weight_scale_inv``)."""
+    plan: dict[str, tuple[object, dict[str, str]]] = {}
     for key in reader.names():
         for conv in converters:
             target, pattern = conv.rename_source_key(key)
             if pattern is not None:
-                plan[target] = (conv, pattern, key)
+                sources = plan.setdefault(target, (conv, {}))[1]
+                if pattern in sources:
+                    raise LoadError(f"{target}: two checkpoint tensors for one source: {sources[pattern]} and {key}")
+                sources[pattern] = key
                 break
     return plan
+
+
+def decoded_dense(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[str, ...]]:
+    """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
+    the source keys they consume: the export writes them from the model, never by copying those keys."""
+    plan = _plan_dense_conversions(reader, converters)
+    return {target: tuple(sorted(keys.values())) for target, (conv, keys) in plan.items()
+            if decode_op(conv) is not None and len(keys) > 1}
 
 
 def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model: nn.Module, conversion) -> tuple[torch.Tensor, str]:
@@ -316,12 +331,15 @@ def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model
     sharded = tensor is not local_tensor(tensor)
     rows = local_rows(tensor) if sharded else None
     if conversion is not None:
-        conv, pattern, key = conversion
-        stored = reader.get(key)  # outside the try: a CheckpointError is a ValueError too
-        try:  # converters see the whole stored tensor (dense conversions are small, e.g. A_log)
-            value = run_converter(conv, {pattern: [stored]}, full_layer_name=name, model=model)
+        conv, keys = conversion
+        stored = {pattern: [reader.get(k)] for pattern, k in keys.items()}  # outside the try: a CheckpointError is a ValueError too
+        key = keys.get(conv.source_patterns[0], next(iter(keys.values())))
+        try:  # converters see the whole stored tensors (dense conversions are small: A_log, one FP8 Linear)
+            value = run_converter(conv, stored, full_layer_name=name, model=model)
         except ValueError as e:
             raise LoadError(str(e)) from None
+        if isinstance(value, list) and len(value) == 1:  # a chain of per-tensor ops keeps the one-element list
+            value = value[0]
         if tuple(value.shape) != tuple(tensor.shape):
             raise LoadError(f"{name}: converted shape {list(value.shape)} != model shape {list(tensor.shape)}")
         return (value[rows.start : rows.stop] if sharded else value), key
@@ -340,11 +358,12 @@ def _fill_dense(
     for name, tensor in persistent_tensors(model).items():
         if name in skip:
             continue
-        src, key = _read_dense(name, tensor, reader, model, conversions.get(name))
+        conversion = conversions.get(name)
+        src, key = _read_dense(name, tensor, reader, model, conversion)
         info.source_dtypes[name] = reader.info(key).dtype
         with torch.no_grad():
             local_tensor(tensor).copy_(src.to(tensor.dtype))
-        consumed.add(key)
+        consumed.update(conversion[1].values() if conversion is not None else (key,))
         progress.update(1)
     return consumed
 
@@ -358,7 +377,8 @@ def _fused_expert_params(model: nn.Module, spec: ModelSpec) -> set[str]:
 
 def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
     dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys}
-    converted = {name: key for name, (_, _, key) in _plan_dense_conversions(reader, spec.loading.dense_converters).items()}
+    converted = {name: tuple(keys.values())
+                 for name, (_, keys) in _plan_dense_conversions(reader, spec.loading.dense_converters).items()}
     check_dense(persistent_tensors(model), dense, skip=_fused_expert_params(model, spec), converted=converted)
 
 
@@ -621,6 +641,7 @@ def _read_own_tensors(model: nn.Module, reader: CheckpointReader, converters: li
         if unexpected:
             raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
         info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
+        info.decoded_dense = decoded_dense(reader, spec.loading.dense_converters)
         if reader.log.invalid and not allow_nonfinite_passthrough:
             raise source_refusal(reader.log.invalid)
         warn_passthrough(reader.log.invalid)

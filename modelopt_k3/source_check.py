@@ -107,7 +107,8 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
     key_re = re.compile(spec.experts.key_regex)
     expert_keys = {key for key in tensors if key_re.match(key)}
     if spec.source_check.expert_layout is None:
-        packed = any(key_re.match(k)["tensor"] in (PACKED, SCALE) for k in expert_keys)
+        # MXFP4-packed: uint8 codes (INT4 pack-quantized codes are int32 and are decoded at load).
+        packed = any(key_re.match(k)["tensor"] == PACKED and tensors[k].dtype == torch.uint8 for k in expert_keys)
         return SourceLayout(packed_experts=packed, expert_keys=frozenset(expert_keys))
     layouts = {layout.module: layout for layout in spec.source_check.expert_layout(config)}
     unexpected: list[str] = []
@@ -159,23 +160,23 @@ def check_dense(
     expected: Mapping[str, torch.Tensor],
     tensors: Mapping[str, TensorMeta],
     skip: Iterable[str] = (),
-    converted: Mapping[str, str] | None = None,
+    converted: Mapping[str, str | tuple[str, ...]] | None = None,
 ) -> None:
     """Check the model's dense state (``expected``: name -> its tensor, e.g. on meta) against the checkpoint.
 
     ``skip``: names not read from their own key (fused experts, filled from the expert tensors); tensors
     of ``tensors`` already accounted for (the routed experts) must be left out of it by the caller.
-    ``converted``: names filled by a spec's dense converter from the stored key given (its shape is the
+    ``converted``: names filled by a spec's dense converter from the stored key(s) given (its shape is the
     converter's to check, when it reads the value).
     """
-    skip, converted = set(skip), dict(converted or {})
+    skip = set(skip)
+    converted = {name: (keys,) if isinstance(keys, str) else tuple(keys) for name, keys in (converted or {}).items()}
     missing, mismatched = [], []
     for name, t in expected.items():
         if name in skip:
             continue
         if name in converted:
-            if converted[name] not in tensors:
-                missing.append(converted[name])
+            missing += [key for key in converted[name] if key not in tensors]
             continue
         meta = tensors.get(name)
         if meta is None:
@@ -183,7 +184,7 @@ def check_dense(
         elif tuple(meta.shape) != tuple(t.shape) or meta.dtype.is_floating_point != t.dtype.is_floating_point:
             mismatched.append(f"{name} stored as {meta.dtype} {list(meta.shape)}, the model has {t.dtype} "
                               f"{list(t.shape)}")
-    accounted = set(expected) | set(converted.values())
+    accounted = set(expected) | {key for keys in converted.values() for key in keys}
     unexpected = [name for name in tensors if name not in accounted]
     _raise("the checkpoint does not match the model built from config.json", missing, mismatched, unexpected,
            " (unexpected: tensors the model has no place for)" if unexpected else "")

@@ -51,10 +51,16 @@ def _kv_scales(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_keys) -> list[tuple[str, str]]:
-    """Sorted work items ("quant", module) / ("copy", source key) / ("kv", key) for all but routed experts."""
+def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_keys,
+                 decoded: dict[str, tuple[str, ...]] | None = None) -> list[tuple[str, str]]:
+    """Sorted work items ("quant", module) / ("copy", source key) / ("kv", key) / ("decoded", name) for all
+    but routed experts. ``decoded``: dense names decoded from a source format at load (a block-FP8 Linear) ->
+    their source keys: written from the model's decoded value (as ModelOpt writes a dequantized FP8 Linear
+    it keeps), their source keys never copied."""
+    decoded = decoded or {}
     items = [("quant", name) for name in qplan.dense]
-    owned = {f"{name}.weight" for name in qplan.dense}
+    owned = {f"{name}.weight" for name in qplan.dense} | {key for keys in decoded.values() for key in keys}
+    items += [("decoded", name) for name in decoded if name not in {f"{m}.weight" for m in qplan.dense}]
     items += [("copy", key) for key in reader.names() if key not in owned and not expert_key_re.match(key)]
     items += [("kv", key) for key in kv_keys]
     return sorted(items, key=lambda it: it[1])
@@ -181,7 +187,8 @@ def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress
     with CheckpointReader(job.info.checkpoint) as reader, ShardWriter(
         tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
     ) as writer:
-        items = _dense_items(job.qplan, reader, re.compile(job.spec.experts.key_regex), job.kv_scales)
+        items = _dense_items(job.qplan, reader, re.compile(job.spec.experts.key_regex), job.kv_scales,
+                             job.info.decoded_dense)
         n_experts = sum(m.num_experts for m in job.experts_modules.values()) if job.writes_experts else 0
         n_mine = len(items[group.rank :: group.world_size])
         bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
@@ -202,11 +209,16 @@ def _write_dense_items(job: _ExportJob, items: list[tuple[str, str]], reader: Ch
         # An FSDP2-sharded weight is gathered to its owner only, one tensor at a time. Every rank
         # joins every gather, so a rank that failed keeps joining and raises after the loop.
         weight = gather_to_owner(job.modules[name].weight, owner) if kind == "quant" else None
+        if kind == "decoded":
+            module, _, attr = name.rpartition(".")
+            weight = gather_to_owner(getattr(job.modules[module], attr), owner)
         if owner != group.rank or failed is not None:
             continue
         try:
             if kind == "copy":
                 writer.add(name, reader.get(name))
+            elif kind == "decoded":
+                writer.add(name, weight.detach().contiguous())
             elif kind == "kv":
                 scale = job.kv_scales[name].kv_cache_quantizer.scale()
                 writer.add(name, job.qplan.recipe.kv_cache.scale_tensor(scale))

@@ -22,6 +22,8 @@ from ..spec import ModelSpec, get_spec
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
 PACKED_CODES, PACKED_SCALES = "weight_packed", "weight_scale"
+# Per-Linear source tensors that are not the weight (a block-FP8 scale, an INT4 weight's stored shape).
+SOURCE_SIDE_TENSORS = ("weight_scale_inv", "weight_shape")
 
 
 @dataclass(frozen=True)
@@ -144,10 +146,12 @@ def read_layout(path: str | Path) -> CheckpointLayout:
         group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))
         experts_seen[module].add(expert)
         group.stored_bytes += math.prod(shape) * dtype.itemsize
-        if kind == PACKED_CODES:
+        if kind == PACKED_CODES and dtype == torch.int32:  # INT4 pack-quantized: 8 values a word, decoded
+            group.projections[proj] = (shape[0], shape[1] * 8)
+        elif kind == PACKED_CODES:
             group.packed = True
             group.projections[proj] = (shape[0], shape[1] * 2)
-        elif kind != PACKED_SCALES:
+        elif kind not in (PACKED_SCALES, *SOURCE_SIDE_TENSORS):
             group.projections[proj] = (shape[0], shape[1])
     for name, group in groups.items():
         group.num_experts = len(experts_seen[name])

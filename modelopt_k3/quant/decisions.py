@@ -147,7 +147,30 @@ def _modules(inventory: Inventory, spec: ModelSpec):
         else:
             module, _, part = key.rpartition(".")
             dense.setdefault(module, {})[part] = info
+    dense = {name: decoded_parts(parts) for name, parts in dense.items()}
+    experts = {k: {e: decoded_parts(parts) for e, parts in by.items()} for k, by in experts.items()}
     return dense, experts
+
+
+# Source forms a loader decodes to a plain ``weight`` (the spec's converters do it), as their decoded weight:
+# block-FP8 (``weight`` float8_e4m3fn + ``weight_scale_inv``) and compressed-tensors INT4 pack-quantized
+# (``weight_packed`` int32 ``[out, in/8]`` + ``weight_scale`` + ``weight_shape``). MXFP4 stays as stored
+# (its lossless cast reads the codes).
+_FP8_SCALE = "weight_scale_inv"
+_INT4_PARTS = {PACKED, SCALE, "weight_shape"}
+
+
+def decoded_parts(parts: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A module's stored parts with a block-FP8 or INT4 pack-quantized weight shown as the weight it decodes to."""
+    weight = parts.get("weight")
+    if _FP8_SCALE in parts and weight is not None and weight[0] == torch.float8_e4m3fn:
+        rest = {k: v for k, v in parts.items() if k != _FP8_SCALE}
+        return {**rest, "weight": (torch.bfloat16, weight[1])}
+    packed = parts.get(PACKED)
+    if set(parts) >= _INT4_PARTS and packed is not None and packed[0] == torch.int32 and len(packed[1]) == 2:
+        rest = {k: v for k, v in parts.items() if k not in _INT4_PARTS}
+        return {**rest, "weight": (torch.bfloat16, (packed[1][0], packed[1][1] * 8))}
+    return parts
 
 
 def _is_linear(name: str, parts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> bool:

@@ -19,8 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "modelopt_k3"
 MODELS = sorted(builtin_model_packages())
 
 
-def test_the_three_builtin_models_are_found():
-    assert MODELS == ["gpt_oss", "kimi_k3", "qwen3_moe"]
+def test_the_builtin_models_are_found():
+    assert MODELS == ["deepseek_v3", "gpt_oss", "kimi_k3", "qwen3_moe"]
 
 
 def test_registering_a_model_type_twice_is_an_error():
@@ -44,7 +44,16 @@ def test_a_new_model_type_registers_once(monkeypatch):
         register_spec(new)
 
 
-@pytest.mark.parametrize("model_type", MODELS)
+# DeepSeek-V3's engine rules are not written yet (issue 32): the check knows no rules for it and says so.
+WITHOUT_SERVING_RULES = ["deepseek_v3"]
+
+
+def test_only_the_listed_models_lack_serving_rules():
+    assert [m for m in MODELS if get_spec(m).serving.rules is None] == WITHOUT_SERVING_RULES
+    assert all(serving_rules(m, e) is None for m in WITHOUT_SERVING_RULES for e in ENGINE_NAMES)
+
+
+@pytest.mark.parametrize("model_type", [m for m in MODELS if m not in WITHOUT_SERVING_RULES])
 def test_every_engine_rule_comes_from_the_spec(model_type):
     rules = get_spec(model_type).serving.rules()
     assert set(rules) == set(ENGINE_NAMES), f"{model_type}: rules for {sorted(rules)}"

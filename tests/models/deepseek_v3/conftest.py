@@ -1,0 +1,43 @@
+"""The tiny DeepSeek-V3 stand-ins (block-FP8 and INT4 experts, built once per session) and the calibrated
+NVFP4 export of the FP8 one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelopt_k3.testing.deepseek_v3 import calibration_token_ids, make_tiny_deepseek_v3
+
+RECIPE = "models/deepseek-ai/DeepSeek-V3/nvfp4"
+
+
+@pytest.fixture(scope="session")
+def deepseek_fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3_fp8") / "ckpt", source="block_fp8")
+
+
+@pytest.fixture(scope="session")
+def deepseek_int4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3_int4") / "ckpt", source="int4")
+
+
+def quantize_and_export(ckpt: Path, out: Path, recipe: str = RECIPE) -> Path:
+    """Load, calibrate on ``calibration_token_ids()``, export (one process)."""
+    import modelopt_k3
+
+    model = modelopt_k3.load_pretrained(ckpt, progress=False)
+    ids = calibration_token_ids()
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=ids)
+
+    modelopt_k3.quantize(model, recipe, loop, verbose=False)
+    return modelopt_k3.export_checkpoint(model, out, progress=False)
+
+
+@pytest.fixture(scope="session")
+def deepseek_fp8_export(deepseek_fp8_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return quantize_and_export(deepseek_fp8_ckpt, tmp_path_factory.mktemp("deepseek_v3_export") / "export")

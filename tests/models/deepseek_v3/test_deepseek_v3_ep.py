@@ -1,0 +1,80 @@
+"""DeepSeek-V3 (block-FP8 source) expert-parallel on 2 gloo ranks: each rank reads only its experts' bytes
+(codes and scales), logits equal one process, and the calibrated NVFP4 export equals the one-process export
+tensor for tensor, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from _mp import run_ranks
+from safetensors import safe_open
+
+pytestmark = pytest.mark.multiprocess
+
+EP_ENV = {"MODELOPT_K3_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+EXPERT_KEY = re.compile(r"\.mlp\.experts\.(?P<expert>\d+)\.")
+RECIPE = "models/deepseek-ai/DeepSeek-V3/nvfp4"
+
+
+def _ep_run(ckpt: str, out: str):
+    """Load expert-parallel, logits on the calibration ids, calibrate on this rank's half of them, export."""
+    import modelopt_k3
+    from modelopt_k3.dist.group import run_group
+    from modelopt_k3.testing.deepseek_v3 import calibration_token_ids
+
+    with run_group() as group:
+        model = modelopt_k3.load_pretrained(ckpt, progress=False)
+        info = model.modelopt_k3
+        ids = calibration_token_ids()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        share = ids.chunk(group.world_size)[group.rank]  # every rank one forward: all-to-all is collective
+
+        def loop(m):
+            with torch.no_grad():
+                m(input_ids=share)
+
+        modelopt_k3.quantize(model, RECIPE, loop, verbose=False)
+        modelopt_k3.export_checkpoint(model, out, progress=False)
+        return logits, sorted(info.keys_read), info.plan.kind, info.placement.experts.local
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for file in sorted(set(index.values())):
+        with safe_open(path / file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[key] = f.get_tensor(key)
+    assert set(out) == set(index)
+    return out
+
+
+def test_ep2_reads_only_local_experts_and_export_equals_one_process(deepseek_fp8_ckpt, deepseek_fp8_export, tmp_path):
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.testing.deepseek_v3 import calibration_token_ids
+
+    out = tmp_path / "ep2"
+    results = run_ranks(2, _ep_run, str(deepseek_fp8_ckpt), str(out), timeout=600, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    single = load_pretrained(deepseek_fp8_ckpt, progress=False)
+    with torch.no_grad():
+        ref = single(input_ids=calibration_token_ids()).logits
+    for rank, r in enumerate(results):
+        logits, keys, kind, local = r.value
+        assert kind == "expert_parallel" and local == range(4 * rank, 4 * rank + 4)
+        assert torch.equal(logits, ref), rank
+        read = {int(m["expert"]) for k in keys if (m := EXPERT_KEY.search(k))}
+        assert read == set(local), (rank, sorted(read))  # no rank touched another rank's expert bytes
+        assert any(k.endswith(f"experts.{local[0]}.up_proj.weight_scale_inv") for k in keys)
+    ours, theirs = _tensors(out), _tensors(deepseek_fp8_export)
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        assert ours[key].dtype == t.dtype and torch.equal(ours[key].reshape(-1).view(torch.uint8),
+                                                          t.reshape(-1).view(torch.uint8)), key
+    for name in ("config.json", "hf_quant_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads((deepseek_fp8_export / name).read_text()), name
