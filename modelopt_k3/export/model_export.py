@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointReader
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
-from ..packed_experts import expert_weight_rows, release_decode_workspaces
+from ..experts.packed import expert_weight_rows, release_decode_workspaces
 from ..paths import refuse_overlap
 from ..quant.modules import ExpertsQuantState
 from .formats import ExportFormat, export_format

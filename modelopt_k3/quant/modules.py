@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..experts.packed import experts_device, is_packed, packed_weight_amax
 from ..formats import TensorFormat
-from ..packed_experts import experts_device, is_packed, packed_weight_amax
 from .quantizer import TensorQuantizer
 
 

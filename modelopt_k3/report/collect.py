@@ -19,8 +19,8 @@ from torch import nn
 
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
+from ..experts.packed import expert_weight_rows
 from ..numerics import nvfp4_dequantize
-from ..packed_experts import expert_weight_rows
 from ..quant.modules import ExpertsQuantState, iter_quantizers
 from .stats import WEIGHT_FIELDS, weight_rows
 
