@@ -8,9 +8,11 @@ input dim. ``GptOssFusedExperts`` holds the same numbers as the checkpoint store
   ``gate_up_proj_bias [E, 2I]`` in the same order;
 * ``down_proj [E, H, I]``, ``down_proj_bias [E, H]``.
 
-Its gate is transformers' clamped SwiGLU (``_apply_gate``), applied by every experts implementation
-between the two projections; the combine over the k experts of a token is in fp32 (as ``torch_a2a``
-does), so one process and expert parallelism give the same bits.
+Everything but the math is the experts base's (``experts/base.py``: placement, the eager loop, the
+``down_input_hook``). Its activation is transformers' clamped SwiGLU, applied by every experts
+implementation between the two projections (``_apply_gate``); its biases are declared with
+``has_bias=True``; the combine over the k experts of a token is the base's fp32 one (also ``torch_a2a``'s),
+so one process and expert parallelism give the same bits.
 """
 
 from __future__ import annotations

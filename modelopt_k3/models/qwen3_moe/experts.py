@@ -4,9 +4,10 @@ transformers 5 already stores a layer's routed experts fused (``gate_up_proj [E,
 checkpoint's ``gate_proj``, ``[I:]`` its ``up_proj``; ``down_proj [E, H, I]``) behind its experts interface.
 Two things are missing for us: its eager forward computes ``act(gate) * up`` inline, so nothing can
 quantize the down projection's input, and it knows nothing of a placement. ``place_experts`` therefore
-re-classes each built instance (never transformers' class) to ``Qwen3MoeFusedExperts``, a subclass
-whose eager forward sends the gate through ``_apply_gate`` (where ``down_input_hook`` applies) and whose
-``combine`` is the one the eager forward and ``torch_a2a`` both use.
+re-classes each built instance (never transformers' class) to ``Qwen3MoeFusedExperts``, a subclass that
+is also an experts base (``experts/base.py``): its eager forward sends the gate through ``_apply_gate``
+(where ``down_input_hook`` applies), and it supplies its activation and its ``combine``, the one the eager
+forward, ``torch_a2a`` and chunked packed decode all use.
 
 Numerics are transformers' eager ones, bit for bit: per expert (ascending id) ``linear`` of the tokens
 routed to it, ``silu(gate) * up``, ``linear`` down, times the routing weight, accumulated into a zero tensor
