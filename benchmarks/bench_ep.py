@@ -81,8 +81,9 @@ def worker(ckpt: str, export_dir: str, out_json: str, calib: dict) -> None:
 
 
 def _measured_pipeline(ckpt: str, export_dir: str, calib: dict, phase: list[str], hwm_start: int) -> dict:
-    from modelopt_k3 import export_checkpoint, load_pretrained, packed_experts, quantize
+    from modelopt_k3 import export_checkpoint, load_pretrained, quantize
     from modelopt_k3.dist.group import run_group
+    from modelopt_k3.experts import packed as packed_experts
     from modelopt_k3.recipe import load_recipe
 
     from .common import calibration_loop

@@ -112,7 +112,8 @@ def _run_figures(runs: dict, degrees: tuple[int, ...]) -> list[Figure]:
 def _calibration_time_figure(ctx, ckpt, calib: dict) -> Figure:
     """Calibration forwards with packed vs bf16 experts, one process, interleaved repeats (robust to other
     jobs on the machine, unlike one pipeline run each); the packed side's decode time is measured too."""
-    from modelopt_k3 import load_pretrained, packed_experts
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.experts import packed as packed_experts
 
     from .common import calibration_loop
 
@@ -190,9 +191,9 @@ def _planner_figures(ckpt, runs: dict, degrees: tuple[int, ...], calib: dict) ->
 
 def _workspace_figure(ctx) -> Figure:
     """A packed module's decode into its workspace vs ``mxfp4_decode`` of the same bytes, allocating."""
+    from modelopt_k3.experts.packed import DecodeWorkspace, _decoded_weights, to_packed
     from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts
     from modelopt_k3.numerics import mxfp4_decode
-    from modelopt_k3.packed_experts import DecodeWorkspace, _decoded_weights, to_packed
 
     n, inter, hidden = (2, 768, 896) if ctx.quick else (8, 3072, 3584)
     with torch.device("meta"):

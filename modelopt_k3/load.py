@@ -28,9 +28,9 @@ from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor,
 from .dist.group import current_group
 from .dist.placement import ExpertPlacement, Placement
 from .dist.plan import AUTO, DistributionPlan, Residency, decide_plan
+from .experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .nonfinite import source_refusal, warn_passthrough
 from .numerics._slabs import run_slabs
-from .packed_experts import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .source_check import SourceLayout, check_config, check_dense, check_experts
 from .spec import ModelSpec, PrepareContext, get_spec
 from .spec.conversion import (
@@ -518,7 +518,7 @@ def load_pretrained(
     export copies it unchanged; ``LoadInfo.nonfinite`` lists them).
 
     ``experts``: ``bf16`` holds the routed experts decoded; ``packed`` (MXFP4-sourced checkpoints) holds
-    their source bytes and decodes them inside the experts forward (``packed_experts.py``), one
+    their source bytes and decodes them inside the experts forward (``experts/packed.py``), one
     layer or ``decode_chunk`` experts at a time; ``auto`` is packed when the memory planner says the
     ``bf16`` residency does not fit this device (``memory/planner.py``), else bf16. Both give the same
     logits, calibration and export, bit for bit. ``experts_implementation`` names what runs the experts
@@ -590,7 +590,7 @@ def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_
         dense=dense,
     )
     if the_plan.expert_parallel:
-        from .dist.a2a import register_torch_a2a
+        from .experts.dispatch import register_torch_a2a
 
         register_torch_a2a()
     return the_plan

@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("recipe", ("modelopt_k3.recipe",)),
     ("checkpoint", ("modelopt_k3.checkpoint", "modelopt_k3.source_check")),
     ("dist", ("modelopt_k3.dist",)),
-    ("experts", ("modelopt_k3.packed_experts", "modelopt_k3.experts")),
+    ("experts", ("modelopt_k3.experts",)),
     ("quant", ("modelopt_k3.quant",)),
     ("export", ("modelopt_k3.export",)),
     ("memory", ("modelopt_k3.memory",)),
@@ -26,12 +26,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("run", ("modelopt_k3.preflight", "modelopt_k3.memory.preflight", "modelopt_k3.convert", "modelopt_k3.report")),
     ("check", ("modelopt_k3.check",)),
     ("models", ("modelopt_k3.models", "modelopt_k3.testing")),
-    ("tools", ("modelopt_k3.cli", "modelopt_k3.check.conformance")),
+    ("tools", ("modelopt_k3.cli",)),
 )
 
-# The one known upward arrow, which the experts/ package (issue 27, deliverable 3) removes; the coordinator
-# deletes this entry when that branch merges. No other entry may be added.
-EXCEPTIONS = {("modelopt_k3.dist.a2a", "modelopt_k3.packed_experts")}
+# Known upward arrows: none (the last, dist.a2a -> packed_experts, went with the experts/ package). An entry
+# here must name an arrow that exists (a test checks), and a new one needs its reason beside it.
+EXCEPTIONS: set[tuple[str, str]] = set()
 
 _RANK = {prefix: (i, name) for i, (name, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 
@@ -120,7 +120,7 @@ def test_the_checker_sees_an_upward_arrow():
     # The parser resolves what a lower module imports, relative or absolute, at any depth: planted upward
     # imports are found, and a same-layer or downward one is not.
     assert layer_of("modelopt_k3.quant.schemes")[1] == "primitives" and layer_of("modelopt_k3.quant.api")[1] == "quant"
-    assert layer_of("modelopt_k3.check.conformance.run")[1] == "tools"
+    assert layer_of("modelopt_k3.cli.hf_ptq")[1] == "tools"
     planted = ("from ..quant import schemes\nfrom . import nvfp4\nimport modelopt_k3.spec\n"
                "def f():\n    from modelopt_k3.load import load_pretrained\n")
     module = "modelopt_k3.numerics._planted"

@@ -31,7 +31,7 @@ class DenseMode(_StrEnum):
 
 class Residency(_StrEnum):
     """How a rank holds its routed experts: decoded ("bf16") or as their MXFP4 source bytes ("packed",
-    ``packed_experts.py``)."""
+    ``experts/packed.py``)."""
 
     BF16 = "bf16"
     PACKED = "packed"

@@ -55,7 +55,7 @@ class DistributionPlan:
     # What runs this rank's own experts: the owner's implementation under torch_a2a, else the
     # implementation itself (``default_local_implementation``).
     local_experts_implementation: str = "eager"
-    # Experts held decoded ("bf16") or as their MXFP4 source bytes ("packed", packed_experts.py),
+    # Experts held decoded ("bf16") or as their MXFP4 source bytes ("packed", experts/packed.py),
     # and for packed the experts decoded at a time (None: a whole layer). Set by ``with_residency``.
     experts_residency: Residency = Residency.BF16
     decode_chunk: int | None = None

@@ -24,8 +24,8 @@ from ..checkpoint import CheckpointReader
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
+from ..experts.packed import expert_weight_rows, release_decode_workspaces
 from ..files.paths import refuse_overlap
-from ..packed_experts import expert_weight_rows, release_decode_workspaces
 from ..quant.modules import ExpertsQuantState
 from .layouts import ExportFormat, export_format
 from .modelopt_format import input_scale_tensor

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
+from ..experts.packed import is_packed
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
-from ..packed_experts import is_packed
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from ..spec import ModelSpec
 from .activation_stats import attach_activation_stats

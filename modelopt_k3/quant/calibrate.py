@@ -15,8 +15,8 @@ from torch import nn
 
 from ..dist.collectives import all_reduce_max_, run_together
 from ..dist.group import current_group
+from ..experts.packed import local_experts_forward
 from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
-from ..packed_experts import local_experts_forward
 from .modules import ExpertsQuantState, iter_quantizers, set_mode
 
 

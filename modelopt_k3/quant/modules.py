@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..packed_experts import experts_device, is_packed, packed_weight_amax
+from ..experts.packed import experts_device, is_packed, packed_weight_amax
 from .quantizer import TensorQuantizer
 from .schemes import TensorFormat
 

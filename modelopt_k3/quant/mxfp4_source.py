@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointReader
+from ..experts.packed import projection_fields
 from ..numerics import mxfp4_to_nvfp4, nvfp4_dequantize, shared_global_scale_for
 from ..numerics.nvfp4 import NVFP4Weight
-from ..packed_experts import projection_fields
 from ..spec import ModelSpec
 
 PACKED, SCALE = "weight_packed", "weight_scale"

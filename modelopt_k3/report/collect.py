@@ -19,9 +19,9 @@ from torch import nn
 
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
+from ..experts.packed import expert_weight_rows
 from ..numerics import nvfp4_dequantize
 from ..numerics.stats import WEIGHT_FIELDS, weight_rows
-from ..packed_experts import expert_weight_rows
 from ..quant.modules import ExpertsQuantState, iter_quantizers
 
 EXPERTS_PER_PASS = 16  # experts decoded and compared at a time (bounds the temporaries)

@@ -4,7 +4,7 @@ transformers applies converters inside its own loader; ours reads the tensors it
 rank's, lazily), so it runs a converter's operation chain on tensors already grouped by pattern.
 
 A chain may start with a ``DecodeOp`` (a block-scaled source format decoded to floats, e.g.
-MXFP4). With packed-resident experts (``packed_experts.py``) the loader runs the same chain
+MXFP4). With packed-resident experts (``experts/packed.py``) the loader runs the same chain
 without it, once per stored field (codes, scales): stacking and concatenation are the same
 operations on the source bytes, so the packed fields land in exactly the fused layout the decoded
 weights would have.

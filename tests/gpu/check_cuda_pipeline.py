@@ -99,7 +99,7 @@ def _check_owner_implementation(ckpt: Path, ids, dtype, want, limit: float, resu
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     from modelopt_k3 import load_pretrained
-    from modelopt_k3.dist.a2a import register_torch_a2a
+    from modelopt_k3.experts.dispatch import register_torch_a2a
 
     register_torch_a2a()
     name = str(dtype).split(".")[-1]
@@ -156,8 +156,8 @@ def check_decode_workspace(ckpt: Path, results: dict) -> None:
     """Per layer: a Kimi-K3 MoE layer's local experts at EP 16 decoded into the reusable workspace, against
     mxfp4_decode allocating its output; and the tiny model's experts forward, packed vs bf16."""
     from modelopt_k3 import load_pretrained
+    from modelopt_k3.experts.packed import DecodeWorkspace, PackedLayout
     from modelopt_k3.numerics import mxfp4_decode
-    from modelopt_k3.packed_experts import DecodeWorkspace, PackedLayout
 
     experts = 56 if DEVICE.type == "cuda" else 2  # 896 / 16 on a GPU; a smoke size on CPU
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""Packed-resident experts (packed_experts.py) in one process: bit-identical to the bf16 residency
+"""Packed-resident experts (experts/packed.py) in one process: bit-identical to the bf16 residency
 under every experts implementation, whole-layer and chunked decode, calibration, fake quant and export;
 amax from the packed blocks; refusals."""
 
@@ -14,9 +14,7 @@ from dist.test_expert_parallel import assert_exports_equal
 from modelopt_k3 import export_checkpoint, load_pretrained, quantize
 from modelopt_k3.dist.fsdp import full_amax
 from modelopt_k3.dist.plan import PlanError, decide_plan
-from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts
-from modelopt_k3.numerics import mxfp4_decode
-from modelopt_k3.packed_experts import (
+from modelopt_k3.experts.packed import (
     DecodeWorkspace,
     ResidencyError,
     is_packed,
@@ -24,6 +22,8 @@ from modelopt_k3.packed_experts import (
     packed_weight_amax,
     to_packed,
 )
+from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts
+from modelopt_k3.numerics import mxfp4_decode
 
 pytestmark = [pytest.mark.usefixtures("restore_remote_code"), pytest.mark.slow]  # whole models under every experts implementation
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")

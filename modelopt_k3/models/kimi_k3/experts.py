@@ -15,27 +15,23 @@ cast to the input dtype at the end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
 
 from ...dist.placement import ExpertPlacement
+from ...experts.base import FusedExperts
 
 
 @use_experts_implementation(is_concatenated=True, is_transposed=False, has_bias=False, has_gate=True)
-class KimiK3Experts(nn.Module):
+class KimiK3Experts(FusedExperts):
     """The routed experts of one MoE layer that this rank holds (``placement``: all of them by default).
 
     Built with every expert (on meta, by the loader); ``place`` keeps the placement's block. Under
     expert parallelism the ``torch_a2a`` implementation maps global ids to their owner with the
-    placement and calls the local implementation with local ids.
+    placement and calls the local implementation with local ids. Placement, the eager loop and the
+    fp32 combine are the base's (``experts/base.py``); the activation is the checkpoint's own.
     """
-
-    # Applied to the down projection's input (after the gate) by every implementation, via _apply_gate:
-    # the declared point where a quantization layer quantizes that input (quant/modules.py).
-    down_input_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -56,70 +52,9 @@ class KimiK3Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, intermediate_dim))
 
-    @property
-    def expert_offset(self) -> int:
-        return self.placement.local.start
-
-    @property
-    def num_global_experts(self) -> int:
-        return self.placement.num_experts
-
-    def place(self, placement: ExpertPlacement) -> None:
-        """Keep only ``placement``'s experts (call on a module that holds them all, e.g. built on meta)."""
-        if (self.placement.ep_size, placement.num_experts) != (1, self.num_experts):
-            raise ValueError(
-                f"place() needs a module holding all {placement.num_experts} experts; this one holds "
-                f"{self.num_experts} of {self.num_global_experts}"
-            )
-        local = placement.local
-        for name in ("gate_up_proj", "down_proj"):
-            param = self._parameters[name]
-            self._parameters[name] = nn.Parameter(param.data[local.start : local.stop].clone(), param.requires_grad)
-        self.num_experts = len(local)
-        self.placement = placement
-
-    def __len__(self) -> int:
-        return self.num_experts
-
-    def extra_repr(self) -> str:
-        return (
-            f"experts={self.num_experts} (global {self.expert_offset}..{self.expert_offset + self.num_experts - 1}"
-            f" of {self.num_global_experts}), hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
-        )
-
-    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         # SituAndMul returns the input dtype, matching KimiBlockSparseMLP before its w2.
-        out = self.act_fn(gate_up_out)
-        return out if self.down_input_hook is None else self.down_input_hook(out)
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """Eager implementation: one matmul pair per expert that received tokens.
-
-        hidden_states [N, Dl], top_k_index [N, k] local expert ids, top_k_weights [N, k] fp32.
-        """
-        num_tokens, top_k = top_k_index.shape
-        flat_ids = top_k_index.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        tokens = hidden_states[order // top_k]
-        outputs = torch.empty(
-            flat_ids.numel(), self.hidden_dim, dtype=self.down_proj.dtype, device=hidden_states.device
-        )
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            x = tokens[rows].to(self.gate_up_proj.dtype)
-            h = self._apply_gate(nn.functional.linear(x, self.gate_up_proj[expert]))
-            outputs[rows] = nn.functional.linear(h, self.down_proj[expert])
-            start += count
-        per_slot = torch.empty_like(outputs)
-        per_slot[order] = outputs
-        combined = (per_slot.view(num_tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)).sum(1)
-        return combined.to(hidden_states.dtype)
+        return self.act_fn(gate_up)
 
 
 def experts_implementations_available(device: torch.device | str = "cpu") -> list[str]:

@@ -24,9 +24,10 @@ Running: any implementation of transformers' experts interface (``eager``, ``bat
 ``grouped_mm``) is called on a view of the module whose ``gate_up_proj``/``down_proj`` are the
 decoded workspace (and whose ``num_experts`` is the chunk's), with owner-local expert ids. With the
 whole layer decoded the implementation runs unchanged; with chunks, each chunk's (token, slot) pairs
-are run with routing weight 1.0 and combined in fp32 at the end exactly as the implementations do.
-A dispatching implementation (``torch_a2a``) runs first and decodes only on the owner, around its
-local implementation (``local_experts_forward``).
+are run with routing weight 1.0 and combined at the end by the module's ``combine`` (``FusedExperts``,
+``experts/base.py``), the one its eager forward uses. A dispatching implementation (``torch_a2a``,
+``experts/dispatch.py``) runs first and decodes only on the owner, around its local implementation
+(``local_experts_forward``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from .dist.placement import ResidencyError
-from .numerics.constants import MXFP4_BLOCK
-from .numerics.e2m1 import E2M1_VALUES
-from .numerics.mxfp4 import e8m0_to_float, mxfp4_decode
-from .spec import ModelSpec
+from ..dist.placement import ResidencyError
+from ..numerics.constants import MXFP4_BLOCK
+from ..numerics.e2m1 import E2M1_VALUES
+from ..numerics.mxfp4 import e8m0_to_float, mxfp4_decode
+from ..spec import ModelSpec
+from .base import combine_fp32
 
 # Experts decoded at a time outside the forward (amax, export rows): bounds those temporaries.
 EXPERTS_PER_PASS = 16
@@ -271,9 +273,9 @@ def _run_decoded(module, fn: Callable, hidden_states, top_k_index, top_k_weights
         ones = torch.ones(pairs.numel(), 1, dtype=torch.float32, device=x.device)
         with _decoded(module, start, stop) as view:
             per_slot[pairs] = fn(view, x[pairs // top_k], (flat[pairs] - start).unsqueeze(1), ones)
-    # The combine every implementation does: fp32 products, summed over the slots, cast back.
-    combined = (per_slot.view(num_tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)).sum(1)
-    return combined.to(hidden_states.dtype)
+    # The combine the module's eager forward (and torch_a2a) closes a layer with (FusedExperts.combine).
+    combine = getattr(module, "combine", None) or combine_fp32
+    return combine(per_slot.view(num_tokens, top_k, -1), top_k_index, top_k_weights, hidden_states.dtype)
 
 
 # ------------------------------------------------------------------------------ reading the packed bytes
@@ -282,7 +284,7 @@ def _run_decoded(module, fn: Callable, hidden_states, top_k_index, top_k_weights
 def expert_weight_rows(module: nn.Module, param: str, part: slice) -> torch.Tensor:
     """``[n, out, in]`` weights of this rank's local experts ``part`` of fused ``param``: a view of the
     parameter (bf16 residency; FSDP2: this rank's rows) or a fresh decode (packed)."""
-    from .dist.fsdp import local_tensor
+    from ..dist.fsdp import local_tensor
 
     if not is_packed(module):
         return local_tensor(getattr(module, param)).detach()[part]
