@@ -190,3 +190,15 @@ def test_plan_memory_is_lazy_public_api() -> None:
     import modelopt_k3
 
     assert modelopt_k3.plan_memory is plan_memory
+
+
+def test_packed_experts_take_their_amax_from_codes_and_scales_not_decoded_weights(tiny_ckpt: Path) -> None:
+    """Quantize setup, packed: the E2M1 codes (half a byte a weight) and one fp32 per 32-weight block, a
+    fraction of the bf16 path's two fp32 copies of every weight: never more than bf16 (on the tiny model
+    bf16's experts term, 8 x 2 x 128 x 64 x 4 bytes, is the largest; packed's is under a tenth of it)."""
+    layout = read_layout(tiny_ckpt)
+    shape = RunShape(batch_size=2, calib_seq=32, device="cpu")
+    bf16 = estimate_asked(layout, Asked("whole", "replicated", "bf16", 1), shape)
+    packed = estimate_asked(layout, Asked("whole", "replicated", "packed", 1), shape)
+    assert bf16.amax_transient == 8 * 2 * 128 * 64 * 4
+    assert packed.amax_transient < bf16.amax_transient

@@ -71,3 +71,27 @@ def test_hf_ptq_guard_passes_min_expert_tokens_on(monkeypatch):
     assert len(said) == 1 and "experts [1] got fewer than 4" in said[0]
     with pytest.raises(CoverageError, match=r"experts \[1\]"):
         hf_ptq._coverage_guard(argparse.Namespace(min_expert_tokens=4, uncovered_experts="refuse"), model, said.append)
+
+
+def test_tokens_are_counted_only_while_the_layers_input_quantizers_calibrate():
+    """The pre-hook counts a forward's routed ids (global expert ids, top-k each) only in calibration: the
+    held-out pass (quantizers ``quant``) and forwards with quantizers ``off`` add nothing."""
+    import types
+
+    import torch
+
+    from modelopt_k3.quant.coverage import TokenCounter
+
+    quantizer = types.SimpleNamespace(mode="calib")
+    module = types.SimpleNamespace(quant=types.SimpleNamespace(input={"gate_up_proj": quantizer}))
+    counter = TokenCounter(4)
+    ids = torch.tensor([[0, 2], [2, 3], [2, 0]])  # 3 tokens, top-2
+    counter(module, (torch.zeros(3, 8), ids, torch.ones(3, 2)), {})
+    assert counter.routed.tolist() == [2, 0, 3, 1] and (counter.seen, counter.calls) == (3, 1)
+    for mode in ("quant", "off"):
+        quantizer.mode = mode
+        counter(module, (torch.zeros(3, 8),), {"top_k_index": ids, "top_k_weights": torch.ones(3, 2)})
+    assert counter.routed.tolist() == [2, 0, 3, 1] and (counter.seen, counter.calls) == (3, 1)
+    quantizer.mode = "calib"
+    counter(module, (torch.zeros(3, 8),), {"top_k_index": ids[:1], "top_k_weights": torch.ones(1, 2)})
+    assert counter.routed.tolist() == [3, 0, 4, 1] and (counter.seen, counter.calls) == (4, 2)

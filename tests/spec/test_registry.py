@@ -9,8 +9,14 @@ import types
 
 import pytest
 
-from modelopt_k3.spec import SpecError, builtin_model_packages, builtin_module, get_spec, register_spec
-from modelopt_k3.spec import registry
+from modelopt_k3.spec import (
+    SpecError,
+    builtin_model_packages,
+    builtin_module,
+    get_spec,
+    register_spec,
+    registry,
+)
 
 
 @pytest.fixture
@@ -59,3 +65,11 @@ def test_builtin_packages_are_the_public_package_directories(tmp_path, monkeypat
         monkeypatch.undo()
         builtin_model_packages.cache_clear()
     assert {"kimi_k3", "qwen3_moe", "gpt_oss"} <= set(builtin_model_packages())
+
+
+def test_known_model_types_are_the_registered_and_the_builtin_ones(scratch_registry):
+    """Both sets: a spec registered from outside (no package under models/) and builtins not imported yet."""
+    register_spec(dataclasses.replace(get_spec("kimi_k3"), model_type="mutation_test_model"))
+    scratch_registry.pop("gpt_oss", None)  # as if not imported yet: still known, from its package
+    known = registry.known_model_types()
+    assert {"mutation_test_model", "gpt_oss", "qwen3_moe", "kimi_k3"} <= set(known) and known == sorted(known)
