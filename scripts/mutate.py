@@ -89,12 +89,16 @@ AREAS: dict[str, Area] = {
         ("tests/quant/test_coverage.py", "tests/report/test_report.py")),
     "ownership": Area(
         ("modelopt_k3/ownership.py",),
-        ("tests/faults/test_faults_destination.py", "-k", "sweep or live or owner or lock",
-         "tests/faults/test_faults_locks.py")),
+        ("tests/test_ownership.py", "tests/faults/test_faults_locks.py",
+         *(f"tests/faults/test_faults_destination.py::{t}" for t in (
+             "test_preflight_refuses_while_another_live_run_exports_to_the_path",
+             "test_converter_recovers_locks_of_dead_owners_saying_so",
+             "test_converter_refuses_a_destination_held_by_a_live_run_on_another_host")))),
     "convert_resume": Area(
         ("modelopt_k3/convert/state.py",),
-        ("tests/faults/test_faults_source.py", "-k", "resume or record",
-         "tests/convert/test_api.py", "tests/faults/test_faults_destination_owned.py")),
+        ("tests/faults/test_faults_source.py::test_a_source_changed_before_the_resume_is_refused_never_mixed",
+         "tests/faults/test_faults_source.py::test_the_shard_record_holds_the_digest_of_every_tensor_its_quantized_jobs_read",
+         "tests/faults/test_faults_destination_owned.py", "tests/convert/test_api.py")),
     "kimi_k3": Area(
         ("modelopt_k3/models/kimi_k3/layout.py", "modelopt_k3/models/kimi_k3/experts.py"),
         ("tests/models/kimi_k3/test_layout.py", "tests/models/test_conversion_layout.py",
