@@ -451,6 +451,7 @@ class Result:
     note: str = ""
     tail: list[str] = field(default_factory=list)
     selection: str = ""  # the tests it ran (pytest arguments)
+    fast: str = ""  # does the fast set alone kill it: "killed" | "survived" | "" (not known)
 
 
 def run_one(m: Mutant, tree: Path, timeout: float, tests: list[str] | None = None, fast: bool = False) -> Result:
@@ -501,6 +502,15 @@ def _copy_tree(dst: Path) -> None:
 BEGIN, END = "<!-- mutate.py: generated results begin -->", "<!-- mutate.py: generated results end -->"
 
 
+def _killer(r: Result) -> str:
+    failed = [t.split(" - ")[0].split()[1] for t in r.tail if t.startswith(("FAILED ", "ERROR "))]
+    return failed[0] if failed else ""
+
+
+def _rate(killed: int, of: int) -> str:
+    return f"{100.0 * killed / of:.0f}%" if of else "-"
+
+
 def summary(results: list[Result], runs: list[str]) -> str:
     counted = [r for r in results if r.outcome != "broken"]
     equivalent = [r for r in counted if r.outcome == "survived" and r.id in EQUIVALENT]
@@ -512,20 +522,39 @@ def summary(results: list[Result], runs: list[str]) -> str:
              f"**Kill rate {rate:.1f}%**: {len(killed)} killed ({sum(r.outcome == 'timeout' for r in killed)} by "
              f"timeout) of {denominator} mutants; {len(equivalent)} equivalent (not counted); "
              f"{len(results) - len(counted)} did not apply.", "",
-             "| area | mutants | killed | survived | equivalent |", "|---|---|---|---|---|"]
+             "*fast set*: killed by the area's tests under `-m \"not slow and not multiprocess\"` (the killing "
+             "test is a fast one, or a `--fast` run); `?`: not measured.", "",
+             "| area | mutants | killed | survived | equivalent | kill rate | fast set kills | fast-set rate |",
+             "|---|---|---|---|---|---|---|---|"]
     for area in sorted({r.area for r in counted}):
         rs = [r for r in counted if r.area == area]
-        lines.append(f"| {area} | {len(rs)} | {sum(r.outcome in ('killed', 'timeout') for r in rs)} | "
-                     f"{sum(r.outcome == 'survived' and r.id not in EQUIVALENT for r in rs)} | "
-                     f"{sum(r.outcome == 'survived' and r.id in EQUIVALENT for r in rs)} |")
-    lines += ["", "| mutant | where | outcome | seconds |", "|---|---|---|---|"]
+        k = sum(r.outcome in ("killed", "timeout") for r in rs)
+        eq = sum(r.outcome == "survived" and r.id in EQUIVALENT for r in rs)
+        fast = sum(r.fast == "killed" for r in rs)
+        unknown = sum(r.outcome in ("killed", "timeout") and not r.fast for r in rs)
+        lines.append(f"| {area} | {len(rs)} | {k} | {len(rs) - k - eq} | {eq} | {_rate(k, len(rs) - eq)} | "
+                     f"{fast}{f' (+{unknown} ?)' if unknown else ''} | {_rate(fast, len(rs) - eq)} |")
+    fast_all = sum(r.fast == "killed" for r in counted)
+    lines += ["", f"Fast set alone: {fast_all} of {denominator} ({_rate(fast_all, denominator)}).", "",
+              "| mutant | where | outcome | fast set | seconds | tests run |", "|---|---|---|---|---|---|"]
     for r in results:
         outcome = f"equivalent: {EQUIVALENT[r.id]}" if r.outcome == "survived" and r.id in EQUIVALENT else r.outcome
-        failed = [t.split(" - ")[0].split()[1] for t in r.tail if t.startswith(("FAILED ", "ERROR "))]
-        if r.outcome == "killed" and failed:
-            outcome += f" by `{failed[0]}`"
-        lines.append(f"| `{r.id}` | {r.note} | {outcome} | {r.seconds} |")
+        if r.outcome == "killed" and _killer(r):
+            outcome += f" by `{_killer(r)}`"
+        selection = f"`{r.selection}`" if r.selection else ""
+        lines.append(f"| `{r.id}` | {r.note} | {outcome} | {r.fast or '?'} | {r.seconds} | {selection} |")
     return "\n".join([*lines, "", END])
+
+
+def fast_test_ids(results: list[Result]) -> set[str]:
+    """Node ids the fast set holds among the files the results' killing tests are in (one collection)."""
+    files = sorted({_killer(r).split("::")[0] for r in results if _killer(r)})
+    if not files:
+        return set()
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", FAST, *files], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    return {line.strip() for line in out.stdout.splitlines() if "::" in line}
 
 
 def record(doc: Path, text: str) -> None:
@@ -553,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", nargs="*", default=[], help="run these tests (pytest node ids) instead of the area's")
     ap.add_argument("--fast", action="store_true",
                     help=f"run only the area's fast tests (-m '{FAST}'): does the fast set alone kill it?")
+    ap.add_argument("--classify-fast", action="store_true",
+                    help="with --merge: mark killed mutants whose killing test is in the fast set (no mutant runs)")
     ap.add_argument("--list", action="store_true", help="print the chosen mutants and exit")
     ap.add_argument("--count", action="store_true", help="print how many operator mutants each area has")
     ap.add_argument("--json", type=Path, help="write the results here (after every mutant)")
@@ -578,6 +609,14 @@ def main(argv: list[str] | None = None) -> int:
     runs.append(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: python scripts/mutate.py "
                 + " ".join(argv if argv is not None else sys.argv[1:]))
     results: dict[str, Result] = dict(previous)
+    if args.classify_fast:
+        fast = fast_test_ids(list(results.values()))
+        for r in results.values():
+            if r.outcome == "killed" and not r.fast and _killer(r) in fast:
+                r.fast = "killed"
+            elif r.outcome == "survived":
+                r.fast = "survived"  # the fast set is a subset of the tests that let it through
+        chosen = []
 
     def save() -> None:
         if args.json:
@@ -589,7 +628,12 @@ def main(argv: list[str] | None = None) -> int:
         _copy_tree(tree)
         for i, m in enumerate(chosen, 1):
             r = run_one(m, tree, args.timeout, args.tests, args.fast)
-            results[m.id] = r
+            if args.fast:
+                r.fast = "killed" if r.outcome in ("killed", "timeout") else "survived"
+            if args.fast and m.id in results:  # a fast-only run answers only the fast-set question
+                results[m.id].fast = r.fast
+            else:
+                results[m.id] = r
             save()  # after every mutant: an interrupted run keeps what it measured
             print(f"[{i}/{len(chosen)}] {r.outcome:8s} {r.seconds:6.1f}s {m.id}  {m.old!r} -> {m.new!r}", flush=True)
             print("         " + " | ".join(r.tail), flush=True)

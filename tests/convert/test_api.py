@@ -449,6 +449,17 @@ def test_foreign_or_other_job_directories_are_refused(ckpt: Path, recipe, tmp_pa
         convert_checkpoint(ckpt, other, load_recipe(MIRROR, overrides={"name": "another recipe"}))
 
 
+def test_overwrite_never_keeps_a_shard_another_job_converted(converted, ckpt: Path, recipe, tmp_path: Path):
+    """A partial conversion with another recipe (attention BF16, not FP8), then --overwrite with this one:
+    every shard the other job completed is converted again (its record names another fingerprint), so the
+    output is byte-for-byte a fresh conversion, attention FP8 included."""
+    out = tmp_path / "other_then_this"
+    convert_checkpoint(ckpt, out, load_recipe("models/moonshotai/Kimi-K3/nvfp4_experts"), rank=0, world_size=4)
+    report = convert_checkpoint(ckpt, out, recipe, overwrite=True)
+    assert report.complete and len(report.converted) == report.shards_total
+    assert _files(out) == _files(converted[0])
+
+
 # --------------------------------------------------------------------------- errors
 
 
