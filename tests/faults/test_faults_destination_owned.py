@@ -112,8 +112,11 @@ def test_overwrite_removes_only_what_a_conversion_wrote(src, tmp_path, run_tool)
     job_path = dst / STATE_DIR / "job.json"
     job = json.loads(job_path.read_text())
     job["shards"].append("model-99999-of-99999.safetensors")  # as if the earlier job had written it
+    job["shards"].append("model-99998-of-99999.safetensors")  # ... and the user put a directory there since
     job_path.write_text(json.dumps(job))
     (dst / "model-99999-of-99999.safetensors").write_bytes(b"an earlier conversion's shard")
+    (dst / "model-99998-of-99999.safetensors").mkdir()
+    (dst / "model-99998-of-99999.safetensors" / "kept.txt").write_text("mine")
     (dst / "notes.txt").write_text("mine")
     (dst / "other.safetensors").write_bytes(b"not written by a conversion")
     (dst / COMPLETE_MARKER).unlink()
@@ -121,6 +124,7 @@ def test_overwrite_removes_only_what_a_conversion_wrote(src, tmp_path, run_tool)
     assert rc == 0, err
     assert not (dst / "model-99999-of-99999.safetensors").exists()
     assert (dst / "notes.txt").read_text() == "mine" and (dst / "other.safetensors").exists()
+    assert (dst / "model-99998-of-99999.safetensors" / "kept.txt").read_text() == "mine"  # not a file: not ours
 
 
 def test_a_non_empty_destination_without_our_record_needs_overwrite(src, tmp_path, run_tool) -> None:
