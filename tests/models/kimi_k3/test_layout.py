@@ -54,3 +54,24 @@ def test_dense_layout_fixes_every_dense_shape_of_a_real_checkpoint(tiny_ckpt) ->
     assert not any("mlp" in rx for rx, _, _ in dense_layout(no_dense))
     with pytest.raises(SpecError, match=r"text_config.hidden_size = 0; a positive integer"):
         check_config_fields({"text_config": {**config["text_config"], "hidden_size": 0}})
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1, 3])
+def test_place_keeps_this_ranks_block_of_experts(ep_rank: int) -> None:
+    """``KimiK3Experts.place``: EP rank r of 4 keeps experts [2r, 2r + 2) of 8, their own weights."""
+    import torch
+    from torch import nn
+
+    from modelopt_k3.dist.placement import ExpertPlacement
+    from modelopt_k3.models.kimi_k3.experts import KimiK3Experts
+
+    experts = KimiK3Experts(None, num_experts=8, hidden_dim=4, intermediate_dim=3, act_fn=nn.SiLU())
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.arange(8.0).view(8, 1, 1).expand(8, 6, 4))
+        experts.down_proj.copy_(torch.arange(8.0).view(8, 1, 1).expand(8, 4, 3) + 100)
+    experts.place(ExpertPlacement(8, ep_size=4, ep_rank=ep_rank))
+    assert experts.num_experts == 2 and experts.expert_offset == 2 * ep_rank and experts.num_global_experts == 8
+    assert experts.gate_up_proj[:, 0, 0].tolist() == [2.0 * ep_rank, 2.0 * ep_rank + 1]
+    assert experts.down_proj[:, 0, 0].tolist() == [100 + 2.0 * ep_rank, 101 + 2.0 * ep_rank]
+    with pytest.raises(ValueError, match="needs a module holding all 8 experts"):
+        experts.place(ExpertPlacement(8, ep_size=4, ep_rank=0))
