@@ -450,13 +450,17 @@ def test_foreign_or_other_job_directories_are_refused(ckpt: Path, recipe, tmp_pa
 
 
 def test_overwrite_never_keeps_a_shard_another_job_converted(converted, ckpt: Path, recipe, tmp_path: Path):
-    """A partial conversion with another recipe (attention BF16, not FP8), then --overwrite with this one:
-    every shard the other job completed is converted again (its record names another fingerprint), so the
-    output is byte-for-byte a fresh conversion, attention FP8 included."""
+    """Another job (attention BF16, not FP8) converted rank 1's shards of 2; this job's rank 0 with --overwrite
+    converts its own, and its finalize does not count the other job's records as this job's shards (another
+    fingerprint): not complete until rank 1 converts them again, then byte-for-byte a fresh conversion."""
     out = tmp_path / "other_then_this"
-    convert_checkpoint(ckpt, out, load_recipe("models/moonshotai/Kimi-K3/nvfp4_experts"), rank=0, world_size=4)
-    report = convert_checkpoint(ckpt, out, recipe, overwrite=True)
-    assert report.complete and len(report.converted) == report.shards_total
+    files = sorted(set(_weight_map(ckpt).values()))
+    convert_checkpoint(ckpt, out, load_recipe("models/moonshotai/Kimi-K3/nvfp4_experts"), rank=1, world_size=2)
+    first = convert_checkpoint(ckpt, out, recipe, rank=0, world_size=2, overwrite=True)
+    assert not first.complete and sorted(first.pending) == files[1::2]
+    assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX).exists()
+    second = convert_checkpoint(ckpt, out, recipe, rank=1, world_size=2)
+    assert second.complete and sorted(second.converted) == files[1::2]
     assert _files(out) == _files(converted[0])
 
 
