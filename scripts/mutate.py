@@ -478,7 +478,8 @@ def run_one(m: Mutant, tree: Path, timeout: float, tests: list[str] | None = Non
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-        outcome = "survived" if proc.returncode == 0 else "killed"
+        # 5: no test collected (e.g. every test of the selection is slow under --fast): nothing noticed it
+        outcome = "survived" if proc.returncode in (0, 5) else "killed"
         lines = out.strip().splitlines()
         tail = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:1] or lines[-3:]
     except subprocess.TimeoutExpired:
@@ -609,6 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     runs.append(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: python scripts/mutate.py "
                 + " ".join(argv if argv is not None else sys.argv[1:]))
     results: dict[str, Result] = dict(previous)
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps({"runs": runs, "results": [r.__dict__ for r in results.values()]},
+                                            indent=1) + "\n")
+
     if args.classify_fast:
         fast = fast_test_ids(list(results.values()))
         for r in results.values():
@@ -617,12 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             elif r.outcome == "survived":
                 r.fast = "survived"  # the fast set is a subset of the tests that let it through
         chosen = []
-
-    def save() -> None:
-        if args.json:
-            args.json.write_text(json.dumps({"runs": runs, "results": [r.__dict__ for r in results.values()]},
-                                            indent=1) + "\n")
-
+        save()
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         tree = Path(tmp)
         _copy_tree(tree)

@@ -87,7 +87,7 @@ P_ORIGINAL, Q_QUANTIZED = [0.5, 0.5], [0.9, 0.1]
 
 def test_kl_is_original_against_quantized_not_the_reverse():
     """KL(p_original || p_quantized), the direction the report and --eval_kl name: on data where the two
-    directions differ by 39%, the sum equals the forward one to float32 precision, not the reverse."""
+    directions differ (sum 1.0601 vs 0.9174 nats), the sum equals the forward one to float32 precision, not the reverse."""
     ref = torch.tensor([P_ORIGINAL, [0.25, 0.75]]).log()
     quant = torch.tensor([Q_QUANTIZED, [0.75, 0.25]]).log()
     expected = _kl(P_ORIGINAL, Q_QUANTIZED) + _kl([0.25, 0.75], [0.75, 0.25])
