@@ -78,7 +78,52 @@ AREAS: dict[str, Area] = {
         ("modelopt_k3/check/engines/base.py", "modelopt_k3/check/engines/vllm.py",
          "modelopt_k3/check/engines/sglang.py"),
         ("tests/check/test_fused_rules.py", "tests/check/test_engines.py")),
+    # Areas added in issue 33 (code of the turn before): the report's numbers, the coverage guard, owner
+    # records and heartbeats, the converter's resume state, each model's layout / placement / checkpoint
+    # view, the engine manifests, the spec registry and the memory planner.
+    "report": Area(
+        ("modelopt_k3/report/stats.py", "modelopt_k3/report/build.py", "modelopt_k3/quant/evaluate.py"),
+        ("tests/report/test_stats.py", "tests/report/test_report.py")),
+    "coverage": Area(
+        ("modelopt_k3/quant/coverage.py",),
+        ("tests/quant/test_coverage.py", "tests/report/test_report.py")),
+    "ownership": Area(
+        ("modelopt_k3/ownership.py",),
+        ("tests/test_ownership.py", "tests/faults/test_faults_locks.py",
+         *(f"tests/faults/test_faults_destination.py::{t}" for t in (
+             "test_preflight_refuses_while_another_live_run_exports_to_the_path",
+             "test_converter_recovers_locks_of_dead_owners_saying_so",
+             "test_converter_refuses_a_destination_held_by_a_live_run_on_another_host")))),
+    "convert_resume": Area(
+        ("modelopt_k3/convert/state.py",),
+        ("tests/faults/test_faults_source.py::test_a_source_changed_before_the_resume_is_refused_never_mixed",
+         "tests/faults/test_faults_source.py::test_the_shard_record_holds_the_digest_of_every_tensor_its_quantized_jobs_read",
+         "tests/faults/test_faults_destination_owned.py", "tests/convert/test_api.py")),
+    "kimi_k3": Area(
+        ("modelopt_k3/models/kimi_k3/layout.py", "modelopt_k3/models/kimi_k3/experts.py"),
+        ("tests/models/kimi_k3/test_layout.py", "tests/models/test_conversion_layout.py",
+         "tests/dist/test_placement.py", "tests/test_source_check.py", "tests/memory/test_planner.py")),
+    "qwen3_moe": Area(
+        ("modelopt_k3/models/qwen3_moe/layout.py", "modelopt_k3/models/qwen3_moe/experts.py"),
+        ("tests/models/qwen3_moe/test_qwen3_moe.py", "tests/models/test_conversion_layout.py")),
+    "gpt_oss": Area(
+        ("modelopt_k3/models/gpt_oss/layout.py", "modelopt_k3/models/gpt_oss/model.py",
+         "modelopt_k3/models/gpt_oss/config_layout.py", "modelopt_k3/models/gpt_oss/experts.py"),
+        ("tests/models/gpt_oss/test_layout.py", "tests/models/test_conversion_layout.py",
+         "tests/models/gpt_oss/test_pipeline.py")),
+    "manifests": Area(
+        ("modelopt_k3/models/kimi_k3/manifest.py", "modelopt_k3/models/qwen3_moe/serving.py",
+         "modelopt_k3/models/gpt_oss/serving.py"),
+        ("tests/export/test_kimi_k3_manifest.py", "tests/models/qwen3_moe/test_trtllm.py",
+         "tests/models/gpt_oss/test_trtllm.py")),
+    "registry": Area(
+        ("modelopt_k3/spec/registry.py",),
+        ("tests/spec/test_contract.py", "tests/spec/test_registry.py")),
+    "planner": Area(
+        ("modelopt_k3/memory/planner.py",),
+        ("tests/memory/test_planner.py",)),
 }
+FAST = "not slow and not multiprocess"  # the fast set's marker filter (``--fast``)
 # Modules whose tests are not their area's: these run instead (the staging sweep is tested with the faults).
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "modelopt_k3/export/staging.py": (
@@ -103,6 +148,7 @@ class Mutant:
     new: str
     note: str = ""
     start: int = -1  # character offset of ``old`` (-1: its only occurrence)
+    area: str = ""  # a curated mutant's area when its module is in none (its tests are that area's)
 
     def apply(self, text: str) -> str:
         at = self.start
@@ -135,8 +181,91 @@ CURATED: tuple[Mutant, ...] = (
            r'(r"\.self_attn\.in_proj_qkvgfab$",', r'(r"\.self_attn\.in_proj_qkvgfa$",',
            "vLLM's BF16 keep-list no longer matches in_proj_qkvgfab"),
     Mutant("issue23:no-staging", "modelopt_k3/convert/shard.py",
-           'PlannedShard(dst / f".{file}.partial", plan.outputs(file))', "PlannedShard(dst / file, plan.outputs(file))",
+           "PlannedShard(staging_path(dst / file), plan.outputs(file))", "PlannedShard(dst / file, plan.outputs(file))",
            "converter writes straight to the final shard name (the rename a no-op)"),
+    # issue 33: the survivors it names, then plausible bugs in each area added the turn before.
+    Mutant("issue33:kl-reversed", "modelopt_k3/report/stats.py",
+           "kl = (ref.exp() * (ref - quant)).sum(-1)", "kl = (quant.exp() * (quant - ref)).sum(-1)",
+           "report: KL(quantized || original) instead of KL(original || quantized)"),
+    Mutant("issue33:kl-args-swapped", "modelopt_k3/quant/evaluate.py",
+           "final += kl_and_top1(ref, quant)", "final += kl_and_top1(quant, ref)",
+           "held-out pass: the quantized logits passed as the reference"),
+    Mutant("issue33:rel-rms-no-sqrt", "modelopt_k3/report/stats.py",
+           "return math.sqrt(sse / ssq)", "return sse / ssq", "report: relative RMS error without the square root"),
+    Mutant("issue33:underflow-zero-blocks", "modelopt_k3/report/stats.py",
+           "underflow = ((blocks > 0) & (raw < FP8_E4M3_MIN_SUBNORMAL))", "underflow = (raw < FP8_E4M3_MIN_SUBNORMAL)",
+           "report: all-zero blocks counted as underflowing"),
+    Mutant("issue33:min-tokens-ignored", "modelopt_k3/quant/coverage.py",
+           "[e for e, n in enumerate(self.handled) if n < min_tokens]", "[e for e, n in enumerate(self.handled) if n == 0]",
+           "coverage guard: only experts with zero tokens starved (--min_expert_tokens ignored)"),
+    Mutant("issue33:cli-min-tokens", "modelopt_k3/cli/hf_ptq.py",
+           "check_coverage(coverage, min_tokens=args.min_expert_tokens,", "check_coverage(coverage, min_tokens=1,",
+           "hf_ptq: the guard runs with the default threshold, not --min_expert_tokens", area="coverage"),
+    Mutant("issue33:refuse-ignores-dependence", "modelopt_k3/quant/coverage.py",
+           'if policy == "refuse" and depends:', 'if policy == "refuse":',
+           "coverage guard: refuses experts whose scales need no calibration"),
+    Mutant("issue33:count-outside-calib", "modelopt_k3/quant/coverage.py",
+           'if not any(q.mode == "calib" for q in state.input.values()):', "if False:",
+           "coverage: held-out and other forwards counted as calibration tokens"),
+    Mutant("issue33:record-copied-only", "modelopt_k3/convert/shard.py",
+           "{**converter.log.hashes, **shard.copied}", "dict(shard.copied)",
+           "shard record: sha256 of copied tensors only, not of what the quantized jobs read", area="convert_resume"),
+    Mutant("issue33:finalize-trusts-stat", "modelopt_k3/convert/state.py",
+           "if verify_hash or stat_identity(plan.src / f) != ident}", "if verify_hash}",
+           "resume: a source file whose size/times/inode changed is not re-hashed at finalize"),
+    Mutant("issue33:record-any-fingerprint", "modelopt_k3/convert/state.py",
+           'or rec.get("fingerprint") != fingerprint:', ":",
+           "resume: a shard record of another job (recipe, source headers) is trusted"),
+    Mutant("issue33:stale-never", "modelopt_k3/ownership.py", "if age > stale:", "if age > 10 * stale:",
+           "ownership: another host's owner is live ten times longer than the stale limit"),
+    Mutant("issue33:kimi-moe-layers", "modelopt_k3/models/kimi_k3/layout.py",
+           "if i >= first_k and i % freq == 0]", "if i > first_k and i % freq == 0]",
+           "Kimi-K3 layout: the first MoE layer (== first_k_dense_replace) left out"),
+    Mutant("issue33:kimi-w2-shape", "modelopt_k3/models/kimi_k3/layout.py",
+           '"w2": (hidden, inter)', '"w2": (inter, hidden)', "Kimi-K3 layout: w2 stored [inter, hidden]"),
+    Mutant("issue33:kimi-place-first", "modelopt_k3/models/kimi_k3/experts.py",
+           "nn.Parameter(param.data[local.start : local.stop].clone()",
+           "nn.Parameter(param.data[: len(local)].clone()",
+           "Kimi-K3 placement: every rank keeps the first experts, not its own"),
+    Mutant("issue33:qwen3-sparse-step", "modelopt_k3/models/qwen3_moe/layout.py",
+           "if i not in only and (i + 1) % step == 0]", "if i not in only and i % step == 0]",
+           "Qwen3-MoE layout: decoder_sparse_step counted from layer 0, not layer step-1"),
+    Mutant("issue33:qwen3-place-first", "modelopt_k3/models/qwen3_moe/experts.py",
+           "nn.Parameter(param.data[local.start : local.stop].clone()",
+           "nn.Parameter(param.data[: len(local)].clone()",
+           "Qwen3-MoE placement: every rank keeps the first experts, not its own"),
+    Mutant("issue33:gptoss-view-offset", "modelopt_k3/models/gpt_oss/model.py",
+           "info.offset + e * per)", "info.offset + e * per // 2)",
+           "GPT-OSS view: per-expert byte ranges overlap (half stride)"),
+    Mutant("issue33:gptoss-interleave", "modelopt_k3/models/gpt_oss/layout.py",
+           "index[dim] = slice(1, None, 2)", "index[dim] = slice(0, None, 2)",
+           "GPT-OSS layout: up taken from the gate's (even) positions"),
+    Mutant("issue33:kimi-manifest-alias", "modelopt_k3/models/kimi_k3/manifest.py",
+           'out += [f"model.{rest}", rest]', 'out += [f"model.{rest}"]',
+           "Kimi-K3 manifest: the bare name (no model. prefix) is not an alias"),
+    Mutant("issue33:registry-overwrite", "modelopt_k3/spec/registry.py",
+           "if spec.model_type in _REGISTRY and not overwrite:", "if spec.model_type in _REGISTRY:",
+           "registry: register_spec(overwrite=True) still refuses"),
+    Mutant("issue33:registry-duplicate", "modelopt_k3/spec/registry.py",
+           "if spec.model_type in _REGISTRY and not overwrite:", "if False:",
+           "registry: a second spec for a model_type silently replaces the first"),
+    Mutant("issue33:registry-submodule", "modelopt_k3/spec/registry.py",
+           "return name if importlib.util.find_spec(name) is not None else None", "return name",
+           "registry: a builtin submodule (e.g. serving) named though the package has none"),
+    Mutant("issue33:registry-private", "modelopt_k3/spec/registry.py",
+           'and not d.name.startswith("_")', "",
+           "registry: a private package under models/ (_name) registered as a model type"),
+    Mutant("issue33:planner-chunk-smallest", "modelopt_k3/memory/planner.py",
+           "for c in range(e_local - 1, 0, -1):", "for c in range(1, e_local):",
+           "planner: the smallest decode chunk that fits, not the largest"),
+    Mutant("issue33:planner-fsdp-floor", "modelopt_k3/memory/planner.py",
+           "return -(-n // world)", "return n // world",
+           "planner: FSDP2 rank 0's rows rounded down (torch.chunk rounds up)"),
+    Mutant("issue33:planner-no-overlap", "modelopt_k3/memory/planner.py",
+           "unit_bytes * (2 if run.accel else 1)", "unit_bytes",
+           "planner: an accelerator's overlapping next all-gather not counted"),
+    Mutant("issue33:planner-fits-strict", "modelopt_k3/memory/planner.py",
+           "self.peak <= budget", "self.peak < budget", "planner: a plan using exactly the budget does not fit"),
 )
 
 # Surviving mutants that change no observable behaviour: id -> why.
@@ -278,7 +407,9 @@ def operator_mutants(path: str) -> list[Mutant]:
     return out
 
 
-def area_of(path: str) -> tuple[str, Area]:
+def area_of(path: str, area_name: str = "") -> tuple[str, Area]:
+    if area_name:
+        return area_name, AREAS[area_name]
     for name, area in AREAS.items():
         if any(fnmatch.fnmatch(path, g) for g in area.modules):
             return name, Area(area.modules, MODULE_TESTS[path], area.markers) if path in MODULE_TESTS else area
@@ -298,7 +429,8 @@ def select(curated: bool, sample: int, seed: int, only: list[str], areas: list[s
         if sample:
             pool = [m for p in area_modules(AREAS[name]) for m in operator_mutants(p)]
             chosen += random.Random(f"{seed}:{name}").sample(pool, min(sample, len(pool)))
-    chosen += CURATED if curated else ()
+    if curated:
+        chosen += [m for m in CURATED if not areas or area_of(m.path, m.area)[0] in areas]
     if only:
         every = {m.id: m for m in CURATED}
         for area in AREAS.values():
@@ -318,12 +450,16 @@ class Result:
     seconds: float
     note: str = ""
     tail: list[str] = field(default_factory=list)
+    selection: str = ""  # the tests it ran (pytest arguments)
+    fast: str = ""  # does the fast set alone kill it: "killed" | "survived" | "" (not known)
 
 
-def run_one(m: Mutant, tree: Path, timeout: float, tests: list[str] | None = None) -> Result:
-    area_name, area = area_of(m.path)
+def run_one(m: Mutant, tree: Path, timeout: float, tests: list[str] | None = None, fast: bool = False) -> Result:
+    area_name, area = area_of(m.path, m.area)
     if tests:
         area = Area(area.modules, tuple(tests), markers="")
+    if fast:  # the area's test files, only their fast tests: what the fast set alone would say
+        area = Area(area.modules, area.tests, markers=FAST)
     target = tree / m.path
     original = target.read_text()
     try:
@@ -342,7 +478,8 @@ def run_one(m: Mutant, tree: Path, timeout: float, tests: list[str] | None = Non
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-        outcome = "survived" if proc.returncode == 0 else "killed"
+        # 5: no test collected (e.g. every test of the selection is slow under --fast): nothing noticed it
+        outcome = "survived" if proc.returncode in (0, 5) else "killed"
         lines = out.strip().splitlines()
         tail = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:1] or lines[-3:]
     except subprocess.TimeoutExpired:
@@ -352,7 +489,8 @@ def run_one(m: Mutant, tree: Path, timeout: float, tests: list[str] | None = Non
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         target.write_text(original)
-    return Result(m.id, area_name, outcome, round(time.monotonic() - start, 1), m.note, tail)
+    selection = " ".join([*area.tests, *(["-m", repr(area.markers)] if area.markers else [])])
+    return Result(m.id, area_name, outcome, round(time.monotonic() - start, 1), m.note, tail, selection)
 
 
 def _copy_tree(dst: Path) -> None:
@@ -363,6 +501,15 @@ def _copy_tree(dst: Path) -> None:
 
 
 BEGIN, END = "<!-- mutate.py: generated results begin -->", "<!-- mutate.py: generated results end -->"
+
+
+def _killer(r: Result) -> str:
+    failed = [t.split(" - ")[0].split()[1] for t in r.tail if t.startswith(("FAILED ", "ERROR "))]
+    return failed[0] if failed else ""
+
+
+def _rate(killed: int, of: int) -> str:
+    return f"{100.0 * killed / of:.0f}%" if of else "-"
 
 
 def summary(results: list[Result], runs: list[str]) -> str:
@@ -376,20 +523,39 @@ def summary(results: list[Result], runs: list[str]) -> str:
              f"**Kill rate {rate:.1f}%**: {len(killed)} killed ({sum(r.outcome == 'timeout' for r in killed)} by "
              f"timeout) of {denominator} mutants; {len(equivalent)} equivalent (not counted); "
              f"{len(results) - len(counted)} did not apply.", "",
-             "| area | mutants | killed | survived | equivalent |", "|---|---|---|---|---|"]
+             "*fast set*: killed by the area's tests under `-m \"not slow and not multiprocess\"` (the killing "
+             "test is a fast one, or a `--fast` run); `?`: not measured.", "",
+             "| area | mutants | killed | survived | equivalent | kill rate | fast set kills | fast-set rate |",
+             "|---|---|---|---|---|---|---|---|"]
     for area in sorted({r.area for r in counted}):
         rs = [r for r in counted if r.area == area]
-        lines.append(f"| {area} | {len(rs)} | {sum(r.outcome in ('killed', 'timeout') for r in rs)} | "
-                     f"{sum(r.outcome == 'survived' and r.id not in EQUIVALENT for r in rs)} | "
-                     f"{sum(r.outcome == 'survived' and r.id in EQUIVALENT for r in rs)} |")
-    lines += ["", "| mutant | where | outcome | seconds |", "|---|---|---|---|"]
+        k = sum(r.outcome in ("killed", "timeout") for r in rs)
+        eq = sum(r.outcome == "survived" and r.id in EQUIVALENT for r in rs)
+        fast = sum(r.fast == "killed" for r in rs)
+        unknown = sum(r.outcome in ("killed", "timeout") and not r.fast for r in rs)
+        lines.append(f"| {area} | {len(rs)} | {k} | {len(rs) - k - eq} | {eq} | {_rate(k, len(rs) - eq)} | "
+                     f"{fast}{f' (+{unknown} ?)' if unknown else ''} | {_rate(fast, len(rs) - eq)} |")
+    fast_all = sum(r.fast == "killed" for r in counted)
+    lines += ["", f"Fast set alone: {fast_all} of {denominator} ({_rate(fast_all, denominator)}).", "",
+              "| mutant | where | outcome | fast set | seconds | tests run |", "|---|---|---|---|---|---|"]
     for r in results:
         outcome = f"equivalent: {EQUIVALENT[r.id]}" if r.outcome == "survived" and r.id in EQUIVALENT else r.outcome
-        failed = [t.split(" - ")[0].split()[1] for t in r.tail if t.startswith(("FAILED ", "ERROR "))]
-        if r.outcome == "killed" and failed:
-            outcome += f" by `{failed[0]}`"
-        lines.append(f"| `{r.id}` | {r.note} | {outcome} | {r.seconds} |")
+        if r.outcome == "killed" and _killer(r):
+            outcome += f" by `{_killer(r)}`"
+        selection = f"`{r.selection}`" if r.selection else ""
+        lines.append(f"| `{r.id}` | {r.note} | {outcome} | {r.fast or '?'} | {r.seconds} | {selection} |")
     return "\n".join([*lines, "", END])
+
+
+def fast_test_ids(results: list[Result]) -> set[str]:
+    """Node ids the fast set holds among the files the results' killing tests are in (one collection)."""
+    files = sorted({_killer(r).split("::")[0] for r in results if _killer(r)})
+    if not files:
+        return set()
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", FAST, *files], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    return {line.strip() for line in out.stdout.splitlines() if "::" in line}
 
 
 def record(doc: Path, text: str) -> None:
@@ -415,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=[], help="mutant ids to run")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant (a timeout counts as killed)")
     ap.add_argument("--tests", nargs="*", default=[], help="run these tests (pytest node ids) instead of the area's")
+    ap.add_argument("--fast", action="store_true",
+                    help=f"run only the area's fast tests (-m '{FAST}'): does the fast set alone kill it?")
+    ap.add_argument("--classify-fast", action="store_true",
+                    help="with --merge: mark killed mutants whose killing test is in the fast set (no mutant runs)")
     ap.add_argument("--list", action="store_true", help="print the chosen mutants and exit")
     ap.add_argument("--count", action="store_true", help="print how many operator mutants each area has")
     ap.add_argument("--json", type=Path, help="write the results here (after every mutant)")
@@ -446,12 +616,26 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"runs": runs, "results": [r.__dict__ for r in results.values()]},
                                             indent=1) + "\n")
 
+    if args.classify_fast:
+        fast = fast_test_ids(list(results.values()))
+        for r in results.values():
+            if r.outcome == "killed" and not r.fast and _killer(r) in fast:
+                r.fast = "killed"
+            elif r.outcome == "survived":
+                r.fast = "survived"  # the fast set is a subset of the tests that let it through
+        chosen = []
+        save()
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         tree = Path(tmp)
         _copy_tree(tree)
         for i, m in enumerate(chosen, 1):
-            r = run_one(m, tree, args.timeout, args.tests)
-            results[m.id] = r
+            r = run_one(m, tree, args.timeout, args.tests, args.fast)
+            if args.fast:
+                r.fast = "killed" if r.outcome in ("killed", "timeout") else "survived"
+            if args.fast and m.id in results:  # a fast-only run answers only the fast-set question
+                results[m.id].fast = r.fast
+            else:
+                results[m.id] = r
             save()  # after every mutant: an interrupted run keeps what it measured
             print(f"[{i}/{len(chosen)}] {r.outcome:8s} {r.seconds:6.1f}s {m.id}  {m.old!r} -> {m.new!r}", flush=True)
             print("         " + " | ".join(r.tail), flush=True)

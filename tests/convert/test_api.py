@@ -449,6 +449,21 @@ def test_foreign_or_other_job_directories_are_refused(ckpt: Path, recipe, tmp_pa
         convert_checkpoint(ckpt, other, load_recipe(MIRROR, overrides={"name": "another recipe"}))
 
 
+def test_overwrite_never_keeps_a_shard_another_job_converted(converted, ckpt: Path, recipe, tmp_path: Path):
+    """Another job (attention BF16, not FP8) converted rank 1's shards of 2; this job's rank 0 with --overwrite
+    converts its own, and its finalize does not count the other job's records as this job's shards (another
+    fingerprint): not complete until rank 1 converts them again, then byte-for-byte a fresh conversion."""
+    out = tmp_path / "other_then_this"
+    files = sorted(set(_weight_map(ckpt).values()))
+    convert_checkpoint(ckpt, out, load_recipe("models/moonshotai/Kimi-K3/nvfp4_experts"), rank=1, world_size=2)
+    first = convert_checkpoint(ckpt, out, recipe, rank=0, world_size=2, overwrite=True)
+    assert not first.complete and sorted(first.pending) == files[1::2]
+    assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX).exists()
+    second = convert_checkpoint(ckpt, out, recipe, rank=1, world_size=2)
+    assert second.complete and sorted(second.converted) == files[1::2]
+    assert _files(out) == _files(converted[0])
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -112,8 +112,11 @@ def test_overwrite_removes_only_what_a_conversion_wrote(src, tmp_path, run_tool)
     job_path = dst / STATE_DIR / "job.json"
     job = json.loads(job_path.read_text())
     job["shards"].append("model-99999-of-99999.safetensors")  # as if the earlier job had written it
+    job["shards"].append("model-99998-of-99999.safetensors")  # ... and the user put a directory there since
     job_path.write_text(json.dumps(job))
     (dst / "model-99999-of-99999.safetensors").write_bytes(b"an earlier conversion's shard")
+    (dst / "model-99998-of-99999.safetensors").mkdir()
+    (dst / "model-99998-of-99999.safetensors" / "kept.txt").write_text("mine")
     (dst / "notes.txt").write_text("mine")
     (dst / "other.safetensors").write_bytes(b"not written by a conversion")
     (dst / COMPLETE_MARKER).unlink()
@@ -121,6 +124,7 @@ def test_overwrite_removes_only_what_a_conversion_wrote(src, tmp_path, run_tool)
     assert rc == 0, err
     assert not (dst / "model-99999-of-99999.safetensors").exists()
     assert (dst / "notes.txt").read_text() == "mine" and (dst / "other.safetensors").exists()
+    assert (dst / "model-99998-of-99999.safetensors" / "kept.txt").read_text() == "mine"  # not a file: not ours
 
 
 def test_a_non_empty_destination_without_our_record_needs_overwrite(src, tmp_path, run_tool) -> None:
@@ -180,3 +184,25 @@ def test_disk_full_or_read_only_mid_shard_is_one_line_and_leaves_nothing(code, s
     assert rc == 2 and os.strerror(code) in _one_line(err)
     assert tree_digest(src) == before and temp_leftovers(dst) == []
     assert not (dst / COMPLETE_MARKER).exists() and not (dst / INDEX).exists()
+
+
+def test_the_sweep_keeps_a_live_process_temporaries_and_removes_dead_or_stale_ones(tmp_path, monkeypatch) -> None:
+    """``sweep_tmp_files``: a fresh temporary of a live process (the parent of this one: another pid that
+    runs) stays; a dead process's goes at once; a live one's goes only past the stale limit."""
+    from modelopt_k3.convert.state import sweep_tmp_files
+    from modelopt_k3.ownership import STALE_AFTER_ENV
+
+    monkeypatch.setenv(STALE_AFTER_ENV, "600")
+    live, dead = os.getppid(), _dead_pid()
+    fresh_live = tmp_path / f".config.json.tmp-{live}-0a1b"
+    stale_live = tmp_path / f".hf_quant_config.json.tmp-{live}-2c3d"
+    fresh_dead = tmp_path / f".x.json.tmp-{dead}-4e5f"
+    mine = tmp_path / f".y.json.tmp-{os.getpid()}-6a7b"
+    other = tmp_path / "config.json"
+    for path in (fresh_live, stale_live, fresh_dead, mine, other):
+        path.write_text("{")
+    old = time.time() - 3600
+    os.utime(stale_live, (old, old))
+    assert sorted(sweep_tmp_files(tmp_path)) == sorted([stale_live, fresh_dead])
+    assert fresh_live.exists() and mine.exists() and other.exists()
+    assert not stale_live.exists() and not fresh_dead.exists()

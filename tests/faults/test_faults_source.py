@@ -221,13 +221,15 @@ def test_converter_checks_dense_tensors_only_against_a_model_it_may_build(copy_c
 # --------------------------------------------------------------------------- a source changed between a run and its resume
 
 
-def _flip_low_bit(ckpt: Path, file: str, *, keep_mtime: bool) -> str:
-    """Flip the lowest bit of one floating tensor of ``file`` (header and size unchanged, still finite);
-    return its name. ``keep_mtime``: put the modification time back, so only the bytes tell."""
+def _flip_low_bit(ckpt: Path, file: str, *, keep_mtime: bool, key: str | None = None) -> str:
+    """Flip the lowest bit of one floating tensor of ``file`` (``key``, else the first bf16 one; header and
+    size unchanged, still finite); return its name. ``keep_mtime``: put the modification time back, so only
+    the bytes tell."""
     from modelopt_k3.checkpoint import CheckpointReader
 
     with CheckpointReader(ckpt) as reader:
-        key, info = next((k, i) for k, i in reader.headers().items() if i.file == file and i.dtype == torch.bfloat16)
+        key, info = next((k, i) for k, i in reader.headers().items() if i.file == file and (
+            k == key if key is not None else i.dtype == torch.bfloat16))
     path = ckpt / file
     st = path.stat()
     with open(path, "r+b") as f:
@@ -275,3 +277,42 @@ def test_a_source_changed_before_the_resume_is_refused_never_mixed(keep_mtime, c
     fresh = tmp_path / "fresh"
     convert_checkpoint(src, fresh, MIRROR)
     assert tree_digest(dst)[files[0]] == tree_digest(fresh)[files[0]]
+
+
+def test_the_shard_record_holds_the_digest_of_every_tensor_its_quantized_jobs_read(copy_ckpt, tmp_path, run_tool):
+    """The completion record keeps the sha256 of what the quantized jobs read, not only of copied tensors:
+    every source tensor of the shard is in ``source.read`` with its digest, and a resume after one bit of a
+    quantized job's weight changed (mtime put back) is refused naming that tensor."""
+    import hashlib
+
+    from modelopt_k3.checkpoint import CheckpointReader
+    from modelopt_k3.convert import convert_checkpoint
+    from modelopt_k3.convert.plan import _build_plan
+    from modelopt_k3.recipe import load_recipe
+
+    src = copy_ckpt()
+    dst = tmp_path / "out"
+    convert_checkpoint(src, dst, MIRROR, rank=0, world_size=2)
+    files = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+    rec = json.loads((dst / ".modelopt_k3_convert" / "shards" / f"{files[0]}.json").read_text())
+    plan = _build_plan(src, load_recipe(MIRROR))
+    try:
+        jobs = plan.jobs[files[0]]
+        quantized = sorted({s for j in jobs if not isinstance(j, str) and j.kind == "quant" for s in j.sources})
+        copied = {j for j in jobs if isinstance(j, str)}
+    finally:
+        plan.reader.close()
+    assert quantized and copied and not set(quantized) & copied
+    with CheckpointReader(src) as reader:
+        infos = {k: i for k, i in reader.headers().items() if i.file == files[0]}
+    raw = (src / files[0]).read_bytes()  # the digests from the file's bytes, not through the reader
+    digest = {k: hashlib.sha256(raw[infos[k].offset : infos[k].offset + infos[k].nbytes]).hexdigest()
+              for k in quantized}
+    own = set(infos)
+    assert own <= set(rec["source"]["read"])
+    assert {k: rec["source"]["read"][k] for k in quantized} == digest
+    key = _flip_low_bit(src, files[0], keep_mtime=True, key=quantized[0])
+    rc, _, err = run_tool("convert", ["--src", src, "--dst", dst, "--recipe", MIRROR, "--no_progress",
+                                      "--world_size", "2", "--rank", "0"])
+    assert rc == 2 and re.search(rf"output shard {re.escape(files[0])} was converted \(tensor {re.escape(key)} ",
+                                 _one_error_line(err, "modelopt-k3-convert"))

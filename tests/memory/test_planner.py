@@ -113,6 +113,40 @@ def test_planner_picks_a_decode_chunk_when_a_layer_does_not_fit(tiny_ckpt: Path)
     chosen = estimate(layout, cfg, shape, budget=budget)
     assert chosen.decode_chunk is not None and 1 <= chosen.decode_chunk < 8
     assert chosen.stages["calibration"] <= budget < layer.stages["calibration"]
+    # the largest chunk that fits (the fewest decode passes), not merely one that does
+    bigger = estimate(layout, cfg, shape, decode_chunk=chosen.decode_chunk + 1)
+    assert bigger.stages["calibration"] > budget, (chosen.decode_chunk, bigger.stages, budget)
+    assert chosen.decode_chunk > 1
+
+
+def test_a_plan_fits_a_budget_it_exactly_uses(tiny_ckpt: Path) -> None:
+    est = estimate_asked(read_layout(tiny_ckpt), Asked("whole", "replicated", "bf16", 1), RunShape(device="cpu"))
+    assert est.fits(est.peak) is True and est.fits(est.peak - 1) is False and est.fits(None) is None
+
+
+def test_fsdp2_rank_0_holds_the_rows_torch_chunk_gives_it() -> None:
+    """torch.chunk's first piece of an odd dim is the larger one: rank 0 holds ceil(rows / world) rows."""
+    import torch
+
+    from modelopt_k3.memory.layout import TensorMeta
+    from modelopt_k3.memory.planner import _dense_bytes
+
+    for rows, world in ((7, 2), (9, 4), (8, 2), (1, 2)):
+        t = TensorMeta("layers.0.mlp.up_proj.weight", torch.bfloat16, (rows, 3))
+        assert _dense_bytes(t, 2, world) == torch.chunk(torch.empty(rows, 3), world)[0].numel() * 2
+    assert _dense_bytes(TensorMeta("w", torch.bfloat16, (7, 3)), 2, 1) == 7 * 3 * 2
+
+
+def test_an_accelerator_gathers_the_next_fsdp2_unit_while_one_runs(tiny_ckpt: Path) -> None:
+    """FSDP2 on a GPU: the largest unit counted twice (the next all-gather overlaps); on the host once."""
+    layout = read_layout(tiny_ckpt)
+    asked = Asked("expert_parallel", "fsdp2", "bf16", 2)
+    dtype = layout.config_dtype
+    units = {u: sum(t.numel * layout.load_dtype(t, dtype).itemsize for t in ts) for u, ts in layout.fsdp_units().items()}
+    largest = max(b for u, b in units.items() if u)
+    gpu = estimate_asked(layout, asked, RunShape(batch_size=2, calib_seq=32, device="cuda"))
+    cpu = estimate_asked(layout, asked, RunShape(batch_size=2, calib_seq=32, device="cpu"))
+    assert gpu.fsdp_gathered - cpu.fsdp_gathered == largest == cpu.fsdp_gathered - units[""]
 
 
 def test_check_fits_resolves_auto_and_refuses_with_numbers(tiny_ckpt: Path) -> None:
@@ -156,3 +190,15 @@ def test_plan_memory_is_lazy_public_api() -> None:
     import modelopt_k3
 
     assert modelopt_k3.plan_memory is plan_memory
+
+
+def test_packed_experts_take_their_amax_from_codes_and_scales_not_decoded_weights(tiny_ckpt: Path) -> None:
+    """Quantize setup, packed: the E2M1 codes (half a byte a weight) and one fp32 per 32-weight block, a
+    fraction of the bf16 path's two fp32 copies of every weight: never more than bf16 (on the tiny model
+    bf16's experts term, 8 x 2 x 128 x 64 x 4 bytes, is the largest; packed's is under a tenth of it)."""
+    layout = read_layout(tiny_ckpt)
+    shape = RunShape(batch_size=2, calib_seq=32, device="cpu")
+    bf16 = estimate_asked(layout, Asked("whole", "replicated", "bf16", 1), shape)
+    packed = estimate_asked(layout, Asked("whole", "replicated", "packed", 1), shape)
+    assert bf16.amax_transient == 8 * 2 * 128 * 64 * 4
+    assert packed.amax_transient < bf16.amax_transient

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from modelopt_k3.numerics.stats import (
@@ -74,3 +75,54 @@ def test_fp8_fake_quant_of_stacked_experts_is_per_expert():
     stacked = FP8_TENSOR.fake_quant(x, scales.view(-1, 1, 1))
     assert torch.equal(stacked, torch.stack([FP8_TENSOR.fake_quant(w, s) for w, s in zip(x, scales)]))
     assert not torch.equal(stacked, FP8_TENSOR.fake_quant(x, scales.max()))
+
+
+def _kl(p: list[float], q: list[float]) -> float:
+    return sum(a * math.log(a / b) for a, b in zip(p, q))
+
+
+# Two distributions whose KL differs by direction: KL(p || q) = 0.5108..., KL(q || p) = 0.3681...
+P_ORIGINAL, Q_QUANTIZED = [0.5, 0.5], [0.9, 0.1]
+
+
+def test_kl_is_original_against_quantized_not_the_reverse():
+    """KL(p_original || p_quantized), the direction the report and --eval_kl name: on data where the two
+    directions differ (sum 1.0601 vs 0.9174 nats), the sum equals the forward one to float32 precision, not the reverse."""
+    ref = torch.tensor([P_ORIGINAL, [0.25, 0.75]]).log()
+    quant = torch.tensor([Q_QUANTIZED, [0.75, 0.25]]).log()
+    expected = _kl(P_ORIGINAL, Q_QUANTIZED) + _kl([0.25, 0.75], [0.75, 0.25])
+    reverse = _kl(Q_QUANTIZED, P_ORIGINAL) + _kl([0.75, 0.25], [0.25, 0.75])
+    assert abs(expected - reverse) > 0.1
+    kl_sum, agree, tokens = kl_and_top1(ref, quant).tolist()
+    assert kl_sum == pytest.approx(expected, rel=1e-6) and (agree, tokens) == (1.0, 2.0)  # ties pick index 0
+
+
+class _TwoForwards(torch.nn.Module):
+    """No quantizer: evaluate_fidelity's first forward (quantizers off) returns the original logits, the
+    second (quantizers on) the quantized ones, so the order it compares them in is what is tested."""
+
+    def __init__(self, original: torch.Tensor, quantized: torch.Tensor):
+        super().__init__()
+        self.logits = [original, quantized]
+        self.calls = 0
+
+        class _Spec:
+            @staticmethod
+            def decoder_layers(model):
+                return {}
+
+        self.modelopt_k3 = type("Bound", (), {"spec": _Spec()})()
+
+    def forward(self, input_ids, use_cache=False):
+        out = self.logits[self.calls % 2]
+        self.calls += 1
+        return type("Out", (), {"logits": out})()
+
+
+def test_evaluate_fidelity_compares_the_original_pass_against_the_quantized_one():
+    from modelopt_k3.quant.evaluate import evaluate_fidelity
+
+    ref = torch.tensor([[P_ORIGINAL]]).log()
+    quant = torch.tensor([[Q_QUANTIZED]]).log()
+    fid = evaluate_fidelity(_TwoForwards(ref, quant), [torch.zeros(1, 1, dtype=torch.long)], torch.device("cpu"))
+    assert fid.kl == pytest.approx(_kl(P_ORIGINAL, Q_QUANTIZED), rel=1e-6) and fid.tokens == 1

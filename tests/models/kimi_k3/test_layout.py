@@ -22,3 +22,56 @@ def test_kimi_expert_layout_follows_the_remote_codes_moe_layer_rule() -> None:
     assert expert_layout(_text(num_experts=None)) == ()
     with pytest.raises(SpecError, match="moe_intermediate_size"):
         expert_layout(_text(moe_intermediate_size=0))
+
+
+def test_the_first_moe_layer_is_first_k_dense_replace_itself() -> None:
+    """``i >= first_k_dense_replace``: with first_k 2 and freq 2, layer 2 is MoE (a strict > would start at 4)."""
+    assert [lay.module.split(".")[3] for lay in expert_layout(_text(first_k_dense_replace=2, moe_layer_freq=2))] == [
+        "2", "4"]
+    assert [lay.module.split(".")[3] for lay in expert_layout(_text(first_k_dense_replace=3))] == ["3", "4", "5"]
+
+
+def test_dense_layout_fixes_every_dense_shape_of_a_real_checkpoint(tiny_ckpt) -> None:
+    """Every dense tensor of the tiny checkpoint (first_k_dense_replace 1: a dense layer-0 MLP) has the shape
+    its rule says; without dense layers there is no MLP rule; a field of 0 is refused."""
+    import json
+    import re
+
+    from modelopt_k3.checkpoint import CheckpointReader
+    from modelopt_k3.models.kimi_k3.layout import check_config_fields, dense_layout
+
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    rules = [(re.compile(rx), shape) for rx, shape, _ in dense_layout(config)]
+    seen_mlp = False
+    with CheckpointReader(tiny_ckpt) as reader:
+        for key, (_, shape) in reader.inventory().items():
+            fixed = [want for rx, want in rules if want is not None and rx.fullmatch(key)]
+            seen_mlp |= ".mlp.down_proj." in key and bool(fixed)
+            if fixed:
+                assert tuple(shape) == fixed[0], key
+    assert seen_mlp
+    no_dense = {"text_config": {**config["text_config"], "first_k_dense_replace": 0}}
+    assert not any("mlp" in rx for rx, _, _ in dense_layout(no_dense))
+    with pytest.raises(SpecError, match=r"text_config.hidden_size = 0; a positive integer"):
+        check_config_fields({"text_config": {**config["text_config"], "hidden_size": 0}})
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1, 3])
+def test_place_keeps_this_ranks_block_of_experts(ep_rank: int) -> None:
+    """``KimiK3Experts.place``: EP rank r of 4 keeps experts [2r, 2r + 2) of 8, their own weights."""
+    import torch
+    from torch import nn
+
+    from modelopt_k3.dist.placement import ExpertPlacement
+    from modelopt_k3.models.kimi_k3.experts import KimiK3Experts
+
+    experts = KimiK3Experts(None, num_experts=8, hidden_dim=4, intermediate_dim=3, act_fn=nn.SiLU())
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.arange(8.0).view(8, 1, 1).expand(8, 6, 4))
+        experts.down_proj.copy_(torch.arange(8.0).view(8, 1, 1).expand(8, 4, 3) + 100)
+    experts.place(ExpertPlacement(8, ep_size=4, ep_rank=ep_rank))
+    assert experts.num_experts == 2 and experts.expert_offset == 2 * ep_rank and experts.num_global_experts == 8
+    assert experts.gate_up_proj[:, 0, 0].tolist() == [2.0 * ep_rank, 2.0 * ep_rank + 1]
+    assert experts.down_proj[:, 0, 0].tolist() == [100 + 2.0 * ep_rank, 101 + 2.0 * ep_rank]
+    with pytest.raises(ValueError, match="needs a module holding all 8 experts"):
+        experts.place(ExpertPlacement(8, ep_size=4, ep_rank=0))

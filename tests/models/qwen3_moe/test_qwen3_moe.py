@@ -45,6 +45,18 @@ def test_moe_layers_follow_transformers(cfg):
         f"model.layers.{i}.mlp.experts" for i in moe_layers(config)]
 
 
+@pytest.mark.parametrize("only", [[1, "2"], [True], "1", [1.0]], ids=["a-string", "a-bool", "not-a-list", "a-float"])
+def test_mlp_only_layers_must_be_a_list_of_layer_indices(only):
+    """One bad entry refuses the config (every entry is checked, not just one of them)."""
+    from modelopt_k3.models.qwen3_moe.layout import check_config_fields
+    from modelopt_k3.spec import SpecError
+
+    config = checkpoint_config(QWEN3_MOE_TINY_DEFAULTS)
+    check_config_fields({**config, "mlp_only_layers": [0, 1]})
+    with pytest.raises(SpecError, match=r"mlp_only_layers = .*; a list of layer indices is needed"):
+        check_config_fields({**config, "mlp_only_layers": only})
+
+
 def test_dense_layout_matches_the_checkpoint(qwen3_moe_ckpt):
     from modelopt_k3.checkpoint import CheckpointReader
 
