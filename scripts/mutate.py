@@ -82,14 +82,14 @@ AREAS: dict[str, Area] = {
     # records and heartbeats, the converter's resume state, each model's layout / placement / checkpoint
     # view, the engine manifests, the spec registry and the memory planner.
     "report": Area(
-        ("modelopt_k3/report/stats.py", "modelopt_k3/report/build.py", "modelopt_k3/quant/evaluate.py"),
+        ("modelopt_k3/numerics/stats.py", "modelopt_k3/report/build.py", "modelopt_k3/quant/evaluate.py"),
         ("tests/report/test_stats.py", "tests/report/test_report.py")),
     "coverage": Area(
         ("modelopt_k3/quant/coverage.py",),
         ("tests/quant/test_coverage.py", "tests/report/test_report.py")),
     "ownership": Area(
-        ("modelopt_k3/ownership.py",),
-        ("tests/test_ownership.py", "tests/faults/test_faults_locks.py",
+        ("modelopt_k3/files/locks.py",),
+        ("tests/files/test_locks.py", "tests/faults/test_faults_locks.py",
          *(f"tests/faults/test_faults_destination.py::{t}" for t in (
              "test_preflight_refuses_while_another_live_run_exports_to_the_path",
              "test_converter_recovers_locks_of_dead_owners_saying_so",
@@ -184,15 +184,15 @@ CURATED: tuple[Mutant, ...] = (
            "PlannedShard(staging_path(dst / file), plan.outputs(file))", "PlannedShard(dst / file, plan.outputs(file))",
            "converter writes straight to the final shard name (the rename a no-op)"),
     # issue 33: the survivors it names, then plausible bugs in each area added the turn before.
-    Mutant("issue33:kl-reversed", "modelopt_k3/report/stats.py",
+    Mutant("issue33:kl-reversed", "modelopt_k3/numerics/stats.py",
            "kl = (ref.exp() * (ref - quant)).sum(-1)", "kl = (quant.exp() * (quant - ref)).sum(-1)",
            "report: KL(quantized || original) instead of KL(original || quantized)"),
     Mutant("issue33:kl-args-swapped", "modelopt_k3/quant/evaluate.py",
            "final += kl_and_top1(ref, quant)", "final += kl_and_top1(quant, ref)",
            "held-out pass: the quantized logits passed as the reference"),
-    Mutant("issue33:rel-rms-no-sqrt", "modelopt_k3/report/stats.py",
+    Mutant("issue33:rel-rms-no-sqrt", "modelopt_k3/numerics/stats.py",
            "return math.sqrt(sse / ssq)", "return sse / ssq", "report: relative RMS error without the square root"),
-    Mutant("issue33:underflow-zero-blocks", "modelopt_k3/report/stats.py",
+    Mutant("issue33:underflow-zero-blocks", "modelopt_k3/numerics/stats.py",
            "underflow = ((blocks > 0) & (raw < FP8_E4M3_MIN_SUBNORMAL))", "underflow = (raw < FP8_E4M3_MIN_SUBNORMAL)",
            "report: all-zero blocks counted as underflowing"),
     Mutant("issue33:min-tokens-ignored", "modelopt_k3/quant/coverage.py",
@@ -216,7 +216,7 @@ CURATED: tuple[Mutant, ...] = (
     Mutant("issue33:record-any-fingerprint", "modelopt_k3/convert/state.py",
            'or rec.get("fingerprint") != fingerprint:', ":",
            "resume: a shard record of another job (recipe, source headers) is trusted"),
-    Mutant("issue33:stale-never", "modelopt_k3/ownership.py", "if age > stale:", "if age > 10 * stale:",
+    Mutant("issue33:stale-never", "modelopt_k3/files/locks.py", "if age > stale:", "if age > 10 * stale:",
            "ownership: another host's owner is live ten times longer than the stale limit"),
     Mutant("issue33:kimi-moe-layers", "modelopt_k3/models/kimi_k3/layout.py",
            "if i >= first_k and i % freq == 0]", "if i > first_k and i % freq == 0]",

@@ -190,7 +190,7 @@ def test_the_sweep_keeps_a_live_process_temporaries_and_removes_dead_or_stale_on
     """``sweep_tmp_files``: a fresh temporary of a live process (the parent of this one: another pid that
     runs) stays; a dead process's goes at once; a live one's goes only past the stale limit."""
     from modelopt_k3.convert.state import sweep_tmp_files
-    from modelopt_k3.ownership import STALE_AFTER_ENV
+    from modelopt_k3.files.locks import STALE_AFTER_ENV
 
     monkeypatch.setenv(STALE_AFTER_ENV, "600")
     live, dead = os.getppid(), _dead_pid()

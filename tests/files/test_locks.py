@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from modelopt_k3.ownership import STALE_AFTER_ENV, Owner, owner_status, read_record, write_record
+from modelopt_k3.files.locks import STALE_AFTER_ENV, Owner, owner_status, read_record, write_record
 
 
 @pytest.fixture
