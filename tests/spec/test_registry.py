@@ -1,5 +1,5 @@
-"""The spec registry: one spec per model_type (a second refused unless asked to replace it), builtin model
-packages found by listing models/ (private and non-package directories skipped), submodules only when present."""
+"""The spec registry: one spec per model_type (a second always refused), builtin model packages found by
+listing models/ (private and non-package directories skipped)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from modelopt_k3.spec import (
     SpecError,
     builtin_model_packages,
-    builtin_module,
     get_spec,
     register_spec,
     registry,
@@ -26,7 +25,7 @@ def scratch_registry(monkeypatch):
     return registry._REGISTRY
 
 
-def test_a_second_spec_for_a_model_type_is_refused_unless_replacing(scratch_registry):
+def test_a_second_spec_for_a_model_type_is_refused(scratch_registry):
     base = get_spec("kimi_k3")
     first = register_spec(dataclasses.replace(base, model_type="mutation_test_model"))
     assert get_spec("mutation_test_model") is first
@@ -34,14 +33,8 @@ def test_a_second_spec_for_a_model_type_is_refused_unless_replacing(scratch_regi
     with pytest.raises(SpecError, match="a spec for model_type 'mutation_test_model' is already registered"):
         register_spec(second)
     assert get_spec("mutation_test_model") is first
-    assert register_spec(second, overwrite=True) is second and get_spec("mutation_test_model") is second
-
-
-def test_builtin_module_names_only_submodules_that_exist():
-    assert builtin_module("kimi_k3") == "modelopt_k3.models.kimi_k3"
-    assert builtin_module("kimi_k3", "serving") == "modelopt_k3.models.kimi_k3.serving"
-    assert builtin_module("kimi_k3", "no_such_submodule") is None
-    assert builtin_module("no_such_model", "serving") is None and builtin_module("no_such_model") is None
+    with pytest.raises(TypeError):  # no way to ask for a replacement
+        register_spec(second, overwrite=True)
 
 
 def test_builtin_packages_are_the_public_package_directories(tmp_path, monkeypatch):
