@@ -37,7 +37,7 @@ def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[
     scale = wq.scale() if wq.fmt.per_tensor_scale else None
     # In fp32: the export's values exactly (fake quant returns its input's dtype, which may round them).
     source = weight.float()
-    dq = wq.fmt.fake_quant(source, scale)
+    dq = wq.fmt.fake_quant(source, scale, **wq.searched_scales())
     stats = weight_rows(source.unsqueeze(0), dq.unsqueeze(0), block=_block(wq.fmt), scale=scale)
     return {"name": name, "algo": fmt.algo, "weight_format": str(wq.fmt), "stats": stats[0].tolist(),
             "weight_scale": None if scale is None else float(scale)}
@@ -100,7 +100,8 @@ def expert_rows(name: str, experts: nn.Module, spec, projs: dict) -> list[dict[s
                 dq, requantized = _source_dequant(wq, proj.name, rows.start, part)
                 out[proj.name]["requantized"] += requantized
             else:
-                dq = wq.fmt.fake_quant(src, None if scale is None else scale.view(-1, 1, 1).to(src.device))
+                dq = wq.fmt.fake_quant(src, None if scale is None else scale.view(-1, 1, 1).to(src.device),
+                                       **wq.searched_scales(idx, (proj.chunk, proj.n_chunks)))
             stats = weight_rows(src, dq.to(src.device), block=_block(wq.fmt), scale=scale)
             out[proj.name]["stats"] += stats.tolist()
             out[proj.name]["weight_scale"] += [] if scale is None else scale.tolist()
