@@ -62,7 +62,8 @@ def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_
 
 def _quant_linear_tensors(module: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     wq = module.weight_quantizer
-    out = wq.fmt.weight_tensors(weight, wq.scale() if wq.fmt.per_tensor_scale else None, **wq.searched_scales())
+    out = wq.fmt.weight_tensors(wq.weight_to_quantize(weight), wq.scale() if wq.fmt.per_tensor_scale else None,
+                                **wq.searched_scales())
     if module.input_quantizer is not None:
         out["input_scale"] = input_scale_tensor(module.input_quantizer.scale())
     return out

@@ -34,6 +34,12 @@ METHODS: dict[str, dict[str, tuple[type, Any]]] = {
         "stop_multiplier": (float, 4.0),
         "block_size": (int, 16),
     },
+    # ``layerwise: {enable: ...}`` is ModelOpt's spelling; only ``enable: false`` runs (no layerwise engine yet).
+    "gptq": {
+        "perc_damp": (float, 0.01),
+        "block_size": (int, 128),
+        "layerwise": (bool, False),
+    },
 }
 
 
@@ -72,7 +78,10 @@ class Algorithm:
 
     def to_recipe(self) -> str | dict[str, Any]:
         """The recipe spelling (``max``, or ``{method: ..., options}``), as ``parse_algorithm`` reads it."""
-        return self.method if not self.options else {"method": self.method, **dict(self.options)}
+        if not self.options:
+            return self.method
+        return {"method": self.method,
+                **{k: ({"enable": v} if k == "layerwise" else v) for k, v in self.options}}
 
 
 MAX = Algorithm("max")
@@ -97,9 +106,17 @@ def parse_algorithm(value: Any) -> Algorithm:
         if key not in spec:
             raise AlgorithmError(f"algorithm {method} has no option {key!r}; its options: {list(spec) or 'none'}")
         typ = spec[key][0]
+        if key == "layerwise":
+            v = _layerwise_enable(v, method)
         if typ is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
         if not isinstance(v, typ) or (typ is not bool and isinstance(v, bool)):
             raise AlgorithmError(f"algorithm {method} option {key} must be {typ.__name__}, got {v!r}")
         options.append((key, v))
     return Algorithm(method, tuple(sorted(options)))
+
+
+def _layerwise_enable(value: Any, method: str) -> bool:
+    if not isinstance(value, Mapping) or set(value) != {"enable"} or not isinstance(value["enable"], bool):
+        raise AlgorithmError(f"algorithm {method} option layerwise must be {{enable: true|false}}, got {value!r}")
+    return value["enable"]

@@ -37,7 +37,7 @@ def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[
     scale = wq.scale() if wq.fmt.per_tensor_scale else None
     # In fp32: the export's values exactly (fake quant returns its input's dtype, which may round them).
     source = weight.float()
-    dq = wq.fmt.fake_quant(source, scale, **wq.searched_scales())
+    dq = wq.fmt.fake_quant(wq.weight_to_quantize(source), scale, **wq.searched_scales())
     stats = weight_rows(source.unsqueeze(0), dq.unsqueeze(0), block=_block(wq.fmt), scale=scale)
     return {"name": name, "algo": fmt.algo, "weight_format": str(wq.fmt), "stats": stats[0].tolist(),
             "weight_scale": None if scale is None else float(scale)}

@@ -120,9 +120,30 @@ def test_registry_covers_every_recipe_method_and_spellings_parse():
     assert parse_algorithm(lh.to_recipe()) == lh
     with pytest.raises(AlgorithmError, match="algorithm mse has no option 'perc_damp'"):
         parse_algorithm({"method": "mse", "perc_damp": 0.01})
-    with pytest.raises(AlgorithmError, match="'gptq' is not supported"):
-        parse_algorithm({"method": "gptq", "perc_damp": 0.01, "block_size": 128})
+    gptq = parse_algorithm({"method": "gptq", "perc_damp": 0.01, "block_size": 128, "layerwise": {"enable": False}})
+    assert parse_algorithm(gptq.to_recipe()) == gptq and gptq.get("layerwise") is False
+    with pytest.raises(ValueError, match="layerwise engine with quantized propagation, which is not built yet"):
+        calibrator_for({"method": "gptq", "layerwise": {"enable": True}})
+    with pytest.raises(AlgorithmError, match="'awq' is not supported"):
+        parse_algorithm({"method": "awq"})
     with pytest.raises(AlgorithmError, match="fp8_scale_sweep must be bool"):
         parse_algorithm({"method": "mse", "fp8_scale_sweep": "yes"})
     with pytest.raises(ValueError, match="cannot combine with fp8_scale_sweep"):
         calibrator_for({"method": "mse", "fp8_scale_sweep": True, "four_over_six": True})
+
+
+def test_gptq_lowers_the_output_error_of_max_under_the_same_scales():
+    from modelopt_k3.numerics import nvfp4_block_scales
+    from modelopt_k3.numerics.gptq import nvfp4_gptq
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 64, generator=g)
+    x = torch.randn(256, 64, generator=g)
+    x[:, 9] *= 15  # an outlier input channel, as real activations have
+    gs = nvfp4_global_scale(w.abs().amax())
+    bs = nvfp4_block_scales(w, gs)
+    w_hat = nvfp4_gptq(w, 2 * x.T @ x / x.shape[0], gs, bs, perc_damp=0.01, block_size=32)
+    assert torch.equal(nvfp4_fake_quant(w_hat, gs, block_scale=bs), w_hat)  # on the grid of max's scales
+    err_gptq = ((x @ (w - w_hat).T) ** 2).sum()
+    err_max = ((x @ (w - nvfp4_fake_quant(w, gs)).T) ** 2).sum()
+    assert err_gptq < 0.9 * err_max, (err_gptq, err_max)

@@ -131,7 +131,7 @@ def test_every_shipped_recipe_loads():
         recipe = load_recipe(f)
         assert recipe.entries
         # A weight algorithm's preset says so in its name; every other recipe calibrates by max.
-        weight_algo = any(f.stem.endswith(a) for a in ("_mse", "_four_over_six", "_local_hessian"))
+        weight_algo = any(f.stem.endswith(a) for a in ("_mse", "_four_over_six", "_local_hessian", "_gptq"))
         assert (recipe.algorithm != "max") == weight_algo, f
     assert set(available_presets()) >= {"nvfp4", "nvfp4_experts_only", "w4a16_nvfp4", "fp8"}
 
@@ -404,7 +404,7 @@ BAD_CASES = {
         algorithm: awq_lite
         quant_cfg: [{pattern: "*", weights: nvfp4, inputs: nvfp4}]
         """,
-        r"bad\.yaml: algorithm 'awq_lite' is not supported; expected one of \['max', 'mse', 'local_hessian'\]",
+        r"bad\.yaml: algorithm 'awq_lite' is not supported; expected one of \['max', 'mse', 'local_hessian', 'gptq'\]",
     ),
     "quant_cfg_not_list": (
         """\

@@ -61,7 +61,7 @@ GPT_OSS_SPEC = register_spec(
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(
             qformat={"nvfp4": "models/openai/gpt-oss/nvfp4",
-                     **{f"nvfp4_{a}": f"models/openai/gpt-oss/nvfp4_{a}" for a in ("mse", "four_over_six", "local_hessian")}},
+                     **{f"nvfp4_{a}": f"models/openai/gpt-oss/nvfp4_{a}" for a in ("mse", "four_over_six", "local_hessian", "gptq")}},
             converter="models/openai/gpt-oss/nvfp4_experts",
         ),
     ),

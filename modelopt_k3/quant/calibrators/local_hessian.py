@@ -11,6 +11,8 @@ yet (ModelOpt too falls back to plain MSE where it has none).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,18 +27,75 @@ from .mse import MseCalibrator
 
 
 class _Accumulator:
-    """Per-block ``sum x xᵀ`` ``[in/16, 16, 16]`` in float64 and the number of tokens."""
+    """``sum x xᵀ`` in float64 and the number of tokens: per block ``[in/16, 16, 16]`` or full ``[in, in]``."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: bool) -> None:
+        self.blocks = blocks
         self.sums: torch.Tensor | None = None
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
         n_in = x.shape[-1]
-        xb = x.detach().reshape(-1, n_in // NVFP4_BLOCK, NVFP4_BLOCK).to(torch.float64)
-        h = torch.einsum("tnb,tnd->nbd", xb, xb)
+        if self.blocks:
+            xb = x.detach().reshape(-1, n_in // NVFP4_BLOCK, NVFP4_BLOCK).to(torch.float64)
+            h = torch.einsum("tnb,tnd->nbd", xb, xb)
+        else:
+            xb = x.detach().reshape(-1, n_in).to(torch.float64)
+            h = xb.T @ xb
         self.sums = h if self.sums is None else self.sums + h
         self.tokens += xb.shape[0]
+
+
+def nvfp4_linears(model: nn.Module) -> dict[int, nn.Linear]:
+    """The dense Linears with an NVFP4 weight quantizer, by ``id``, in module order."""
+    return {id(m): m for m in model.modules()
+            if type(m) is nn.Linear and getattr(m, "weight_quantizer", None) is not None
+            and m.weight_quantizer.fmt is NVFP4_TENSOR}
+
+
+def input_moments(model: nn.Module, forward_loop: ForwardLoop, *, blocks: bool, raw_input: bool,
+                  ) -> dict[int, tuple[torch.Tensor, int]]:
+    """One forward with activations fake-quantized and weights not: per dense NVFP4 Linear the sum of
+    ``x xᵀ`` over every rank's tokens (float64, all-reduced) and the token count. ``raw_input``: the
+    Linear's input as it arrives (before its own input quantizer), else as that quantizer leaves it."""
+    linears = nvfp4_linears(model)
+    accs = {key: _Accumulator(blocks) for key in linears}
+    handles = [m.register_forward_pre_hook(lambda mod, args, a=accs[key]: a.add(args[0]), prepend=raw_input)
+               for key, m in linears.items()]
+    set_mode(model, "off", role="weight")
+    try:
+        run_together("second-moment forward", forward_loop, model)
+    finally:
+        for h in handles:
+            h.remove()
+        set_mode(model, "quant")
+    return _reduce(accs, linears, blocks)
+
+
+def _reduce(accs: dict[int, _Accumulator], linears: dict[int, nn.Module], blocks: bool,
+            ) -> dict[int, tuple[torch.Tensor, int]]:
+    """Sum every rank's moments and token counts: one flat float64 all-reduce, in module order."""
+    g = current_group()
+    shapes = {k: ((m.in_features // NVFP4_BLOCK, NVFP4_BLOCK, NVFP4_BLOCK) if blocks
+                  else (m.in_features, m.in_features)) for k, m in linears.items()}
+    flat = []
+    for k, acc in accs.items():
+        s = acc.sums
+        flat.append((torch.zeros(shapes[k], dtype=torch.float64) if s is None else s.cpu()).reshape(-1))
+        flat.append(torch.tensor([float(acc.tokens)], dtype=torch.float64))
+    if not flat:
+        return {}
+    buf = torch.cat(flat)
+    if g.world_size > 1:
+        buf = buf.to(g.device)
+        dist.all_reduce(buf, group=g.pg)
+        buf = buf.cpu()
+    out, pos = {}, 0
+    for k in accs:
+        size = math.prod(shapes[k])
+        out[k] = (buf[pos:pos + size].reshape(shapes[k]), int(buf[pos + size]))
+        pos += size + 1
+    return out
 
 
 @register_calibrator
@@ -60,57 +119,10 @@ class LocalHessianCalibrator(MseCalibrator):
         self.observe(model, forward_loop)
         self.reduce(model)
         super(MseCalibrator, self).finalize(model, groups)  # max's finalize: input scales, groups
-        self._collect_hessians(model, forward_loop)
+        linears = nvfp4_linears(model)
+        # The layer's input as it arrives, upstream activations fake-quantized (ModelOpt's hook sees it
+        # before the layer's own input quantizer, which runs inside its forward).
+        moments = input_moments(model, forward_loop, blocks=True, raw_input=True)
+        self.hessians = {k: (sums / tokens).to(torch.float32).to(linears[k].weight.device)
+                         for k, (sums, tokens) in moments.items() if tokens > 0}
         super().finalize_weights(model)
-
-    def _collect_hessians(self, model: nn.Module, forward_loop: ForwardLoop) -> None:
-        linears = {id(m): m for m in model.modules()
-                   if type(m) is nn.Linear and getattr(m, "weight_quantizer", None) is not None
-                   and m.weight_quantizer.fmt is NVFP4_TENSOR}
-        accs = {key: _Accumulator() for key in linears}
-        # After the input quantizer's pre-hook: H is of the (fake-quantized) input the weight sees.
-        handles = [m.register_forward_pre_hook(lambda mod, args, a=accs[key]: a.add(args[0]))
-                   for key, m in linears.items()]
-        set_mode(model, "off", role="weight")
-        try:
-            run_together("local_hessian forward", forward_loop, model)
-        finally:
-            for h in handles:
-                h.remove()
-            set_mode(model, "quant")
-        keys = sorted(accs, key=lambda k: _name_order(model)[k])
-        self.hessians = _reduce(keys, accs, linears)
-
-
-def _name_order(model: nn.Module) -> dict[int, int]:
-    return {id(m): i for i, m in enumerate(model.modules())}
-
-
-def _reduce(keys: list[int], accs: dict[int, _Accumulator], linears: dict[int, nn.Module]) -> dict[int, torch.Tensor]:
-    """Sum every rank's Hessians and token counts (one flat float64 all-reduce); H / tokens in fp32."""
-    g = current_group()
-    flat = []
-    for k in keys:
-        m = linears[k]
-        nb = m.in_features // NVFP4_BLOCK
-        s = accs[k].sums
-        flat.append((torch.zeros(nb, NVFP4_BLOCK, NVFP4_BLOCK, dtype=torch.float64) if s is None else s.cpu()).reshape(-1))
-        flat.append(torch.tensor([float(accs[k].tokens)], dtype=torch.float64))
-    if not flat:
-        return {}
-    buf = torch.cat(flat)
-    if g.world_size > 1:
-        buf = buf.to(g.device)
-        dist.all_reduce(buf, group=g.pg)
-        buf = buf.cpu()
-    out, pos = {}, 0
-    for k in keys:
-        m = linears[k]
-        size = (m.in_features // NVFP4_BLOCK) * NVFP4_BLOCK * NVFP4_BLOCK
-        sums, tokens = buf[pos:pos + size], buf[pos + size]
-        pos += size + 1
-        if tokens > 0:
-            h = (sums / tokens).reshape(-1, NVFP4_BLOCK, NVFP4_BLOCK).to(torch.float32)
-            out[k] = h.to(m.weight.device)
-    return out
-

@@ -60,3 +60,42 @@ def test_export_writes_the_searched_block_scales(qwen3_moe_ckpt, tmp_path):
             tensors.update({k: s.get_tensor(k) for k in s.keys() if k.startswith(name + ".")})  # noqa: SIM118
     assert torch.equal(tensors[f"{name}.weight_scale"].view(torch.uint8), q.block_scale.view(torch.uint8))
     assert float(tensors[f"{name}.weight_scale_2"]) == float(q.amax) / (6 * 256)
+
+
+def _layer_inputs(model, linears: dict) -> dict:
+    """Each Linear's input after its input quantizer, activations fake-quantized and weights not (what
+    GPTQ's Hessian was taken from), on ``ids``."""
+    from modelopt_k3.quant.modules import set_mode
+
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(args[0].detach()))
+             for n, m in linears.items()]
+    set_mode(model, "off", role="weight")
+    try:
+        with torch.no_grad():
+            model(input_ids=calibration_token_ids())
+    finally:
+        set_mode(model, "quant")
+        for h in hooks:
+            h.remove()
+    return {n: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]).float() for n, v in seen.items()}
+
+
+def test_gptq_output_error_below_max_for_every_dense_layer(qwen3_moe_ckpt):
+    from modelopt_k3.formats import NVFP4_TENSOR
+
+    model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_gptq")
+    linears = {n: m for n, m in model.named_modules()
+               if type(m) is torch.nn.Linear and getattr(m, "weight_quantizer", None) is not None
+               and m.weight_quantizer.fmt is NVFP4_TENSOR}
+    assert len(linears) == 15
+    inputs = _layer_inputs(model, linears)
+    for name, m in linears.items():
+        q = m.weight_quantizer
+        assert q.updated_weight is not None and model.modelopt_k3_quant.calibration[name].startswith("gptq")
+        w = m.weight.detach().float()
+        w_gptq = q.fake_quant(m.weight).float()  # what the export holds
+        w_max = nvfp4_fake_quant(w, q.scale())
+        x = inputs[name]
+        err_gptq, err_max = ((x @ (w - w_gptq).T) ** 2).sum(), ((x @ (w - w_max).T) ** 2).sum()
+        assert err_gptq < err_max, (name, float(err_gptq), float(err_max))
