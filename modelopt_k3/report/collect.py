@@ -54,6 +54,7 @@ def dense_rows(model: nn.Module) -> list[dict[str, Any]]:
         weight = gather_to_owner(modules[name].weight, owner)
         if owner == group.rank:
             rows.append(_dense_row(name, modules[name], weight.detach(), qplan.dense[name]))
+            rows[-1]["calibration"] = calibration_label(qplan, name)
     return rows
 
 
@@ -126,6 +127,11 @@ def input_settings(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
+def calibration_label(qplan, quantizer_name: str) -> str:
+    """What chose a weight's scales (quant/calibrators' labels; the recipe's algorithm where none is set)."""
+    return qplan.calibration.get(quantizer_name, str(qplan.recipe.algorithm))
+
+
 def rank_summary(model: nn.Module) -> dict[str, Any]:
     """What this rank contributes to the report (call on every rank: dense rows may gather under FSDP2)."""
     info, qplan = model.modelopt_k3, model.modelopt_k3_quant
@@ -133,8 +139,11 @@ def rank_summary(model: nn.Module) -> dict[str, Any]:
     experts = []
     if info.placement.experts.writes_experts:
         modules = spec.experts_modules(model)
+        fused = {p.name: p.fused_param for p in spec.experts.projections}
         for name, projs in sorted(qplan.experts.items()):
-            experts += expert_rows(name, modules[name], spec, projs)
+            for row in expert_rows(name, modules[name], spec, projs):
+                row["calibration"] = calibration_label(qplan, f"{name}.{fused[row['projection']]}")
+                experts.append(row)
     routed = {name: m.token_counter.routed.tolist() for name, m in spec.experts_modules(model).items()
               if hasattr(m, "token_counter")}
     return {"rank": current_group().rank, "dense": dense_rows(model), "experts": experts,

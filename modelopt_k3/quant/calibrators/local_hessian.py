@@ -4,7 +4,8 @@ features), then the block-scale search of ``mse`` weighted by it: error ``dwᵀ 
 approximates the block's share of ``||WX - ŴX||²`` (ModelOpt 0.47 ``local_hessian_calibrate``).
 
 Across ranks (dense Linears are replicated, each rank saw its own tokens) the sums and token counts
-are all-reduced in float64, so every rank picks the same scales; ModelOpt leaves this unsynced.
+are all-reduced; the sums are integer-valued float64 (``_Accumulator``), so they are exact in any order
+and N ranks pick the scales 1 process picks, bit for bit. ModelOpt leaves this unsynced.
 Routed experts use the plain-error search: no per-expert input hook exists in the experts modules
 yet (ModelOpt too falls back to plain MSE where it has none).
 """
@@ -25,25 +26,47 @@ from ..modules import set_mode
 from .base import ForwardLoop, register_calibrator
 from .mse import MseCalibrator
 
+HI_BITS = 14  # x = hi * g1 + lo * g2 + r, |hi|, |lo| <= 2**14 (about), |r| <= 2**-29 * amax
+MAX_EXACT_TOKENS = 1 << 21  # integer-valued float64 sums of hi*hi stay below 2**53 up to here
+
 
 class _Accumulator:
-    """``sum x xᵀ`` in float64 and the number of tokens: per block ``[in/16, 16, 16]`` or full ``[in, in]``."""
+    """``sum x xᵀ`` and the token count: per block ``[in/16, 16, 16]`` or full ``[in, in]``.
 
-    def __init__(self, blocks: bool) -> None:
+    Rank-independent: ``x`` is split on a power-of-two grid set by the Linear's calibrated input amax
+    (the same on every rank) into integer-valued ``hi`` and ``lo``; sums of their products are exact
+    in float64 whatever the order, so 1 process and N ranks get the same bits. ``x xᵀ`` is then
+    ``hi hiᵀ g1² + (hi loᵀ + lo hiᵀ) g1 g2`` (the ``lo loᵀ`` term, below 2**-56 amax², is dropped).
+    """
+
+    def __init__(self, blocks: bool, amax: float) -> None:
         self.blocks = blocks
-        self.sums: torch.Tensor | None = None
+        e = math.ceil(math.log2(amax)) if amax > 0 and math.isfinite(amax) else 0
+        self.g1, self.g2 = 2.0 ** (e - HI_BITS), 2.0 ** (e - 2 * HI_BITS)
+        self.hh: torch.Tensor | None = None
+        self.hl: torch.Tensor | None = None
         self.tokens = 0
+
+    def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.blocks:
+            return torch.einsum("tnb,tnd->nbd", a, b)
+        return a.T @ b
 
     def add(self, x: torch.Tensor) -> None:
         n_in = x.shape[-1]
-        if self.blocks:
-            xb = x.detach().reshape(-1, n_in // NVFP4_BLOCK, NVFP4_BLOCK).to(torch.float64)
-            h = torch.einsum("tnb,tnd->nbd", xb, xb)
-        else:
-            xb = x.detach().reshape(-1, n_in).to(torch.float64)
-            h = xb.T @ xb
-        self.sums = h if self.sums is None else self.sums + h
-        self.tokens += xb.shape[0]
+        shape = (-1, n_in // NVFP4_BLOCK, NVFP4_BLOCK) if self.blocks else (-1, n_in)
+        x = x.detach().reshape(shape).to(torch.float64)
+        hi = torch.round(x / self.g1)
+        lo = torch.round((x - hi * self.g1) / self.g2)
+        hh, hl = self._outer(hi, hi), self._outer(hi, lo)
+        self.hh = hh if self.hh is None else self.hh + hh
+        self.hl = hl if self.hl is None else self.hl + hl
+        self.tokens += x.shape[0]
+
+    def combine(self, hh: torch.Tensor, hl: torch.Tensor) -> torch.Tensor:
+        """``sum x xᵀ`` from the (reduced) integer-valued sums."""
+        cross = hl + hl.transpose(-1, -2)
+        return hh * (self.g1 * self.g1) + cross * (self.g1 * self.g2)
 
 
 def nvfp4_linears(model: nn.Module) -> dict[int, nn.Linear]:
@@ -59,7 +82,7 @@ def input_moments(model: nn.Module, forward_loop: ForwardLoop, *, blocks: bool, 
     ``x xᵀ`` over every rank's tokens (float64, all-reduced) and the token count. ``raw_input``: the
     Linear's input as it arrives (before its own input quantizer), else as that quantizer leaves it."""
     linears = nvfp4_linears(model)
-    accs = {key: _Accumulator(blocks) for key in linears}
+    accs = {key: _Accumulator(blocks, _input_amax(m)) for key, m in linears.items()}
     handles = [m.register_forward_pre_hook(lambda mod, args, a=accs[key]: a.add(args[0]), prepend=raw_input)
                for key, m in linears.items()]
     set_mode(model, "off", role="weight")
@@ -72,6 +95,14 @@ def input_moments(model: nn.Module, forward_loop: ForwardLoop, *, blocks: bool, 
     return _reduce(accs, linears, blocks)
 
 
+def _input_amax(linear: nn.Linear) -> float:
+    """The Linear's calibrated input amax (identical on every rank), else its weight's amax (weight-only)."""
+    q = linear.input_quantizer
+    if q is not None and q.calibrated:
+        return float(q.amax.max())
+    return float(linear.weight_quantizer.amax.max())
+
+
 def _reduce(accs: dict[int, _Accumulator], linears: dict[int, nn.Module], blocks: bool,
             ) -> dict[int, tuple[torch.Tensor, int]]:
     """Sum every rank's moments and token counts: one flat float64 all-reduce, in module order."""
@@ -80,21 +111,26 @@ def _reduce(accs: dict[int, _Accumulator], linears: dict[int, nn.Module], blocks
                   else (m.in_features, m.in_features)) for k, m in linears.items()}
     flat = []
     for k, acc in accs.items():
-        s = acc.sums
-        flat.append((torch.zeros(shapes[k], dtype=torch.float64) if s is None else s.cpu()).reshape(-1))
+        for part in (acc.hh, acc.hl):
+            flat.append((torch.zeros(shapes[k], dtype=torch.float64) if part is None else part.cpu()).reshape(-1))
         flat.append(torch.tensor([float(acc.tokens)], dtype=torch.float64))
     if not flat:
         return {}
     buf = torch.cat(flat)
     if g.world_size > 1:
         buf = buf.to(g.device)
-        dist.all_reduce(buf, group=g.pg)
+        dist.all_reduce(buf, group=g.pg)  # integer-valued float64 sums: exact in any order
         buf = buf.cpu()
     out, pos = {}, 0
-    for k in accs:
+    for k, acc in accs.items():
         size = math.prod(shapes[k])
-        out[k] = (buf[pos:pos + size].reshape(shapes[k]), int(buf[pos + size]))
-        pos += size + 1
+        hh, hl = buf[pos:pos + size].reshape(shapes[k]), buf[pos + size:pos + 2 * size].reshape(shapes[k])
+        tokens = int(buf[pos + 2 * size])
+        pos += 2 * size + 1
+        if tokens > MAX_EXACT_TOKENS:
+            raise ValueError(f"{tokens} calibration tokens reached one Linear; rank-independent Hessian sums are "
+                             f"exact up to {MAX_EXACT_TOKENS}: calibrate on fewer tokens")
+        out[k] = (acc.combine(hh, hl), tokens)
     return out
 
 
