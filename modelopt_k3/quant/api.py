@@ -132,7 +132,8 @@ def quantize(
     *,
     verbose: bool = True,
 ) -> nn.Module:
-    """Attach quantizers per ``recipe``, calibrate with ``forward_loop`` (``max``), return ``model``.
+    """Attach quantizers per ``recipe``, calibrate with ``forward_loop`` (the calibrator ``recipe.algorithm``
+    names, quant/calibrators), return ``model``.
 
     ``forward_loop(model)`` runs this rank's share of the calibration data through the model; it may
     be None when the recipe needs no activation statistics (constant ``input_amax`` or weight-only).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...dist.fsdp import is_sharded
 from ...numerics.gptq import nvfp4_gptq
 from ...numerics.nvfp4 import nvfp4_block_scales
 from .base import ForwardLoop, register_calibrator
@@ -39,6 +40,11 @@ class GptqCalibrator(MaxCalibrator):
                   groups: dict[str, tuple[str, ...]]) -> None:
         if forward_loop is None:
             raise ValueError("algorithm gptq needs calibration data (a forward_loop)")
+        dense = nvfp4_linears(model)
+        sharded = [n for n, m in model.named_modules() if id(m) in dense and is_sharded(m.weight)]
+        if sharded:  # the same on every rank: refused before any collective
+            raise ValueError(f"algorithm gptq updates whole weights, but {sharded[0]} is FSDP2-sharded: "
+                             "use --plan whole or expert_parallel with --dense replicated")
         super().calibrate(model, forward_loop, groups)  # max: input scales, global scales, groups
         moments = input_moments(model, forward_loop, blocks=False, raw_input=False)
         linears = nvfp4_linears(model)
