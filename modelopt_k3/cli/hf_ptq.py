@@ -31,6 +31,11 @@ from ._common import default_recipe, non_negative_int, positive_int, run_cli
 
 QFORMAT_PRESETS = {
     "nvfp4": "presets/nvfp4",
+    # The same with a weight calibration algorithm (quant/calibrators); each model's spec maps them too.
+    "nvfp4_mse": "presets/nvfp4_mse",
+    "nvfp4_four_over_six": "presets/nvfp4_four_over_six",
+    "nvfp4_local_hessian": "presets/nvfp4_local_hessian",
+    "nvfp4_gptq": "presets/nvfp4_gptq",
     "nvfp4_experts_only": "presets/nvfp4_experts_only",
     "w4a16_nvfp4": "presets/w4a16_nvfp4",
     "fp8": "presets/fp8",

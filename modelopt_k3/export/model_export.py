@@ -68,7 +68,8 @@ def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_
 
 def _quant_linear_tensors(module: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     wq = module.weight_quantizer
-    out = wq.fmt.weight_tensors(weight, wq.scale() if wq.fmt.per_tensor_scale else None)
+    out = wq.fmt.weight_tensors(wq.weight_to_quantize(weight), wq.scale() if wq.fmt.per_tensor_scale else None,
+                                **wq.searched_scales())
     if module.input_quantizer is not None:
         out["input_scale"] = input_scale_tensor(module.input_quantizer.scale())
     return out
@@ -122,7 +123,8 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
                 if wq is None:
                     yield prefix, {"weight": weight.to(torch.bfloat16).contiguous()}, False
                     continue
-                tensors = wq.fmt.weight_tensors(weight, scale_of(wq)[idx] if wq.fmt.per_tensor_scale else None)
+                tensors = wq.fmt.weight_tensors(weight, scale_of(wq)[idx] if wq.fmt.per_tensor_scale else None,
+                                                **wq.searched_scales(idx, (proj.chunk, proj.n_chunks)))
             if proj.fused_param in state.input:
                 tensors["input_scale"] = input_scale_tensor(scale_of(state.input[proj.fused_param])).clone()
             yield prefix, tensors, True

@@ -209,11 +209,15 @@ def nvfp4_block_scales(w: Tensor, global_scale: Tensor | float) -> Tensor:
     return _scales_from_amax(amax, gs * FP4_MAX).view(*lead, n // NVFP4_BLOCK)
 
 
-def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVFP4Weight:
+def nvfp4_quantize(
+    w: Tensor, global_scale: Tensor | float | None = None, block_scale: Tensor | None = None
+) -> NVFP4Weight:
     """Quantize ``w [..., out, in]`` to NVFP4 (see the module docstring for the exact arithmetic).
 
     ``global_scale`` (``weight_scale_2``) defaults to ``nvfp4_global_scale(amax)`` with the amax
-    taken per leading index for batched weights (``[E, out, in]`` -> ``[E]``).
+    taken per leading index for batched weights (``[E, out, in]`` -> ``[E]``). ``block_scale``
+    (float8_e4m3fn ``[..., out, in/16]``): block scales chosen elsewhere (a calibrator's search),
+    used instead of the amax-derived ones; ``global_scale`` is then required.
     """
     _check_blocks(w, "nvfp4_quantize")
     w = w.detach()
@@ -225,6 +229,7 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
     nb = n // NVFP4_BLOCK
     x = w.reshape(-1, nb, NVFP4_BLOCK)
     device = w.device
+    given = _given_block_scale(block_scale, global_scale, x.shape[:2], device)
     if global_scale is None:
         amax = torch.empty(x.shape[0], nb, dtype=torch.float32, device=device)
 
@@ -248,7 +253,10 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
         xs, g = x[sl], gs[sl] if gs.dim() else gs
         a = _block_amax(xs) if amax is None else amax[sl]
         bs = scales[sl]
-        _scales_from_amax(a, denom[sl] if denom.dim() else denom, out=bs)
+        if given is None:
+            _scales_from_amax(a, denom[sl] if denom.dim() else denom, out=bs)
+        else:
+            bs.copy_(given[sl])
         q, tmp = _scratch(xs.shape[0], nb, device)
         sums, _, _ = _quantize_keys(xs, g, bs, (q, tmp), shift=False)
         _pack_keys(sums, tmp, packed[sl])
@@ -256,6 +264,20 @@ def nvfp4_quantize(w: Tensor, global_scale: Tensor | float | None = None) -> NVF
 
     run_slabs(x.shape[0], n, device, quantize)
     return NVFP4Weight(packed.view(*lead, n // 2), scales.view(*lead, nb), global_scale)
+
+
+def _given_block_scale(
+    block_scale: Tensor | None, global_scale, rows_nb: tuple[int, int], device: torch.device
+) -> Tensor | None:
+    """``block_scale`` as e4m3 ``[R, nb]`` on ``device`` (None stays None), shape-checked."""
+    if block_scale is None:
+        return None
+    if global_scale is None:
+        raise ValueError("a given block_scale needs its global_scale (the scales were chosen under it)")
+    if block_scale.dtype != _E4M3 or block_scale.numel() != rows_nb[0] * rows_nb[1]:
+        raise ValueError(f"block_scale must be float8_e4m3fn with {rows_nb[0]}x{rows_nb[1]} blocks, "
+                         f"got {block_scale.dtype} {tuple(block_scale.shape)}")
+    return block_scale.reshape(rows_nb).to(device)
 
 
 def _e4m3_isnan(bs: Tensor) -> Tensor:
@@ -310,13 +332,14 @@ def _byte_pair_values(device: torch.device) -> Tensor:
     return t
 
 
-def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float) -> Tensor:
+def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float, block_scale: Tensor | None = None) -> Tensor:
     """Quantize-dequantize ``x [..., n]`` (n % 16 == 0) in blocks of 16 along the last dim.
 
-    Block scales are dynamic (computed from ``x``), the global scale is the one given (scalar, or
+    Block scales are dynamic (computed from ``x``) unless ``block_scale`` gives them (e4m3
+    ``[..., n/16]``, a calibrator's choice), the global scale is the one given (scalar, or
     one per leading index as for weights). Returns ``x.dtype``; equals
-    ``nvfp4_dequantize(*nvfp4_quantize(x, global_scale), dtype=x.dtype)`` bit for bit. No
-    gradient flows (calibration use).
+    ``nvfp4_dequantize(*nvfp4_quantize(x, global_scale, block_scale), dtype=x.dtype)`` bit for
+    bit. No gradient flows (calibration use).
     """
     _check_blocks(x, "nvfp4_fake_quant")
     x = x.detach()
@@ -328,13 +351,14 @@ def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float) -> Tensor:
     gs = _rows_global_scale(global_scale, x.shape, x.device)
     xb = x.reshape(-1, nb, NVFP4_BLOCK)
     device = x.device
+    given = _given_block_scale(block_scale, global_scale, xb.shape[:2], device)
     out = torch.empty(xb.shape, dtype=out_dtype, device=device)
     key_value = _table("key_value", device)
 
     def fake_quant(sl: slice) -> None:
         xs = xb[sl]
         q, tmp = _scratch(xs.shape[0], nb, device)
-        keys, _, eff = _quantize_keys(xs, gs[sl] if gs.dim() else gs, None, (q, tmp))
+        keys, _, eff = _quantize_keys(xs, gs[sl] if gs.dim() else gs, None if given is None else given[sl], (q, tmp))
         vals = tmp.view(torch.float32)
         torch.index_select(key_value, 0, keys.view(-1), out=vals.view(-1))
         if out_dtype == torch.float32:

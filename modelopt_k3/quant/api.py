@@ -21,7 +21,8 @@ from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from ..spec import ModelSpec
 from .activation_stats import attach_activation_stats
-from .calibrate import calibrate, enable_calibrate_all_experts, share_group_amax
+from .calibrate import enable_calibrate_all_experts
+from .calibrators import calibrator_for
 from .coverage import attach_token_counter
 from .decisions import DecisionTable, decide
 from .kv_cache import attach_kv_cache
@@ -44,6 +45,8 @@ class QuantPlan:
     # experts module name -> projection name -> format (same for every expert of the module)
     experts: dict[str, dict[str, QuantFormat]] = field(default_factory=dict)
     left_bf16: dict[str, str] = field(default_factory=dict)  # module name -> reason
+    # weight quantizer name -> what chose its scales, for weight algorithms (quant/calibrators); {} under max
+    calibration: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         counts: Counter[str] = Counter(f.algo for f in self.dense.values())
@@ -57,6 +60,7 @@ class QuantPlan:
         lines += [f"    {n:>6}  {reason}" for reason, n in reasons.most_common()]
         if self.table.groups:
             lines.append(f"  {len(self.table.groups)} shared-input groups share weight_scale_2/input_scale")
+        lines += [f"  weight scales: {n:>6} by {how}" for how, n in sorted(Counter(self.calibration.values()).items())]
         return "\n".join(lines)
 
 
@@ -128,7 +132,8 @@ def quantize(
     *,
     verbose: bool = True,
 ) -> nn.Module:
-    """Attach quantizers per ``recipe``, calibrate with ``forward_loop`` (``max``), return ``model``.
+    """Attach quantizers per ``recipe``, calibrate with ``forward_loop`` (the calibrator ``recipe.algorithm``
+    names, quant/calibrators), return ``model``.
 
     ``forward_loop(model)`` runs this rank's share of the calibration data through the model; it may
     be None when the recipe needs no activation statistics (constant ``input_amax`` or weight-only).
@@ -166,8 +171,9 @@ def quantize(
     if recipe.calibrate_all_experts:
         enable_calibrate_all_experts(model)
     attach_activation_stats(model)
-    calibrate(model, forward_loop)
-    share_group_amax(model, qplan.table.groups)
+    calibrator = calibrator_for(recipe.algorithm)  # max, or a weight algorithm on top of max
+    calibrator.calibrate(model, forward_loop, qplan.table.groups)
+    qplan.calibration = calibrator.labels
     model.modelopt_k3_quant = qplan
     if verbose and info.plan.rank == 0:
         print(qplan.summary())

@@ -84,17 +84,31 @@ def sync_amax(model: nn.Module) -> None:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None) -> None:
-    """Run ``forward_loop`` with input quantizers observing, then switch every quantizer to ``quant``."""
+    """Run ``forward_loop`` with input quantizers observing, then switch every quantizer to ``quant``
+    (the max calibrator's observe, reduce and checks; quant/calibrators/max.py sequences them)."""
+    observe_inputs(model, forward_loop)
+    sync_amax(model)
+    check_calibrated(model)
+    set_mode(model, "quant")
+
+
+@torch.no_grad()
+def observe_inputs(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None) -> None:
+    """Run ``forward_loop`` with every input quantizer recording its running max (when any needs data)."""
     needs_data = any(q.role == "input" and q.constant_amax is None for _, q in iter_quantizers(model))
-    if needs_data:
-        if forward_loop is None:
-            raise ValueError("the recipe quantizes activations without a constant amax: a forward_loop is required")
-        set_mode(model, "calib", role="input")
-        try:
-            run_together("calibration forward", forward_loop, model)
-        finally:
-            set_mode(model, "off")
-        sync_amax(model)
+    if not needs_data:
+        return
+    if forward_loop is None:
+        raise ValueError("the recipe quantizes activations without a constant amax: a forward_loop is required")
+    set_mode(model, "calib", role="input")
+    try:
+        run_together("calibration forward", forward_loop, model)
+    finally:
+        set_mode(model, "off")
+
+
+def check_calibrated(model: nn.Module) -> None:
+    """Refuse NaN/Inf seen in calibration and quantizers no data reached."""
     nonfinite = [name for name, q in iter_quantizers(model) if q.saw_nonfinite]
     if nonfinite:
         raise NonFiniteError(
@@ -109,7 +123,6 @@ def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], None] | None
             "no calibration data reached these quantizers (more data or calibrate_all_experts helps): "
             + ", ".join(missing[:10])
         )
-    set_mode(model, "quant")
 
 
 def _nonfinite_what(q) -> str:

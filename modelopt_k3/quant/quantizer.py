@@ -45,8 +45,15 @@ class TensorQuantizer(nn.Module):
             self.amax.fill_(constant_amax)
         # Set for weights cast losslessly from an MXFP4 source (quant/mxfp4_source.py): the scale is
         # the source's power of two, not amax-derived, and fake quant is the cast, dequantized.
+        # ``fixed_scale`` alone: a per-tensor scale a calibrator chose (four-over-six's amax / (6*256)).
         self.source = None
         self.register_buffer("fixed_scale", None)
+        # NVFP4 weights only: e4m3 block scales a weight calibrator chose (quant/calibrators), used by
+        # fake quant and export instead of the amax-derived ones; None under max.
+        self.register_buffer("block_scale", None)
+        # Dense weights only: the weight a weight-updating calibrator (GPTQ) wrote, quantized and exported
+        # in place of the module's own (which stays the original, for the report and the KL reference).
+        self.register_buffer("updated_weight", None)
         self._fake_cache: torch.Tensor | None = None
         # Activation counters of the quantization report (quant/activation_stats.py), for input roles.
         self.stats = None
@@ -113,10 +120,31 @@ class TensorQuantizer(nn.Module):
             return source.full(self._fake_cache)  # this rank's rows, gathered when the weight is sharded
         if not self.fmt.per_tensor_scale:  # block scales: nothing observed, each block its own scale
             return self.fmt.fake_quant(x, None)
+        if not expert_dim:
+            x = self.weight_to_quantize(x)
         scale = self.scale()
         if expert_dim:
             scale = (scale if rows is None else scale[rows]).view(-1, 1, 1)
-        return self.fmt.fake_quant(x, scale.to(x.device))
+        return self.fmt.fake_quant(x, scale.to(x.device), **self.searched_scales(rows if expert_dim else None))
+
+    def weight_to_quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight``, or the calibrator's updated weight (same shape and dtype) when there is one."""
+        if self.updated_weight is None:
+            return weight
+        return self.updated_weight.to(device=weight.device, dtype=weight.dtype)
+
+    def searched_scales(self, experts: slice | int | None = None, chunk: tuple[int, int] | None = None) -> dict:
+        """``{"block_scale": ...}`` for the format's ``fake_quant``/``weight_tensors`` when a calibrator
+        chose block scales (else ``{}``: the format derives them). ``experts``: those experts' scales
+        (index into the expert dim); ``chunk``: ``(i, n)``, the i-th of n row chunks (a fused projection)."""
+        bs = self.block_scale
+        if bs is None:
+            return {}
+        if experts is not None:
+            bs = bs[experts]
+        if chunk is not None:
+            bs = bs.chunk(chunk[1], dim=-2)[chunk[0]]
+        return {"block_scale": bs}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stats is not None and self.mode != "off":

@@ -98,11 +98,12 @@ class _Nvfp4(TensorFormat):
     def scale(self, amax: torch.Tensor) -> torch.Tensor:
         return nvn.nvfp4_global_scale(amax)
 
-    def fake_quant(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        return nvn.nvfp4_fake_quant(x, scale)
+    # ``block_scale``: e4m3 block scales a weight calibrator chose (quant/calibrators); None derives them.
+    def fake_quant(self, x: torch.Tensor, scale: torch.Tensor | None, block_scale=None) -> torch.Tensor:
+        return nvn.nvfp4_fake_quant(x, scale, block_scale)
 
-    def weight_tensors(self, weight: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        q = nvn.nvfp4_quantize(weight, scale)
+    def weight_tensors(self, weight: torch.Tensor, scale: torch.Tensor | None, block_scale=None) -> dict[str, torch.Tensor]:
+        q = nvn.nvfp4_quantize(weight, scale, block_scale)
         return self.cast_tensors(q.packed, q.block_scale, q.global_scale)
 
     def cast_tensors(self, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor):

@@ -11,7 +11,7 @@ Schema of a recipe file (recipes/README.md has the same text with examples)::
 
     description: free text                  # optional
     imports: [units/some_unit]              # optional; spliced BEFORE quant_cfg[0]
-    algorithm: max                          # optional, default max (the only one)
+    algorithm: max                          # optional, default max; or {method: mse, ...} (recipe/algorithm.py)
     kv_cache: fp8                           # optional: null (default) | fp8
     calibrate_all_experts: false            # optional, default false
     quant_cfg:                              # list of entries and imports

@@ -27,12 +27,13 @@ from ..quant.schemes import (
     scheme_for,
     tensor_format,
 )
+from .algorithm import MAX, METHODS, Algorithm
 
 # The registry's keys, as recipes spell them (modelopt_k3/quant/schemes.py owns the formats).
 WEIGHT_FORMATS = WEIGHT_FORMAT_NAMES
 INPUT_FORMATS = INPUT_FORMAT_NAMES
 KV_CACHE_FORMATS = KV_CACHE_FORMAT_NAMES
-ALGORITHMS = ("max",)
+ALGORITHMS = tuple(METHODS)
 
 
 class RecipeError(ValueError):
@@ -130,7 +131,7 @@ class Recipe:
     name: str
     path: Path | None
     entries: tuple[RecipeEntry, ...]
-    algorithm: str = "max"
+    algorithm: Algorithm = MAX  # compares equal to "max" (recipe/algorithm.py)
     kv_cache: KvCacheFormat | None = None
     calibrate_all_experts: bool = False
     description: str | None = None
@@ -239,7 +240,7 @@ class Recipe:
                 item["reason"] = e.reason
             quant_cfg.append(item)
         out: dict[str, Any] = {
-            "algorithm": self.algorithm,
+            "algorithm": self.algorithm.to_recipe(),
             "kv_cache": self.kv_cache.name if self.kv_cache is not None else None,
             "calibrate_all_experts": self.calibrate_all_experts,
             "quant_cfg": quant_cfg,

@@ -13,9 +13,9 @@ from typing import Any
 import yaml
 
 from ..quant.schemes import TensorFormat, format_for_ct_args, kv_cache_format, tensor_format
+from .algorithm import AlgorithmError, parse_algorithm
 from .finder import RecipeRoots
 from .model import (
-    ALGORITHMS,
     DISABLED,
     INPUT_FORMATS,
     KV_CACHE_FORMATS,
@@ -332,10 +332,10 @@ def _entry_format(item: Mapping[str, Any], where_p: str) -> QuantFormat:
 def _settings(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "algorithm" in data:
-        algo = data["algorithm"]
-        if not isinstance(algo, str) or algo.lower() not in ALGORITHMS:
-            raise RecipeError(f"{where}: algorithm {algo!r} is not supported; expected one of {list(ALGORITHMS)}")
-        out["algorithm"] = algo.lower()
+        try:
+            out["algorithm"] = parse_algorithm(data["algorithm"])
+        except AlgorithmError as exc:
+            raise RecipeError(f"{where}: {exc}") from None
     if "kv_cache" in data:
         kv = data["kv_cache"]
         if isinstance(kv, str) and kv.lower() == "none":

@@ -64,7 +64,8 @@ def dense_modules(rows: list[dict[str, Any]], inputs: dict[str, Any], counts: di
     out = []
     for row in sorted(rows, key=lambda r: r["name"]):
         q = f"{row['name']}.input_quantizer"
-        out.append({"name": row["name"], "kind": "linear", "algo": row["algo"], "weight_format": row["weight_format"],
+        out.append({"name": row["name"], "kind": "linear", "algo": row["algo"], "calibration": row.get("calibration"),
+                    "weight_format": row["weight_format"],
                     "weight": weight_summary([row["stats"]]), "weight_scale": row["weight_scale"],
                     "input": _input_entry(inputs.get(q), counts.get(q))})
     return out
@@ -87,6 +88,7 @@ def expert_modules(merged: list[dict[str, Any]], inputs: dict[str, Any], counts:
                       "blocks": [int(r[_F["units"]]) for r in stats]}
         item = {"name": f"{entry['module']}.*.{entry['projection']}", "module": entry["module"],
                 "projection": entry["projection"], "kind": "experts", "algo": entry["algo"],
+                "calibration": entry.get("calibration"),
                 "weight_format": entry["weight_format"], "weight": weight_summary(stats) if stats else None,
                 "source": "mxfp4" if entry["requantized"] is not None else None,
                 "input": _input_entry(inputs.get(q), counts.get(q)), "per_expert": per_expert}

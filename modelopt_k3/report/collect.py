@@ -37,7 +37,7 @@ def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[
     scale = wq.scale() if wq.fmt.per_tensor_scale else None
     # In fp32: the export's values exactly (fake quant returns its input's dtype, which may round them).
     source = weight.float()
-    dq = wq.fmt.fake_quant(source, scale)
+    dq = wq.fmt.fake_quant(wq.weight_to_quantize(source), scale, **wq.searched_scales())
     stats = weight_rows(source.unsqueeze(0), dq.unsqueeze(0), block=_block(wq.fmt), scale=scale)
     return {"name": name, "algo": fmt.algo, "weight_format": str(wq.fmt), "stats": stats[0].tolist(),
             "weight_scale": None if scale is None else float(scale)}
@@ -54,6 +54,7 @@ def dense_rows(model: nn.Module) -> list[dict[str, Any]]:
         weight = gather_to_owner(modules[name].weight, owner)
         if owner == group.rank:
             rows.append(_dense_row(name, modules[name], weight.detach(), qplan.dense[name]))
+            rows[-1]["calibration"] = calibration_label(qplan, name)
     return rows
 
 
@@ -100,7 +101,8 @@ def expert_rows(name: str, experts: nn.Module, spec, projs: dict) -> list[dict[s
                 dq, requantized = _source_dequant(wq, proj.name, rows.start, part)
                 out[proj.name]["requantized"] += requantized
             else:
-                dq = wq.fmt.fake_quant(src, None if scale is None else scale.view(-1, 1, 1).to(src.device))
+                dq = wq.fmt.fake_quant(src, None if scale is None else scale.view(-1, 1, 1).to(src.device),
+                                       **wq.searched_scales(idx, (proj.chunk, proj.n_chunks)))
             stats = weight_rows(src, dq.to(src.device), block=_block(wq.fmt), scale=scale)
             out[proj.name]["stats"] += stats.tolist()
             out[proj.name]["weight_scale"] += [] if scale is None else scale.tolist()
@@ -125,6 +127,11 @@ def input_settings(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
+def calibration_label(qplan, quantizer_name: str) -> str:
+    """What chose a weight's scales (quant/calibrators' labels; the recipe's algorithm where none is set)."""
+    return qplan.calibration.get(quantizer_name, str(qplan.recipe.algorithm))
+
+
 def rank_summary(model: nn.Module) -> dict[str, Any]:
     """What this rank contributes to the report (call on every rank: dense rows may gather under FSDP2)."""
     info, qplan = model.modelopt_k3, model.modelopt_k3_quant
@@ -132,8 +139,11 @@ def rank_summary(model: nn.Module) -> dict[str, Any]:
     experts = []
     if info.placement.experts.writes_experts:
         modules = spec.experts_modules(model)
+        fused = {p.name: p.fused_param for p in spec.experts.projections}
         for name, projs in sorted(qplan.experts.items()):
-            experts += expert_rows(name, modules[name], spec, projs)
+            for row in expert_rows(name, modules[name], spec, projs):
+                row["calibration"] = calibration_label(qplan, f"{name}.{fused[row['projection']]}")
+                experts.append(row)
     routed = {name: m.token_counter.routed.tolist() for name, m in spec.experts_modules(model).items()
               if hasattr(m, "token_counter")}
     return {"rank": current_group().rank, "dense": dense_rows(model), "experts": experts,

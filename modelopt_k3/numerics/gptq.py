@@ -1,0 +1,80 @@
+"""GPTQ for NVFP4 weights with fixed scales (pure tensor functions).
+
+Semantics of nvidia-modelopt 0.47 (``utils/calib_utils.py`` ``compute_hessian_inverse``,
+``gptq_blockwise_update``; ``model_calib.py`` ``gptq``): the scales are max's (block scales from the
+original weight's block amax, the global scale as calibrated) and stay fixed; columns are quantized
+left to right, each column's rounding error spread over the columns not yet quantized through the
+upper Cholesky factor of the damped inverse Hessian, in column blocks of ``block_size``.
+
+``H`` is ``2/n * sum x xᵀ`` over the layer's calibration inputs ``[in, in]``. Damping adds
+``perc_damp * mean(diag H)`` to the diagonal; columns whose weights are all zero get an identity
+row/column first (dead inputs); a Hessian that is still not positive definite falls back to the
+identity (plain rounding), as ModelOpt does. Everything runs in fp32 (ModelOpt's dtype); the
+result is the dequantized weight, whose export with the same scales gives its codes exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .constants import NVFP4_BLOCK
+from .e2m1 import _e2m1_keys, _table
+
+__all__ = ["gptq_hessian_inverse", "nvfp4_gptq"]
+
+
+def gptq_hessian_inverse(hessian: Tensor, weight: Tensor, perc_damp: float) -> Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1`` (``[in, in]`` fp32); identity if H is not PD."""
+    h = hessian.float().clone()
+    dead = weight.eq(0).all(dim=0)
+    h[dead, :] = 0
+    h[:, dead] = 0
+    h[dead, dead] = 1
+    idx = torch.arange(h.shape[0], device=h.device)
+    h[idx, idx] += perc_damp * torch.diag(h).mean()
+    try:
+        return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except (RuntimeError, torch.linalg.LinAlgError):
+        return torch.eye(h.shape[0], device=h.device, dtype=h.dtype)
+
+
+def _round_columns(cols: Tensor, eff: Tensor) -> Tensor:
+    """E2M1-round ``cols / eff`` and scale back (fp32), elementwise: the fixed-scale NVFP4 value."""
+    q = (cols / eff).contiguous()
+    keys = _e2m1_keys(q.clone())
+    return _table("key_value", cols.device)[keys] * eff
+
+
+def nvfp4_gptq(
+    weight: Tensor, hessian: Tensor, global_scale: Tensor, block_scale: Tensor,
+    perc_damp: float = 0.01, block_size: int = 128,
+) -> Tensor:
+    """GPTQ-updated dequantized weight ``[out, in]`` fp32 under fixed ``global_scale`` and e4m3
+    ``block_scale [out, in/16]``; ``hessian [in, in]``."""
+    out_f, in_f = weight.shape
+    if in_f % NVFP4_BLOCK or tuple(block_scale.shape) != (out_f, in_f // NVFP4_BLOCK):
+        raise ValueError(f"block_scale must be [{out_f}, {in_f // NVFP4_BLOCK}] for weight {tuple(weight.shape)}, "
+                         f"got {tuple(block_scale.shape)}")
+    if tuple(hessian.shape) != (in_f, in_f):
+        raise ValueError(f"hessian must be [{in_f}, {in_f}], got {tuple(hessian.shape)}")
+    if block_size <= 0 or block_size % NVFP4_BLOCK:
+        raise ValueError(f"block_size must be a positive multiple of {NVFP4_BLOCK}, got {block_size}")
+    w = weight.detach().float().clone()
+    h_inv = gptq_hessian_inverse(hessian.to(w.device), w, perc_damp)
+    # Effective scale of every element's block, expanded per column: [out, in].
+    eff = (block_scale.float() * global_scale.float().reshape(())).repeat_interleave(NVFP4_BLOCK, dim=1)
+    for start in range(0, in_f, block_size):
+        stop = min(start + block_size, in_f)
+        h_blk = h_inv[start:stop, start:stop]
+        errs = torch.zeros(out_f, stop - start, device=w.device)
+        for i in range(stop - start):
+            j = start + i
+            col = w[:, j].clone()
+            qcol = _round_columns(col, eff[:, j])
+            w[:, j] = qcol
+            err = (col - qcol) / h_blk[i, i]
+            w[:, j + 1:stop] -= err[:, None] * h_blk[i, i + 1:][None, :]
+            errs[:, i] = err
+        w[:, stop:] -= errs @ h_inv[start:stop, stop:]
+    return w

@@ -1,0 +1,48 @@
+"""Weight algorithms under expert parallelism: on 2 gloo ranks each owner searches its own experts' block
+scales (nothing per expert travels) and dense Hessians are summed over ranks; the export equals the
+one-process export of the same algorithm byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _mp import run_ranks
+
+from .conftest import quantize_and_export
+from .test_qwen3_moe_ep import EP_ENV, _tensors
+
+pytestmark = pytest.mark.multiprocess
+
+RECIPES = ("presets/nvfp4_default_mse", "presets/nvfp4_default_four_over_six", "presets/nvfp4_default_local_hessian",
+           "presets/nvfp4_default_gptq")
+
+
+def _ep_runs(ckpt: str, outs: list[str]):
+    import modelopt_k3
+    from modelopt_k3.dist.group import run_group
+    from modelopt_k3.testing.qwen3_moe import calibration_token_ids
+
+    with run_group() as group:
+        share = calibration_token_ids().chunk(group.world_size)[group.rank]
+
+        def loop(m):
+            with torch.no_grad():
+                m(input_ids=share)
+
+        for recipe, out in zip(RECIPES, outs):
+            model = modelopt_k3.load_pretrained(ckpt, progress=False)
+            assert model.modelopt_k3.plan.kind == "expert_parallel"
+            modelopt_k3.quantize(model, recipe, loop, verbose=False)
+            modelopt_k3.export_checkpoint(model, out, progress=False)
+
+
+def test_ep2_weight_algorithms_equal_one_process(qwen3_moe_ckpt, tmp_path):
+    outs = [str(tmp_path / f"ep2_{i}") for i in range(len(RECIPES))]
+    results = run_ranks(2, _ep_runs, str(qwen3_moe_ckpt), outs, timeout=600, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    for recipe, out in zip(RECIPES, outs):
+        single = quantize_and_export(qwen3_moe_ckpt, tmp_path / f"one_{recipe.rsplit('/', 1)[1]}", recipe)
+        ours, theirs = _tensors(tmp_path / out), _tensors(single)
+        assert set(ours) == set(theirs), recipe
+        for key, t in theirs.items():
+            assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (recipe, key)

@@ -1,0 +1,101 @@
+"""Weight algorithms on the tiny Qwen3-MoE: ``nvfp4_mse`` errs no more than max on every NVFP4 weight (each
+block's scale is its sweep optimum), and the export writes exactly the searched block scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelopt_k3.numerics import nvfp4_fake_quant
+from modelopt_k3.quant.calibrators.weights import weight_sites
+from modelopt_k3.testing.qwen3_moe import calibration_token_ids
+
+pytestmark = pytest.mark.slow
+
+
+def _quantized(ckpt, recipe):
+    import modelopt_k3
+
+    model = modelopt_k3.load_pretrained(ckpt, progress=False)
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=calibration_token_ids())
+
+    return modelopt_k3.quantize(model, recipe, loop, verbose=False)
+
+
+def test_nvfp4_mse_weight_error_at_most_max_for_every_nvfp4_module(qwen3_moe_ckpt):
+    model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_mse")
+    sites = list(weight_sites(model))
+    assert len(sites) == 19 and set(model.modelopt_k3_quant.calibration.values()) == {"mse(fp8_scale_sweep=True)"}
+    improved = 0
+    for site in sites:
+        q = site.quantizer
+        w = getattr(site.module, site.param).detach().float()
+        gs = q.scale().view(-1, 1, 1) if site.experts else q.scale()
+        err_mse = ((nvfp4_fake_quant(w, gs, block_scale=q.block_scale) - w) ** 2).double()
+        err_max = ((nvfp4_fake_quant(w, gs) - w) ** 2).double()
+        per_block_mse = err_mse.reshape(*w.shape[:-1], -1, 16).sum(-1)
+        per_block_max = err_max.reshape(*w.shape[:-1], -1, 16).sum(-1)
+        assert bool((per_block_mse <= per_block_max * (1 + 1e-6)).all()), site.name
+        assert per_block_mse.sum() <= per_block_max.sum(), site.name
+        improved += bool(per_block_mse.sum() < per_block_max.sum())
+    assert improved == len(sites)
+
+
+def test_export_writes_the_searched_block_scales(qwen3_moe_ckpt, tmp_path):
+    from safetensors import safe_open
+
+    import modelopt_k3
+
+    model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_four_over_six")
+    out = modelopt_k3.export_checkpoint(model, tmp_path / "e", progress=False)
+    modules = dict(model.named_modules())
+    name = "model.layers.0.self_attn.q_proj"
+    q = modules[name].weight_quantizer
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(f, framework="pt") as s:
+            tensors.update({k: s.get_tensor(k) for k in s.keys() if k.startswith(name + ".")})  # noqa: SIM118
+    assert torch.equal(tensors[f"{name}.weight_scale"].view(torch.uint8), q.block_scale.view(torch.uint8))
+    assert float(tensors[f"{name}.weight_scale_2"]) == float(q.amax) / (6 * 256)
+
+
+def _layer_inputs(model, linears: dict) -> dict:
+    """Each Linear's input after its input quantizer, activations fake-quantized and weights not (what
+    GPTQ's Hessian was taken from), on ``ids``."""
+    from modelopt_k3.quant.modules import set_mode
+
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(args[0].detach()))
+             for n, m in linears.items()]
+    set_mode(model, "off", role="weight")
+    try:
+        with torch.no_grad():
+            model(input_ids=calibration_token_ids())
+    finally:
+        set_mode(model, "quant")
+        for h in hooks:
+            h.remove()
+    return {n: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]).float() for n, v in seen.items()}
+
+
+def test_gptq_output_error_below_max_for_every_dense_layer(qwen3_moe_ckpt):
+    from modelopt_k3.quant.schemes import NVFP4_TENSOR
+
+    model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_gptq")
+    linears = {n: m for n, m in model.named_modules()
+               if type(m) is torch.nn.Linear and getattr(m, "weight_quantizer", None) is not None
+               and m.weight_quantizer.fmt is NVFP4_TENSOR}
+    assert len(linears) == 15
+    inputs = _layer_inputs(model, linears)
+    for name, m in linears.items():
+        q = m.weight_quantizer
+        assert q.updated_weight is not None and model.modelopt_k3_quant.calibration[name].startswith("gptq")
+        w = m.weight.detach().float()
+        w_gptq = q.fake_quant(m.weight).float()  # what the export holds
+        w_max = nvfp4_fake_quant(w, q.scale())
+        x = inputs[name]
+        err_gptq, err_max = ((x @ (w - w_gptq).T) ** 2).sum(), ((x @ (w - w_max).T) ** 2).sum()
+        assert err_gptq < err_max, (name, float(err_gptq), float(err_max))
