@@ -437,6 +437,7 @@ class CheckpointReader:
             self._infos.update(shard.tensors)
             digest.update(f"{file}\0{shard.size}\0".encode())
             digest.update(shard.raw)
+        self.stored: Mapping[str, TensorInfo] = MappingProxyType(self._infos)  # as stored, before any view
         view = _view_for(self.path)
         if view is not None:
             stored = self._infos

@@ -21,6 +21,7 @@ from ..checkpoint import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
     CheckpointError,
+    CheckpointReader,
     read_config,
     read_header,
     read_weight_map,
@@ -134,11 +135,8 @@ def read_layout(path: str | Path) -> CheckpointLayout:
     path = Path(path)
     config = read_config(path)  # the one reader's checks: a regular file, strict JSON
     spec = get_spec(config.get("model_type", ""))
-    key_re = re.compile(spec.experts.key_regex)
     weight_map = read_weight_map(path)  # shard names checked to stay inside
-    dense: list[TensorMeta] = []
-    groups: dict[str, ExpertGroup] = {}
-    experts_seen: dict[str, set[str]] = defaultdict(set)
+    stored: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for file in sorted(set(weight_map.values())):
         for name, meta in read_header(shard_path(path, file, path / INDEX_NAME)).items():
             if name == "__metadata__" or weight_map.get(name) != file:
@@ -146,20 +144,36 @@ def read_layout(path: str | Path) -> CheckpointLayout:
             dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
             if dtype is None:
                 raise CheckpointError(f"{path / file}: tensor {name} has unsupported dtype {meta['dtype']}")
-            shape = meta["shape"]
-            m = key_re.match(name)
-            if m is None:
-                dense.append(TensorMeta(name, dtype, tuple(shape)))
-                continue
-            module, expert, proj, kind = m.group("module", "expert", "proj", "tensor")
-            group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))
-            experts_seen[module].add(expert)
-            group.stored_bytes += math.prod(shape) * dtype.itemsize
-            if kind == PACKED_CODES:
-                group.packed = True
-                group.projections[proj] = (shape[0], shape[1] * 2)
-            elif kind != PACKED_SCALES:
-                group.projections[proj] = (shape[0], shape[1])
+            stored.append((name, dtype, tuple(meta["shape"])))
+    return _layout(path, config, spec, stored)
+
+
+def layout_of(reader: CheckpointReader, config: dict, spec: ModelSpec) -> CheckpointLayout:
+    """``read_layout`` of the checkpoint an open ``reader`` has already read the headers of (hf_ptq's
+    preflight: the headers are read once per run). The tensors as stored, before any checkpoint view."""
+    return _layout(reader.path, config, spec, [(name, i.dtype, tuple(i.shape)) for name, i in reader.stored.items()])
+
+
+def _layout(path: Path, config: dict, spec: ModelSpec,
+            stored: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> CheckpointLayout:
+    key_re = re.compile(spec.experts.key_regex)
+    dense: list[TensorMeta] = []
+    groups: dict[str, ExpertGroup] = {}
+    experts_seen: dict[str, set[str]] = defaultdict(set)
+    for name, dtype, shape in stored:
+        m = key_re.match(name)
+        if m is None:
+            dense.append(TensorMeta(name, dtype, shape))
+            continue
+        module, expert, proj, kind = m.group("module", "expert", "proj", "tensor")
+        group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))
+        experts_seen[module].add(expert)
+        group.stored_bytes += math.prod(shape) * dtype.itemsize
+        if kind == PACKED_CODES:
+            group.packed = True
+            group.projections[proj] = (shape[0], shape[1] * 2)
+        elif kind != PACKED_SCALES:
+            group.projections[proj] = (shape[0], shape[1])
     for name, group in groups.items():
         group.num_experts = len(experts_seen[name])
     return CheckpointLayout(path, config, spec, dense, sorted(groups.values(), key=lambda g: g.module))
