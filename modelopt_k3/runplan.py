@@ -102,7 +102,10 @@ class PtqConfig:
     def from_namespace(cls, args: Any) -> PtqConfig:
         """The config of parsed CLI arguments (``hf_ptq.build_parser().parse_args``)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        unknown = sorted(set(vars(args)) - names)
+        if unknown:  # a flag the config does not carry would be silently dropped
+            raise ValueError(f"PtqConfig has no field for {', '.join(unknown)}")
+        return cls(**vars(args))
 
     @property
     def calibrate_every_expert(self) -> bool:
