@@ -434,6 +434,7 @@ class CheckpointReader:
             self._infos.update(shard.tensors)
             digest.update(f"{file}\0{shard.size}\0".encode())
             digest.update(shard.raw)
+        self.stored: Mapping[str, TensorInfo] = MappingProxyType(self._infos)  # as stored, before any view
         view = _view_for(self.path)
         self._stored = self._infos
         if view is not None:

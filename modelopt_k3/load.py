@@ -16,6 +16,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import init_empty_weights
@@ -40,6 +41,9 @@ from .spec.conversion import (
     run_converter,
     run_converter_fields,
 )
+
+if TYPE_CHECKING:
+    from .runplan import RunPlan
 
 EXPERTS_PER_READ = 16
 
@@ -531,13 +535,34 @@ def load_pretrained(
     dtype = dtype or _config_dtype(src.config)
     the_plan = _decide_plan(src, plan, group, dtype=dtype, ep_degree=ep_degree,
                             experts_implementation=experts_implementation, dense=dense)
-    placement = the_plan.build_placement()  # the run's mesh and expert placement: built here, passed on
-    converters = _prepare(src, path, the_plan)
     the_plan = _decide_residency(experts, packed_source=src.layout.packed_experts, plan=the_plan, path=path,
                                  dtype=dtype, decode_chunk=decode_chunk)
+    return _load_with_plan(path, src, the_plan, dtype, group, progress, allow_nonfinite_passthrough)
+
+
+def load_planned(run: RunPlan, *, progress: bool = True) -> nn.Module:
+    """``load_pretrained`` of a run the preflight planned (``RunPlan``, hf_ptq): its spec, its one reader of
+    the source (headers read once), the experts' source layout and the distribution plan with its residency
+    and decode chunk are taken as decided; only the model class is resolved here."""
+    group = current_group()
+    src = run_together("load: check the checkpoint", _planned_source, run, group=group)
+    dtype = getattr(torch, run.config.dtype) if run.config.dtype else _config_dtype(src.config)
+    if run.distribution.expert_parallel:
+        from .dist.a2a import register_torch_a2a
+
+        register_torch_a2a()
+    return _load_with_plan(run.checkpoint, src, run.distribution, dtype, group, progress,
+                           run.config.allow_nonfinite_passthrough)
+
+
+def _load_with_plan(path: Path, src: _Source, the_plan: DistributionPlan, dtype: torch.dtype, group,
+                    progress: bool, allow_nonfinite_passthrough: bool) -> nn.Module:
+    """Stages 3-5 for a decided plan: placement, prepare, the placed model, this rank's tensors."""
+    placement = the_plan.build_placement()  # the run's mesh and expert placement: built here, passed on
+    converters = _prepare(src, path, the_plan)
     model = _build_placed_model(src, the_plan, placement, dtype, group)
     info = LoadInfo(checkpoint=path, spec=src.spec, plan=the_plan, placement=placement, model_cls=src.model_cls,
-                    packed_experts=src.layout.packed_experts)
+                    packed_experts=src.layout.packed_experts, _source=src.reader)
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.
     run_together("load checkpoint", _read_own_tensors, model, src.reader, converters, info, progress,
@@ -571,6 +596,15 @@ def _open_source(path: Path, trust_remote_code: bool) -> _Source:
     spec.loading.build(path)
     model_cls, config = resolve_model_class(path, raw, trust_remote_code, spec)
     return _Source(spec, reader, layout, model_cls, config)
+
+
+def _planned_source(run: RunPlan) -> _Source:
+    """Stage 1 of a planned run: the preflight checked the headers against config.json; the model class."""
+    spec = run.spec
+    spec.check_transformers()
+    spec.loading.build(run.checkpoint)
+    model_cls, config = resolve_model_class(run.checkpoint, run.raw_config, run.trust_remote_code, spec)
+    return _Source(spec, run.reader, run.source, model_cls, config)
 
 
 def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_degree: int | None,

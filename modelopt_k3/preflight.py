@@ -9,11 +9,14 @@ own with ``register_check`` (in the module that owns the feature), e.g.::
     @register_check("memory plan fits", after="calibration data")
     def _fits(ctx: PreflightContext) -> None:
         ...
+
+What the checks decide on the way (the spec, the one reader of the headers, the experts' source layout,
+the decision table, the distribution plan, the memory estimate) they keep on the context, each decided
+once; ``PreflightContext.run_plan`` freezes it into the run's ``RunPlan`` (``runplan.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +28,8 @@ from .checkpoint import CheckpointReader, read_config
 from .export.staging import sweep_stale
 from .files.paths import check_writable, refuse_overlap
 from .recipe import Recipe
-from .spec import get_spec
+from .runplan import PtqConfig, RunPlan
+from .spec import ModelSpec, get_spec
 
 __all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "register_check", "run_preflight"]
 
@@ -36,17 +40,28 @@ class PreflightError(ValueError):
 
 @dataclass
 class PreflightContext:
-    """What the checks look at. ``args``: the command line (a check reads the flags its feature owns)."""
+    """What the checks look at, and what they decide on the way (each once; ``run_plan`` freezes it).
+    ``config``: the run's settings (a check reads the ones its feature owns)."""
 
-    args: argparse.Namespace
+    config: PtqConfig
     checkpoint: Path
     trust_remote_code: bool
     export_path: Path
     recipe: Recipe
+    export_format: Any  # the ExportFormat ``config.export_format`` names (resolved once by the caller)
     rank: int = 0
     world_size: int = 1
+    device: Any = None  # this rank's torch device (None: CPU), for the distribution plan
+    # Decided by the checks, in order ("source checkpoint" first, "memory plan fits" last):
+    raw_config: dict | None = None  # config.json
+    spec: ModelSpec | None = None
+    reader: CheckpointReader | None = None  # the source's headers, read once
+    source: Any = None  # source_check.SourceLayout: the routed experts as stored
+    table: Any = None  # quant.decisions.DecisionTable, from the headers (no shared-input groups)
+    distribution: Any = None  # dist.plan.DistributionPlan (its residency set by the memory check)
+    layout: Any = None  # memory.layout.CheckpointLayout of the same headers
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
-    memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py), read by hf_ptq
+    memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py)
     notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # what ``close`` undoes (the export lock)
 
@@ -54,6 +69,16 @@ class PreflightContext:
         """Undo what the checks hold for the run (the export path's lock), last first. Idempotent."""
         while self.cleanup:
             self.cleanup.pop()()
+
+    def run_plan(self, **decided: Any) -> RunPlan:
+        """The frozen ``RunPlan`` of a passed preflight (``decided``: what the caller decided after it)."""
+        missing = [n for n in ("spec", "reader", "source", "table", "distribution", "layout", "memory")
+                   if getattr(self, n) is None]
+        if missing:
+            raise RuntimeError(f"the preflight did not decide {', '.join(missing)}: were all its checks run?")
+        return RunPlan(self.config, self.checkpoint, self.trust_remote_code, self.export_path, self.export_format,
+                       self.raw_config, self.spec, self.reader, self.source, self.layout, self.recipe, self.table,
+                       self.distribution, self.memory, self.texts or [], **decided)
 
 
 @dataclass(frozen=True)
@@ -101,9 +126,10 @@ def run_preflight(ctx: PreflightContext, checks: list[PreflightCheck] | None = N
 
 @register_check("source checkpoint")
 def _source_checkpoint(ctx: PreflightContext) -> None:
-    """The spec says whether its model class is the checkpoint's own code (``LoadingSpec.model_class``)."""
-    raw = read_config(ctx.checkpoint)
-    spec = get_spec(raw.get("model_type", ""))
+    """The run's spec, from config.json (decided here, once). The spec says whether its model class is the
+    checkpoint's own code (``LoadingSpec.model_class``)."""
+    ctx.raw_config = raw = read_config(ctx.checkpoint)
+    ctx.spec = spec = get_spec(raw.get("model_type", ""))
     if spec.loading.model_class.remote_code and not ctx.trust_remote_code:
         raise PreflightError(f"{ctx.checkpoint} ships its own modeling code; pass --trust_remote_code if you trust it")
 
@@ -115,14 +141,13 @@ def _not_the_source(ctx: PreflightContext) -> None:
 
 @register_check("checkpoint matches config.json")
 def _checkpoint_matches_config(ctx: PreflightContext) -> None:
-    """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it."""
+    """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it.
+    The reader made here is the run's one reader of the source (its headers are never read again)."""
     from .source_check import check_config, check_experts
 
-    raw = read_config(ctx.checkpoint)
-    with CheckpointReader(ctx.checkpoint) as reader:
-        spec = get_spec(raw.get("model_type", ""))
-        check_config(raw, spec)
-        check_experts(reader.headers(), raw, spec, reader.stored_name)
+    ctx.reader = CheckpointReader(ctx.checkpoint)
+    check_config(ctx.raw_config, ctx.spec)
+    ctx.source = check_experts(ctx.reader.headers(), ctx.raw_config, ctx.spec, ctx.reader.stored_name)
 
 
 @register_check("export path free")
@@ -130,10 +155,10 @@ def _export_path_free(ctx: PreflightContext) -> None:
     from .export.writer import refuse_replacing_a_non_checkpoint
 
     path = ctx.export_path
-    if path.is_dir() and any(path.iterdir()) and not ctx.args.overwrite:
+    if path.is_dir() and any(path.iterdir()) and not ctx.config.overwrite:
         raise PreflightError(f"--export_path {path} exists and is not empty; pass --overwrite to replace it "
                              "(only once the new export is complete), or choose another path")
-    if ctx.args.overwrite:
+    if ctx.config.overwrite:
         try:
             refuse_replacing_a_non_checkpoint(path.absolute())
         except FileExistsError as e:
@@ -171,15 +196,14 @@ def _lock_export_path(ctx: PreflightContext) -> None:
 
 @register_check("export format")
 def _export_format(ctx: PreflightContext) -> None:
-    """The recipe against the checkpoint's modules (the decision table, from headers), and what the
-    export format can hold."""
+    """The recipe against the checkpoint's modules (the run's decision table, from headers, decided here
+    once), and what the export format can hold."""
     from .quant.decisions import decide
 
-    spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
-    with CheckpointReader(ctx.checkpoint) as reader:
-        table = decide(reader.inventory(), spec, ctx.recipe, None)  # shared-input groups do not matter here
-    fmt = ctx.args.export_format  # the ExportFormat hf_ptq resolved from the flag, once
-    why = fmt.unexpressible(set(table.layer_algos().values()), ctx.recipe.kv_cache)
+    # Shared-input groups need the model's code: quantize adds them to this table (``with_shared_groups``).
+    ctx.table = decide(ctx.reader.inventory(), ctx.spec, ctx.recipe, None)
+    fmt = ctx.export_format  # the ExportFormat the caller resolved from the flag, once
+    why = fmt.unexpressible(set(ctx.table.layer_algos().values()), ctx.recipe.kv_cache)
     if why is not None:
         raise PreflightError(f"--export_format {fmt}: {why}; use --export_format modelopt")
 
@@ -190,15 +214,11 @@ def _calibration_reaches(ctx: PreflightContext) -> None:
     after calibration ("no calibration data reached"): refused here, naming them."""
     import re
 
-    from .quant.decisions import decide
-
-    spec = get_spec(read_config(ctx.checkpoint).get("model_type", ""))
+    spec = ctx.spec
     if spec.quant.uncalibrated_module_regex is None:
         return
     unreachable = re.compile(spec.quant.uncalibrated_module_regex)
-    with CheckpointReader(ctx.checkpoint) as reader:
-        table = decide(reader.inventory(), spec, ctx.recipe, None)
-    bad = sorted(name for name, d in table.decisions.items()
+    bad = sorted(name for name, d in ctx.table.decisions.items()
                  if d.quantized and d.format.needs_calibration and unreachable.search(name))
     if bad:
         raise PreflightError(
@@ -213,9 +233,9 @@ def _calibration_data(ctx: PreflightContext) -> None:
     from .data import DataError, load_texts
 
     try:
-        ctx.texts = load_texts(ctx.args.dataset)
+        ctx.texts = load_texts(ctx.config.dataset)
     except DataError as e:
-        raise PreflightError(f"--dataset {ctx.args.dataset}: {e}") from None
+        raise PreflightError(f"--dataset {ctx.config.dataset}: {e}") from None
 
 
 # Files one of which every Hugging Face tokenizer directory holds.
@@ -235,10 +255,10 @@ def _tokenizer_present(ctx: PreflightContext) -> None:
 def _calibration_size(ctx: PreflightContext) -> None:
     """The token ids of ``(--calib_size + --eval_kl) x --calib_seq`` are held in memory (8 bytes each, twice
     while they are cut): refused when that passes a quarter of this host's memory, before any is made."""
-    args = ctx.args
+    args = ctx.config
     _calib_seq_within_positions(ctx)
     # Every flag that adds sequences: the held-out ones are max(--report_heldout, --eval_kl) (hf_ptq._held_out_count).
-    held_out = max(getattr(args, "report_heldout", None) or 0, getattr(args, "eval_kl", 0))
+    held_out = max(args.report_heldout or 0, args.eval_kl)
     sequences = args.calib_size + held_out
     need = sequences * args.calib_seq * 8 * 2
     try:
@@ -256,14 +276,37 @@ def _calibration_size(ctx: PreflightContext) -> None:
 def _calib_seq_within_positions(ctx: PreflightContext) -> None:
     """``--calib_seq`` beyond the model's ``max_position_embeddings`` calibrates on positions it never serves
     (and rotary tables it was not trained on): refused."""
-    from .checkpoint import CheckpointError
-
-    try:
-        raw = read_config(ctx.checkpoint)
-    except CheckpointError:
+    raw = ctx.raw_config
+    if raw is None:
         return  # named by the source check
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     limit = text.get("max_position_embeddings")
-    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < ctx.args.calib_seq:
-        raise PreflightError(f"--calib_seq {ctx.args.calib_seq} is longer than the model's max_position_embeddings "
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < ctx.config.calib_seq:
+        raise PreflightError(f"--calib_seq {ctx.config.calib_seq} is longer than the model's max_position_embeddings "
                              f"= {limit} (config.json); choose --calib_seq <= {limit}")
+
+
+def _config_dtype(raw: dict):
+    """The load dtype config.json names (text config first), as the loader reads it off the config."""
+    import torch
+
+    text = raw.get("text_config", raw)
+    name = text.get("dtype") or raw.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
+    return getattr(torch, str(name).removeprefix("torch."))
+
+
+@register_check("distribution plan", after="calibration data")
+def _distribution_plan(ctx: PreflightContext) -> None:
+    """The run's ``DistributionPlan`` for this rank (``decide_plan``: refuses what cannot work), decided here,
+    once; the memory check then sets its experts residency."""
+    import torch
+
+    from .dist.plan import decide_plan
+
+    cfg, spec = ctx.config, ctx.spec
+    text = ctx.raw_config.get("text_config", ctx.raw_config)
+    ctx.distribution = decide_plan(
+        cfg.plan, spec=spec, num_experts=int(text[spec.experts.num_experts_attr]), rank=ctx.rank,
+        world_size=ctx.world_size, device=ctx.device or torch.device("cpu"), ep_degree=cfg.ep_degree,
+        dense=cfg.dense, dtype=getattr(torch, cfg.dtype) if cfg.dtype else _config_dtype(ctx.raw_config),
+    )

@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import read_config
-from ..export.layouts import MODELOPT
 from ..preflight import PreflightContext, PreflightError, register_check
 from ..recipe import Recipe, load_recipe
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
@@ -59,18 +58,22 @@ def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport
         return check_layout(layout, engines)
 
 
-def check_recipe_for_engines(checkpoint: str | Path, recipe: Recipe | str, engines) -> None:
+def check_recipe_for_engines(checkpoint: str | Path, recipe: Recipe | str, engines, *, reader=None, table=None,
+                             config: dict | None = None) -> None:
     """Refuse (``EngineRefusal``) a recipe that a named engine cannot serve on ``checkpoint``.
 
     Works from the checkpoint's config and safetensors headers and the recipe only (no model, no
     weight read): the export the recipe would produce is declared by the exporters' own layout
     functions and judged by the same engine rules as ``check_export``. Differences that need the
-    calibrated values (unshared scales) cannot be seen here; everything structural can.
+    calibrated values (unshared scales) cannot be seen here; everything structural can. ``reader``,
+    ``table`` and ``config``: the run's, already decided (hf_ptq's preflight; else read and decided here).
     """
     if isinstance(recipe, str):
         recipe = load_recipe(recipe)
     names = parse_engines(engines)
-    layout = planned_layout(checkpoint, recipe, kv_scale_names=kv_scale_names(read_config(checkpoint)))
+    config = read_config(Path(checkpoint)) if config is None else config
+    layout = planned_layout(checkpoint, recipe, kv_scale_names=kv_scale_names(config), reader=reader, table=table,
+                            config=config)
     report = check_layout(layout, names, numerics=False)
     if report.ok:
         return
@@ -103,14 +106,15 @@ def final_check(export_dir: str | Path, target_engines=(), *, say=print) -> int:
 @register_check("serving engines", after="export format")
 def _serving_engines(ctx: PreflightContext) -> None:
     """hf_ptq's ``--target_engines``: the recipe against each named engine's Kimi-K3 rules (names only)."""
-    engines = getattr(ctx.args, "target_engines", None)
+    engines = ctx.config.target_engines
     if not engines:
         return
-    fmt = getattr(ctx.args, "export_format", MODELOPT)  # the ExportFormat hf_ptq resolved, once
+    fmt = ctx.export_format  # the ExportFormat hf_ptq resolved, once
     if not fmt.engine_checked:
         raise PreflightError(f"--target_engines replays the engines' ModelOpt loaders, not {fmt}'s; "
                              "it needs --export_format modelopt")
     try:
-        check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines)
+        check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines, reader=ctx.reader, table=ctx.table,
+                                 config=ctx.raw_config)
     except EngineRefusal as e:
         raise PreflightError(str(e)) from None

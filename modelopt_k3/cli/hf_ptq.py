@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
+from ..export.format_names import EXPORT_FORMAT_NAMES
+from ..runplan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan
 from ._common import default_recipe, non_negative_int, positive_int, run_cli
 
 QFORMAT_PRESETS = {
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qformat", default="nvfp4", help=f"preset: {', '.join(QFORMAT_PRESETS)}, the model's own recipe for it where its spec names one "
                    "(ignored with --recipe)")
     p.add_argument("--recipe", default=None, help="YAML recipe path or name (overrides --qformat)")
-    p.add_argument("--kv_cache_qformat", default="none", choices=["none", "fp8"])
+    p.add_argument("--kv_cache_qformat", default="none", choices=KV_CACHE_CHOICES)
     p.add_argument("--calib_size", type=positive_int, default=32,
                    help="number of calibration sequences (all ranks together)")
     p.add_argument("--batch_size", type=positive_int, default=4)
@@ -77,11 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_mem_gib", type=float, default=None,
                    help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
                         "per local rank on CPU)")
-    p.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"], help="default: the config's dtype")
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a checkpoint at --export_path (deleted once the new export is complete; a "
                    "non-empty directory that is not a checkpoint is refused)")
-    p.add_argument("--export_format", default="modelopt", choices=["modelopt", "compressed-tensors"],
+    p.add_argument("--export_format", default="modelopt", choices=EXPORT_FORMAT_NAMES,
                    help="modelopt (hf_quant_config.json; vLLM/TRT-LLM/SGLang) or compressed-tensors nvfp4-pack-quantized")
     p.add_argument("--target_engines", default=None, metavar="ENGINES",
                    help="comma-separated serving engines (vllm, sglang, trtllm) the export must load in as calibrated: "
@@ -140,28 +142,30 @@ def _tiny_checkpoint(group) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_cli("modelopt-k3-ptq", lambda: run(args), debug=args.debug)
+    config = PtqConfig.from_namespace(build_parser().parse_args(argv))
+    return run_cli("modelopt-k3-ptq", lambda: run(config), debug=config.debug)
 
 
-def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool, made: list | None = None):
-    """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``)."""
+def _preflight(config: PtqConfig, fmt, group, ckpt: Path, trust: bool, made: list | None = None):
+    """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``); the
+    context holds what the checks decided (``PreflightContext.run_plan`` freezes it)."""
     from .. import check  # noqa: F401  registers the "serving engines" check (--target_engines)
     from ..memory import preflight as _memory  # noqa: F401 - registers the "memory plan fits" check
     from ..preflight import PreflightContext, run_preflight
     from ..recipe import load_recipe
 
-    recipe_name = args.recipe or default_recipe(ckpt, args.qformat, QFORMAT_PRESETS)
+    recipe_name = config.recipe or default_recipe(ckpt, config.qformat, QFORMAT_PRESETS)
     overrides = {}
-    if args.kv_cache_qformat != "none":
-        overrides["kv_cache"] = args.kv_cache_qformat
-    if args.calibrate_all_experts or args.uncovered_experts == "calibrate_all":
+    if config.kv_cache_qformat != "none":
+        overrides["kv_cache"] = config.kv_cache_qformat
+    if config.calibrate_every_expert:
         overrides["calibrate_all_experts"] = True
-    if args.allow_unmatched:
+    if config.allow_unmatched:
         overrides["allow_unmatched"] = True
     recipe = load_recipe(recipe_name, overrides=overrides or None)
-    export_path = args.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
-    ctx = PreflightContext(args, ckpt, trust, export_path, recipe, rank=group.rank, world_size=group.world_size)
+    export_path = config.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
+    ctx = PreflightContext(config, ckpt, trust, export_path, recipe, fmt, rank=group.rank,
+                           world_size=group.world_size, device=group.device)
     if made is not None:
         made.append(ctx)
     seconds = run_preflight(ctx)
@@ -169,114 +173,113 @@ def _preflight(args: argparse.Namespace, group, ckpt: Path, trust: bool, made: l
     return ctx
 
 
-def run(args: argparse.Namespace) -> int:
-    """The whole job for parsed ``args``; raises on failure (``main`` turns that into a line and an exit code)."""
+def run(config: PtqConfig | argparse.Namespace) -> int:
+    """The whole job for ``config`` (or parsed arguments); raises on failure (``main`` turns that into a line
+    and an exit code)."""
     from ..dist.collectives import run_together
     from ..dist.group import run_group
     from ..export.layouts import export_format
 
-    args.export_format = export_format(args.export_format)  # resolved once; preflight and export take the object
+    if not isinstance(config, PtqConfig):
+        config = PtqConfig.from_namespace(config)
+    fmt = export_format(config.export_format)  # resolved once; preflight and export take the object
     with run_group() as group:
         say = print if group.is_main else (lambda *a, **k: None)
-        progress = group.is_main and not args.no_progress
+        progress = group.is_main and not config.no_progress
         t0 = time.perf_counter()
-        ckpt, trust = (args.pyt_ckpt_path, args.trust_remote_code) if args.pyt_ckpt_path is not None else (
+        ckpt, trust = (config.pyt_ckpt_path, config.trust_remote_code) if config.pyt_ckpt_path is not None else (
             _tiny_checkpoint(group), True)
         # One agreed step: a refusal prints once for all ranks, and nothing has been read yet.
         made: list = []  # the context this rank built: closed even when another rank's preflight failed
         try:
-            ctx = run_together("preflight", _preflight, args, group, ckpt, trust, made, group=group)
+            ctx = run_together("preflight", _preflight, config, fmt, group, ckpt, trust, made, group=group)
         except BaseException:
             for c in made:
                 c.close()
             raise
         try:
-            return _after_preflight(args, group, ctx, ckpt, trust, say, progress, t0)
+            for note in ctx.notes:
+                say(f"[modelopt_k3] {note}")
+            report_dir = run_together("report path", _report_dir, config, ctx.export_path, ckpt, group=group)
+            # Decided once, with the preflight's decisions: the stages below take the plan.
+            plan = ctx.run_plan(held_out=_held_out_count(config, group.world_size), report_dir=report_dir)
+            return _after_preflight(plan, group, say, progress, t0)
         finally:
             ctx.close()  # the export path's lock (rank 0), however the run ends
 
 
-def _after_preflight(args: argparse.Namespace, group, ctx, ckpt: Path, trust: bool, say, progress: bool,
-                     t0: float) -> int:
+def _after_preflight(plan: RunPlan, group, say, progress: bool, t0: float) -> int:
     """What ``run`` does once the preflight passed (rank 0 holding the export path's lock)."""
     from .. import export_checkpoint
     from ..dist.collectives import run_together
 
-    for note in ctx.notes:
-        say(f"[modelopt_k3] {note}")
-    args.held_out = _held_out_count(args, group.world_size)  # decided once: the data and the report read it
-    args.report_dir = run_together("report path", _report_dir, args, ctx.export_path, ckpt, group=group)
-    sequences = run_together("calibration data", _calibration_sequences, args, ckpt, trust, ctx.texts, group=group)
-    model = _load(args, ctx, ckpt, trust, progress)
+    config = plan.config
+    sequences = run_together("calibration data", _calibration_sequences, plan, group=group)
+    model = _load(plan, progress)
     t_load = time.perf_counter()
-    say(f"[modelopt_k3] loaded {ckpt} ({model.modelopt_k3.plan.describe()}), read "
+    say(f"[modelopt_k3] loaded {plan.checkpoint} ({model.modelopt_k3.plan.describe()}), read "
         f"{model.modelopt_k3.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
-    _calibrate(args, model, ctx.recipe, sequences, group, progress, say)
-    coverage = run_together("expert coverage", _coverage_guard, args, model, say, group=group)
+    _calibrate(plan, model, sequences, group, progress, say)
+    coverage = run_together("expert coverage", _coverage_guard, config, model, say, group=group)
     t_calib = time.perf_counter()
-    out = export_checkpoint(model, ctx.export_path, format=args.export_format, overwrite=args.overwrite,
-                            max_shard_bytes=args.max_shard_size_mb * 2**20, progress=progress)
+    out = export_checkpoint(model, plan.export_path, format=plan.export_format, overwrite=config.overwrite,
+                            max_shard_bytes=config.max_shard_size_mb * 2**20, progress=progress)
     t_export = time.perf_counter()
     say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
     # After the export: the held-out pass is a fake-quant forward, after which (under FSDP2) the export
     # could no longer index MXFP4-sourced experts' scales; the report reads the weights before it.
-    run_together("held-out evaluation and report", _evaluate_and_report, args, model, out, sequences, coverage,
+    run_together("held-out evaluation and report", _evaluate_and_report, plan, model, out, sequences, coverage,
                  group, say, group=group)
-    return _check_served(args, out, say) if group.is_main else 0
+    return _check_served(plan, out, say) if group.is_main else 0
 
 
-def _calibration_sequences(args: argparse.Namespace, ckpt: Path, trust: bool, texts):
+def _calibration_sequences(plan: RunPlan):
     """Token sequences for calibration, then ``--eval_kl`` held-out ones, from the checkpoint's tokenizer."""
     from transformers import AutoTokenizer
 
     from ..data import DataError, pack_sequences
 
+    ckpt = plan.checkpoint
     try:
-        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=plan.trust_remote_code)
     except (OSError, ValueError) as e:
         raise DataError(f"cannot load the tokenizer of {ckpt}: {' '.join(str(e).split())[:300]}") from None
-    return pack_sequences(tokenizer, texts, num_sequences=args.calib_size + args.held_out, seq_len=args.calib_seq)
+    return pack_sequences(tokenizer, plan.texts, num_sequences=plan.config.calib_size + plan.held_out,
+                          seq_len=plan.config.calib_seq)
 
 
-def _load(args: argparse.Namespace, ctx, ckpt: Path, trust: bool, progress: bool):
-    """``load_pretrained`` with the plan's flags and the preflight's memory plan (``--experts auto``
-    resolved, the decode chunk)."""
-    import torch
+def _load(plan: RunPlan, progress: bool):
+    """``load_planned``: the preflight's distribution plan (``--experts auto`` resolved, the decode chunk)."""
+    from ..load import load_planned
 
-    from .. import load_pretrained
-
-    memory = ctx.memory  # --experts resolved once, by the preflight at this run's batch and sequence length
-    return load_pretrained(ckpt, plan=args.plan, trust_remote_code=trust,
-                           dtype=getattr(torch, args.dtype) if args.dtype else None,
-                           ep_degree=args.ep_degree, dense=args.dense, experts=memory.residency,
-                           decode_chunk=memory.decode_chunk, progress=progress,
-                           allow_nonfinite_passthrough=args.allow_nonfinite_passthrough)
+    return load_planned(plan, progress=progress)
 
 
-def _calibrate(args: argparse.Namespace, model, recipe, packed, group, progress: bool, say) -> None:
-    """Quantize with this rank's share of the calibration sequences."""
+def _calibrate(plan: RunPlan, model, packed, group, progress: bool, say) -> None:
+    """Quantize with this rank's share of the calibration sequences, with the run's decision table."""
     from .. import quantize
     from ..data import make_forward_loop, rank_batches
 
     device = model.modelopt_k3.plan.device
     t0 = time.perf_counter()
-    batches = rank_batches(packed[: args.calib_size], batch_size=args.batch_size, rank=group.rank,
+    batches = rank_batches(packed[: plan.config.calib_size], batch_size=plan.config.batch_size, rank=group.rank,
                            world_size=group.world_size)
-    quantize(model, recipe, make_forward_loop(batches, device=device, progress=progress), verbose=group.is_main)
+    quantize(model, plan.recipe, make_forward_loop(batches, device=device, progress=progress), verbose=group.is_main,
+             table=plan.table)
     say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {time.perf_counter() - t0:.1f}s")
 
 
-def _report_dir(args: argparse.Namespace, export_path: Path, ckpt: Path) -> Path | None:
+def _report_dir(config: PtqConfig, export_path: Path, ckpt: Path) -> Path | None:
     """``--report``: default under the export, ``none`` for no report; never inside the source, never the export
     itself (a checkpoint), never over a file we did not write there: refused before any weight is read."""
     from ..files.paths import DestinationError, refuse_overlap
     from ..report import DEFAULT_DIR, check_report_dir
 
-    if args.report == "none":
+    if config.report == "none":
         return None
-    if args.report is None:
+    if config.report is None:
         return export_path / DEFAULT_DIR  # inside the export, which is written new
-    out = Path(args.report)
+    out = Path(config.report)
     refuse_overlap(ckpt, out, flag="--report")
     if out.absolute().resolve() == Path(export_path).absolute().resolve():
         raise DestinationError(f"--report {out} is the export directory (a checkpoint); leave --report out to write "
@@ -285,61 +288,63 @@ def _report_dir(args: argparse.Namespace, export_path: Path, ckpt: Path) -> Path
     return out
 
 
-def _held_out_count(args: argparse.Namespace, world_size: int) -> int:
+def _held_out_count(config: PtqConfig, world_size: int) -> int:
     """Held-out sequences after the calibration ones: ``--report_heldout``/``--eval_kl``'s, else one per
     rank for the report (two forwards of one sequence per rank), none without a report."""
-    if args.report_heldout is not None:
-        return max(args.report_heldout, args.eval_kl)
-    return args.eval_kl or (world_size if args.report != "none" else 0)
+    if config.report_heldout is not None:
+        return max(config.report_heldout, config.eval_kl)
+    return config.eval_kl or (world_size if config.report != "none" else 0)
 
 
-def _coverage_guard(args: argparse.Namespace, model, say):
+def _coverage_guard(config: PtqConfig, model, say):
     """Experts below ``--min_expert_tokens`` under ``--uncovered_experts``: refuse before the export, or note."""
     from ..quant.coverage import check_coverage, expert_coverage
 
     coverage = expert_coverage(model, model.modelopt_k3.spec)
-    for note in check_coverage(coverage, min_tokens=args.min_expert_tokens, policy=args.uncovered_experts):
+    for note in check_coverage(coverage, min_tokens=config.min_expert_tokens, policy=config.uncovered_experts):
         say(f"[modelopt_k3] uncovered experts: {note}")
     return coverage
 
 
-def _evaluate_and_report(args: argparse.Namespace, model, export_path: Path, packed, coverage, group, say) -> None:
+def _evaluate_and_report(plan: RunPlan, model, export_path: Path, packed, coverage, group, say) -> None:
     """The held-out pass (the sequences after the calibration ones in the token stream: per-layer
     hidden-state error, KL and top-1 agreement; the KL printed with ``--eval_kl``) and the report."""
     from ..data import rank_batches
     from ..quant.evaluate import evaluate_fidelity
     from ..report import report
 
-    held_out = rank_batches(packed[args.calib_size :], batch_size=args.batch_size, rank=group.rank,
-                            world_size=group.world_size) if args.held_out else None
+    config = plan.config
+    held_out = rank_batches(packed[config.calib_size :], batch_size=config.batch_size, rank=group.rank,
+                            world_size=group.world_size) if plan.held_out else None
     t0 = time.perf_counter()
     fidelity = None
-    if args.report_dir is None:
+    if plan.report_dir is None:
         fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device) if held_out else None
     else:
-        run = {"calibration_sequences": args.calib_size, "calibration_seq_len": args.calib_seq,
-               "held_out_sequences": args.held_out}
-        data = report(model, args.report_dir, held_out=held_out, coverage=coverage,
-                      min_expert_tokens=args.min_expert_tokens, uncovered_experts=args.uncovered_experts, run=run)
-        say(f"[modelopt_k3] wrote the quantization report {args.report_dir} in {time.perf_counter() - t0:.1f}s")
+        run = {"calibration_sequences": config.calib_size, "calibration_seq_len": config.calib_seq,
+               "held_out_sequences": plan.held_out}
+        data = report(model, plan.report_dir, held_out=held_out, coverage=coverage,
+                      min_expert_tokens=config.min_expert_tokens, uncovered_experts=config.uncovered_experts, run=run)
+        say(f"[modelopt_k3] wrote the quantization report {plan.report_dir} in {time.perf_counter() - t0:.1f}s")
         final = data["final"] if data is not None else None
         if final is not None:
             fidelity = final
-    if args.eval_kl and fidelity is not None:
+    if config.eval_kl and fidelity is not None:
         kl, top1 = (fidelity["kl"], fidelity["top1_agreement"]) if isinstance(fidelity, dict) else (fidelity.kl,
                                                                                                   fidelity.top1)
-        say(f"[modelopt_k3] KL(original || quantized) on {args.held_out} held-out sequences: {kl:.4f} nats/token, "
+        say(f"[modelopt_k3] KL(original || quantized) on {plan.held_out} held-out sequences: {kl:.4f} nats/token, "
             f"top-1 agreement {100 * top1:.1f}%")
 
 
-def _check_served(args: argparse.Namespace, out: Path, say) -> int:
+def _check_served(plan: RunPlan, out: Path, say) -> int:
     """Rank 0: ``modelopt-k3-check``'s table for the export; the status follows ``--target_engines``."""
-    if not args.export_format.engine_checked:
-        say(f"[modelopt_k3] modelopt-k3-check does not replay {args.export_format} loading; not run on this export")
+    if not plan.export_format.engine_checked:
+        say(f"[modelopt_k3] modelopt-k3-check does not replay {plan.export_format} loading; not run on this export")
         return 0
     from ..check import final_check, parse_engines
 
-    return final_check(out, parse_engines(args.target_engines) if args.target_engines else (), say=say)
+    targets = plan.config.target_engines
+    return final_check(out, parse_engines(targets) if targets else (), say=say)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from ..quant.schemes import KvCacheFormat
 from ..recipe import Recipe
 from ..spec import ManifestNaming
 from . import compressed_tensors_format as ct_format
+from .format_names import EXPORT_FORMAT_NAMES, ExportFormatName
 from .modelopt_format import config_quantization_config, hf_quant_config
 
 
@@ -74,9 +75,11 @@ class _CompressedTensorsFormat(ExportFormat):
         return ct_format.quantization_config(next(iter(layer_algos.values())), list(unquantized)), None
 
 
-MODELOPT = _ModelOptFormat("modelopt", engine_checked=True)
-COMPRESSED_TENSORS = _CompressedTensorsFormat("compressed-tensors", engine_checked=False)
+MODELOPT = _ModelOptFormat(ExportFormatName.MODELOPT.value, engine_checked=True)
+COMPRESSED_TENSORS = _CompressedTensorsFormat(ExportFormatName.COMPRESSED_TENSORS.value, engine_checked=False)
 EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (MODELOPT, COMPRESSED_TENSORS)}
+if tuple(EXPORT_FORMATS) != EXPORT_FORMAT_NAMES:  # the CLI's choices are these names: one registry
+    raise AssertionError(f"export formats {list(EXPORT_FORMATS)} != their names {list(EXPORT_FORMAT_NAMES)}")
 
 
 def export_format(fmt: str | ExportFormat) -> ExportFormat:

@@ -186,7 +186,8 @@ class _ExportJob:
 def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress: bool) -> tuple[dict[str, str], int]:
     """Stage 2: this rank's dense items (item ``i`` to rank ``i % world``) and, if it writes them, its experts."""
     group = job.group
-    with CheckpointReader(job.info.checkpoint) as reader, ShardWriter(
+    # The load's reader of the source (headers read once per run); ``with`` closes only its file handles.
+    with job.info.source() as reader, ShardWriter(
         tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
     ) as writer:
         items = _dense_items(job.qplan, reader, re.compile(job.spec.experts.key_regex), job.kv_scales,

@@ -128,19 +128,29 @@ def read_layout(path: str | Path) -> CheckpointLayout:
     path = Path(path)
     config = read_config(path)  # the one reader's checks: a regular file, strict JSON
     spec = get_spec(config.get("model_type", ""))
+    with CheckpointReader(path) as reader:
+        return layout_of(reader, config, spec)
+
+
+def layout_of(reader: CheckpointReader, config: dict, spec: ModelSpec) -> CheckpointLayout:
+    """``read_layout`` of the checkpoint an open ``reader`` has already read the headers of (hf_ptq's
+    preflight: the headers are read once per run). Through the reader's checks and the model's checkpoint
+    view: GPT-OSS's fused MXFP4 experts count as the per-expert tensors the pipeline reads (a raw header
+    walk saw "0 MoE layers", "stored decoded")."""
+    stored = [(name, info.dtype, tuple(info.shape)) for name, info in reader.headers().items()]
+    return _layout(reader.path, config, spec, stored)
+
+
+def _layout(path: Path, config: dict, spec: ModelSpec,
+            stored: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> CheckpointLayout:
     key_re = re.compile(spec.experts.key_regex)
     dense: list[TensorMeta] = []
     groups: dict[str, ExpertGroup] = {}
     experts_seen: dict[str, set[str]] = defaultdict(set)
-    # Through the one reader, its checks and the model's checkpoint view: GPT-OSS's fused MXFP4 experts are
-    # counted as the per-expert tensors the pipeline reads (a raw header walk saw "0 MoE layers", "stored decoded").
-    with CheckpointReader(path) as reader:
-        headers = dict(reader.headers())
-    for name, info in headers.items():
-        dtype, shape = info.dtype, list(info.shape)
+    for name, dtype, shape in stored:
         m = key_re.match(name)
         if m is None:
-            dense.append(TensorMeta(name, dtype, tuple(shape)))
+            dense.append(TensorMeta(name, dtype, shape))
             continue
         module, expert, proj, kind = m.group("module", "expert", "proj", "tensor")
         group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))

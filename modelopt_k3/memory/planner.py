@@ -24,6 +24,7 @@ eager MLA attention (what the vendored remote code falls back to) is counted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterable
@@ -657,16 +658,40 @@ def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape
 
 
 def resolve_experts(layout: CheckpointLayout, plan: DistributionPlan, shape: RunShape, *, recipe: Recipe,
-                    budget: int | None) -> Estimate:
+                    budget: int | None, packed_source: bool | None = None,
+                    local_implementation: str | None = None) -> Estimate:
     """``experts="auto"`` resolved (once, for the CLI's run shape or the loader's defaults): the first
     residency the plan allows (``allowed_residencies``: bf16) when it fits or no budget is known, else
-    packed when the plan allows it (not under fsdp2, only for an MXFP4 source), with its decode chunk."""
-    allowed = allowed_residencies(plan.kind, packed_source=layout.packed_source)
-    est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget)
+    packed when the plan allows it (not under fsdp2, only for an MXFP4 source), with its decode chunk.
+    ``packed_source``: whether the source is packed, as the run decided it (default: the layout's)."""
+    packed_source = layout.packed_source if packed_source is None else packed_source
+    allowed = allowed_residencies(plan.kind, packed_source=packed_source)
+    est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget,
+                   local_implementation=local_implementation)
     if budget is None or est.fits(budget) or len(allowed) == 1:
         return est
-    return estimate(layout, plan.with_residency(allowed[1], packed_source=layout.packed_source), shape,
-                    recipe=recipe, budget=budget)
+    return estimate(layout, plan.with_residency(allowed[1], packed_source=packed_source), shape,
+                    recipe=recipe, budget=budget, local_implementation=local_implementation)
+
+
+def fit_plan(layout: CheckpointLayout, plan: DistributionPlan, experts: str, shape: RunShape, *, recipe: Recipe,
+             packed_source: bool, gpu_mem_gib: float | None = None) -> tuple[DistributionPlan, Estimate]:
+    """The run's ``plan`` (decided once, by the preflight) with its experts residency (``experts``: a residency
+    or ``auto``, resolved here) and decode chunk, and the estimate of it; raises ``MemoryPlanError`` (the
+    numbers and a configuration that would fit) when it cannot fit. Without a known budget nothing is refused.
+    The owner's implementation is the one planned for on ``shape.device`` (as ``planned`` does)."""
+    budget = device_budget(shape.device, plan.world_size, gpu_mem_gib)
+    impl = "grouped_mm" if shape.device != "cpu" else None
+    if experts == AUTO:
+        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, packed_source=packed_source,
+                              local_implementation=impl)
+    else:
+        est = estimate(layout, plan.with_residency(experts, packed_source=packed_source), shape, recipe=recipe,
+                       budget=budget, local_implementation=impl)
+    if budget is not None and not est.fits(budget):
+        raise MemoryPlanError(_refusal_message(layout, est, budget, shape, recipe, gpu_mem_gib))
+    # The decode chunk the estimate chose is one the plan can hold: packed, at least 1 (``estimate``).
+    return dataclasses.replace(est.plan, decode_chunk=est.decode_chunk), est
 
 
 def choose_residency(path: str | Path, plan: DistributionPlan, *, packed_source: bool,
@@ -687,5 +712,5 @@ def choose_residency(path: str | Path, plan: DistributionPlan, *, packed_source:
 
 __all__ = [
     "Asked", "Estimate", "MemoryPlanError", "MemoryReport", "RunShape", "check_fits", "choose_residency",
-    "estimate", "estimate_asked", "plan_label", "plan_memory", "planned", "resolve_experts", "smallest_world",
+    "estimate", "fit_plan", "estimate_asked", "plan_label", "plan_memory", "planned", "resolve_experts", "smallest_world",
 ]

@@ -24,7 +24,7 @@ from .activation_stats import attach_activation_stats
 from .calibrate import enable_calibrate_all_experts
 from .calibrators import calibrator_for
 from .coverage import attach_token_counter
-from .decisions import DecisionTable, decide
+from .decisions import DecisionTable, decide, with_shared_groups
 from .kv_cache import attach_kv_cache
 from .modules import attach_experts, attach_linear
 from .mxfp4_source import Mxfp4ExpertSource
@@ -75,11 +75,19 @@ def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec
         raise RuntimeError(f"the checkpoint's Linears and the model's disagree on {len(diff)} module(s), e.g. {diff[:5]}")
 
 
-def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec) -> QuantPlan:
+def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec,
+                      table: DecisionTable | None = None) -> QuantPlan:
+    """The quantization plan of ``model``: ``table`` (the run's, decided by the preflight from the headers)
+    with its shared-input groups, or without one the table decided here."""
     info = model.modelopt_k3
     # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
     rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.quant.probe_model else None
-    table = decide(info.source().inventory(), spec, recipe, rules)
+    if table is None:
+        table = decide(info.source().inventory(), spec, recipe, rules)
+    elif table.recipe is not recipe:
+        raise ValueError(f"the decision table is for recipe {table.recipe.name}, not {recipe.name}")
+    else:
+        table = with_shared_groups(table, rules)
     table.check_groups_known()
     _check_modules_match(model, table, spec)
     plan = QuantPlan(recipe, table)
@@ -131,12 +139,14 @@ def quantize(
     forward_loop: Callable[[nn.Module], None] | None = None,
     *,
     verbose: bool = True,
+    table: DecisionTable | None = None,
 ) -> nn.Module:
     """Attach quantizers per ``recipe``, calibrate with ``forward_loop`` (the calibrator ``recipe.algorithm``
     names, quant/calibrators), return ``model``.
 
     ``forward_loop(model)`` runs this rank's share of the calibration data through the model; it may
     be None when the recipe needs no activation statistics (constant ``input_amax`` or weight-only).
+    ``table``: the run's decision table for ``recipe`` (``RunPlan.table``; hf_ptq), else decided here.
     """
     if isinstance(recipe, str):
         recipe = load_recipe(recipe)
@@ -146,7 +156,7 @@ def quantize(
     if getattr(model, "modelopt_k3_quant", None) is not None:
         raise ValueError("this model is already quantized")
     spec: ModelSpec = info.spec
-    qplan = plan_quantization(model, recipe, spec)
+    qplan = plan_quantization(model, recipe, spec, table)
     _refuse_quantizing_nonfinite(qplan, info.nonfinite, spec)
     modules = dict(model.named_modules())
     for name, fmt in qplan.dense.items():

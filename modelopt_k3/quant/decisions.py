@@ -299,10 +299,24 @@ def decide(
         decisions[name] = Decision(name, "router", dense_parts[name]["weight"][1], None, "router")
     recipe.check_against({m: d.shape for d in decisions.values() if d.kind in ("linear", "experts")
                           for m in d.module_names()}, dense_parts)
+    return with_shared_groups(DecisionTable(recipe, dict(sorted(decisions.items())), naming=spec.export.manifest_naming),
+                              rules)
+
+
+def with_shared_groups(
+    table: DecisionTable,
+    rules: tuple[SharedInputRule, ...] | Callable[[], tuple[SharedInputRule, ...] | None] | None,
+) -> DecisionTable:
+    """``table`` (decided without groups, as the preflight does from headers alone) with its shared-input
+    groups: the one part of the table that needs the model's code (the probe). ``rules`` as for ``decide``.
+    Nothing else is re-decided: ``quantize`` takes the run's table this way."""
+    if table.groups or table.rules is not None:
+        raise ValueError("the decision table already has its shared-input groups")
+    decisions = dict(table.decisions)
     if callable(rules):
         rules = rules() if _needs_groups(decisions) else None
-    groups = _shared_groups(recipe, decisions, rules)
+    groups = _shared_groups(table.recipe, decisions, rules)
     for gid, members in groups.items():
         for m in members:
             decisions[m] = Decision(m, "linear", decisions[m].shape, decisions[m].format, group=gid)
-    return DecisionTable(recipe, dict(sorted(decisions.items())), groups, rules, spec.export.manifest_naming)
+    return DecisionTable(table.recipe, decisions, groups, rules, table.naming)

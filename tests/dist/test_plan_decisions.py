@@ -22,7 +22,7 @@ from modelopt_k3.dist.plan import (
     residency_refusal,
 )
 from modelopt_k3.memory.layout import read_layout
-from modelopt_k3.memory.planner import Asked, Estimate, check_fits, choose_residency, estimate_asked
+from modelopt_k3.memory.planner import Asked, check_fits, choose_residency, estimate_asked
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
 
 CPU = torch.device("cpu")
@@ -71,17 +71,43 @@ def test_the_planner_plans_the_placement_the_run_uses(tiny_ckpt: Path, monkeypat
     assert "EP 2" in env.label()
 
 
-def test_hf_ptq_loads_with_the_preflight_resolution(monkeypatch):
-    """``--experts auto`` is resolved once (the preflight, at the CLI's batch and sequence length): the load
-    gets a concrete residency and chunk, also when the planner refused the plan (the load then refuses it)."""
-    import modelopt_k3.load
-    from modelopt_k3.cli.hf_ptq import _load, build_parser
+def _preflight(ckpt: Path, out: Path, *flags: str, world_size: int = 1):
+    from modelopt_k3.cli.hf_ptq import _preflight, build_parser
+    from modelopt_k3.export.layouts import MODELOPT
+    from modelopt_k3.runplan import PtqConfig
 
+    argv = ["--pyt_ckpt_path", str(ckpt), "--trust_remote_code", "--export_path", str(out), "--calib_size", "2",
+            "--batch_size", "2", "--calib_seq", "16", *flags]
+    group = SimpleNamespace(rank=0, world_size=world_size, device=CPU)
+    return _preflight(PtqConfig.from_namespace(build_parser().parse_args(argv)), MODELOPT, group, ckpt, True)
+
+
+def test_hf_ptq_loads_with_the_preflight_resolution(tiny_ckpt: Path, tmp_path: Path, monkeypatch):
+    """``--experts auto`` is resolved once (the preflight, at the CLI's batch and sequence length) into the
+    run's ``DistributionPlan``: its residency an enum, its decode chunk set; the load takes that plan as it is.
+    A plan the run cannot make is refused by the preflight (before anything is loaded)."""
+    import modelopt_k3.load
+    from modelopt_k3.cli.hf_ptq import _load
+    from modelopt_k3.dist.plan import PlanError
+    from modelopt_k3.memory.planner import plan_memory
+
+    report = plan_memory(tiny_ckpt, world_size=1, batch_size=2, calib_seq=16, device="cpu",
+                         plans=[("whole", "replicated")])
+    bf16, packed = report.find("whole", "replicated", "bf16").peak, report.find("whole", "replicated", "packed").peak
+    assert packed < bf16
+    budget = (packed + bf16) / 2 / 2**30  # bf16 does not fit, packed does
     seen = []
-    monkeypatch.setattr(modelopt_k3.load, "load_pretrained", lambda path, **kw: seen.append(kw))
-    args = build_parser().parse_args(["--experts", "auto"])
-    packed = SimpleNamespace(residency=Residency.PACKED, decode_chunk=3)
-    refused = Estimate(Asked("whole", "replicated", Residency.BF16, 2), None, refused="plan 'whole' runs in one process")
-    for memory in (packed, refused):
-        _load(args, SimpleNamespace(memory=memory), Path("ckpt"), True, False)
-    assert [(kw["experts"], kw["decode_chunk"]) for kw in seen] == [("packed", 3), ("bf16", None)]
+    monkeypatch.setattr(modelopt_k3.load, "load_planned", lambda run, **kw: seen.append(run.distribution))
+    for flags, want in (((), Residency.BF16), (("--gpu_mem_gib", str(budget)), Residency.PACKED)):
+        ctx = _preflight(tiny_ckpt, tmp_path / "out", "--experts", "auto", *flags)
+        try:
+            plan = ctx.run_plan()
+        finally:
+            ctx.close()
+        assert type(plan.distribution.experts_residency) is Residency and plan.distribution.experts_residency is want
+        assert plan.distribution.decode_chunk == plan.memory.decode_chunk
+        assert plan.memory.plan.experts_residency is want
+        _load(plan, False)
+        assert seen[-1] is plan.distribution
+    with pytest.raises(PlanError, match="plan 'whole' runs in one process"):
+        _preflight(tiny_ckpt, tmp_path / "out", "--plan", "whole", world_size=2)

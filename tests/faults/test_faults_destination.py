@@ -184,7 +184,7 @@ def test_a_feature_adds_its_own_preflight_check(tiny_ckpt, tmp_path, run_tool, n
 
     @preflight.register_check("test: sees the context", after="export format")
     def _check(ctx: preflight.PreflightContext) -> None:
-        seen.append((ctx.checkpoint, ctx.export_path, ctx.recipe.name, ctx.args.qformat))
+        seen.append((ctx.checkpoint, ctx.export_path, ctx.recipe.name, ctx.config.qformat))
         raise preflight.PreflightError("test refusal; do something else")
 
     try:

@@ -24,13 +24,15 @@ def _ptq_args(src: Path, out: Path, *extra) -> list[str]:
 
 
 def _preflight(src: Path, out: Path):
+    import torch
+
     from modelopt_k3.cli.hf_ptq import _preflight as preflight
     from modelopt_k3.cli.hf_ptq import build_parser
-    from modelopt_k3.export.layouts import export_format
+    from modelopt_k3.export.layouts import MODELOPT
+    from modelopt_k3.runplan import PtqConfig
 
-    args = build_parser().parse_args(_ptq_args(src, out))
-    args.export_format = export_format(args.export_format)
-    return preflight(args, SimpleNamespace(rank=0, world_size=1), src, True)
+    config = PtqConfig.from_namespace(build_parser().parse_args(_ptq_args(src, out)))
+    return preflight(config, MODELOPT, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")), src, True)
 
 
 def test_two_runs_on_one_export_path_cannot_both_pass_the_preflight(tiny_ckpt, tmp_path, run_tool) -> None:

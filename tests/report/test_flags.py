@@ -8,10 +8,11 @@ import pytest
 
 from modelopt_k3.cli import hf_ptq
 from modelopt_k3.files.paths import DestinationError
+from modelopt_k3.runplan import PtqConfig
 
 
 def _args(*argv: str):
-    return hf_ptq.build_parser().parse_args(list(argv))
+    return PtqConfig.from_namespace(hf_ptq.build_parser().parse_args(list(argv)))
 
 
 @pytest.mark.parametrize(("argv", "world", "expected"), [

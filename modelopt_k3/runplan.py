@@ -1,0 +1,142 @@
+"""A PTQ run's settings and its plan: ``PtqConfig`` (what was asked, typed and frozen: parsed from the CLI or
+made in Python) and ``RunPlan`` (what the preflight decided from it, once, before any weight is read).
+
+The preflight (``preflight.py``) reads the checkpoint's config and headers once, and decides the model spec,
+the experts' source layout (is the source packed), the decision table, the distribution plan with its
+experts residency, and the memory estimate; ``RunPlan`` carries them. Load (``load_planned``), quantize
+(``table=``), export (``format=``), the report and the planner take what they need from it instead of
+deciding it again. torchtitan's habit: a typed config parsed once, one validated plan handed down.
+
+Torch-free at import (the CLI builds a ``PtqConfig`` before importing torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
+from .export.format_names import EXPORT_FORMAT_NAMES, ExportFormatName
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointReader
+    from .dist.plan import DistributionPlan
+    from .export.layouts import ExportFormat
+    from .memory.layout import CheckpointLayout
+    from .memory.planner import Estimate
+    from .quant.decisions import DecisionTable
+    from .recipe import Recipe
+    from .source_check import SourceLayout
+    from .spec import ModelSpec
+
+__all__ = ["PtqConfig", "RunPlan"]
+
+KV_CACHE_CHOICES = ("none", "fp8")
+DTYPE_CHOICES = (None, "bfloat16", "float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PtqConfig:
+    """``modelopt-k3-ptq``'s settings; the field names are the CLI's flags (``--calib_size`` -> ``calib_size``).
+
+    ``PtqConfig.from_namespace(build_parser().parse_args(argv))`` for a command line, or
+    ``PtqConfig(pyt_ckpt_path=..., qformat="fp8")`` from Python; values are checked on construction.
+    """
+
+    pyt_ckpt_path: Path | None = None  # None: the embedded tiny Kimi-K3 stand-in
+    qformat: str = "nvfp4"
+    recipe: str | None = None
+    kv_cache_qformat: str = "none"
+    calib_size: int = 32
+    batch_size: int = 4
+    calib_seq: int = 128
+    dataset: str = "builtin"
+    export_path: Path | None = None
+    trust_remote_code: bool = False
+    calibrate_all_experts: bool = False
+    eval_kl: int = 0
+    plan: str = "auto"
+    dense: str = "replicated"
+    ep_degree: int | None = None
+    experts: str = "auto"
+    gpu_mem_gib: float | None = None
+    dtype: str | None = None
+    overwrite: bool = False
+    export_format: ExportFormatName = ExportFormatName.MODELOPT
+    target_engines: str | None = None  # comma-separated engine names, as the flag spells them
+    max_shard_size_mb: int = 5 * 1024
+    allow_nonfinite_passthrough: bool = False
+    allow_unmatched: bool = False
+    report: str | None = None  # None: EXPORT/quant_report; "none": no report
+    report_heldout: int | None = None
+    min_expert_tokens: int = 1
+    uncovered_experts: str = "refuse"
+    debug: bool = False
+    no_progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("calib_size", "batch_size", "calib_seq", "max_shard_size_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("eval_kl", "min_expert_tokens", "report_heldout"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value}")
+        if self.ep_degree is not None and self.ep_degree < 1:
+            raise ValueError(f"ep_degree must be a positive integer, got {self.ep_degree}")
+        from .quant.coverage import POLICIES
+
+        for name, choices in (("plan", PLAN_KINDS), ("dense", DENSE_MODES), ("experts", EXPERTS_CHOICES),
+                              ("kv_cache_qformat", KV_CACHE_CHOICES), ("dtype", DTYPE_CHOICES),
+                              ("export_format", EXPORT_FORMAT_NAMES), ("uncovered_experts", POLICIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {list(choices)}")
+        object.__setattr__(self, "export_format", ExportFormatName(self.export_format))
+        for name in ("pyt_ckpt_path", "export_path"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
+
+    @classmethod
+    def from_namespace(cls, args: Any) -> PtqConfig:
+        """The config of parsed CLI arguments (``hf_ptq.build_parser().parse_args``)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(vars(args)) - names)
+        if unknown:  # a flag the config does not carry would be silently dropped
+            raise ValueError(f"PtqConfig has no field for {', '.join(unknown)}")
+        return cls(**vars(args))
+
+    @property
+    def calibrate_every_expert(self) -> bool:
+        """``--calibrate_all_experts``, also asked through ``--uncovered_experts calibrate_all``."""
+        return self.calibrate_all_experts or self.uncovered_experts == "calibrate_all"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything decided about one run before a weight is read, once, by the preflight (on every rank: its
+    own rank's plan). Stages take it (or the part they need) as an argument and never re-derive it."""
+
+    config: PtqConfig
+    checkpoint: Path
+    trust_remote_code: bool
+    export_path: Path
+    export_format: ExportFormat  # the registered format ``config.export_format`` names
+    raw_config: dict  # the checkpoint's config.json
+    spec: ModelSpec
+    reader: CheckpointReader  # the one reader of the source: its headers, read and checked once
+    source: SourceLayout  # the routed experts as stored (checked against config.json; packed or not)
+    layout: CheckpointLayout  # the memory planner's view of the same headers
+    recipe: Recipe
+    table: DecisionTable  # from the headers; quantize adds the shared-input groups (the model's code)
+    distribution: DistributionPlan  # validated, with its experts residency (an enum) and decode chunk
+    memory: Estimate  # the planner's estimate of ``distribution`` at this run's calibration shape
+    texts: list[str]  # the calibration texts
+    held_out: int = 0  # held-out sequences after the calibration ones (report / --eval_kl)
+    report_dir: Path | None = None  # where the quantization report goes (None: no report)
+
+    @property
+    def packed_source(self) -> bool:
+        """Whether the routed experts are stored MXFP4-packed (``source_check``: decided once)."""
+        return self.source.packed_experts
