@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("quant", ("modelopt_k3.quant",)),
     ("export", ("modelopt_k3.export",)),
     ("memory", ("modelopt_k3.memory",)),
+    ("plan", ("modelopt_k3.runplan",)),
     ("load", ("modelopt_k3.load",)),
     ("run", ("modelopt_k3.preflight", "modelopt_k3.memory.preflight", "modelopt_k3.convert", "modelopt_k3.report")),
     ("check", ("modelopt_k3.check",)),
