@@ -32,7 +32,7 @@ from .dist.plan import AUTO, DistributionPlan, Residency, decide_plan
 from .experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from .nonfinite import source_refusal, warn_passthrough
 from .numerics._slabs import run_slabs
-from .source_check import SourceLayout, check_config, check_dense, check_experts
+from .source_check import SourceLayout, check_config, check_dense, check_experts, check_present
 from .spec import ModelSpec, PrepareContext, get_spec
 from .spec.conversion import (
     decode_op,
@@ -372,18 +372,23 @@ def _fill_dense(
     return consumed
 
 
-def _fused_expert_params(model: nn.Module, spec: ModelSpec) -> set[str]:
-    """The fused parameters filled from per-expert tensors (the projections): not read by their own name. Other
-    sharded parameters (GPT-OSS's expert biases) are stored fused under their own name, so checked as stored."""
+def _sharded_expert_params(model: nn.Module, spec: ModelSpec) -> tuple[set[str], set[str]]:
+    """The experts' sharded parameters: (those filled from per-expert tensors, the projections, not read by
+    their own name; the others, e.g. GPT-OSS's expert biases, stored fused under their own name)."""
     fused = {proj.fused_param for proj in spec.experts.projections}
-    return {f"{name}.{p}" for name in spec.experts_modules(model) for p in spec.experts.sharded_params if p in fused}
+    names = {(f"{name}.{p}", p in fused) for name in spec.experts_modules(model) for p in spec.experts.sharded_params}
+    return {n for n, is_fused in names if is_fused}, {n for n, is_fused in names if not is_fused}
 
 
 def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
     dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys}
     converted = {name: tuple(keys.values())
                  for name, (_, keys) in _plan_dense_conversions(reader, spec.loading.dense_converters).items()}
-    check_dense(persistent_tensors(model), dense, skip=_fused_expert_params(model, spec), converted=converted)
+    fused, stored_fused = _sharded_expert_params(model, spec)
+    # The stored-fused ones hold this rank's rows only (a placement): their shapes are checked as their rows
+    # are read; here that each is stored at all (a missing expert bias is refused, not left unwritten).
+    check_dense(persistent_tensors(model), dense, skip=fused | stored_fused, converted=converted)
+    check_present(stored_fused, dense)
 
 
 def _build_on_meta(
@@ -548,7 +553,7 @@ def load_planned(run: RunPlan, *, progress: bool = True) -> nn.Module:
     src = run_together("load: check the checkpoint", _planned_source, run, group=group)
     dtype = getattr(torch, run.config.dtype) if run.config.dtype else _config_dtype(src.config)
     if run.distribution.expert_parallel:
-        from .dist.a2a import register_torch_a2a
+        from .experts.dispatch import register_torch_a2a
 
         register_torch_a2a()
     return _load_with_plan(run.checkpoint, src, run.distribution, dtype, group, progress,

@@ -190,6 +190,13 @@ def check_dense(
            " (unexpected: tensors the model has no place for)" if unexpected else "")
 
 
+def check_present(names: Iterable[str], tensors: Mapping[str, TensorMeta]) -> None:
+    """Each of ``names`` is stored (tensors read by rows, e.g. a placed rank's expert biases, whose shapes are
+    checked as their rows are read): a missing one is refused like a missing dense tensor."""
+    _raise("the checkpoint does not match the model built from config.json", [n for n in names if n not in tensors],
+           [], [], "")
+
+
 def check_dense_against_config(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> None:
     """The dense tensors whose shapes config.json fixes (``spec.source_check.dense_layout``), without building the model:
     the converter's check when it runs no remote code (``load_pretrained`` checks against the model itself)."""

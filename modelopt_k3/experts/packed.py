@@ -79,9 +79,6 @@ class PackedLayout:
     def decoded_bytes(self, experts: int = 1) -> int:
         return experts * self.out_features * self.in_features * torch.empty((), dtype=self.dtype).element_size()
 
-    def packed_bytes(self, experts: int = 1) -> int:
-        return experts * self.out_features * (self.in_features // 2 + self.in_features // self.block_size)
-
 
 class DecodeWorkspace:
     """Reusable decode buffers, one per fused parameter shape, shared by every packed experts module of a

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from .drivers.stub_list import STUBS
-from .verdict import cpu_limit, observed_verdict
+from .verdict import cpu_limit
 
 SCHEMA = 1
 
@@ -43,14 +43,6 @@ def _strip_tracebacks(value):
     if isinstance(value, dict):
         return {k: _strip_tracebacks(v) for k, v in value.items() if k != "traceback"}
     return value
-
-
-def rederive(doc: dict) -> dict:
-    """The observed verdicts again from the recorded observations (after the rules that read them change)."""
-    for row in doc["cells"]:
-        for r in row["observed"].values():
-            r["verdict"] = observed_verdict(r)
-    return doc
 
 
 GENERATED_SECTIONS = ("## Verdicts: check vs engine", "## Cells", "## Stubs (the GPU-only pieces replaced on CPU)")
@@ -202,21 +194,3 @@ def markdown(doc: dict) -> str:
         lines += [f"- `{s['name']}`: {s['why']}" for s in doc["stubs"][e]]
         lines.append("")
     return "\n".join(lines)
-
-
-def compare_runs(before: dict, after: dict, *, title: str) -> str:
-    """Markdown: the cells whose check verdict or engine observation differs between two matrix runs."""
-    old = {r["id"]: r for r in before["cells"]}
-    lines = [f"## {title}", "", "| cell | engine | check before -> after | engine before -> after |", "|---|---|---|---|"]
-    for row in after["cells"]:
-        prev = old.get(row["id"])
-        for e in after["engines"]:
-            if prev is None:
-                lines.append(f"| `{row['id']}` | {e} | (new cell) -> {row['check'][e]['verdict']} | "
-                             f"(new cell) -> {row['observed'][e].get('verdict')} |")
-                continue
-            c0, c1 = prev["check"][e]["verdict"], row["check"][e]["verdict"]
-            o0, o1 = prev["observed"].get(e, {}).get("verdict"), row["observed"][e].get("verdict")
-            if c0 != c1 or o0 != o1:
-                lines.append(f"| `{row['id']}` | {e} | {c0} -> {c1} | {o0} -> {o1} |")
-    return "\n".join(lines) + "\n"
