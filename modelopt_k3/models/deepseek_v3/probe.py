@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...spec.probe import random_probe_model
+
 _WIDTHS = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16,
            "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4,
@@ -36,10 +38,4 @@ def tiny_config(config: Any) -> Any:
 
 def probe_model(model_cls: type, config: Any, device: torch.device) -> tuple[nn.Module, str]:
     """(tiny model in fp32 on ``device`` with small random weights, prefix of its names in the checkpoint)."""
-    with torch.device("cpu"):
-        model = model_cls(tiny_config(config)).float().eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-    return model.to(device), ""
+    return random_probe_model(lambda: model_cls(tiny_config(config)), device), ""

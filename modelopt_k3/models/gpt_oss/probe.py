@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from transformers import GptOssForCausalLM
 
+from ...spec.probe import random_probe_model
+
 _WIDTHS = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
            "num_hidden_layers": 2, "use_cache": False}
@@ -31,10 +33,4 @@ def probe_model(model_cls: type, config: Any, device: torch.device) -> tuple[nn.
             setattr(tiny, token, tiny.vocab_size - 1)
     tiny._attn_implementation = "eager"
     tiny._experts_implementation = "eager"  # not the run's (an expert-parallel route needs a placement)
-    with torch.device("cpu"):
-        model = GptOssForCausalLM(tiny).float().eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-    return model.to(device), ""
+    return random_probe_model(lambda: GptOssForCausalLM(tiny), device), ""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...spec.probe import random_probe_model
 from .prepare import BLOCK_CLASS, find_block_module
 from .shims import apply_class_shims
 
@@ -79,10 +80,6 @@ def probe_model(model_cls: type, config: Any, device: torch.device) -> tuple[nn.
     # The converter probes without a prepare: the hub code's transformers-4-era calls need the shims here too.
     apply_class_shims(model_cls)
     text_cls = getattr(sys.modules[model_cls.__module__], TEXT_CLASS)
-    with _unpatched_block(model_cls), torch.device("cpu"):
-        model = text_cls(tiny_text_config(config)).float().eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():  # the remote _init_weights leaves garbage: routing needs finite values
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-    return model.to(device), TEXT_PREFIX
+    with _unpatched_block(model_cls):
+        model = random_probe_model(lambda: text_cls(tiny_text_config(config)), device)
+    return model, TEXT_PREFIX

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...spec.probe import random_probe_model
 from .layout import moe_layers
 
 _WIDTHS = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16,
@@ -41,10 +42,4 @@ def tiny_config(config: Any) -> Any:
 
 def probe_model(model_cls: type, config: Any, device: torch.device) -> tuple[nn.Module, str]:
     """(tiny model in fp32 on ``device`` with small random weights, prefix of its names in the checkpoint)."""
-    with torch.device("cpu"):
-        model = model_cls(tiny_config(config)).float().eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-    return model.to(device), ""
+    return random_probe_model(lambda: model_cls(tiny_config(config)), device), ""
