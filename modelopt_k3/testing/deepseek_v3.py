@@ -23,7 +23,6 @@ tests (what transformers' own model must be given to equal ours).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterator
@@ -34,10 +33,9 @@ import torch
 
 from ..numerics.fp8 import fp8_quantize_blockwise
 from ..numerics.int4_packed import int4_pack
-from .tiny import _tensor_generator, _write_shards, fresh_dir
-from .tokenizer import make_byte_tokenizer
+from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, _tensor_generator, fresh_dir, write_stand_in
+from .tokenizer import calibration_token_ids as calibration_token_ids
 
-BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, MEDIA_TOKEN_ID = 256, 257, 258, 259
 SOURCES = ("block_fp8", "int4", "bf16")
 INT4_GROUP = 32
 
@@ -207,16 +205,5 @@ def make_tiny_deepseek_v3(
         ignore = sorted({k.removesuffix(".weight") for k, _ in tensors if k.endswith(".weight")
                          and (_LINEAR_RE.search(k) or k == "lm_head.weight")})
         config["quantization_config"] = int4_quantization_config(ignore)
-    index = _write_shards(tensors, path, max_shard_size)
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    make_byte_tokenizer(path, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,
-                        media_token_id=MEDIA_TOKEN_ID, vocab_size=s["vocab_size"])
-    return path
+    return write_stand_in(path, tensors, config, vocab_size=s["vocab_size"], max_shard_size=max_shard_size)
 
-
-def calibration_token_ids(num: int = 4, seq: int = 32, seed: int = 1234, vocab: int = 256) -> torch.Tensor:
-    """``[num, seq]`` byte-token ids for calibration and logits checks."""
-    return torch.randint(0, vocab, (num, seq), generator=torch.Generator().manual_seed(seed))

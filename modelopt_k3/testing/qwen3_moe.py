@@ -15,7 +15,6 @@ magnitude of their pair, so a shared gate/up ``weight_scale_2`` taken from one p
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterator
@@ -24,10 +23,8 @@ from typing import Any
 
 import torch
 
-from .tiny import _tensor_generator, _write_shards, fresh_dir
-from .tokenizer import make_byte_tokenizer
-
-BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, MEDIA_TOKEN_ID = 256, 257, 258, 259
+from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, _tensor_generator, fresh_dir, write_stand_in
+from .tokenizer import calibration_token_ids as calibration_token_ids
 
 # Small, but every dim a multiple of 16 (NVFP4 block) and the head count GQA (4 query / 2 KV heads).
 QWEN3_MOE_TINY_DEFAULTS: dict[str, Any] = {
@@ -142,16 +139,5 @@ def make_tiny_qwen3_moe(
     s = _resolve_sizes(sizes)
     config = checkpoint_config(s)
     tensors = list(_checkpoint_tensors(_meta_model(config), seed))
-    index = _write_shards(tensors, path, max_shard_size)
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    make_byte_tokenizer(path, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,
-                        media_token_id=MEDIA_TOKEN_ID, vocab_size=s["vocab_size"])
-    return path
+    return write_stand_in(path, tensors, config, vocab_size=s["vocab_size"], max_shard_size=max_shard_size)
 
-
-def calibration_token_ids(num: int = 4, seq: int = 32, seed: int = 1234, vocab: int = 256) -> torch.Tensor:
-    """``[num, seq]`` byte-token ids, the calibration both this project and the golden's ModelOpt run see."""
-    return torch.randint(0, vocab, (num, seq), generator=torch.Generator().manual_seed(seed))

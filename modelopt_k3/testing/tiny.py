@@ -446,6 +446,22 @@ def _write_shards(
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
+def write_stand_in(path: Path, tensors: list[tuple[str, torch.Tensor]], config: dict[str, Any], *, vocab_size: int,
+                   max_shard_size: int | None, sort_config_keys: bool = False) -> Path:
+    """What every transformers-class stand-in writes: its shards and index, ``config.json``,
+    ``generation_config.json`` and the byte tokenizer (the token ids above)."""
+    from .tokenizer import make_byte_tokenizer
+
+    index = _write_shards(tensors, path, max_shard_size)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=sort_config_keys) + "\n")
+    generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    make_byte_tokenizer(path, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,
+                        media_token_id=MEDIA_TOKEN_ID, vocab_size=vocab_size)
+    return path
+
+
 def _shard_units(tensors: list[tuple[str, torch.Tensor]], whole_experts: bool) -> list[list[tuple[str, torch.Tensor]]]:
     """What a shard boundary may not cut: each tensor alone, or (``whole_experts``) each routed expert's
     consecutive tensors together, as the real release stores them (ModelOpt's own converter needs w1

@@ -15,7 +15,6 @@ differs from the right one (as ``tiny.raised_gate_up_expert`` does for Kimi-K3).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,15 @@ import torch
 from modelopt_k3.testing.tiny import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
-    MEDIA_TOKEN_ID,
     MXFP4_GROUP,
     PAD_TOKEN_ID,
     _dense_value,
     _mxfp4_expert_weight,
     _tensor_generator,
-    _write_shards,
     fresh_dir,
     raised_gate_up_expert,
+    write_stand_in,
 )
-from modelopt_k3.testing.tokenizer import make_byte_tokenizer
 
 TINY_GPT_OSS_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
@@ -133,14 +130,8 @@ def make_tiny_gpt_oss(
     with torch.device("meta"):
         model = GptOssForCausalLM(config)
     tensors = list(_checkpoint_tensors(model, seed, config.num_local_experts))
-    index = _write_shards(tensors, path, max_shard_size)
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     raw = config.to_dict()
     raw["architectures"] = ["GptOssForCausalLM"]
     raw["quantization_config"] = gpt_oss_quantization_config()
-    (path / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    make_byte_tokenizer(path, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,
-                        media_token_id=MEDIA_TOKEN_ID, vocab_size=config.vocab_size)
-    return path
+    return write_stand_in(path, tensors, raw, vocab_size=config.vocab_size, max_shard_size=max_shard_size,
+                          sort_config_keys=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 BOS, EOS, PAD, MEDIA = "<|bos|>", "<|eos|>", "<|pad|>", "<|media_pad|>"
@@ -61,3 +62,9 @@ def make_byte_tokenizer(
         model_max_length=4096,
     )
     fast.save_pretrained(str(path))
+
+
+def calibration_token_ids(num: int = 4, seq: int = 32, seed: int = 1234, vocab: int = 256) -> torch.Tensor:
+    """``[num, seq]`` byte-token ids, seeded: the calibration and logits checks of the transformers-class
+    stand-ins (and the tokens the Qwen3-MoE golden's ModelOpt run sees)."""
+    return torch.randint(0, vocab, (num, seq), generator=torch.Generator().manual_seed(seed))
