@@ -434,13 +434,11 @@ class CheckpointReader:
             self._infos.update(shard.tensors)
             digest.update(f"{file}\0{shard.size}\0".encode())
             digest.update(shard.raw)
-        self.stored: Mapping[str, TensorInfo] = MappingProxyType(self._infos)  # as stored, before any view
         view = _view_for(self.path)
         self._stored = self._infos
         if view is not None:
-            stored = self._infos
-            self._infos = view(stored)
-            self._virtual = frozenset(k for k in self._infos if k not in stored)
+            self._infos = view(self._stored)
+            self._virtual = frozenset(k for k in self._infos if k not in self._stored)
         return digest.hexdigest()
 
     def __enter__(self) -> CheckpointReader:
