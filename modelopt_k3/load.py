@@ -104,16 +104,17 @@ def _config_dtype(config) -> torch.dtype:
 
 
 def _plan_expert_reads(
-    reader: CheckpointReader, spec: ModelSpec, converters: list, local: dict[str, range]
+    reader: CheckpointReader, spec: ModelSpec, converters: list, local: dict[str, range], keys=None
 ) -> tuple[dict[str, dict[str, dict[int, str]]], set[str]]:
-    """target fused param -> source pattern -> {expert id: key}, for the experts in ``local[module]`` only.
+    """target fused param -> source pattern -> {expert id: key}, for the experts in ``local[module]`` only
+    (``keys``: the source keys to consider, default all).
 
     Returns the plan and the set of expert keys that belong to other ranks (neither read nor unexpected).
     """
     key_re = re.compile(spec.experts.key_regex)
     reads: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
     foreign: set[str] = set()
-    for key in reader.names():
+    for key in reader.names() if keys is None else keys:
         m = key_re.match(key)
         if m is None:
             continue
@@ -140,11 +141,13 @@ def _fill_experts(
     converters: list,
     experts: dict[str, nn.Module],
     progress: tqdm,
+    keys=None,
 ) -> tuple[set[str], set[str]]:
-    """Fill every fused experts parameter with this rank's experts; returns (keys read, targets filled)."""
+    """Fill every fused experts parameter of ``experts`` with this rank's experts (``keys``: the source keys
+    that can hold them, default all); returns (keys read, targets filled)."""
     # Global ids this rank holds per module: its EP block, or the rows of its FSDP2 shard.
     ranges = {name: local_experts(module, spec) for name, module in experts.items()}
-    reads, foreign = _plan_expert_reads(reader, spec, converters, ranges)
+    reads, foreign = _plan_expert_reads(reader, spec, converters, ranges, keys)
     consumed: set[str] = set()
     filled: set[str] = set()
     for conv in converters:
@@ -306,11 +309,12 @@ def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _plan_dense_conversions(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[object, dict[str, str]]]:
+def _plan_dense_conversions(reader: CheckpointReader, converters: tuple,
+                            keys=None) -> dict[str, tuple[object, dict[str, str]]]:
     """target name -> (converter, {source pattern: source key}) for the dense tensors a spec converter takes
-    (one key, or several, e.g. a block-FP8 ``weight`` and its ``weight_scale_inv``)."""
+    (one key, or several, e.g. a block-FP8 ``weight`` and its ``weight_scale_inv``); ``keys``: default all."""
     plan: dict[str, tuple[object, dict[str, str]]] = {}
-    for key in reader.names():
+    for key in reader.names() if keys is None else keys:
         for conv in converters:
             target, pattern = conv.rename_source_key(key)
             if pattern is not None:
@@ -325,9 +329,7 @@ def _plan_dense_conversions(reader: CheckpointReader, converters: tuple) -> dict
 def decoded_dense(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[str, ...]]:
     """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
     the source keys they consume: the export writes them from the model, never by copying those keys."""
-    plan = _plan_dense_conversions(reader, converters)
-    return {target: tuple(sorted(keys.values())) for target, (conv, keys) in plan.items()
-            if decode_op(conv) is not None and len(keys) > 1}
+    return decoded_dense_within(reader, converters, None)
 
 
 def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model: nn.Module, conversion) -> tuple[torch.Tensor, str]:
@@ -354,13 +356,16 @@ def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model
 
 
 def _fill_dense(
-    model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm
+    model: nn.Module, reader: CheckpointReader, skip: set[str], info: LoadInfo, progress: tqdm,
+    scope: LoadScope | None = None,
 ) -> set[str]:
-    """Copy every dense parameter and buffer from its checkpoint tensor (``check_dense`` has matched them)."""
+    """Copy every dense parameter and buffer (of ``scope``, default all) from its checkpoint tensor
+    (``check_dense`` has matched them)."""
     consumed: set[str] = set()
-    conversions = _plan_dense_conversions(reader, info.spec.loading.dense_converters)
+    conversions = _plan_dense_conversions(reader, info.spec.loading.dense_converters,
+                                          None if scope is None else scope.keys)
     for name, tensor in persistent_tensors(model).items():
-        if name in skip:
+        if name in skip or (scope is not None and not scope.holds(name)):
             continue
         conversion = conversions.get(name)
         src, key = _read_dense(name, tensor, reader, model, conversion)
@@ -437,17 +442,23 @@ def check_against_model(path: str | Path, source: SourceLayout) -> None:
         _check_against_model(model, spec, reader, source)
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> None:
-    """``to_empty`` for the parameters built on meta; buffers built for real keep their values.
+def materialize(model: nn.Module, device: torch.device | str, scope: LoadScope | None = None) -> None:
+    """``to_empty`` for the parameters built on meta (of the modules in ``scope``, default all); buffers
+    built for real keep their values.
 
     ``to_empty`` replaces every tensor, buffers included, with uninitialised memory; the real buffers
     (non-persistent ones such as a sin-cos table, which no checkpoint holds) are copied back onto ``device``.
     """
     kept = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
-    model.to_empty(device=device)
+    if scope is None:
+        model.to_empty(device=device)
+    else:
+        for name, module in model.named_modules():
+            if scope.holds(name):
+                module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         for name, buf in model.named_buffers():
-            if name in kept:
+            if name in kept and (scope is None or scope.holds(name)):
                 buf.copy_(kept[name])
 
 
@@ -691,3 +702,154 @@ def _packed_fields(experts: dict[str, nn.Module]) -> set[str]:
     """Names of the packed experts' codes and scales buffers (filled with the experts, not as dense tensors)."""
     return {f"{n}.{name}" for n, m in experts.items() if is_packed(m)
             for lay in m.packed_layouts.values() for name in (lay.qdata_name, lay.scale_name)}
+
+
+# --------------------------------------------------------------------------- layerwise (modelopt_k3.layerwise)
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@dataclass(frozen=True)
+class LoadScope:
+    """The part of a model one layerwise read fills: module and tensor names under ``inside`` and not under
+    ``outside``, and the source keys that can hold them (None: all)."""
+
+    inside: tuple[str, ...]
+    outside: tuple[str, ...] = ()
+    keys: tuple[str, ...] | None = None
+
+    def holds(self, name: str) -> bool:
+        return _under(name, self.inside) and not _under(name, self.outside)
+
+
+def keys_by_layer(names, layers: list[str]) -> dict[str | None, tuple[str, ...]]:
+    """Source keys grouped by the decoder layer whose name prefixes them (None: outside every layer)."""
+    wanted = set(layers)
+    grouped: dict[str | None, list[str]] = {name: [] for name in layers}
+    grouped[None] = []
+    for key in names:
+        parts = key.split(".")
+        layer = next((p for p in (".".join(parts[:n]) for n in range(1, len(parts))) if p in wanted), None)
+        grouped[layer].append(key)
+    return {layer: tuple(keys) for layer, keys in grouped.items()}
+
+
+class LayerwiseLoad:
+    """A planned load one decoder layer at a time (``--layerwise``; ``modelopt_k3.layerwise`` drives it).
+
+    The placed model is built on meta and checked against the headers as ``load_planned`` does; what lies
+    outside the decoder layers (embeddings, final norm, ``lm_head``, the vision tower) is materialised and
+    read at once; ``read_layer`` materialises and reads one layer (this rank's experts and dense tensors,
+    nothing else), ``release_layer`` returns its tensors to meta. ``finish`` refuses source tensors no read
+    consumed, as a resident load does at its end.
+    """
+
+    def __init__(self, run: RunPlan, *, progress: bool = True) -> None:
+        group = current_group()
+        if run.distribution.fsdp_sharded:
+            raise ValueError("layerwise loading reads whole layers per rank; FSDP2-sharded plans are not supported")
+        src = run_together("load: check the checkpoint", _planned_source, run, group=group)
+        if run.distribution.expert_parallel:
+            from .experts.dispatch import register_torch_a2a
+
+            register_torch_a2a()
+        plan = run.distribution
+        self.dtype = getattr(torch, run.config.dtype) if run.config.dtype else _config_dtype(src.config)
+        placement = plan.build_placement()
+        self._converters = _prepare(src, run.checkpoint, plan)
+        model = _build_on_meta(src.model_cls, src.config, self.dtype, src.reader, src.spec, placement.experts)
+        run_together("load: check the checkpoint against the model", _check_against_model, model, src.spec,
+                     src.reader, src.layout, group=group)
+        if plan.experts_residency is Residency.PACKED:
+            _pack_experts(model, src.spec)
+        set_experts_implementation(model, src.spec, plan)
+        self.model, self.reader, self.progress = model, src.reader, progress
+        self.layers = list(src.spec.decoder_layers(model))
+        if not self.layers:
+            raise ValueError(f"model_type {src.spec.model_type} names no decoder layers (ReportSpec.decoder_layer_regex)")
+        self._keys = keys_by_layer(src.reader.names(), self.layers)
+        self._consumed: set[str] = set()
+        self._allow_nonfinite = run.config.allow_nonfinite_passthrough
+        self.info = LoadInfo(checkpoint=run.checkpoint, spec=src.spec, plan=plan, placement=placement,
+                             model_cls=src.model_cls, packed_experts=src.layout.packed_experts, _source=src.reader)
+        outside = LoadScope(("",), tuple(self.layers), self._keys[None])
+        materialize(model, plan.device, outside)
+        tie_as_stored(model, src.reader)
+        self._read(outside, "outside the decoder layers")
+        model.eval()
+        model.modelopt_k3 = self.info
+
+    def read_layer(self, name: str) -> None:
+        scope = LoadScope((name,), keys=self._keys[name])
+        materialize(self.model, self.info.plan.device, scope)
+        self._read(scope, name)
+
+    def release_layer(self, name: str) -> None:
+        """Every persistent tensor of layer ``name`` back to meta; quantizers (``is_quantizer_state``) keep theirs."""
+        release_tensors(self.model.get_submodule(name))
+
+    def skip_layer(self, name: str) -> None:
+        """A layer whose export an earlier run completed (a resume): its source keys count as consumed."""
+        self._consumed.update(self._keys[name])
+
+    def finish(self) -> None:
+        unexpected = set(self.reader.names()) - self._consumed
+        if unexpected:
+            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
+
+    def _read(self, scope: LoadScope, what: str) -> None:
+        run_together(f"load {what}", self._read_scope, scope, what, group=current_group())
+
+    def _read_scope(self, scope: LoadScope, what: str) -> None:
+        info, spec, reader, model = self.info, self.info.spec, self.reader, self.model
+        experts = {n: m for n, m in spec.experts_modules(model).items() if scope.holds(n)}
+        tensors = [n for n in persistent_tensors(model) if scope.holds(n)]
+        with reader, tqdm(total=len(tensors), desc=f"load {what}", disable=not self.progress, leave=False) as bar:
+            consumed_experts, filled = _fill_experts(model, reader, spec, self._converters, experts, bar, scope.keys)
+            unfilled = [f"{n}.{p}" for n in experts for p in spec.experts.sharded_params if f"{n}.{p}" not in filled]
+            if unfilled:
+                raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
+            consumed = consumed_experts | _fill_dense(model, reader, filled | _packed_fields(experts), info, bar,
+                                                      scope)
+        self._consumed |= consumed
+        info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
+        info.decoded_dense.update(decoded_dense_within(reader, spec.loading.dense_converters, scope.keys))
+        if reader.log.invalid and not self._allow_nonfinite:
+            raise source_refusal(reader.log.invalid)
+        new = {k: v for k, v in reader.log.invalid.items() if k not in info.nonfinite}
+        warn_passthrough(new)
+        info.nonfinite.update(new)
+
+
+def decoded_dense_within(reader: CheckpointReader, converters: tuple, keys) -> dict[str, tuple[str, ...]]:
+    """``decoded_dense`` restricted to the source keys ``keys`` (None: all)."""
+    plan = _plan_dense_conversions(reader, converters, keys)
+    return {target: tuple(sorted(k.values())) for target, (conv, k) in plan.items()
+            if decode_op(conv) is not None and len(k) > 1}
+
+
+def is_quantizer_state(module: nn.Module) -> bool:
+    """Quantizer modules: what calibration decided, kept when a layer's weights are released."""
+    from .quant.modules import ExpertsQuantState
+    from .quant.quantizer import TensorQuantizer
+
+    return isinstance(module, (TensorQuantizer, ExpertsQuantState))
+
+
+def release_tensors(root: nn.Module) -> None:
+    """Replace every parameter and persistent buffer under ``root`` (not under a quantizer) by a meta tensor."""
+    skip: list[str] = []
+    for name, module in root.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        if is_quantizer_state(module):
+            skip.append(name)
+            continue
+        for pname, param in list(module._parameters.items()):
+            if param is not None and not param.is_meta:
+                module._parameters[pname] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+        for bname, buf in list(module._buffers.items()):
+            if buf is not None and not buf.is_meta and bname not in module._non_persistent_buffers_set:
+                module._buffers[bname] = torch.empty_like(buf, device="meta")

@@ -62,6 +62,7 @@ class PreflightContext:
     layout: Any = None  # memory.layout.CheckpointLayout of the same headers
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
     memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py)
+    layerwise: Any = None  # runplan.LayerwiseSettings, None for a resident run
     notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # what ``close`` undoes (the export lock)
 
@@ -78,7 +79,7 @@ class PreflightContext:
             raise RuntimeError(f"the preflight did not decide {', '.join(missing)}: were all its checks run?")
         return RunPlan(self.config, self.checkpoint, self.trust_remote_code, self.export_path, self.export_format,
                        self.raw_config, self.spec, self.reader, self.source, self.layout, self.recipe, self.table,
-                       self.distribution, self.memory, self.texts or [], **decided)
+                       self.distribution, self.memory, self.texts or [], layerwise=self.layerwise, **decided)
 
 
 @dataclass(frozen=True)
@@ -310,3 +311,37 @@ def _distribution_plan(ctx: PreflightContext) -> None:
         world_size=ctx.world_size, device=ctx.device or torch.device("cpu"), ep_degree=cfg.ep_degree,
         dense=cfg.dense, dtype=getattr(torch, cfg.dtype) if cfg.dtype else _config_dtype(ctx.raw_config),
     )
+
+
+@register_check("layerwise", after="distribution plan")
+def _layerwise(ctx: PreflightContext) -> None:
+    """``--layerwise`` (or the recipe's ``algorithm.layerwise``), decided once; refused where a layerwise run
+    cannot do what was asked: FSDP2-sharded layers, the held-out passes (they need the whole model), a resume
+    directory inside the source or the export."""
+    from .files.paths import refuse_overlap
+    from .runplan import layerwise_settings
+
+    cfg = ctx.config
+    try:
+        ctx.layerwise = layerwise_settings(cfg, ctx.recipe)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+    if ctx.layerwise is None:
+        return
+    if ctx.distribution.fsdp_sharded:
+        raise PreflightError(f"--layerwise reads whole layers per rank; the plan {ctx.distribution.describe()} "
+                             "shards them with FSDP2: use --plan expert_parallel with --dense replicated, or --plan whole")
+    if cfg.eval_kl or cfg.report_heldout:
+        raise PreflightError("--eval_kl and --report_heldout run the whole model on held-out data, which a "
+                             "--layerwise run never holds; leave them out (the report is not written either)")
+    if cfg.report not in (None, "none"):
+        raise PreflightError("--report: a --layerwise run writes no quantization report yet (its weight statistics "
+                             "need every layer resident); leave --report out")
+    ckpt = ctx.layerwise.checkpoint_dir
+    if ckpt is not None:
+        refuse_overlap(ctx.checkpoint, ckpt, flag="--layerwise_checkpoint_dir")
+        export = Path(ctx.export_path).absolute().resolve()
+        here = Path(ckpt).absolute().resolve()
+        if here == export or export in here.parents or here in export.parents:
+            raise PreflightError(f"--layerwise_checkpoint_dir {ckpt} overlaps the export path {ctx.export_path}; "
+                                 "choose a directory beside it")

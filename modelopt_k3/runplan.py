@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .source_check import SourceLayout
     from .spec import ModelSpec
 
-__all__ = ["PtqConfig", "RunPlan"]
+__all__ = ["LayerwiseSettings", "PtqConfig", "RunPlan", "layerwise_settings"]
 
 KV_CACHE_CHOICES = ("none", "fp8")
 DTYPE_CHOICES = (None, "bfloat16", "float32")
@@ -73,6 +73,8 @@ class PtqConfig:
     report_heldout: int | None = None
     min_expert_tokens: int = 1
     uncovered_experts: str = "refuse"
+    layerwise: bool = False  # also a recipe's algorithm.layerwise.enable
+    layerwise_checkpoint_dir: Path | None = None  # also algorithm.layerwise.checkpoint_dir
     debug: bool = False
     no_progress: bool = False
 
@@ -94,7 +96,7 @@ class PtqConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {list(choices)}")
         object.__setattr__(self, "export_format", ExportFormatName(self.export_format))
-        for name in ("pyt_ckpt_path", "export_path"):
+        for name in ("pyt_ckpt_path", "export_path", "layerwise_checkpoint_dir"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
 
@@ -111,6 +113,25 @@ class PtqConfig:
     def calibrate_every_expert(self) -> bool:
         """``--calibrate_all_experts``, also asked through ``--uncovered_experts calibrate_all``."""
         return self.calibrate_all_experts or self.uncovered_experts == "calibrate_all"
+
+
+@dataclass(frozen=True)
+class LayerwiseSettings:
+    """A run's layerwise choice (``--layerwise`` or the recipe's ``algorithm.layerwise``), decided once."""
+
+    checkpoint_dir: Path | None  # None: a temporary directory, removed when the run ends
+    qdq_inputs: bool  # each layer's inputs from the quantized layers before it (GPTQ), else unquantized
+
+
+def layerwise_settings(config: PtqConfig, recipe: Recipe) -> LayerwiseSettings | None:
+    """The layerwise settings of ``config`` with ``recipe`` (the flags win over the recipe), None: resident."""
+    lw = recipe.algorithm.layerwise
+    if not (config.layerwise or lw.enable):
+        if config.layerwise_checkpoint_dir is not None:
+            raise ValueError("--layerwise_checkpoint_dir needs --layerwise (or the recipe's layerwise.enable: true)")
+        return None
+    ckpt = config.layerwise_checkpoint_dir or (Path(lw.checkpoint_dir) if lw.checkpoint_dir else None)
+    return LayerwiseSettings(ckpt, recipe.algorithm.qdq_inputs())
 
 
 @dataclass(frozen=True)
@@ -134,6 +155,7 @@ class RunPlan:
     memory: Estimate  # the planner's estimate of ``distribution`` at this run's calibration shape
     texts: list[str]  # the calibration texts
     held_out: int = 0  # held-out sequences after the calibration ones (report / --eval_kl)
+    layerwise: LayerwiseSettings | None = None  # one decoder layer at a time (None: resident)
     report_dir: Path | None = None  # where the quantization report goes (None: no report)
 
     @property

@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "of refusing; a quantized one is always refused")
     p.add_argument("--allow_unmatched", action="store_true",
                    help="run even if a recipe pattern matches no module of the checkpoint (refused by default: a typo)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="calibrate one decoder layer at a time, each read from the checkpoint when its turn comes "
+                        "and released once its export is written (peak memory: one layer, not the model); "
+                        "max calibration gives the resident run's export byte for byte")
+    p.add_argument("--layerwise_checkpoint_dir", type=Path, default=None, metavar="DIR",
+                   help="with --layerwise: commit every completed layer here, per rank; the same command run "
+                        "again resumes at the first incomplete layer (another source, recipe, world size, plan "
+                        "or token set is refused)")
     _add_report_flags(p)
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
@@ -200,9 +208,14 @@ def run(config: PtqConfig | argparse.Namespace) -> int:
         try:
             for note in ctx.notes:
                 say(f"[modelopt_k3] {note}")
-            report_dir = run_together("report path", _report_dir, config, ctx.export_path, ckpt, group=group)
+            # A layerwise run never holds the whole model: no held-out passes, no report (the preflight refused
+            # asking for them).
+            resident = ctx.layerwise is None
+            report_dir = run_together("report path", _report_dir, config, ctx.export_path, ckpt,
+                                      group=group) if resident else None
             # Decided once, with the preflight's decisions: the stages below take the plan.
-            plan = ctx.run_plan(held_out=_held_out_count(config, group.world_size), report_dir=report_dir)
+            plan = ctx.run_plan(held_out=_held_out_count(config, group.world_size) if resident else 0,
+                                report_dir=report_dir)
             return _after_preflight(plan, group, say, progress, t0)
         finally:
             ctx.close()  # the export path's lock (rank 0), however the run ends
@@ -215,6 +228,8 @@ def _after_preflight(plan: RunPlan, group, say, progress: bool, t0: float) -> in
 
     config = plan.config
     sequences = run_together("calibration data", _calibration_sequences, plan, group=group)
+    if plan.layerwise is not None:
+        return _layerwise(plan, sequences, group, say, progress, t0)
     model = _load(plan, progress)
     t_load = time.perf_counter()
     say(f"[modelopt_k3] loaded {plan.checkpoint} ({model.modelopt_k3.plan.describe()}), read "
@@ -230,6 +245,19 @@ def _after_preflight(plan: RunPlan, group, say, progress: bool, t0: float) -> in
     # could no longer index MXFP4-sourced experts' scales; the report reads the weights before it.
     run_together("held-out evaluation and report", _evaluate_and_report, plan, model, out, sequences, coverage,
                  group, say, group=group)
+    return _check_served(plan, out, say) if group.is_main else 0
+
+
+def _layerwise(plan: RunPlan, sequences, group, say, progress: bool, t0: float) -> int:
+    """``--layerwise``: load, calibrate and export one decoder layer at a time (``modelopt_k3.layerwise``)."""
+    from ..data import rank_batches
+    from ..layerwise import run_layerwise
+
+    batches = rank_batches(sequences[: plan.config.calib_size], batch_size=plan.config.batch_size, rank=group.rank,
+                           world_size=group.world_size)
+    out = run_layerwise(plan, batches, progress=progress, say=say)
+    say(f"[modelopt_k3] exported {out} layerwise in {time.perf_counter() - t0:.1f}s; no quantization report "
+        "(it needs every layer resident)")
     return _check_served(plan, out, say) if group.is_main else 0
 
 

@@ -195,7 +195,7 @@ def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress
         n_experts = sum(m.num_experts for m in job.experts_modules.values()) if job.writes_experts else 0
         n_mine = len(items[group.rank :: group.world_size])
         bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
-        _write_dense_items(job, items, reader, writer, bar)
+        _write_dense_items(job, with_owners(items, group.world_size), reader, writer, bar)
         if job.writes_experts:
             _write_experts(job, writer, bar)
         bar.close()
@@ -203,12 +203,16 @@ def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress
         return weight_map, writer.total_bytes
 
 
-def _write_dense_items(job: _ExportJob, items: list[tuple[str, str]], reader: CheckpointReader,
+def with_owners(items: list[tuple[str, str]], world_size: int) -> list[tuple[int, str, str]]:
+    """``(owner, kind, name)``: item ``i`` of the sorted list belongs to rank ``i % world``."""
+    return [(i % world_size, kind, name) for i, (kind, name) in enumerate(items)]
+
+
+def _write_dense_items(job: _ExportJob, items: list[tuple[int, str, str]], reader: CheckpointReader,
                        writer: ShardWriter, bar: tqdm) -> None:
     group = job.group
     failed: Exception | None = None
-    for i, (kind, name) in enumerate(items):
-        owner = i % group.world_size  # item i belongs to rank i % world
+    for owner, kind, name in items:
         # An FSDP2-sharded weight is gathered to its owner only, one tensor at a time. Every rank
         # joins every gather, so a rank that failed keeps joining and raises after the loop.
         weight = gather_to_owner(job.modules[name].weight, owner) if kind == "quant" else None
@@ -235,8 +239,9 @@ def _write_dense_items(job: _ExportJob, items: list[tuple[str, str]], reader: Ch
         raise failed
 
 
-def _write_experts(job: _ExportJob, writer: ShardWriter, bar: tqdm) -> None:
-    for name, experts in job.experts_modules.items():
+def _write_experts(job: _ExportJob, writer: ShardWriter, bar: tqdm,
+                   modules: dict[str, nn.Module] | None = None) -> None:
+    for name, experts in (job.experts_modules if modules is None else modules).items():
         projs = job.qplan.experts.get(name, {})
         for prefix, tensors, quantized in _expert_tensors(name, experts, job.spec, projs):
             for key, tensor in (job.fmt.rename_tensors(tensors) if quantized else tensors).items():
@@ -254,3 +259,90 @@ def _write_index_and_configs(job: _ExportJob, tmp: Path, maps, total: int) -> No
                                      qplan.table.naming)
     write_configs(info.checkpoint, tmp, qcfg, hf_quant)
     copy_side_files(info.checkpoint, tmp)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+class ExportInParts:
+    """``export_checkpoint`` one part at a time (a layerwise run): ``write_part`` writes what lies under a
+    decoder layer (the same items, owners and tensors as a whole export) into that layer's own shard files
+    while the layer is loaded; ``publish`` links those files into the export's staging directory, writes
+    the rest and the index, and publishes the directory as ``export_checkpoint`` does."""
+
+    def __init__(self, model: nn.Module, export_dir: Path, *, format: str | ExportFormat = "modelopt",
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> None:
+        self.fmt = export_format(format)
+        self.export_dir = Path(export_dir)
+        info, qplan = _check_exportable(model, self.export_dir, self.fmt)
+        self.group = current_group()
+        self.job = _ExportJob(model, info, qplan, self.fmt, self.group)
+        if qplan.recipe.kv_cache is not None:  # the sites, not attached quantizers: layers attach theirs later
+            names = {id(m): n for n, m in self.job.modules.items()}
+            self.job.kv_scales = {f"{names[id(site.attention)]}.{key}": site.attention
+                                  for site in self.job.spec.quant.kv_cache_sites(model) for key in site.scale_names}
+        self.max_shard_bytes, self.progress = max_shard_bytes, progress
+        with info.source() as reader:
+            items = _dense_items(qplan, reader, re.compile(self.job.spec.experts.key_regex), self.job.kv_scales,
+                                 info.decoded_dense)
+        self.items = with_owners(items, self.group.world_size)
+
+    def write_part(self, prefix: str, out_dir: Path, shard_prefix: str) -> tuple[dict[str, str], int]:
+        """This rank's share of everything under module ``prefix``, into ``out_dir/{shard_prefix}-r…``; returns
+        its key -> file map and bytes (call on every rank: an FSDP2 gather would be collective)."""
+        items = [it for it in self.items if _under(it[2], prefix)]
+        experts = {n: m for n, m in self.job.experts_modules.items() if _under(n, prefix)}
+        return self._write(items, experts, out_dir, shard_prefix, prefix)
+
+    def write_outside(self, layers: tuple[str, ...], out_dir: Path, shard_prefix: str) -> tuple[dict[str, str], int]:
+        """This rank's share of everything outside the decoder ``layers``."""
+        items = [it for it in self.items if not any(_under(it[2], p) for p in layers)]
+        experts = {n: m for n, m in self.job.experts_modules.items() if not any(_under(n, p) for p in layers)}
+        return self._write(items, experts, out_dir, shard_prefix, "outside the layers")
+
+    def publish(self, parts: list[tuple[Path, dict[str, str], int]], *, overwrite: bool = False) -> Path:
+        """The export of ``parts`` ((directory, key -> file map, tensor bytes) of each part this rank wrote):
+        their files hard-linked (else copied) into the staging directory, the index and configs; published
+        atomically as ``export_checkpoint`` does (call on every rank)."""
+        job = self.job
+        release_decode_workspaces(job.experts_modules.values())
+
+        def assemble(tmp: Path) -> tuple[dict[str, str], int]:
+            weight_map: dict[str, str] = {}
+            for src_dir, part_map, _ in parts:
+                for fname in sorted(set(part_map.values())):
+                    _link_or_copy(src_dir / fname, tmp / fname)
+                weight_map.update(part_map)
+            return weight_map, sum(n for *_, n in parts)
+
+        with atomic_output_dir(self.export_dir, overwrite=overwrite, group=self.group) as tmp:
+            weight_map, nbytes = run_together("export write shards", assemble, tmp, group=self.group)
+            maps, total = gather_weight_maps(weight_map, nbytes, group=self.group)
+            run_together("export index and configs", _write_index_and_configs, job, tmp, maps, total, group=self.group)
+        return self.export_dir
+
+    def _write(self, items, experts: dict[str, nn.Module], out_dir: Path, shard_prefix: str,
+               what: str) -> tuple[dict[str, str], int]:
+        job, group = self.job, self.group
+        with job.info.source() as reader, ShardWriter(out_dir, prefix=shard_prefix, rank=group.rank,
+                                                      max_shard_bytes=self.max_shard_bytes) as writer:
+            mine = [it for it in items if it[0] == group.rank]
+            total = len(mine) + (sum(m.num_experts for m in experts.values()) if job.writes_experts else 0)
+            bar = tqdm(total=total, desc=f"export {what}", disable=not self.progress, leave=False)
+            _write_dense_items(job, items, reader, writer, bar)
+            if job.writes_experts:
+                _write_experts(job, writer, bar, experts)
+            bar.close()
+            return writer.close(), writer.total_bytes
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link (the parts stay where a resume finds them), else a copy (another filesystem)."""
+    import os
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

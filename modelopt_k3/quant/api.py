@@ -133,6 +133,61 @@ def _fused_formats(
     return out
 
 
+def start_quantization(model: nn.Module, recipe: Recipe | str, table: DecisionTable | None = None) -> QuantPlan:
+    """The quantization plan of a loaded model (``quantize``'s first step; a layerwise run takes it once,
+    then attaches and calibrates layer by layer): nothing is attached yet."""
+    if isinstance(recipe, str):
+        recipe = load_recipe(recipe)
+    info = getattr(model, "modelopt_k3", None)
+    if info is None:
+        raise ValueError("quantize expects a model from modelopt_k3.load_pretrained (it needs the spec and plan)")
+    if getattr(model, "modelopt_k3_quant", None) is not None:
+        raise ValueError("this model is already quantized")
+    qplan = plan_quantization(model, recipe, info.spec, table)
+    if recipe.kv_cache is not None and info.spec.quant.kv_cache_sites is None:
+        raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "
+                          f"which model_type {info.spec.model_type} does not support")
+    if recipe.kv_cache is not None and not info.spec.quant.kv_cache_sites(model):
+        attach_kv_cache([], recipe.kv_cache)  # refuses: the model declares no site
+    return qplan
+
+
+def attach_quantizers(model: nn.Module, qplan: QuantPlan, within: Callable[[str], bool] | None = None) -> None:
+    """Attach ``qplan``'s quantizers to the modules ``within`` holds (default: all), their weights loaded:
+    a weight's amax is taken from it here. Layer by layer, each part is attached once."""
+    info = model.modelopt_k3
+    spec: ModelSpec = info.spec
+    holds = within or (lambda name: True)
+    _refuse_quantizing_nonfinite(qplan, info.nonfinite, spec)
+    modules = dict(model.named_modules())
+    for name, fmt in qplan.dense.items():
+        if holds(name):
+            attach_linear(modules[name], fmt.weights, fmt.inputs, fmt.input_amax)
+    for name, projs in qplan.experts.items():
+        if not holds(name):
+            continue
+        experts = modules[name]
+        source = None
+        if info.packed_experts:
+            # Only the experts this rank holds (its EP block or FSDP2 rows); scales gathered when sharded.
+            fused = getattr(experts, next(iter(spec.experts.sharded_params)))
+            # Packed-resident experts already hold these bytes: the cast reads them, not the checkpoint.
+            source = Mxfp4ExpertSource(info.source(), spec, name, local_experts(experts, spec),
+                                       rows=local_rows(fused), gather=row_gatherer(fused),
+                                       resident=experts if is_packed(experts) else None)
+        attach_experts(experts, _fused_formats(spec, projs), source=source)
+        attach_token_counter(experts)  # calibration tokens per expert: the report's coverage and its guard
+    recipe = qplan.recipe
+    if recipe.kv_cache is not None:
+        names = {id(m): n for n, m in modules.items()}
+        sites = [site for site in spec.quant.kv_cache_sites(model) if holds(names[id(site.attention)])]
+        if sites or within is None:
+            attach_kv_cache(sites, recipe.kv_cache)
+    if recipe.calibrate_all_experts:
+        enable_calibrate_all_experts(model)  # experts not yet so (idempotent)
+    attach_activation_stats(model)  # input quantizers without a counter (idempotent)
+
+
 def quantize(
     model: nn.Module,
     recipe: Recipe | str,
@@ -148,43 +203,12 @@ def quantize(
     be None when the recipe needs no activation statistics (constant ``input_amax`` or weight-only).
     ``table``: the run's decision table for ``recipe`` (``RunPlan.table``; hf_ptq), else decided here.
     """
-    if isinstance(recipe, str):
-        recipe = load_recipe(recipe)
-    info = getattr(model, "modelopt_k3", None)
-    if info is None:
-        raise ValueError("quantize expects a model from modelopt_k3.load_pretrained (it needs the spec and plan)")
-    if getattr(model, "modelopt_k3_quant", None) is not None:
-        raise ValueError("this model is already quantized")
-    spec: ModelSpec = info.spec
-    qplan = plan_quantization(model, recipe, spec, table)
-    _refuse_quantizing_nonfinite(qplan, info.nonfinite, spec)
-    modules = dict(model.named_modules())
-    for name, fmt in qplan.dense.items():
-        attach_linear(modules[name], fmt.weights, fmt.inputs, fmt.input_amax)
-    for name, projs in qplan.experts.items():
-        experts = modules[name]
-        source = None
-        if info.packed_experts:
-            # Only the experts this rank holds (its EP block or FSDP2 rows); scales gathered when sharded.
-            fused = getattr(experts, next(iter(spec.experts.sharded_params)))
-            # Packed-resident experts already hold these bytes: the cast reads them, not the checkpoint.
-            source = Mxfp4ExpertSource(info.source(), spec, name, local_experts(experts, spec),
-                                       rows=local_rows(fused), gather=row_gatherer(fused),
-                                       resident=experts if is_packed(experts) else None)
-        attach_experts(experts, _fused_formats(spec, projs), source=source)
-        attach_token_counter(experts)  # calibration tokens per expert: the report's coverage and its guard
-    if recipe.kv_cache is not None:
-        if spec.quant.kv_cache_sites is None:
-            raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "
-                              f"which model_type {spec.model_type} does not support")
-        attach_kv_cache(spec.quant.kv_cache_sites(model), recipe.kv_cache)
-    if recipe.calibrate_all_experts:
-        enable_calibrate_all_experts(model)
-    attach_activation_stats(model)
-    calibrator = calibrator_for(recipe.algorithm)  # max, or a weight algorithm on top of max
+    qplan = start_quantization(model, recipe, table)
+    attach_quantizers(model, qplan)
+    calibrator = calibrator_for(qplan.recipe.algorithm)  # max, or a weight algorithm on top of max
     calibrator.calibrate(model, forward_loop, qplan.table.groups)
     qplan.calibration = calibrator.labels
     model.modelopt_k3_quant = qplan
-    if verbose and info.plan.rank == 0:
+    if verbose and model.modelopt_k3.plan.rank == 0:
         print(qplan.summary())
     return model

@@ -34,17 +34,43 @@ METHODS: dict[str, dict[str, tuple[type, Any]]] = {
         "stop_multiplier": (float, 4.0),
         "block_size": (int, 16),
     },
-    # ``layerwise: {enable: ...}`` is ModelOpt's spelling; only ``enable: false`` runs (no layerwise engine yet).
     "gptq": {
         "perc_damp": (float, 0.01),
         "block_size": (int, 128),
-        "layerwise": (bool, False),
     },
 }
+# ``layerwise: {...}``, any method (ModelOpt 0.47's ``LayerwiseConfig``): option -> type. ``save_every`` and
+# ``calib_mutates_weights`` are ModelOpt's too, refused by name (every layer is checkpointed here).
+LAYERWISE_OPTIONS: dict[str, type] = {"enable": bool, "get_qdq_activations_from_prev_layer": bool,
+                                      "checkpoint_dir": str}
+# Methods whose scales depend on the inputs quantized layers give (ModelOpt defaults
+# ``get_qdq_activations_from_prev_layer`` to True for GPTQ only).
+QDQ_INPUTS_BY_DEFAULT = frozenset({"gptq"})
 
 
 class AlgorithmError(ValueError):
     """An ``algorithm`` value a recipe cannot have; the message names the method/option and the choices."""
+
+
+@dataclass(frozen=True)
+class Layerwise:
+    """``algorithm.layerwise``: calibrate one decoder layer at a time (``modelopt_k3.layerwise``).
+
+    ``qdq_inputs`` None: the method's default (``get_qdq_activations_from_prev_layer``: each layer's inputs
+    come from the quantized layers before it, GPTQ; else the unquantized model's, so max equals a resident run).
+    """
+
+    enable: bool = False
+    qdq_inputs: bool | None = None
+    checkpoint_dir: str | None = None
+
+    def to_recipe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"enable": self.enable}
+        if self.qdq_inputs is not None:
+            out["get_qdq_activations_from_prev_layer"] = self.qdq_inputs
+        if self.checkpoint_dir is not None:
+            out["checkpoint_dir"] = self.checkpoint_dir
+        return out
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,12 @@ class Algorithm:
 
     method: str
     options: tuple[tuple[str, Any], ...] = ()
+    layerwise: Layerwise = Layerwise()
+
+    def qdq_inputs(self) -> bool:
+        """Whether a layerwise run feeds each layer the quantized outputs of the layers before it."""
+        chosen = self.layerwise.qdq_inputs
+        return self.method in QDQ_INPUTS_BY_DEFAULT if chosen is None else chosen
 
     def get(self, key: str) -> Any:
         spec = METHODS[self.method]
@@ -68,20 +100,22 @@ class Algorithm:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, str):
-            return not self.options and other == self.method
+            return not self.options and self.layerwise == Layerwise() and other == self.method
         if isinstance(other, Algorithm):
-            return (self.method, self.options) == (other.method, other.options)
+            return (self.method, self.options, self.layerwise) == (other.method, other.options, other.layerwise)
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((self.method, self.options))
+        return hash((self.method, self.options, self.layerwise))
 
     def to_recipe(self) -> str | dict[str, Any]:
         """The recipe spelling (``max``, or ``{method: ..., options}``), as ``parse_algorithm`` reads it."""
-        if not self.options:
+        if not self.options and self.layerwise == Layerwise():
             return self.method
-        return {"method": self.method,
-                **{k: ({"enable": v} if k == "layerwise" else v) for k, v in self.options}}
+        out: dict[str, Any] = {"method": self.method, **dict(self.options)}
+        if self.layerwise != Layerwise():
+            out["layerwise"] = self.layerwise.to_recipe()
+        return out
 
 
 MAX = Algorithm("max")
@@ -101,22 +135,37 @@ def parse_algorithm(value: Any) -> Algorithm:
     spec = METHODS[method]
     options = []
     for key, v in value.items():
-        if key == "method":
+        if key in ("method", "layerwise"):
             continue
         if key not in spec:
-            raise AlgorithmError(f"algorithm {method} has no option {key!r}; its options: {list(spec) or 'none'}")
+            raise AlgorithmError(f"algorithm {method} has no option {key!r}; its options: "
+                                 f"{[*spec, 'layerwise']}")
         typ = spec[key][0]
-        if key == "layerwise":
-            v = _layerwise_enable(v, method)
         if typ is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
         if not isinstance(v, typ) or (typ is not bool and isinstance(v, bool)):
             raise AlgorithmError(f"algorithm {method} option {key} must be {typ.__name__}, got {v!r}")
         options.append((key, v))
-    return Algorithm(method, tuple(sorted(options)))
+    return Algorithm(method, tuple(sorted(options)), _parse_layerwise(value.get("layerwise"), method))
 
 
-def _layerwise_enable(value: Any, method: str) -> bool:
-    if not isinstance(value, Mapping) or set(value) != {"enable"} or not isinstance(value["enable"], bool):
-        raise AlgorithmError(f"algorithm {method} option layerwise must be {{enable: true|false}}, got {value!r}")
-    return value["enable"]
+def _parse_layerwise(value: Any, method: str) -> Layerwise:
+    """``layerwise: {enable, get_qdq_activations_from_prev_layer, checkpoint_dir}`` (a bool is ``enable``)."""
+    if value is None:
+        return Layerwise()
+    if isinstance(value, bool):
+        value = {"enable": value}
+    if not isinstance(value, Mapping):
+        raise AlgorithmError(f"algorithm {method} option layerwise must be a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(LAYERWISE_OPTIONS))
+    if unknown:
+        raise AlgorithmError(f"algorithm {method} layerwise has no option {unknown[0]!r} here; its options: "
+                             f"{list(LAYERWISE_OPTIONS)} (every layer is checkpointed)")
+    for key, typ in LAYERWISE_OPTIONS.items():
+        v = value.get(key)
+        if v is not None and not isinstance(v, typ):
+            raise AlgorithmError(f"algorithm {method} layerwise.{key} must be {typ.__name__}, got {v!r}")
+    enable = bool(value.get("enable", False))
+    if value.get("checkpoint_dir") is not None and not enable:
+        raise AlgorithmError(f"algorithm {method}: layerwise.checkpoint_dir needs layerwise.enable: true")
+    return Layerwise(enable, value.get("get_qdq_activations_from_prev_layer"), value.get("checkpoint_dir"))

@@ -121,9 +121,17 @@ def test_registry_covers_every_recipe_method_and_spellings_parse():
     with pytest.raises(AlgorithmError, match="algorithm mse has no option 'perc_damp'"):
         parse_algorithm({"method": "mse", "perc_damp": 0.01})
     gptq = parse_algorithm({"method": "gptq", "perc_damp": 0.01, "block_size": 128, "layerwise": {"enable": False}})
-    assert parse_algorithm(gptq.to_recipe()) == gptq and gptq.get("layerwise") is False
-    with pytest.raises(ValueError, match="layerwise engine with quantized propagation, which is not built yet"):
-        calibrator_for({"method": "gptq", "layerwise": {"enable": True}})
+    assert parse_algorithm(gptq.to_recipe()) == gptq and not gptq.layerwise.enable and gptq.qdq_inputs()
+    # ModelOpt's LayerwiseConfig, for any method; GPTQ alone feeds each layer quantized inputs by default.
+    on = parse_algorithm({"method": "max", "layerwise": {"enable": True, "checkpoint_dir": "/ck"}})
+    assert on.layerwise.enable and on.layerwise.checkpoint_dir == "/ck" and not on.qdq_inputs() and on != "max"
+    assert parse_algorithm(on.to_recipe()) == on
+    assert parse_algorithm({"method": "max", "layerwise": {"enable": True,
+                                                            "get_qdq_activations_from_prev_layer": True}}).qdq_inputs()
+    with pytest.raises(AlgorithmError, match="layerwise.checkpoint_dir needs layerwise.enable: true"):
+        parse_algorithm({"method": "max", "layerwise": {"checkpoint_dir": "/ck"}})
+    with pytest.raises(AlgorithmError, match="layerwise has no option 'save_every'"):
+        parse_algorithm({"method": "gptq", "layerwise": {"enable": True, "save_every": 2}})
     with pytest.raises(AlgorithmError, match="'awq' is not supported"):
         parse_algorithm({"method": "awq"})
     with pytest.raises(AlgorithmError, match="fp8_scale_sweep must be bool"):

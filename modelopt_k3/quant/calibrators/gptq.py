@@ -30,9 +30,6 @@ class GptqCalibrator(MaxCalibrator):
 
     def __init__(self, algorithm) -> None:
         super().__init__(algorithm)
-        if algorithm.get("layerwise"):
-            raise ValueError("algorithm gptq: layerwise: {enable: true} needs the layerwise engine with quantized "
-                             "propagation, which is not built yet; use layerwise: {enable: false}")
         if algorithm.get("block_size") <= 0 or algorithm.get("block_size") % 16:
             raise ValueError(f"algorithm gptq: block_size must be a positive multiple of 16, got {algorithm.get('block_size')}")
 

@@ -1,0 +1,150 @@
+"""Layerwise streaming calibration (issue 28): the export equals the resident run's, byte for byte, for each
+model, in one process and under expert parallelism; the capture/replay and the resume state in isolation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelopt_k3.layerwise.replay import Captured, load_captured, output_meta, placeholder, save_captured
+from modelopt_k3.layerwise.state import RankDir, ResumeError
+
+PTQ = ["--qformat", "nvfp4", "--calib_size", "4", "--batch_size", "2", "--calib_seq", "24", "--no_progress"]
+
+
+def read_export(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for file in sorted(set(index.values())):
+        with safe_open(path / file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[key] = f.get_tensor(key)
+    assert set(out) == set(index), "index and shard contents differ"
+    return out
+
+
+def assert_same_export(a: Path, b: Path) -> None:
+    """Tensor for tensor, byte for byte (input scales included), and the same configs."""
+    ta, tb = read_export(a), read_export(b)
+    assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))[:10]
+    differ = [k for k in ta if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape
+              or not torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8))]
+    assert differ == [], differ[:10]
+    for name in ("config.json", "hf_quant_config.json"):
+        assert json.loads((a / name).read_text()) == json.loads((b / name).read_text()), name
+
+
+def ptq(*argv) -> int:
+    from modelopt_k3.cli import hf_ptq
+
+    return hf_ptq.run(hf_ptq.build_parser().parse_args([*PTQ, *map(str, argv)]))
+
+
+# --------------------------------------------------------------------------- replay pieces
+
+
+def test_captured_arguments_round_trip_through_safetensors(tmp_path: Path):
+    h, mask = torch.randn(2, 3, 4), torch.ones(2, 1, 3, 3, dtype=torch.bool)
+    item = Captured.of((h,), {"attention_mask": mask, "past_key_values": None, "use_cache": False, "n": 3,
+                              "position_embeddings": (h[..., :2], h[..., 2:])})
+    save_captured(tmp_path / "c.safetensors", [item, item])
+    back = load_captured(tmp_path / "c.safetensors")
+    assert len(back) == 2
+    args, kwargs = back[1].call_args(torch.device("cpu"))
+    assert torch.equal(args[0], h) and torch.equal(kwargs["attention_mask"], mask)
+    assert kwargs["past_key_values"] is None and kwargs["use_cache"] is False and kwargs["n"] == 3
+    assert torch.equal(kwargs["position_embeddings"][1], h[..., 2:])
+    with pytest.raises(TypeError, match="cannot keep"):
+        Captured.of((h,), {"cache": object()})
+
+
+def test_a_skipped_layer_hands_on_its_outputs_structure_without_memory():
+    out = (torch.randn(2, 3, 4), torch.randn(6, 2, 4, dtype=torch.bfloat16))
+    ph = placeholder(output_meta(out), torch.device("cpu"))
+    assert isinstance(ph, tuple) and [x.shape for x in ph] == [x.shape for x in out]
+    assert [x.dtype for x in ph] == [x.dtype for x in out] and all(x.stride() == (0,) * x.dim() for x in ph)
+
+
+# --------------------------------------------------------------------------- resume state
+
+
+def test_rank_state_commits_resumes_and_refuses_another_run(tmp_path: Path):
+    from modelopt_k3.layerwise.state import LayerRecord
+
+    fp = {"recipe": "a", "calibration tokens": "t"}
+    d = RankDir(tmp_path, 0, fp)
+    assert d.load() == 0
+    item = Captured.of((torch.ones(2),), {})
+    (d.path / "layer00000-r00000-00000.safetensors").write_bytes(b"x")
+    d.commit(LayerRecord(0, {"k": "layer00000-r00000-00000.safetensors"}, 8, {}), {"q": torch.ones(1)}, [item])
+    (d.path / "layer00001-r00000-00000.safetensors").write_bytes(b"half")  # an interrupted layer's debris
+    again = RankDir(tmp_path, 0, fp)
+    assert again.load() == 1
+    again.roll_back(1)
+    assert not (d.path / "layer00001-r00000-00000.safetensors").exists()
+    assert (d.path / "layer00000-r00000-00000.safetensors").exists()
+    assert torch.equal(again.inputs(1)[0].tensors[0], torch.ones(2))
+    again.roll_back(0)  # a peer rank had not committed layer 0: back to the start
+    assert again.state.layers == [] and not (d.path / "layer00000-r00000-00000.safetensors").exists()
+    with pytest.raises(ResumeError, match="another calibration tokens, recipe"):
+        RankDir(tmp_path, 0, {"recipe": "b", "calibration tokens": "u"}).load()
+
+
+# --------------------------------------------------------------------------- end to end, one process
+
+MODELS = {
+    "kimi_k3": lambda p: __import__("modelopt_k3.testing", fromlist=["x"]).make_tiny_kimi_k3(p),
+    "qwen3_moe": lambda p: __import__("modelopt_k3.testing.qwen3_moe", fromlist=["x"]).make_tiny_qwen3_moe(p),
+    "gpt_oss": lambda p: __import__("modelopt_k3.testing.tiny_gpt_oss", fromlist=["x"]).make_tiny_gpt_oss(p),
+}
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lw")
+    return {name: make(root / name) for name, make in MODELS.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MODELS))
+def test_layerwise_export_equals_the_resident_export(stand_ins, model, tmp_path: Path):
+    ckpt = stand_ins[model]
+    extra = ["--kv_cache_qformat", "fp8"] if model == "kimi_k3" else []
+    assert ptq("--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / "resident",
+               "--report", "none", *extra) == ptq("--pyt_ckpt_path", ckpt, "--trust_remote_code", "--layerwise",
+                                                  "--export_path", tmp_path / "layerwise", *extra)
+    assert_same_export(tmp_path / "resident", tmp_path / "layerwise")
+    assert not [p for p in tmp_path.iterdir() if ".layerwise-" in p.name], "the temporary layer directory stayed"
+
+
+@pytest.mark.slow
+def test_layerwise_packed_experts_and_a_weight_algorithm_equal_resident(stand_ins, tmp_path: Path):
+    """Packed-resident experts (decoded per layer in the forward) and MSE weight scales, layer by layer."""
+    ckpt = stand_ins["kimi_k3"]
+    for name, flags in (("packed", ["--experts", "packed"]), ("mse", ["--qformat", "nvfp4_mse"])):
+        ptq("--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / f"{name}-r", "--report",
+            "none", *flags)
+        ptq("--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / f"{name}-l", "--layerwise",
+            *flags)
+        assert_same_export(tmp_path / f"{name}-r", tmp_path / f"{name}-l")
+
+
+def test_layerwise_refusals_name_the_flag(stand_ins, tmp_path: Path):
+    from modelopt_k3.preflight import PreflightError
+
+    ckpt = stand_ins["kimi_k3"]
+    base = ["--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / "out"]
+    with pytest.raises(PreflightError, match="--eval_kl"):
+        ptq(*base, "--layerwise", "--eval_kl", "2")
+    with pytest.raises(PreflightError, match="needs --layerwise"):
+        ptq(*base, "--layerwise_checkpoint_dir", tmp_path / "ck")
+    with pytest.raises(PreflightError, match="overlaps the export path"):
+        ptq(*base, "--layerwise", "--layerwise_checkpoint_dir", tmp_path / "out" / "ck")
+    with pytest.raises(ValueError, match="inside the source|source checkpoint"):
+        ptq(*base, "--layerwise", "--layerwise_checkpoint_dir", ckpt / "ck")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,92 @@
+"""A layerwise run killed outright (SIGKILL to its whole process group, torchrun included) after a layer is
+committed resumes on rerun at the first incomplete layer and exports what the uninterrupted run exports,
+byte for byte; one process and expert-parallel on two ranks; a resume of another run is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layerwise.test_layerwise import MODELS, PTQ, assert_same_export
+
+pytestmark = pytest.mark.slow  # each test: an uninterrupted run, a killed one and its resume
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _command(nproc: int, *argv) -> list[str]:
+    launcher = [sys.executable, "-m", "modelopt_k3.cli.hf_ptq"]
+    if nproc > 1:
+        from _mp import free_port
+
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--master_port", str(free_port()), "-m", "modelopt_k3.cli.hf_ptq"]
+    return [*launcher, *PTQ, "--layerwise", *map(str, argv)]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODELOPT_K3_DIST_TIMEOUT": "60",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(name, None)
+    return env
+
+
+def _run_killed_after(cmd: list[str], line: str) -> str:
+    """Run ``cmd`` in its own process group; SIGKILL the whole group once ``line`` appears in its output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                            start_new_session=True)
+    seen = []
+    try:
+        for out in proc.stdout:
+            seen.append(out)
+            if line in out:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        proc.wait(timeout=120)
+    text = "".join(seen)
+    assert line in text, text[-3000:]
+    assert proc.returncode == -signal.SIGKILL, text[-3000:]
+    return text
+
+
+def _run(cmd: list[str]) -> str:
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize(("model", "nproc"), [("kimi_k3", 1), ("kimi_k3", 2), ("qwen3_moe", 1), ("gpt_oss", 1)])
+def test_killed_layerwise_run_resumes_and_exports_the_same(model, nproc, tmp_path: Path):
+    ckpt = MODELS[model](tmp_path / "src")
+    common = ["--pyt_ckpt_path", ckpt, "--trust_remote_code"]
+    _run(_command(nproc, *common, "--export_path", tmp_path / "whole"))
+    ck = tmp_path / "ck"
+    cmd = _command(nproc, *common, "--export_path", tmp_path / "resumed", "--layerwise_checkpoint_dir", ck)
+    _run_killed_after(cmd, "layerwise: layer 1/")
+    assert not (tmp_path / "resumed").exists()
+    out = _run(cmd)
+    assert "layerwise: resuming at layer " in out, out[-3000:]
+    assert out.count("layerwise: resuming") == 1  # one line, rank 0 only
+    assert_same_export(tmp_path / "whole", tmp_path / "resumed")
+
+
+def test_a_resume_of_another_run_is_refused_naming_what_changed(tmp_path: Path):
+    ckpt = MODELS["kimi_k3"](tmp_path / "src")
+    ck = tmp_path / "ck"
+    cmd = _command(1, "--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / "out",
+                   "--layerwise_checkpoint_dir", ck)
+    _run_killed_after(cmd, "layerwise: layer 1/")
+    changed = [*cmd, "--calib_seq", "16"]  # a later flag wins: another token set
+    r = subprocess.run(changed, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), timeout=600)
+    assert r.returncode != 0 and "another calibration tokens" in r.stdout, r.stdout[-3000:]
+    r = subprocess.run([*cmd, "--qformat", "fp8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=_env(), timeout=600)
+    assert r.returncode != 0 and "recipe" in r.stdout.split("another")[-1], r.stdout[-3000:]
+    assert not (tmp_path / "out").exists()
