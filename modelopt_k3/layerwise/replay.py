@@ -106,6 +106,8 @@ class LayerReplay:
                 args, kwargs = self._inputs.call_args(self.device)
                 out = original(*args, **kwargs)
                 self.metas[i] = output_meta(out)
+                if not self.capture and i + 1 < len(self.modules):
+                    raise StopForward  # nothing to capture: the layers after it are not needed
                 return out
             if self.capture and i == self.current + 1:
                 self._captured = Captured.of(args, kwargs)
