@@ -1,7 +1,7 @@
 """``modelopt-k3-plan``: per-rank memory of every plan x experts residency, from the headers alone.
 
     modelopt-k3-plan --pyt_ckpt_path CKPT --world_size N [--gpu_mem_gib G] [--batch_size B --calib_seq S]
-                     [--recipe R] [--device cuda|cpu]
+                     [--recipe R] [--device cuda|cpu] [--layerwise] [--json]
 
 Reads ``config.json`` and the safetensors headers (no tensor bytes, no model), prints the table, the
 smallest world size each configuration fits on, and each configuration's largest per-rank module. Exits 1 when no
@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=4, help="calibration sequences per batch per rank")
     p.add_argument("--calib_seq", type=int, default=2048, help="tokens per calibration sequence")
     p.add_argument("--recipe", default="presets/nvfp4", help="recipe name or path (which modules are quantized)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="plan hf_ptq --layerwise runs: one decoder layer resident at a time (FSDP2 plans refused)")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list, one object per row (plan, experts, layerwise, world_size, peak_gib, fits, "
+                        "refused, smallest_world), instead of the table")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda: plan accelerator memory (the default, also on a machine without one); cpu: host RAM")
     return p
@@ -36,8 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1:
         raise SystemExit("--world_size must be at least 1")
     report = plan_memory(args.pyt_ckpt_path, world_size=args.world_size, gpu_mem_gib=args.gpu_mem_gib,
-                         batch_size=args.batch_size, calib_seq=args.calib_seq, recipe=args.recipe, device=args.device)
-    print(report.table())
+                         batch_size=args.batch_size, calib_seq=args.calib_seq, recipe=args.recipe, device=args.device,
+                         layerwise=args.layerwise)
+    if args.json:
+        import json
+
+        print(json.dumps(report.rows(), indent=1))
+    else:
+        print(report.table())
     at_world = [e for e in report.estimates if e.asked.world_size == args.world_size or args.world_size == 1]
     return 0 if report.budget is None or any(e.fits(report.budget) for e in at_world) else 1
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ class RunShape:
     recipe: str = "presets/nvfp4"
     device: str = "cuda"  # "cuda": accelerator memory; "cpu": host RAM holds everything
     dtype: torch.dtype | None = None  # load dtype (default: the config's)
+    layerwise: bool = False  # one decoder layer resident at a time (``--layerwise``)
 
 
 class Asked(NamedTuple):
@@ -281,6 +283,8 @@ def estimate_asked(layout: CheckpointLayout, asked: Asked, shape: RunShape = Run
     plan, why = _refusal(layout, asked, shape)
     if plan is None:
         return Estimate(asked, None, refused=why)
+    if shape.layerwise and plan.fsdp_sharded:
+        return Estimate(asked, None, refused="layerwise reads whole layers per rank (no FSDP2)")
     return estimate(layout, plan, shape, **kw)
 
 
@@ -306,6 +310,8 @@ def estimate(
                local_implementation or plan.local_experts_implementation)
     est.runtime = DEVICE_RUNTIME_BYTES if accel else HOST_RUNTIME_BYTES
     _resident(est, run)
+    if shape.layerwise:
+        _layerwise_resident(est, run, shape)
     if plan.fsdp_sharded:
         _fsdp_gathered(est, run)
     act = layout.spec.memory.activation_memory(layout.text_config, shape.batch_size, shape.calib_seq, run.b) if (
@@ -365,6 +371,43 @@ def _resident(est: Estimate, run: _Run) -> None:
                                for g in run.layout.experts)
     est.resident = est.resident_dense + est.resident_experts
     est.largest_module = max(by_module.items(), key=lambda kv: kv[1]) if by_module else ("", 0)
+
+
+def _layer_of(name: str, regex: str) -> str | None:
+    """The decoder layer (its module name) that ``name`` lies in, None outside every layer."""
+    parts = name.split(".")
+    for n in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:n])
+        if re.search(regex, prefix):
+            return prefix
+    return None
+
+
+def _layerwise_resident(est: Estimate, run: _Run, shape: RunShape) -> None:
+    """``--layerwise``: what lies outside the decoder layers stays, plus the largest layer (its dense part and
+    this rank's experts); on the host (``cpu``) also two layers' captured inputs of one batch (the replayed
+    layer's and the next one's; an accelerator run keeps them in host memory)."""
+    regex = run.layout.spec.report.decoder_layer_regex
+    if regex is None:
+        raise MemoryPlanError(f"model_type {run.layout.spec.model_type} names no decoder layers: no layerwise plan")
+    dense: dict[str | None, int] = {}
+    experts: dict[str | None, int] = {}
+    for t, size in run.prep.sizes:
+        layer = _layer_of(t.module, regex)
+        dense[layer] = dense.get(layer, 0) + _dense_bytes(t, size, 1)
+    for g in run.layout.experts:
+        layer = _layer_of(g.module, regex)
+        experts[layer] = experts.get(layer, 0) + run.local_e[g.module] * _expert_bytes(g, run.plan.experts_residency,
+                                                                                        run.b)
+    layers = (set(dense) | set(experts)) - {None}
+    biggest = max(layers, key=lambda n: dense.get(n, 0) + experts.get(n, 0), default=None)
+    est.resident_dense = dense.get(None, 0) + dense.get(biggest, 0)
+    est.resident_experts = experts.get(None, 0) + experts.get(biggest, 0)
+    hidden = int(run.layout.text_config.get("hidden_size", 0))
+    cache = 0 if run.accel else 2 * shape.batch_size * shape.calib_seq * hidden * run.b
+    est.resident = est.resident_dense + est.resident_experts + cache
+    if biggest is not None:
+        est.largest_module = (f"{biggest} (the largest layer)", dense.get(biggest, 0) + experts.get(biggest, 0))
 
 
 def _fsdp_gathered(est: Estimate, run: _Run) -> None:
@@ -478,6 +521,16 @@ class MemoryReport:
     estimates: list[Estimate]
     smallest: dict[tuple[str, str, str], int | None]  # (kind, dense, residency) -> smallest world that fits
 
+    def rows(self) -> list[dict]:
+        """One object per configuration (``modelopt-k3-plan --json``)."""
+        out = []
+        for e in self.estimates:
+            fits = e.fits(self.budget)
+            out.append({"plan": e.label(), "experts": str(e.asked.residency), "layerwise": self.shape.layerwise,
+                        "world_size": e.asked.world_size, "peak_gib": None if e.refused else round(e.peak / GiB, 3),
+                        "fits": fits, "refused": e.refused, "smallest_world": self.smallest.get(e.asked[:3])})
+        return out
+
     def find(self, kind: str, dense: str, residency: str) -> Estimate:
         for e in self.estimates:
             if e.asked[:3] == (kind, dense, residency):
@@ -498,6 +551,8 @@ class MemoryReport:
             f"Memory plan for {self.layout.path.name}: {len(self.layout.experts)} MoE layers x "
             f"{self.layout.num_experts} experts, calibration {self.shape.batch_size} x {self.shape.calib_seq} tokens "
             f"per rank (top-{text.get('num_experts_per_token', text.get('num_experts_per_tok'))}), recipe {self.shape.recipe}, "
+            + ("layerwise (one decoder layer resident), " if self.shape.layerwise else "") +
+            f""
             f"{'accelerator' if self.shape.device != 'cpu' else 'host'} budget "
             + (f"{self.budget / GiB:.1f} GiB per rank" if self.budget else "unknown") + f"; figures in {unit} per rank",
             "",
@@ -562,6 +617,7 @@ def plan_memory(
     dtype: torch.dtype | None = None,
     plans: Iterable[tuple[str, str]] = PLANS,
     residencies: Iterable[str] = RESIDENCIES,
+    layerwise: bool = False,
 ) -> MemoryReport:
     """Estimate every plan x residency at ``world_size`` ranks (``whole`` at 1) from the headers alone.
 
@@ -570,7 +626,7 @@ def plan_memory(
     """
     layout = read_layout(path)
     the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    shape = RunShape(batch_size, calib_seq, the_recipe.name, device or "cuda", dtype)
+    shape = RunShape(batch_size, calib_seq, the_recipe.name, device or "cuda", dtype, layerwise)
     budget = device_budget(shape.device, world_size, gpu_mem_gib)
     estimates, smallest = [], {}
     for kind, dense in plans:

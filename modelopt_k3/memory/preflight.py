@@ -10,7 +10,7 @@ from .layout import layout_of
 from .planner import RunShape, fit_plan
 
 
-@register_check("memory plan fits", after="distribution plan")
+@register_check("memory plan fits", after="layerwise")
 def memory_plan_fits(ctx: PreflightContext) -> None:
     """Refuse a run that cannot fit (``MemoryPlanError``: the numbers and a configuration that would); else
     set the run's experts residency on its distribution plan (``--experts auto`` resolved: packed when bf16
@@ -20,6 +20,6 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
     cfg = ctx.config
     ctx.layout = layout_of(ctx.reader, ctx.raw_config, ctx.spec)
     shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda" if torch.cuda.is_available() else "cpu",
-                     getattr(torch, cfg.dtype) if cfg.dtype else None)
+                     getattr(torch, cfg.dtype) if cfg.dtype else None, layerwise=ctx.layerwise is not None)
     ctx.distribution, ctx.memory = fit_plan(ctx.layout, ctx.distribution, cfg.experts, shape, recipe=ctx.recipe,
                                             packed_source=ctx.source.packed_experts, gpu_mem_gib=cfg.gpu_mem_gib)

@@ -202,3 +202,27 @@ def test_packed_experts_take_their_amax_from_codes_and_scales_not_decoded_weight
     packed = estimate_asked(layout, Asked("whole", "replicated", "packed", 1), shape)
     assert bf16.amax_transient == 8 * 2 * 128 * 64 * 4
     assert packed.amax_transient < bf16.amax_transient
+
+
+def test_layerwise_plan_fits_calibrated_kimi_k3_on_8_gpus_and_says_the_smallest_world(full_size, capsys):
+    """Issue 28's target: calibrated NVFP4 (4 x 2048 tokens per rank) on 8 x 141 GiB with --layerwise; one
+    decoder layer resident instead of the model, so every row's peak is below its resident twin's."""
+    from modelopt_k3.cli import plan as plan_cli
+
+    assert plan_cli.main(["--pyt_ckpt_path", str(full_size), "--world_size", "8", "--gpu_mem_gib", "141",
+                          "--layerwise", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {tuple(r) for r in rows} == {("plan", "experts", "layerwise", "world_size", "peak_gib", "fits", "refused",
+                                         "smallest_world")}
+    by = {(r["plan"], r["experts"]): r for r in rows}
+    ep = by[("expert_parallel, dense replicated", "bf16")]
+    assert ep["layerwise"] and ep["world_size"] == 8 and ep["fits"] is True and ep["peak_gib"] < 141
+    assert by[("whole", "bf16")]["smallest_world"] == 1  # one GPU holds one layer: the smallest world
+    assert by[("fsdp2", "bf16")]["refused"] and by[("expert_parallel, dense fsdp2", "bf16")]["fits"] is False
+    resident = plan_memory(full_size, world_size=8, gpu_mem_gib=141)
+    assert not resident.find("expert_parallel", "replicated", "bf16").fits(resident.budget)
+    layerwise = plan_memory(full_size, world_size=8, gpu_mem_gib=141, layerwise=True)
+    for e in layerwise.estimates:
+        if not e.refused:
+            twin = resident.find(*e.asked[:3])
+            assert e.peak < twin.peak, e.label()
