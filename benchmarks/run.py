@@ -37,6 +37,7 @@ AREAS = {
     "io": "benchmarks.bench_io",
     "ep": "benchmarks.bench_ep",
     "memory": "benchmarks.bench_memory",
+    "layerwise": "benchmarks.bench_layerwise",
     "convert": "benchmarks.convert_area",
 }
 QUICK_SKIPS = {"convert": "bench_convert.py builds a ~0.5 GB checkpoint; run it with --only convert"}
