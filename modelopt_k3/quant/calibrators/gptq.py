@@ -3,8 +3,8 @@
 
 The Hessian ``2/n * sum x xᵀ`` comes from one more forward of the resident model with activations
 fake-quantized and weights not (each Linear's input after its own input quantizer, as ModelOpt's
-hook takes it), summed over ranks in float64. Not built yet: the layerwise engine with quantized
-propagation (ModelOpt's ``layerwise: {enable: true}``, refused here), and GPTQ of routed experts
+hook takes it), summed over ranks in float64. Layer by layer (``modelopt_k3.layerwise``, ModelOpt's
+``layerwise: {enable: true}``) each layer's inputs come from the quantized layers before it. Not built: GPTQ of routed experts
 (their per-expert inputs need an owner-side hook; they keep max's scales and say so in the labels).
 The updated weight lives in the quantizer (``updated_weight``): fake quant and export use it, the
 module keeps the original (the report's and the KL evaluation's reference).
