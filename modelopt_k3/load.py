@@ -562,7 +562,7 @@ def load_planned(run: RunPlan, *, progress: bool = True) -> nn.Module:
     and decode chunk are taken as decided; only the model class is resolved here."""
     group = current_group()
     src = run_together("load: check the checkpoint", _planned_source, run, group=group)
-    dtype = getattr(torch, run.config.dtype) if run.config.dtype else _config_dtype(src.config)
+    dtype = run.dtype  # decided by the preflight, with the distribution plan
     if run.distribution.expert_parallel:
         from .experts.dispatch import register_torch_a2a
 
@@ -756,7 +756,7 @@ class LayerwiseLoad:
 
             register_torch_a2a()
         plan = run.distribution
-        self.dtype = getattr(torch, run.config.dtype) if run.config.dtype else _config_dtype(src.config)
+        self.dtype = run.dtype
         placement = plan.build_placement()
         self._converters = _prepare(src, run.checkpoint, plan)
         model = _build_on_meta(src.model_cls, src.config, self.dtype, src.reader, src.spec, placement.experts)

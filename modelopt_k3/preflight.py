@@ -63,6 +63,7 @@ class PreflightContext:
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
     memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py)
     layerwise: Any = None  # runplan.LayerwiseSettings, None for a resident run
+    dtype: Any = None  # the load dtype (``--dtype``, else config.json's), decided with the distribution plan
     notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # what ``close`` undoes (the export lock)
 
@@ -73,13 +74,14 @@ class PreflightContext:
 
     def run_plan(self, **decided: Any) -> RunPlan:
         """The frozen ``RunPlan`` of a passed preflight (``decided``: what the caller decided after it)."""
-        missing = [n for n in ("spec", "reader", "source", "table", "distribution", "layout", "memory")
+        missing = [n for n in ("spec", "reader", "source", "table", "distribution", "layout", "memory", "dtype")
                    if getattr(self, n) is None]
         if missing:
             raise RuntimeError(f"the preflight did not decide {', '.join(missing)}: were all its checks run?")
         return RunPlan(self.config, self.checkpoint, self.trust_remote_code, self.export_path, self.export_format,
                        self.raw_config, self.spec, self.reader, self.source, self.layout, self.recipe, self.table,
-                       self.distribution, self.memory, self.texts or [], layerwise=self.layerwise, **decided)
+                       self.distribution, self.memory, self.texts or [], dtype=self.dtype, layerwise=self.layerwise,
+                       **decided)
 
 
 @dataclass(frozen=True)
@@ -306,10 +308,11 @@ def _distribution_plan(ctx: PreflightContext) -> None:
 
     cfg, spec = ctx.config, ctx.spec
     text = ctx.raw_config.get("text_config", ctx.raw_config)
+    ctx.dtype = getattr(torch, cfg.dtype) if cfg.dtype else _config_dtype(ctx.raw_config)  # once, for every stage
     ctx.distribution = decide_plan(
         cfg.plan, spec=spec, num_experts=int(text[spec.experts.num_experts_attr]), rank=ctx.rank,
         world_size=ctx.world_size, device=ctx.device or torch.device("cpu"), ep_degree=cfg.ep_degree,
-        dense=cfg.dense, dtype=getattr(torch, cfg.dtype) if cfg.dtype else _config_dtype(ctx.raw_config),
+        dense=cfg.dense, dtype=ctx.dtype,
     )
 
 

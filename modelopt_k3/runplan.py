@@ -154,6 +154,7 @@ class RunPlan:
     distribution: DistributionPlan  # validated, with its experts residency (an enum) and decode chunk
     memory: Estimate  # the planner's estimate of ``distribution`` at this run's calibration shape
     texts: list[str]  # the calibration texts
+    dtype: Any = None  # the load dtype (a torch.dtype: --dtype, else config.json's), decided once
     held_out: int = 0  # held-out sequences after the calibration ones (report / --eval_kl)
     layerwise: LayerwiseSettings | None = None  # one decoder layer at a time (None: resident)
     report_dir: Path | None = None  # where the quantization report goes (None: no report)

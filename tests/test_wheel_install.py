@@ -49,6 +49,17 @@ make_tiny_gpt_oss(sys.argv[2])
 """
 
 
+_ANYWHERE = shutil.ignore_patterns(".git", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache")
+_AT_ROOT = {"build", "dist", "_work"}  # setuptools' and the tools' output: only at the top (modelopt_k3/dist is a package)
+
+
+def _not_copied(directory: str, names: list[str]) -> set[str]:
+    ignored = set(_ANYWHERE(directory, names))
+    if Path(directory) == REPO:
+        ignored |= {n for n in names if n in _AT_ROOT or n.startswith("out")}
+    return ignored
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The wheel of this checkout, installed into a fresh --target directory."""
@@ -56,8 +67,7 @@ def installed(tmp_path_factory) -> Path:
     source, wheel_dir, target = root / "source", root / "wheel", root / "site"
     # Built from a copy: setuptools writes build/ into the source tree, and stale files there would
     # reach later wheels (and hide a missing package).
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache", "out*", "_work"))
+    shutil.copytree(REPO, source, ignore=_not_copied)
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir),
          str(source)], capture_output=True, text=True, timeout=300, cwd=root)

@@ -271,9 +271,9 @@ class ExportInParts:
     while the layer is loaded; ``publish`` links those files into the export's staging directory, writes
     the rest and the index, and publishes the directory as ``export_checkpoint`` does."""
 
-    def __init__(self, model: nn.Module, export_dir: Path, *, format: str | ExportFormat = "modelopt",
+    def __init__(self, model: nn.Module, export_dir: Path, *, format: ExportFormat,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> None:
-        self.fmt = export_format(format)
+        self.fmt = format  # the run's resolved format (``RunPlan.export_format``): no name is resolved here
         self.export_dir = Path(export_dir)
         info, qplan = _check_exportable(model, self.export_dir, self.fmt)
         self.group = current_group()

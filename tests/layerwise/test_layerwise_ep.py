@@ -58,3 +58,17 @@ def test_ep2_layerwise_equals_the_single_process_resident_export(tmp_path: Path)
         assert not set(expert_keys[0]) & set(expert_keys[1]), "two ranks read the same expert"
         ids = [{int(EXPERT_KEY_RE.match(k)["expert"]) for k in keys} for keys in expert_keys]
         assert ids == [set(range(8)), set(range(8, 16))]  # each rank its own EP block, every expert once
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "gpt_oss"])
+def test_ep2_layerwise_equals_single_process_for_the_other_models(model, tmp_path: Path):
+    from layerwise.test_layerwise import MODELS
+
+    ckpt = MODELS[model](tmp_path / "src")
+    base = ["--pyt_ckpt_path", str(ckpt), "--trust_remote_code"]
+    (r,) = run_ranks(1, _ptq, [*base, "--export_path", str(tmp_path / "single"), "--report", "none"], timeout=300,
+                     env=ENV)
+    assert r.exitcode == 0, r.traceback
+    results = run_ranks(2, _ptq, [*base, "--export_path", str(tmp_path / "ep2"), "--layerwise"], timeout=300, env=ENV)
+    assert [x.exitcode for x in results] == [0, 0], [x.traceback for x in results]
+    assert_same_export(tmp_path / "single", tmp_path / "ep2")
