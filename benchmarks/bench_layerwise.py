@@ -9,7 +9,9 @@ at full size. Figures:
 - bytes read from the source, layerwise / resident: <= 1.0 (each rank reads its tensors once; bf16
   experts re-read their MXFP4 bytes for the export's lossless cast on both sides);
 - peak RSS, layerwise / resident: < 1 (one layer resident, not the model; on a tiny model the process's
-  own torch/transformers footprint dominates both, which bounds the ratio near 1).
+  own torch/transformers footprint dominates both, which bounds the ratio near 1);
+- the planner's layerwise peak (``modelopt-k3-plan --layerwise``, host budget) against the measured layerwise
+  peak RSS: within 20%.
 
 Correctness check: the two exports are equal tensor for tensor, byte for byte.
 """
@@ -122,7 +124,24 @@ def run(ctx):
                higher_is_better=False, unit="",
                bound="the process's torch/transformers footprint, common to both, dominates a tiny model's RSS"),
     ]
+    figures.append(_planner_figure(ckpt, calib, rss["layerwise"]))
     return figures, {"checkpoint": str(ckpt), "sizes": sizes, "runs": sides}
+
+
+def _planner_figure(ckpt: Path, calib: list[str], measured: int) -> Figure:
+    """The planner's estimate of the same layerwise run (one process, host memory) against its measured peak."""
+    from modelopt_k3.memory.planner import plan_memory
+
+    args = dict(zip(calib[::2], calib[1::2]))
+    report = plan_memory(ckpt, world_size=1, device="cpu", batch_size=int(args["--batch_size"]),
+                         calib_seq=int(args["--calib_seq"]), layerwise=True)
+    planned = report.find("whole", "replicated", "bf16").peak
+    off = max(planned / measured, measured / planned)  # two-sided: 1.2 is 20% either way
+    return Figure("layerwise_planned_peak", AREA, "layerwise peak RSS, planned vs measured (larger / smaller)",
+                  {"value": planned / 2**20, "unit": "MiB"}, {"value": measured / 2**20, "unit": "MiB"},
+                  off, target=1.2, target_text="<= 1.2 (within 20%)", higher_is_better=False, unit="",
+                  details={"planned_over_measured": planned / measured},
+                  bound="the planner's fixed host runtime term (torch, transformers) against the process's own")
 
 
 if __name__ == "__main__":
