@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _exports import read_export
 from _mp import run_ranks
 from safetensors import safe_open
 
@@ -80,19 +81,10 @@ def _ep_ptq(argv: list[str], fail: str | None = None):
 # --------------------------------------------------------------------------- helpers
 
 
-def _read_export(path: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for file in sorted(set(index.values())):
-        with safe_open(path / file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[key] = f.get_tensor(key)
-    assert set(out) == set(index), "index and shard contents differ"
-    return out
 
 
 def assert_exports_equal(a: Path, b: Path) -> None:
-    ta, tb = _read_export(a), _read_export(b)
+    ta, tb = read_export(a), read_export(b)
     assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))[:10]
     for key in ta:
         x, y = ta[key], tb[key]

@@ -8,24 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _exports import read_export
 
 from modelopt_k3.layerwise.replay import Captured, load_captured, output_meta, placeholder, save_captured
 from modelopt_k3.layerwise.state import RankDir, ResumeError
 
 PTQ = ["--qformat", "nvfp4", "--calib_size", "4", "--batch_size", "2", "--calib_seq", "24", "--no_progress"]
-
-
-def read_export(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for file in sorted(set(index.values())):
-        with safe_open(path / file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[key] = f.get_tensor(key)
-    assert set(out) == set(index), "index and shard contents differ"
-    return out
 
 
 def assert_same_export(a: Path, b: Path) -> None:

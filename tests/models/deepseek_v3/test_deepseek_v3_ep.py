@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from _exports import read_export
 from _mp import run_ranks
-from safetensors import safe_open
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,15 +42,6 @@ def _ep_run(ckpt: str, out: str):
         return logits, sorted(info.keys_read), info.plan.kind, info.placement.experts.local
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for file in sorted(set(index.values())):
-        with safe_open(path / file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[key] = f.get_tensor(key)
-    assert set(out) == set(index)
-    return out
 
 
 def test_ep2_reads_only_local_experts_and_export_equals_one_process(deepseek_fp8_ckpt, deepseek_fp8_export, tmp_path):
@@ -71,7 +61,7 @@ def test_ep2_reads_only_local_experts_and_export_equals_one_process(deepseek_fp8
         read = {int(m["expert"]) for k in keys if (m := EXPERT_KEY.search(k))}
         assert read == set(local), (rank, sorted(read))  # no rank touched another rank's expert bytes
         assert any(k.endswith(f"experts.{local[0]}.up_proj.weight_scale_inv") for k in keys)
-    ours, theirs = _tensors(out), _tensors(deepseek_fp8_export)
+    ours, theirs = read_export(out), read_export(deepseek_fp8_export)
     assert set(ours) == set(theirs)
     for key, t in theirs.items():
         assert ours[key].dtype == t.dtype and torch.equal(ours[key].reshape(-1).view(torch.uint8),

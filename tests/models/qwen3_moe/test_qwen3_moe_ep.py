@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from _exports import read_export
 from _mp import run_ranks
-from safetensors import safe_open
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,15 +41,6 @@ def _ep_run(ckpt: str, out: str):
         return logits, sorted(info.keys_read), info.plan.kind, info.placement.experts.local
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for file in sorted(set(index.values())):
-        with safe_open(path / file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[key] = f.get_tensor(key)
-    assert set(out) == set(index)
-    return out
 
 
 def test_ep2_reads_only_local_experts_and_export_equals_one_process(qwen3_moe_ckpt, qwen3_moe_export, tmp_path):
@@ -69,7 +59,7 @@ def test_ep2_reads_only_local_experts_and_export_equals_one_process(qwen3_moe_ck
         assert torch.equal(logits, ref), rank
         read = {int(m["expert"]) for k in keys if (m := EXPERT_KEY.search(k))}
         assert read == set(local), (rank, sorted(read))  # no rank touched another rank's expert bytes
-    ours, theirs = _tensors(out), _tensors(qwen3_moe_export)
+    ours, theirs = read_export(out), read_export(qwen3_moe_export)
     assert set(ours) == set(theirs)
     for key, t in theirs.items():
         assert ours[key].dtype == t.dtype and torch.equal(ours[key].reshape(-1).view(torch.uint8),
