@@ -326,10 +326,6 @@ def _plan_dense_conversions(reader: CheckpointReader, converters: tuple,
     return plan
 
 
-def decoded_dense(reader: CheckpointReader, converters: tuple) -> dict[str, tuple[str, ...]]:
-    """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
-    the source keys they consume: the export writes them from the model, never by copying those keys."""
-    return decoded_dense_within(reader, converters, None)
 
 
 def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model: nn.Module, conversion) -> tuple[torch.Tensor, str]:
@@ -563,10 +559,7 @@ def load_planned(run: RunPlan, *, progress: bool = True) -> nn.Module:
     group = current_group()
     src = run_together("load: check the checkpoint", _planned_source, run, group=group)
     dtype = run.dtype  # decided by the preflight, with the distribution plan
-    if run.distribution.expert_parallel:
-        from .experts.dispatch import register_torch_a2a
-
-        register_torch_a2a()
+    _register_dispatch(run.distribution)
     return _load_with_plan(run.checkpoint, src, run.distribution, dtype, group, progress,
                            run.config.allow_nonfinite_passthrough)
 
@@ -639,11 +632,16 @@ def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_
         experts_implementation=experts_implementation,
         dense=dense,
     )
-    if the_plan.expert_parallel:
+    _register_dispatch(the_plan)
+    return the_plan
+
+
+def _register_dispatch(plan: DistributionPlan) -> None:
+    """An expert-parallel plan routes tokens through ``torch_a2a``: registered with transformers before use."""
+    if plan.expert_parallel:
         from .experts.dispatch import register_torch_a2a
 
         register_torch_a2a()
-    return the_plan
 
 
 def _prepare(src: _Source, path: Path, plan: DistributionPlan) -> list:
@@ -657,8 +655,18 @@ def _prepare(src: _Source, path: Path, plan: DistributionPlan) -> list:
 def _build_placed_model(
     src: _Source, plan: DistributionPlan, placement: Placement, dtype: torch.dtype, group
 ) -> nn.Module:
-    """Stage 4: the model on meta with this rank's experts, checked against the headers, laid out per the
-    plan (packed, FSDP2-sharded over the placement's mesh) and materialised empty on the plan's device."""
+    """Stage 4: ``_build_placed_on_meta``, materialised empty on the plan's device."""
+    model = _build_placed_on_meta(src, plan, placement, dtype, group)
+    materialize(model, plan.device)
+    tie_as_stored(model, src.reader)
+    return model
+
+
+def _build_placed_on_meta(
+    src: _Source, plan: DistributionPlan, placement: Placement, dtype: torch.dtype, group
+) -> nn.Module:
+    """The model on meta with this rank's experts, checked against the headers, laid out per the plan
+    (packed, FSDP2-sharded over the placement's mesh), its experts routed through the plan's implementation."""
     spec = src.spec
     model = _build_on_meta(src.model_cls, src.config, dtype, src.reader, spec, placement.experts)
     run_together("load: check the checkpoint against the model", _check_against_model, model, spec, src.reader,
@@ -668,8 +676,6 @@ def _build_placed_model(
     if plan.fsdp_sharded:
         shard_model(model, placement.fsdp_mesh, spec, shard_experts=not plan.expert_parallel)
     set_experts_implementation(model, spec, plan)
-    materialize(model, plan.device)
-    tie_as_stored(model, src.reader)
     return model
 
 
@@ -677,25 +683,41 @@ def _read_own_tensors(model: nn.Module, reader: CheckpointReader, converters: li
                       progress: bool, allow_nonfinite_passthrough: bool) -> None:
     """Stage 5: fill every parameter and buffer this rank holds from its checkpoint tensor; refuse gaps,
     leftovers and (unless allowed) non-finite values."""
-    spec = info.spec
     with reader:
-        experts = spec.experts_modules(model)
         total = len(persistent_tensors(model))
         with tqdm(total=total, desc=f"load rank {info.plan.rank}", disable=not progress, leave=False) as bar:
-            consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar)
-            unfilled = [f"{n}.{p}" for n in experts for p in spec.experts.sharded_params if f"{n}.{p}" not in filled]
-            if unfilled:
-                raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
-            consumed = consumed_experts | _fill_dense(model, reader, filled | _packed_fields(experts), info, bar)
+            consumed = _fill_own(model, reader, converters, info, bar)
         unexpected = set(reader.names()) - consumed
         if unexpected:
             raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
-        info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-        info.decoded_dense = decoded_dense(reader, spec.loading.dense_converters)
-        if reader.log.invalid and not allow_nonfinite_passthrough:
-            raise source_refusal(reader.log.invalid)
-        warn_passthrough(reader.log.invalid)
-        info.nonfinite = dict(reader.log.invalid)
+        _record_reads(info, reader, allow_nonfinite_passthrough)
+
+
+def _fill_own(model: nn.Module, reader: CheckpointReader, converters: list, info: LoadInfo, bar: tqdm,
+              scope: LoadScope | None = None) -> set[str]:
+    """Fill this rank's experts and dense tensors (of ``scope``, default all); refuse a fused expert parameter
+    no source fills; returns the source keys consumed."""
+    spec = info.spec
+    experts = {n: m for n, m in spec.experts_modules(model).items() if scope is None or scope.holds(n)}
+    consumed_experts, filled = _fill_experts(model, reader, spec, converters, experts, bar,
+                                             None if scope is None else scope.keys)
+    unfilled = [f"{n}.{p}" for n in experts for p in spec.experts.sharded_params if f"{n}.{p}" not in filled]
+    if unfilled:
+        raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
+    return consumed_experts | _fill_dense(model, reader, filled | _packed_fields(experts), info, bar, scope)
+
+
+def _record_reads(info: LoadInfo, reader: CheckpointReader, allow_nonfinite_passthrough: bool,
+                  keys: tuple[str, ...] | None = None) -> None:
+    """After a read (of ``keys``' part, default all): bytes and keys read, the dense names decoded at load,
+    and the non-finite source tensors, refused unless passed through (each warned about once)."""
+    info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
+    info.decoded_dense.update(decoded_dense(reader, info.spec.loading.dense_converters, keys))
+    if reader.log.invalid and not allow_nonfinite_passthrough:
+        raise source_refusal(reader.log.invalid)
+    new = {k: v for k, v in reader.log.invalid.items() if k not in info.nonfinite}
+    warn_passthrough(new)
+    info.nonfinite.update(new)
 
 
 def _packed_fields(experts: dict[str, nn.Module]) -> set[str]:
@@ -751,20 +773,11 @@ class LayerwiseLoad:
         if run.distribution.fsdp_sharded:
             raise ValueError("layerwise loading reads whole layers per rank; FSDP2-sharded plans are not supported")
         src = run_together("load: check the checkpoint", _planned_source, run, group=group)
-        if run.distribution.expert_parallel:
-            from .experts.dispatch import register_torch_a2a
-
-            register_torch_a2a()
         plan = run.distribution
-        self.dtype = run.dtype
+        _register_dispatch(plan)
         placement = plan.build_placement()
         self._converters = _prepare(src, run.checkpoint, plan)
-        model = _build_on_meta(src.model_cls, src.config, self.dtype, src.reader, src.spec, placement.experts)
-        run_together("load: check the checkpoint against the model", _check_against_model, model, src.spec,
-                     src.reader, src.layout, group=group)
-        if plan.experts_residency is Residency.PACKED:
-            _pack_experts(model, src.spec)
-        set_experts_implementation(model, src.spec, plan)
+        model = _build_placed_on_meta(src, plan, placement, run.dtype, group)
         self.model, self.reader, self.progress = model, src.reader, progress
         self.layers = list(src.spec.decoder_layers(model))
         if not self.layers:
@@ -803,28 +816,17 @@ class LayerwiseLoad:
         run_together(f"load {what}", self._read_scope, scope, what, group=current_group())
 
     def _read_scope(self, scope: LoadScope, what: str) -> None:
-        info, spec, reader, model = self.info, self.info.spec, self.reader, self.model
-        experts = {n: m for n, m in spec.experts_modules(model).items() if scope.holds(n)}
+        reader, model = self.reader, self.model
         tensors = [n for n in persistent_tensors(model) if scope.holds(n)]
         with reader, tqdm(total=len(tensors), desc=f"load {what}", disable=not self.progress, leave=False) as bar:
-            consumed_experts, filled = _fill_experts(model, reader, spec, self._converters, experts, bar, scope.keys)
-            unfilled = [f"{n}.{p}" for n in experts for p in spec.experts.sharded_params if f"{n}.{p}" not in filled]
-            if unfilled:
-                raise LoadError(f"fused expert parameters with no checkpoint source: {_names(unfilled)}")
-            consumed = consumed_experts | _fill_dense(model, reader, filled | _packed_fields(experts), info, bar,
-                                                      scope)
-        self._consumed |= consumed
-        info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-        info.decoded_dense.update(decoded_dense_within(reader, spec.loading.dense_converters, scope.keys))
-        if reader.log.invalid and not self._allow_nonfinite:
-            raise source_refusal(reader.log.invalid)
-        new = {k: v for k, v in reader.log.invalid.items() if k not in info.nonfinite}
-        warn_passthrough(new)
-        info.nonfinite.update(new)
+            self._consumed |= _fill_own(model, reader, self._converters, self.info, bar, scope)
+        _record_reads(self.info, reader, self._allow_nonfinite, scope.keys)
 
 
-def decoded_dense_within(reader: CheckpointReader, converters: tuple, keys) -> dict[str, tuple[str, ...]]:
-    """``decoded_dense`` restricted to the source keys ``keys`` (None: all)."""
+def decoded_dense(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[str, ...]]:
+    """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
+    the source keys they consume (among ``keys``, default all): the export writes them from the model, never
+    by copying those keys."""
     plan = _plan_dense_conversions(reader, converters, keys)
     return {target: tuple(sorted(k.values())) for target, (conv, k) in plan.items()
             if decode_op(conv) is not None and len(k) > 1}
@@ -842,7 +844,7 @@ def release_tensors(root: nn.Module) -> None:
     """Replace every parameter and persistent buffer under ``root`` (not under a quantizer) by a meta tensor."""
     skip: list[str] = []
     for name, module in root.named_modules():
-        if any(name == s or name.startswith(s + ".") for s in skip):
+        if skip and _under(name, tuple(skip)):
             continue
         if is_quantizer_state(module):
             skip.append(name)

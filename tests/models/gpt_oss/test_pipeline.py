@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _exports import read_export
 from _mp import run_ranks
-from dist.test_expert_parallel import EP_ENV, _ep_ptq, _read_export, assert_exports_equal
+from dist.test_expert_parallel import EP_ENV, _ep_ptq, assert_exports_equal
 from safetensors import safe_open
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -122,7 +123,7 @@ def test_converter_equals_model_path_and_is_lossless(tiny_gpt_oss_ckpt: Path, co
     model = load_pretrained(tiny_gpt_oss_ckpt, progress=False)
     quantize(model, load_recipe(EXPERTS_RECIPE), None, verbose=False)
     export_checkpoint(model, tmp_path / "model_path", progress=False)
-    mine, theirs = _read_export(converted), _read_export(tmp_path / "model_path")
+    mine, theirs = read_export(converted), read_export(tmp_path / "model_path")
     assert set(mine) == set(theirs)
     differ = [k for k in mine if mine[k].dtype != theirs[k].dtype
               or not torch.equal(mine[k].reshape(-1).view(torch.uint8), theirs[k].reshape(-1).view(torch.uint8))]
@@ -161,7 +162,7 @@ def test_hf_ptq_two_rank_export_equals_one_process(tiny_gpt_oss_ckpt: Path, tmp_
     assert_exports_equal(single, ep)
     algos = json.loads((single / "hf_quant_config.json").read_text())["quantization"]
     assert algos["quant_algo"] == "NVFP4" and "model.layers.0.self_attn*" not in algos["exclude_modules"]
-    out = _read_export(single)
+    out = read_export(single)
     assert f"{LAYER0}.3.gate_up_proj.weight_scale_2" in out and "model.layers.0.self_attn.q_proj.weight_scale_2" in out
     # q/k/v read one input: one weight_scale_2 and input_scale (the shared-input probe found the group).
     q, k = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"

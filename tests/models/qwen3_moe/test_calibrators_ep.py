@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _exports import read_export
 from _mp import run_ranks
 
 from .conftest import quantize_and_export
-from .test_qwen3_moe_ep import EP_ENV, _tensors
+from .test_qwen3_moe_ep import EP_ENV
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +43,7 @@ def test_ep2_weight_algorithms_equal_one_process(qwen3_moe_ckpt, tmp_path):
     assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
     for recipe, out in zip(RECIPES, outs):
         single = quantize_and_export(qwen3_moe_ckpt, tmp_path / f"one_{recipe.rsplit('/', 1)[1]}", recipe)
-        ours, theirs = _tensors(tmp_path / out), _tensors(single)
+        ours, theirs = read_export(tmp_path / out), read_export(single)
         assert set(ours) == set(theirs), recipe
         for key, t in theirs.items():
             assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (recipe, key)
