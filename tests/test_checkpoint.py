@@ -152,8 +152,8 @@ def test_a_missing_directory_is_refused(tmp_path: Path) -> None:
 
 def test_refusals_are_value_errors() -> None:
     """User input (a checkpoint path) that is refused: the CLIs' expected-error path, a ValueError."""
+    from modelopt_k3.checkpoint.source_check import SourceMismatchError
     from modelopt_k3.convert import ConvertError
-    from modelopt_k3.source_check import SourceMismatchError
 
     assert issubclass(CheckpointError, ValueError)
     assert issubclass(SourceMismatchError, ValueError)
@@ -208,9 +208,9 @@ def _parses_safetensors_headers(tree: ast.AST) -> bool:
     )
 
 
-def test_checkpoint_py_is_the_only_safetensors_header_parser() -> None:
+def test_the_reader_is_the_only_safetensors_header_parser() -> None:
     parsers = sorted(
         str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
         if "remote_code" not in p.parts and _parses_safetensors_headers(ast.parse(p.read_text()))
     )
-    assert parsers == ["checkpoint.py"]
+    assert parsers == ["checkpoint/reader.py"]

@@ -12,6 +12,7 @@ import torch
 from transformers.core_model_loading import rename_source_key
 
 from modelopt_k3.checkpoint import CheckpointError, CheckpointReader
+from modelopt_k3.checkpoint.source_check import SourceMismatchError
 from modelopt_k3.dist.group import RunGroup
 from modelopt_k3.dist.placement import ExpertPlacement
 from modelopt_k3.dist.plan import PlanError, decide_plan
@@ -19,7 +20,6 @@ from modelopt_k3.load import LoadError, load_pretrained, resolve_model_class
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC, KimiK3Experts, kimi_k3_converters
 from modelopt_k3.models.kimi_k3.experts import experts_implementations_available
 from modelopt_k3.models.kimi_k3.prepare import BLOCK_CLASS, find_block_module, unprepare
-from modelopt_k3.source_check import SourceMismatchError
 from modelopt_k3.spec import PrepareContext, SpecError
 from modelopt_k3.spec.conversion import run_converter
 from modelopt_k3.testing.reference import read_checkpoint, reference_logits
@@ -500,9 +500,9 @@ def test_refuses_indivisible_ep_degree_before_reading(
     tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = RunGroup(rank=0, world_size=3, local_rank=0, backend="gloo", device=torch.device("cpu"))
-    monkeypatch.setattr("modelopt_k3.load.current_group", lambda: fake)
+    monkeypatch.setattr("modelopt_k3.load.pretrained.current_group", lambda: fake)
     # No process group behind the fake one: its steps run locally (as at world size 1).
-    monkeypatch.setattr("modelopt_k3.load.run_together", lambda step, fn, *a, group=None, **kw: fn(*a, **kw))
+    monkeypatch.setattr("modelopt_k3.load.pretrained.run_together", lambda step, fn, *a, group=None, **kw: fn(*a, **kw))
     monkeypatch.delenv("MODELOPT_K3_EP_DEGREE", raising=False)
 
     def no_reads(self, key):

@@ -44,23 +44,37 @@ def _source_shard(ckpt: Path):
 @pytest.mark.parametrize("extra", [[], ["--target_engines", "vllm", "--experts", "bf16"]],
                          ids=["default", "engines"])
 def test_one_hf_ptq_run_decides_each_thing_once(tiny_ckpt, tmp_path, monkeypatch, restore_remote_code, extra):
+    import modelopt_k3.check as check
     import modelopt_k3.checkpoint as checkpoint
     import modelopt_k3.cli.hf_ptq as hf_ptq
     import modelopt_k3.dist.plan as dist_plan
     import modelopt_k3.load  # noqa: F401  every module that imports the functions, before they are wrapped
     import modelopt_k3.memory.planner  # noqa: F401
-    import modelopt_k3.preflight  # noqa: F401
     import modelopt_k3.quant.api  # noqa: F401
     import modelopt_k3.quant.decisions as decisions
+    import modelopt_k3.run.preflight  # noqa: F401
+    import modelopt_k3.spec.registry as registry
 
     calls: Counter = Counter()
     _count(monkeypatch, decisions.decide, calls, lambda *a, **k: "decide")
     _count(monkeypatch, dist_plan.decide_plan, calls, lambda *a, **k: "decide_plan")
     _count(monkeypatch, checkpoint.read_shard, calls, _source_shard(tiny_ckpt))
+    # The final engine check reads the export as ``modelopt-k3-check`` would, trusting nothing of the run:
+    # its own spec lookups (by the export's config.json) are counted apart.
+    checking: list[bool] = []
+    real_final_check = check.final_check
+
+    def final_check(*args, **kwargs):
+        checking.append(True)
+        return real_final_check(*args, **kwargs)
+
+    monkeypatch.setattr(check, "final_check", final_check)
+    _count(monkeypatch, registry.get_spec, calls, lambda *a, **k: "get_spec (export check)" if checking else "get_spec")
     rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--export_path",
                       str(tmp_path / "out"), *SMALL, *extra])
     assert rc == 0
-    assert calls["decide"] == 1 and calls["decide_plan"] == 1, calls
+    assert calls["decide"] == 1 and calls["decide_plan"] == 1 and calls["get_spec"] == 1, calls
+    assert checking, "the run never checked its export"
     headers = {k: n for k, n in calls.items() if k.startswith("header ")}
     shards = {p.name for p in tiny_ckpt.glob("*.safetensors")}
     assert set(headers) == {f"header {s}" for s in shards} and set(headers.values()) == {1}, calls

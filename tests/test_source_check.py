@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelopt_k3.checkpoint.source_check import SourceMismatchError, check_experts
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
-from modelopt_k3.source_check import SourceMismatchError, check_experts
 
 
 class _Meta:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import read_config
-from ..preflight import PreflightContext, PreflightError, register_check
 from ..recipe import Recipe, load_recipe
+from ..run.preflight import PreflightContext, PreflightError, register_check
+from ..spec import ModelSpec, ServingSpec
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
 from .layout import Layout, planned_layout, scan_export
 from .report import DIFFERENT, LOADS, REFUSES, CheckReport, EngineRefusal, EngineResult
@@ -44,8 +45,11 @@ __all__ = [
 ]
 
 
-def check_layout(layout: Layout, engines=DEFAULT_ENGINES, *, numerics: bool = True) -> CheckReport:
-    return CheckReport(layout.source, {e: replay(e, layout, numerics=numerics) for e in parse_engines(engines)})
+def check_layout(layout: Layout, engines=DEFAULT_ENGINES, *, numerics: bool = True,
+                 serving: ServingSpec | None = None) -> CheckReport:
+    """Each engine's replay of ``layout`` (``serving``: the model's declarations, when the caller holds its spec)."""
+    return CheckReport(layout.source, {e: replay(e, layout, numerics=numerics, serving=serving)
+                                       for e in parse_engines(engines)})
 
 
 def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport:
@@ -59,22 +63,23 @@ def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport
 
 
 def check_recipe_for_engines(checkpoint: str | Path, recipe: Recipe | str, engines, *, reader=None, table=None,
-                             config: dict | None = None) -> None:
+                             config: dict | None = None, spec: ModelSpec | None = None) -> None:
     """Refuse (``EngineRefusal``) a recipe that a named engine cannot serve on ``checkpoint``.
 
     Works from the checkpoint's config and safetensors headers and the recipe only (no model, no
     weight read): the export the recipe would produce is declared by the exporters' own layout
     functions and judged by the same engine rules as ``check_export``. Differences that need the
     calibrated values (unshared scales) cannot be seen here; everything structural can. ``reader``,
-    ``table`` and ``config``: the run's, already decided (hf_ptq's preflight; else read and decided here).
+    ``table``, ``config`` and ``spec``: the run's, already decided (hf_ptq's preflight; else read and decided here).
     """
     if isinstance(recipe, str):
         recipe = load_recipe(recipe)
     names = parse_engines(engines)
     config = read_config(Path(checkpoint)) if config is None else config
-    layout = planned_layout(checkpoint, recipe, kv_scale_names=kv_scale_names(config), reader=reader, table=table,
-                            config=config)
-    report = check_layout(layout, names, numerics=False)
+    serving = spec.serving if spec is not None else None
+    layout = planned_layout(checkpoint, recipe, kv_scale_names=kv_scale_names(config, serving), reader=reader,
+                            table=table, config=config)
+    report = check_layout(layout, names, numerics=False, serving=serving)
     if report.ok:
         return
     failing = [n for n, r in report.results.items() if not r.ok]
@@ -115,6 +120,6 @@ def _serving_engines(ctx: PreflightContext) -> None:
                              "it needs --export_format modelopt")
     try:
         check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines, reader=ctx.reader, table=ctx.table,
-                                 config=ctx.raw_config)
+                                 config=ctx.raw_config, spec=ctx.spec)
     except EngineRefusal as e:
         raise PreflightError(str(e)) from None

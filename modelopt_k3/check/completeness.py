@@ -26,7 +26,7 @@ class IncompleteExport(CheckpointError):
 def _expected(path: Path, raw: dict, reader) -> tuple[set[str], list[tuple[str, int, tuple[str, ...]]]] | None:
     """(dense names, [(experts module, num experts, projections)]) of the export's model, or None when its
     class runs checkpoint code (not built without the user's trust)."""
-    from ..load import _build_on_meta, _config_dtype, _sharded_expert_params, persistent_tensors
+    from ..load.pretrained import _build_on_meta, _config_dtype, _sharded_expert_params, persistent_tensors
 
     try:
         spec = get_spec(str(raw.get("model_type", "")))

@@ -19,7 +19,7 @@ import errno
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 EXIT_REFUSED = 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -175,24 +175,10 @@ def run_cli(prog: str, body: Callable[[], int], *, debug: bool = False) -> int:
         return EXIT_REFUSED
 
 
-def default_recipe(ckpt, qformat: str | None, generic: Mapping[str, str]) -> str:
-    """The recipe a command uses without ``--recipe``, decided once from the checkpoint's model spec.
+def converter_recipe(ckpt) -> str:
+    """The converter's recipe without ``--recipe``: the checkpoint's model's calibration-free one
+    (``RecipesSpec.converter``; ``SpecError`` naming why and the fix when the model has none)."""
+    from ..checkpoint import read_config
+    from ..spec import get_spec
 
-    ``qformat`` (hf_ptq's ``--qformat``): a name in ``generic`` means the model's own recipe for it
-    (``RecipesSpec.qformat``, else ``generic[qformat]``); any other text is a recipe name as given. ``qformat``
-    None (the converter): the model's calibration-free recipe (``SpecError`` when it has none). A checkpoint
-    whose spec cannot be read falls back to the generic name: the preflight / the converter's plan refuses it
-    with the cause.
-    """
-    from ..checkpoint import CheckpointError, read_config
-    from ..spec import SpecError, get_spec
-
-    if qformat is not None and qformat not in generic:
-        return qformat
-    try:
-        spec = get_spec(str(read_config(ckpt).get("model_type", "")))
-    except (CheckpointError, SpecError, OSError):
-        if qformat is None:
-            raise
-        return generic[qformat]
-    return spec.converter_recipe() if qformat is None else spec.recipes.qformat.get(qformat, generic[qformat])
+    return get_spec(str(read_config(ckpt).get("model_type", ""))).converter_recipe()

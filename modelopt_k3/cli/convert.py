@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._common import default_recipe, non_negative_int, positive_int, run_cli
+from ._common import converter_recipe, non_negative_int, positive_int, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..convert import convert_checkpoint, finalize_conversion
     from ..recipe import load_recipe
 
-    recipe_name = args.recipe or default_recipe(args.src, None, {})
+    recipe_name = args.recipe or converter_recipe(args.src)
     args.recipe = load_recipe(recipe_name, overrides={"allow_unmatched": True} if args.allow_unmatched else None)
 
     targets = parse_engines(args.target_engines) if args.target_engines else ()

@@ -4,7 +4,7 @@ Flags follow ModelOpt's ``examples/llm_ptq/hf_ptq.py`` where they overlap, so ex
 keep working. Without ``--pyt_ckpt_path`` the embedded tiny Kimi-K3 stand-in is generated into a cache
 directory and used (its remote code is this project's own, so it needs no ``--trust_remote_code``).
 
-Before any weight is read a preflight (``modelopt_k3/preflight.py``) refuses what would fail later:
+Before any weight is read a preflight (``modelopt_k3/run/preflight.py``) refuses what would fail later:
 an export path over the source or not writable or taken, a recipe the export format cannot express, a
 recipe a ``--target_engines`` engine cannot serve, a missing dataset; argument ranges are checked by the
 parser. Refusals print one line per group of ranks and exit 2 on every rank (``--debug`` keeps the
@@ -28,20 +28,9 @@ from pathlib import Path
 
 from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
 from ..export.format_names import EXPORT_FORMAT_NAMES
-from ..runplan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan
-from ._common import default_recipe, non_negative_int, positive_int, run_cli
+from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, QFORMAT_PRESETS, PtqConfig, RunPlan
+from ._common import non_negative_int, positive_int, run_cli
 
-QFORMAT_PRESETS = {
-    "nvfp4": "presets/nvfp4",
-    # The same with a weight calibration algorithm (quant/calibrators); each model's spec maps them too.
-    "nvfp4_mse": "presets/nvfp4_mse",
-    "nvfp4_four_over_six": "presets/nvfp4_four_over_six",
-    "nvfp4_local_hessian": "presets/nvfp4_local_hessian",
-    "nvfp4_gptq": "presets/nvfp4_gptq",
-    "nvfp4_experts_only": "presets/nvfp4_experts_only",
-    "w4a16_nvfp4": "presets/w4a16_nvfp4",
-    "fp8": "presets/fp8",
-}
 TINY_CACHE_ENV = "MODELOPT_K3_CACHE"
 
 
@@ -159,21 +148,10 @@ def _preflight(config: PtqConfig, fmt, group, ckpt: Path, trust: bool, made: lis
     context holds what the checks decided (``PreflightContext.run_plan`` freezes it)."""
     from .. import check  # noqa: F401  registers the "serving engines" check (--target_engines)
     from ..memory import preflight as _memory  # noqa: F401 - registers the "memory plan fits" check
-    from ..preflight import PreflightContext, run_preflight
-    from ..recipe import load_recipe
+    from ..run.preflight import PreflightContext, run_preflight
 
-    recipe_name = config.recipe or default_recipe(ckpt, config.qformat, QFORMAT_PRESETS)
-    overrides = {}
-    if config.kv_cache_qformat != "none":
-        overrides["kv_cache"] = config.kv_cache_qformat
-    if config.calibrate_every_expert:
-        overrides["calibrate_all_experts"] = True
-    if config.allow_unmatched:
-        overrides["allow_unmatched"] = True
-    recipe = load_recipe(recipe_name, overrides=overrides or None)
-    export_path = config.export_path or Path(f"{ckpt.name}-{Path(recipe.name).name}")
-    ctx = PreflightContext(config, ckpt, trust, export_path, recipe, fmt, rank=group.rank,
-                           world_size=group.world_size, device=group.device)
+    ctx = PreflightContext(config, ckpt, trust, fmt, rank=group.rank, world_size=group.world_size,
+                           device=group.device)
     if made is not None:
         made.append(ctx)
     seconds = run_preflight(ctx)

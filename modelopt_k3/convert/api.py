@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.nonfinite import warn_passthrough
 from ..dist.group import RunGroup
 from ..files.locks import RANK_LOCK_DIR, FileLock, LockHeld, acquire_rank_lock, live_locks
 from ..files.paths import check_writable, refuse_overlap
-from ..nonfinite import warn_passthrough
 from ..recipe import Recipe, load_recipe
 from .jobs import _Plan
 from .plan import _build_plan

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointReader, TensorInfo
+from ..checkpoint.source_check import SourceLayout
 from ..export.writer import PlannedTensor
 from ..quant.decisions import DecisionTable
 from ..recipe import QuantFormat
-from ..source_check import SourceLayout
 
 
 def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -> tuple[PlannedTensor, ...]:

@@ -15,11 +15,11 @@ import torch
 
 from .. import __version__
 from ..checkpoint import CheckpointError, CheckpointReader, TensorInfo, read_config
+from ..checkpoint.source_check import check_config, check_dense_against_config, check_experts
 from ..numerics.constants import MXFP4_BLOCK
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import SharedInputRule, discover_shared_inputs
 from ..recipe import Recipe, RecipeError
-from ..source_check import check_config, check_dense_against_config, check_experts
 from ..spec import ModelSpec, get_spec
 from .jobs import _ModuleJob, _Plan
 from .state import RECORD_VERSION, stat_identity

@@ -71,7 +71,7 @@ class ConvertStats:
             )
         out.append(f"{indent}bytes: {_mib(self.bytes_in)} in, {_mib(self.bytes_out)} out ({self.shards} shards)")
         if self.nonfinite_passthrough:
-            from ..nonfinite import describe
+            from ..checkpoint.nonfinite import describe
 
             out.append(f"{indent}WARNING: copied unchanged with non-finite values: {describe(self.nonfinite_passthrough)}")
         return out

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import ReadLog
+from ..checkpoint.nonfinite import source_refusal
 from ..export.modelopt_format import input_scale_tensor
 from ..export.writer import PlannedShard, write_json_atomic
 from ..files.paths import is_staging_name, staging_path
-from ..nonfinite import source_refusal
 from ..numerics.constants import NVFP4_BLOCK
 from ..numerics.convert import mxfp4_to_nvfp4, shared_global_scale_for
 from ..numerics.mxfp4 import mxfp4_decode

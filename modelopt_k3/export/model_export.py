@@ -27,6 +27,7 @@ from ..dist.group import current_group
 from ..experts.packed import expert_weight_rows, release_decode_workspaces
 from ..files.paths import refuse_overlap
 from ..quant.modules import ExpertsQuantState
+from ..spec.names import is_under, under_any
 from .layouts import ExportFormat, export_format
 from .modelopt_format import input_scale_tensor
 from .writer import (
@@ -261,10 +262,6 @@ def _write_index_and_configs(job: _ExportJob, tmp: Path, maps, total: int) -> No
     copy_side_files(info.checkpoint, tmp)
 
 
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
-
-
 class ExportInParts:
     """``export_checkpoint`` one part at a time (a layerwise run): ``write_part`` writes what lies under a
     decoder layer (the same items, owners and tensors as a whole export) into that layer's own shard files
@@ -291,14 +288,14 @@ class ExportInParts:
     def write_part(self, prefix: str, out_dir: Path, shard_prefix: str) -> tuple[dict[str, str], int]:
         """This rank's share of everything under module ``prefix``, into ``out_dir/{shard_prefix}-r…``; returns
         its key -> file map and bytes (call on every rank: an FSDP2 gather would be collective)."""
-        items = [it for it in self.items if _under(it[2], prefix)]
-        experts = {n: m for n, m in self.job.experts_modules.items() if _under(n, prefix)}
+        items = [it for it in self.items if is_under(it[2], prefix)]
+        experts = {n: m for n, m in self.job.experts_modules.items() if is_under(n, prefix)}
         return self._write(items, experts, out_dir, shard_prefix, prefix)
 
     def write_outside(self, layers: tuple[str, ...], out_dir: Path, shard_prefix: str) -> tuple[dict[str, str], int]:
         """This rank's share of everything outside the decoder ``layers``."""
-        items = [it for it in self.items if not any(_under(it[2], p) for p in layers)]
-        experts = {n: m for n, m in self.job.experts_modules.items() if not any(_under(n, p) for p in layers)}
+        items = [it for it in self.items if not under_any(it[2], layers)]
+        experts = {n: m for n, m in self.job.experts_modules.items() if not under_any(n, layers)}
         return self._write(items, experts, out_dir, shard_prefix, "outside the layers")
 
     def publish(self, parts: list[tuple[Path, dict[str, str], int]], *, overwrite: bool = False) -> Path:

@@ -34,7 +34,8 @@ from ..quant.api import attach_quantizers, start_quantization
 from ..quant.calibrators import calibrator_for
 from ..quant.coverage import check_coverage, expert_coverage
 from ..quant.modules import iter_quantizers
-from ..runplan import LayerwiseSettings, RunPlan
+from ..run.plan import LayerwiseSettings, RunPlan
+from ..spec.names import is_under
 from .replay import InputCache, LayerReplay
 from .state import LayerRecord, RankDir, ResumeError, digest, source_digest, tokens_digest
 
@@ -272,7 +273,7 @@ def _calibrate_outside(plan, model, qplan, outside: LoadScope, replay_all, last_
 def _coverage_guard(plan: RunPlan, model: nn.Module, layer: str) -> None:
     """``--min_expert_tokens``/``--uncovered_experts`` for this layer's experts, before it is written."""
     coverage = [c for c in expert_coverage(model, model.modelopt_k3.spec)
-                if c.module == layer or c.module.startswith(layer + ".")]
+                if is_under(c.module, layer)]
     for note in check_coverage(coverage, min_tokens=plan.config.min_expert_tokens,
                                policy=plan.config.uncovered_experts):
         if current_group().is_main:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointReader, read_config
+from ..checkpoint.source_check import SourceLayout, check_experts
 from ..spec import ModelSpec, get_spec
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
@@ -51,7 +52,7 @@ class ExpertGroup:
 
     module: str
     num_experts: int = 0
-    packed: bool = False
+    packed: bool = False  # the source check's decision for the checkpoint (``SourceLayout.packed_experts``)
     stored_bytes: int = 0  # all experts, as stored (packed: codes + scales)
     # projection name -> decoded (out, in) per expert
     projections: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -128,21 +129,23 @@ def read_layout(path: str | Path) -> CheckpointLayout:
     path = Path(path)
     config = read_config(path)  # the one reader's checks: a regular file, strict JSON
     spec = get_spec(config.get("model_type", ""))
-    with CheckpointReader(path) as reader:
-        return layout_of(reader, config, spec)
+    with CheckpointReader(path, view=spec.loading.checkpoint_view) as reader:
+        source = check_experts(reader.headers(), config, spec, reader.stored_name)  # the loader's own check
+        return layout_of(reader, config, spec, source)
 
 
-def layout_of(reader: CheckpointReader, config: dict, spec: ModelSpec) -> CheckpointLayout:
+def layout_of(reader: CheckpointReader, config: dict, spec: ModelSpec, source: SourceLayout) -> CheckpointLayout:
     """``read_layout`` of the checkpoint an open ``reader`` has already read the headers of (hf_ptq's
-    preflight: the headers are read once per run). Through the reader's checks and the model's checkpoint
-    view: GPT-OSS's fused MXFP4 experts count as the per-expert tensors the pipeline reads (a raw header
-    walk saw "0 MoE layers", "stored decoded")."""
+    preflight: the headers are read once per run), whose experts ``source`` (``check_experts``) checked: its
+    decision whether they are packed is taken, not made again. Through the reader's checks and the model's
+    checkpoint view: GPT-OSS's fused MXFP4 experts count as the per-expert tensors the pipeline reads (a raw
+    header walk saw "0 MoE layers", "stored decoded")."""
     stored = [(name, info.dtype, tuple(info.shape)) for name, info in reader.headers().items()]
-    return _layout(reader.path, config, spec, stored)
+    return _layout(reader.path, config, spec, stored, source.packed_experts)
 
 
-def _layout(path: Path, config: dict, spec: ModelSpec,
-            stored: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> CheckpointLayout:
+def _layout(path: Path, config: dict, spec: ModelSpec, stored: list[tuple[str, torch.dtype, tuple[int, ...]]],
+            packed: bool) -> CheckpointLayout:
     key_re = re.compile(spec.experts.key_regex)
     dense: list[TensorMeta] = []
     groups: dict[str, ExpertGroup] = {}
@@ -153,13 +156,12 @@ def _layout(path: Path, config: dict, spec: ModelSpec,
             dense.append(TensorMeta(name, dtype, shape))
             continue
         module, expert, proj, kind = m.group("module", "expert", "proj", "tensor")
-        group = groups.get(module) or groups.setdefault(module, ExpertGroup(module))
+        group = groups.get(module) or groups.setdefault(module, ExpertGroup(module, packed=packed))
         experts_seen[module].add(expert)
         group.stored_bytes += math.prod(shape) * dtype.itemsize
         if kind == PACKED_CODES and dtype == torch.int32:  # INT4 pack-quantized: 8 values a word, decoded
             group.projections[proj] = (shape[0], shape[1] * 8)
-        elif kind == PACKED_CODES:
-            group.packed = True
+        elif kind == PACKED_CODES:  # MXFP4: two E2M1 codes a byte
             group.projections[proj] = (shape[0], shape[1] * 2)
         elif kind not in (PACKED_SCALES, *SOURCE_SIDE_TENSORS):
             group.projections[proj] = (shape[0], shape[1])

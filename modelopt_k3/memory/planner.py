@@ -47,6 +47,7 @@ from ..dist.plan import (
 )
 from ..export.writer import DEFAULT_SPILL_BYTES
 from ..recipe import Recipe, load_recipe
+from ..spec.names import enclosing
 from .activations import ActivationModel
 from .layout import CheckpointLayout, ExpertGroup, TensorMeta, read_layout
 
@@ -57,7 +58,7 @@ GiB = 2**30
 HOST_RUNTIME_BYTES = int(0.5 * GiB)
 # CUDA context, NCCL buffers and caching-allocator slack per GPU (not measured here: no GPU in CI).
 DEVICE_RUNTIME_BYTES = int(1.5 * GiB)
-EXPERTS_PER_READ = 16  # load.py: experts converted at a time
+EXPERTS_PER_READ = 16  # load/pretrained.py: experts converted at a time
 EXPERTS_PER_CAST = 16  # export/model_export.py: experts cast at a time
 F32 = 4
 PLANS: tuple[tuple[PlanKind, DenseMode], ...] = (
@@ -375,12 +376,7 @@ def _resident(est: Estimate, run: _Run) -> None:
 
 def _layer_of(name: str, regex: str) -> str | None:
     """The decoder layer (its module name) that ``name`` lies in, None outside every layer."""
-    parts = name.split(".")
-    for n in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:n])
-        if re.search(regex, prefix):
-            return prefix
-    return None
+    return enclosing(name, lambda prefix: re.search(regex, prefix) is not None)
 
 
 def _layerwise_resident(est: Estimate, run: _Run, shape: RunShape) -> None:
@@ -714,13 +710,12 @@ def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape
 
 
 def resolve_experts(layout: CheckpointLayout, plan: DistributionPlan, shape: RunShape, *, recipe: Recipe,
-                    budget: int | None, packed_source: bool | None = None,
-                    local_implementation: str | None = None) -> Estimate:
+                    budget: int | None, local_implementation: str | None = None) -> Estimate:
     """``experts="auto"`` resolved (once, for the CLI's run shape or the loader's defaults): the first
     residency the plan allows (``allowed_residencies``: bf16) when it fits or no budget is known, else
-    packed when the plan allows it (not under fsdp2, only for an MXFP4 source), with its decode chunk.
-    ``packed_source``: whether the source is packed, as the run decided it (default: the layout's)."""
-    packed_source = layout.packed_source if packed_source is None else packed_source
+    packed when the plan allows it (not under fsdp2, only for an MXFP4 source: the layout's, which is the
+    source check's decision), with its decode chunk."""
+    packed_source = layout.packed_source
     allowed = allowed_residencies(plan.kind, packed_source=packed_source)
     est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget,
                    local_implementation=local_implementation)
@@ -731,7 +726,7 @@ def resolve_experts(layout: CheckpointLayout, plan: DistributionPlan, shape: Run
 
 
 def fit_plan(layout: CheckpointLayout, plan: DistributionPlan, experts: str, shape: RunShape, *, recipe: Recipe,
-             packed_source: bool, gpu_mem_gib: float | None = None) -> tuple[DistributionPlan, Estimate]:
+             gpu_mem_gib: float | None = None) -> tuple[DistributionPlan, Estimate]:
     """The run's ``plan`` (decided once, by the preflight) with its experts residency (``experts``: a residency
     or ``auto``, resolved here) and decode chunk, and the estimate of it; raises ``MemoryPlanError`` (the
     numbers and a configuration that would fit) when it cannot fit. Without a known budget nothing is refused.
@@ -739,11 +734,10 @@ def fit_plan(layout: CheckpointLayout, plan: DistributionPlan, experts: str, sha
     budget = device_budget(shape.device, plan.world_size, gpu_mem_gib)
     impl = "grouped_mm" if shape.device != "cpu" else None
     if experts == AUTO:
-        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, packed_source=packed_source,
-                              local_implementation=impl)
+        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, local_implementation=impl)
     else:
-        est = estimate(layout, plan.with_residency(experts, packed_source=packed_source), shape, recipe=recipe,
-                       budget=budget, local_implementation=impl)
+        est = estimate(layout, plan.with_residency(experts, packed_source=layout.packed_source), shape,
+                       recipe=recipe, budget=budget, local_implementation=impl)
     if budget is not None and not est.fits(budget):
         raise MemoryPlanError(_refusal_message(layout, est, budget, shape, recipe, gpu_mem_gib))
     # The decode chunk the estimate chose is one the plan can hold: packed, at least 1 (``estimate``).

@@ -1,11 +1,11 @@
-"""hf_ptq's memory check, one of the preflight checks (``modelopt_k3.preflight``): before any weight is
+"""hf_ptq's memory check, one of the preflight checks (``modelopt_k3.run.preflight``): before any weight is
 read, the planner's verdict on the run's distribution plan."""
 
 from __future__ import annotations
 
 import torch
 
-from ..preflight import PreflightContext, register_check
+from ..run.preflight import PreflightContext, register_check
 from .layout import layout_of
 from .planner import RunShape, fit_plan
 
@@ -18,8 +18,8 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
     ``--gpu_mem_gib``, else the accelerator's memory, else host RAM per local rank. The layout is read off
     the preflight's one reader (no header is read again)."""
     cfg = ctx.config
-    ctx.layout = layout_of(ctx.reader, ctx.raw_config, ctx.spec)
+    ctx.layout = layout_of(ctx.reader, ctx.raw_config, ctx.spec, ctx.source)
     shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda" if torch.cuda.is_available() else "cpu",
                      getattr(torch, cfg.dtype) if cfg.dtype else None, layerwise=ctx.layerwise is not None)
     ctx.distribution, ctx.memory = fit_plan(ctx.layout, ctx.distribution, cfg.experts, shape, recipe=ctx.recipe,
-                                            packed_source=ctx.source.packed_experts, gpu_mem_gib=cfg.gpu_mem_gib)
+                                            gpu_mem_gib=cfg.gpu_mem_gib)

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..dist.collectives import all_reduce_max_, run_together
 from ..dist.group import current_group
 from ..experts.packed import local_experts_forward
-from ..nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from .modules import ExpertsQuantState, iter_quantizers, set_mode
 
 

@@ -2,7 +2,7 @@
 
 A spec is data plus a few hooks, grouped by who reads them, so each stage sees only its part:
 
-* ``LoadingSpec``     - the loader (``load.py``) and the converter's model build: where the model class comes
+* ``LoadingSpec``     - the loader (``load/``) and the converter's model build: where the model class comes
   from (the checkpoint's remote code or transformers' own class), import shims, ``prepare``, dtype and
   dense-conversion rules.
 * ``ExpertsSpec``     - everything that touches routed experts: the loader's expert reads, the distribution
@@ -179,7 +179,7 @@ def _no_converters(ctx: PrepareContext) -> list:
 
 @dataclass(frozen=True)
 class LoadingSpec:
-    """Read by the loader (``load.py``) and the converter when it builds the model (``convert/plan.py``)."""
+    """Read by the loader (``load/``) and the converter when it builds the model (``convert/plan.py``)."""
 
     # Where the model class comes from: the checkpoint's remote code or a transformers class.
     model_class: ModelClassSource

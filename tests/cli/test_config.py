@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from modelopt_k3.cli.hf_ptq import build_parser
-from modelopt_k3.runplan import PtqConfig
+from modelopt_k3.run.plan import PtqConfig
 
 
 def _parsed(*argv: str) -> PtqConfig:

@@ -1,4 +1,6 @@
-"""The recipe a command uses without --recipe is the checkpoint's model's own, decided once (cli/_common)."""
+"""The recipe a command uses without --recipe is the checkpoint's model's own: hf_ptq's ``--qformat`` name mapped
+by the spec (``PtqConfig.recipe_name``, decided in the preflight with the spec), the converter's calibration-free
+recipe (``cli._common.converter_recipe``)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_k3.cli._common import default_recipe
-from modelopt_k3.cli.hf_ptq import QFORMAT_PRESETS
+from modelopt_k3.cli._common import converter_recipe
 from modelopt_k3.recipe import load_recipe
-from modelopt_k3.spec import SpecError
+from modelopt_k3.run.plan import PtqConfig
+from modelopt_k3.spec import SpecError, get_spec
 
 
 def _ckpt(tmp_path: Path, model_type: str) -> Path:
@@ -31,10 +33,14 @@ def _ckpt(tmp_path: Path, model_type: str) -> Path:
         ("kimi_k3", "presets/trtllm", "presets/trtllm"),  # not a --qformat name: a recipe name as given
     ],
 )
-def test_qformat_names_the_models_own_recipe(tmp_path, model_type, qformat, expected):
-    got = default_recipe(_ckpt(tmp_path, model_type), qformat, QFORMAT_PRESETS)
+def test_qformat_names_the_models_own_recipe(model_type, qformat, expected):
+    got = PtqConfig(qformat=qformat).recipe_name(get_spec(model_type))
     assert got == expected
     load_recipe(got)  # every recipe a spec names exists and parses
+
+
+def test_recipe_wins_over_qformat():
+    assert PtqConfig(qformat="fp8", recipe="presets/trtllm").recipe_name(get_spec("qwen3_moe")) == "presets/trtllm"
 
 
 @pytest.mark.parametrize(
@@ -42,16 +48,11 @@ def test_qformat_names_the_models_own_recipe(tmp_path, model_type, qformat, expe
     [("kimi_k3", "models/moonshotai/Kimi-K3/nvfp4_experts"), ("gpt_oss", "models/openai/gpt-oss/nvfp4_experts")],
 )
 def test_the_converter_default_is_the_models_calibration_free_recipe(tmp_path, model_type, expected):
-    got = default_recipe(_ckpt(tmp_path, model_type), None, {})
+    got = converter_recipe(_ckpt(tmp_path, model_type))
     assert got == expected
     load_recipe(got)
 
 
 def test_the_converter_refuses_a_model_without_a_calibration_free_recipe(tmp_path):
     with pytest.raises(SpecError, match=r"qwen3_moe.*BF16.*--recipe"):
-        default_recipe(_ckpt(tmp_path, "qwen3_moe"), None, {})
-
-
-def test_an_unreadable_checkpoint_falls_back_to_the_generic_preset_for_the_preflight_to_refuse(tmp_path):
-    assert default_recipe(tmp_path / "missing", "nvfp4", QFORMAT_PRESETS) == "presets/nvfp4"
-    assert default_recipe(_ckpt(tmp_path, "no_such_model"), "fp8", QFORMAT_PRESETS) == "presets/fp8"
+        converter_recipe(_ckpt(tmp_path, "qwen3_moe"))

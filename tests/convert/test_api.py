@@ -542,13 +542,13 @@ def test_settings_without_effect_warn(ckpt: Path, tmp_path: Path, caplog):
     assert "calibrate_all_experts, which has no effect" in caplog.text
 
 
-def test_the_converter_reads_only_through_checkpoint_py(ckpt: Path, recipe, tmp_path: Path, monkeypatch):
-    """One reader (``modelopt_k3.checkpoint``): each source header is parsed once, each shard's bytes come
+def test_the_converter_reads_only_through_the_one_reader(ckpt: Path, recipe, tmp_path: Path, monkeypatch):
+    """One reader (``modelopt_k3.checkpoint.reader``): each source header is parsed once, each shard's bytes come
     through one descriptor it owns, and nothing memory-maps the source (no ``safe_open``)."""
     import builtins
     import importlib.util
 
-    from modelopt_k3 import checkpoint
+    from modelopt_k3.checkpoint import reader as checkpoint
 
     assert importlib.util.find_spec("modelopt_k3.convert.source") is None  # the second reader is gone
     opened: list[tuple[str, str]] = []

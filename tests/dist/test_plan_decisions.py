@@ -74,7 +74,7 @@ def test_the_planner_plans_the_placement_the_run_uses(tiny_ckpt: Path, monkeypat
 def _preflight(ckpt: Path, out: Path, *flags: str, world_size: int = 1):
     from modelopt_k3.cli.hf_ptq import _preflight, build_parser
     from modelopt_k3.export.layouts import MODELOPT
-    from modelopt_k3.runplan import PtqConfig
+    from modelopt_k3.run.plan import PtqConfig
 
     argv = ["--pyt_ckpt_path", str(ckpt), "--trust_remote_code", "--export_path", str(out), "--calib_size", "2",
             "--batch_size", "2", "--calib_seq", "16", *flags]

@@ -178,7 +178,7 @@ def test_debug_keeps_the_traceback(tiny_ckpt, tmp_path, run_tool) -> None:
 
 
 def test_a_feature_adds_its_own_preflight_check(tiny_ckpt, tmp_path, run_tool, no_weight_reads) -> None:
-    from modelopt_k3 import preflight
+    from modelopt_k3.run import preflight
 
     seen = []
 

@@ -29,7 +29,7 @@ def _preflight(src: Path, out: Path):
     from modelopt_k3.cli.hf_ptq import _preflight as preflight
     from modelopt_k3.cli.hf_ptq import build_parser
     from modelopt_k3.export.layouts import MODELOPT
-    from modelopt_k3.runplan import PtqConfig
+    from modelopt_k3.run.plan import PtqConfig
 
     config = PtqConfig.from_namespace(build_parser().parse_args(_ptq_args(src, out)))
     return preflight(config, MODELOPT, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")), src, True)

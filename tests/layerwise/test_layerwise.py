@@ -123,7 +123,7 @@ def test_layerwise_packed_experts_and_a_weight_algorithm_equal_resident(stand_in
 
 
 def test_layerwise_refusals_name_the_flag(stand_ins, tmp_path: Path):
-    from modelopt_k3.preflight import PreflightError
+    from modelopt_k3.run.preflight import PreflightError
 
     ckpt = stand_ins["kimi_k3"]
     base = ["--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / "out"]

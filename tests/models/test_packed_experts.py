@@ -149,7 +149,7 @@ def test_packed_amax_equals_decoded_amax_with_edge_scales(dtype: torch.dtype) ->
 
 
 def test_residency_refusals(tiny_ckpt: Path) -> None:
-    from modelopt_k3.load import _decide_residency
+    from modelopt_k3.load.pretrained import _decide_residency
 
     plan = decide_plan("whole", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=1, device=torch.device("cpu"))
     with pytest.raises(ResidencyError, match="stores them decoded"):
@@ -170,7 +170,7 @@ def test_residency_refusals(tiny_ckpt: Path) -> None:
 
 def test_auto_is_packed_when_bf16_does_not_fit(tiny_ckpt: Path, monkeypatch) -> None:
     """load_pretrained(experts="auto") asks the planner: a device between the two peaks gets packed."""
-    from modelopt_k3.load import _decide_residency
+    from modelopt_k3.load.pretrained import _decide_residency
     from modelopt_k3.memory import planner
 
     plan = decide_plan("whole", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=1, device=torch.device("cpu"))

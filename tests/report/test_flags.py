@@ -8,7 +8,7 @@ import pytest
 
 from modelopt_k3.cli import hf_ptq
 from modelopt_k3.files.paths import DestinationError
-from modelopt_k3.runplan import PtqConfig
+from modelopt_k3.run.plan import PtqConfig
 
 
 def _args(*argv: str):

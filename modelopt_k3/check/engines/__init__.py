@@ -31,15 +31,16 @@ def _serving(model_type: str) -> ServingSpec:
         return ServingSpec()
 
 
-def serving_rules(model_type: str, engine: str) -> ModelServing | Replay | None:
-    """What ``engine``'s class for ``model_type`` does when it loads an export (None: no rules known)."""
-    rules = _serving(model_type).rules
+def serving_rules(model_type: str, engine: str, serving: ServingSpec | None = None) -> ModelServing | Replay | None:
+    """What ``engine``'s class for ``model_type`` does when it loads an export (None: no rules known).
+    ``serving``: the model's declarations when the caller holds its spec (else looked up by ``model_type``)."""
+    rules = (serving or _serving(model_type)).rules
     return rules().get(engine) if rules is not None else None
 
 
-def kv_scale_names(config: dict) -> list[str]:
+def kv_scale_names(config: dict, serving: ServingSpec | None = None) -> list[str]:
     """The KV-cache scale tensors an export of a model with this config holds (none if unknown)."""
-    names = _serving(str(config.get("model_type", ""))).kv_scale_names
+    names = (serving or _serving(str(config.get("model_type", "")))).kv_scale_names
     return names(config) if names else []
 
 
@@ -52,10 +53,10 @@ def parse_engines(engines: str | list[str] | tuple[str, ...]) -> tuple[str, ...]
     return tuple(dict.fromkeys(names))
 
 
-def replay(engine: str, layout: Layout, *, numerics: bool = True) -> EngineResult:
-    """What ``engine`` does when it loads ``layout``."""
+def replay(engine: str, layout: Layout, *, numerics: bool = True, serving: ServingSpec | None = None) -> EngineResult:
+    """What ``engine`` does when it loads ``layout`` (``serving``: as in ``serving_rules``)."""
     model_type = str(layout.config.get("model_type", ""))
-    rules = serving_rules(model_type, engine)
+    rules = serving_rules(model_type, engine, serving)
     if rules is None:
         result = EngineResult(engine)
         result.refusals.append(Refusal("config.json", f"modelopt-k3-check knows no {engine} loading rules for "

@@ -155,7 +155,9 @@ def _packed_experts(ctx: PrepareContext) -> bool:
         return ctx.packed_experts
     if ctx.checkpoint is None:
         raise SpecError("Kimi-K3 prepare needs the checkpoint path (to validate its experts before patching)")
-    from ...source_check import check_experts  # not checked by the caller (load_pretrained checks first)
+    from ...checkpoint.source_check import (
+        check_experts,  # not checked by the caller (load_pretrained checks first)
+    )
     from . import KIMI_K3_SPEC
 
     with CheckpointReader(ctx.checkpoint) as reader:

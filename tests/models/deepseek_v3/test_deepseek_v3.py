@@ -89,8 +89,8 @@ def test_fp8_load_reads_no_scale_twice_and_refuses_a_missing_scale(deepseek_fp8_
     """Every stored tensor is consumed (scales included, nothing left over); a weight_scale_inv removed from the
     checkpoint is named before any weight is read."""
     import modelopt_k3
+    from modelopt_k3.checkpoint.source_check import SourceMismatchError
     from modelopt_k3.load import LoadError
-    from modelopt_k3.source_check import SourceMismatchError
 
     model = modelopt_k3.load_pretrained(deepseek_fp8_ckpt, progress=False)
     assert set(model.modelopt_k3.keys_read) == set(_stored(deepseek_fp8_ckpt))

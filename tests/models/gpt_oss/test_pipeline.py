@@ -47,10 +47,10 @@ def _load_as_rank(ckpt: Path, ep_rank: int, ep_size: int):
     itself exchanges nothing)."""
     import dataclasses
 
-    from modelopt_k3 import load as L
     from modelopt_k3.dist.group import current_group
     from modelopt_k3.dist.placement import ExpertPlacement
     from modelopt_k3.dist.plan import decide_plan
+    from modelopt_k3.load import pretrained as L
 
     src = L._open_source(ckpt, False)
     plan = decide_plan("whole", spec=src.spec, num_experts=4, rank=0, world_size=1, device=torch.device("cpu"))

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .checkpoint import CheckpointError
-from .numerics.constants import MXFP4_BLOCK
-from .spec import ExpertsLayout, ModelSpec
+from ..numerics.constants import MXFP4_BLOCK
+from ..spec import ExpertsLayout, ModelSpec
+from .reader import CheckpointError
 
 __all__ = ["SourceLayout", "SourceMismatchError", "check_dense", "check_experts"]
 

@@ -372,6 +372,10 @@ class ReadLog:
 CheckpointView = Callable[[Mapping[str, TensorInfo]], dict[str, TensorInfo]]
 
 
+class _FromConfig:
+    """``CheckpointReader(view=)``'s default: the view of the spec the checkpoint's config.json names."""
+
+
 def _view_for(path: Path) -> CheckpointView | None:
     """The view the spec of the checkpoint at ``path`` (its config.json's model_type) declares, if any."""
     try:
@@ -380,7 +384,7 @@ def _view_for(path: Path) -> CheckpointView | None:
         return None
     if not isinstance(model_type, str):
         return None
-    from .spec import SpecError, get_spec  # the spec registry (imports a built-in spec lazily)
+    from ..spec import SpecError, get_spec  # the spec registry (imports a built-in spec lazily)
 
     try:
         return get_spec(model_type).loading.checkpoint_view
@@ -392,12 +396,16 @@ class CheckpointReader:
     """Key -> tensor access over ``model.safetensors.index.json`` (or a single ``model.safetensors``).
 
     Headers are parsed and checked on construction; file handles open on the first read of a file
-    and close with ``close()`` (or the ``with`` block), after which they reopen on demand.
+    and close with ``close()`` (or the ``with`` block), after which they reopen on demand. ``view``: the
+    checkpoint view of the model's spec (``LoadingSpec.checkpoint_view``; None: the stored tensors as they
+    are), given by a caller that decided the spec; by default the spec config.json names is looked up.
     """
 
-    def __init__(self, path: str | Path, *, check_values: bool = True) -> None:
+    def __init__(self, path: str | Path, *, check_values: bool = True,
+                 view: CheckpointView | None | type[_FromConfig] = _FromConfig) -> None:
         self.path = Path(path)
         self.check_values = check_values
+        self._view = view
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         self.log = ReadLog()
@@ -434,7 +442,7 @@ class CheckpointReader:
             self._infos.update(shard.tensors)
             digest.update(f"{file}\0{shard.size}\0".encode())
             digest.update(shard.raw)
-        view = _view_for(self.path)
+        view = _view_for(self.path) if self._view is _FromConfig else self._view
         self._stored = self._infos
         if view is not None:
             self._infos = view(self._stored)

@@ -23,27 +23,28 @@ from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
 
-from .checkpoint import CheckpointReader, read_config
-from .dist.collectives import run_together
-from .dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
-from .dist.group import current_group
-from .dist.placement import ExpertPlacement, Placement
-from .dist.plan import AUTO, DistributionPlan, Residency, decide_plan
-from .experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
-from .nonfinite import source_refusal, warn_passthrough
-from .numerics._slabs import run_slabs
-from .source_check import SourceLayout, check_config, check_dense, check_experts, check_present
-from .spec import ModelSpec, PrepareContext, get_spec
-from .spec.conversion import (
+from ..checkpoint import CheckpointReader, read_config
+from ..checkpoint.nonfinite import source_refusal, warn_passthrough
+from ..checkpoint.source_check import SourceLayout, check_config, check_dense, check_experts, check_present
+from ..dist.collectives import run_together
+from ..dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
+from ..dist.group import current_group
+from ..dist.placement import ExpertPlacement, Placement
+from ..dist.plan import AUTO, DistributionPlan, Residency, decide_plan
+from ..experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
+from ..numerics._slabs import run_slabs
+from ..spec import ModelSpec, PrepareContext, get_spec
+from ..spec.conversion import (
     decode_op,
     decodes_after_layout,
     layout_blocks,
     run_converter,
     run_converter_fields,
 )
+from ..spec.names import under_any
 
 if TYPE_CHECKING:
-    from .runplan import RunPlan
+    from ..run.plan import RunPlan
 
 EXPERTS_PER_READ = 16
 
@@ -498,7 +499,7 @@ def _decide_residency(
     """The plan with its experts residency: as asked (``with_residency`` refuses what the plan cannot hold),
     or for ``auto`` the memory planner's choice among the residencies the plan allows."""
     if requested == AUTO:
-        from .memory.planner import choose_residency
+        from ..memory.planner import choose_residency
 
         requested, chosen_chunk = choose_residency(path, plan, packed_source=packed_source, dtype=dtype)
         decode_chunk = decode_chunk if decode_chunk is not None else chosen_chunk
@@ -639,7 +640,7 @@ def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_
 def _register_dispatch(plan: DistributionPlan) -> None:
     """An expert-parallel plan routes tokens through ``torch_a2a``: registered with transformers before use."""
     if plan.expert_parallel:
-        from .experts.dispatch import register_torch_a2a
+        from ..experts.dispatch import register_torch_a2a
 
         register_torch_a2a()
 
@@ -726,13 +727,6 @@ def _packed_fields(experts: dict[str, nn.Module]) -> set[str]:
             for lay in m.packed_layouts.values() for name in (lay.qdata_name, lay.scale_name)}
 
 
-# --------------------------------------------------------------------------- layerwise (modelopt_k3.layerwise)
-
-
-def _under(name: str, prefixes: tuple[str, ...]) -> bool:
-    return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
-
-
 @dataclass(frozen=True)
 class LoadScope:
     """The part of a model one layerwise read fills: module and tensor names under ``inside`` and not under
@@ -743,84 +737,7 @@ class LoadScope:
     keys: tuple[str, ...] | None = None
 
     def holds(self, name: str) -> bool:
-        return _under(name, self.inside) and not _under(name, self.outside)
-
-
-def keys_by_layer(names, layers: list[str]) -> dict[str | None, tuple[str, ...]]:
-    """Source keys grouped by the decoder layer whose name prefixes them (None: outside every layer)."""
-    wanted = set(layers)
-    grouped: dict[str | None, list[str]] = {name: [] for name in layers}
-    grouped[None] = []
-    for key in names:
-        parts = key.split(".")
-        layer = next((p for p in (".".join(parts[:n]) for n in range(1, len(parts))) if p in wanted), None)
-        grouped[layer].append(key)
-    return {layer: tuple(keys) for layer, keys in grouped.items()}
-
-
-class LayerwiseLoad:
-    """A planned load one decoder layer at a time (``--layerwise``; ``modelopt_k3.layerwise`` drives it).
-
-    The placed model is built on meta and checked against the headers as ``load_planned`` does; what lies
-    outside the decoder layers (embeddings, final norm, ``lm_head``, the vision tower) is materialised and
-    read at once; ``read_layer`` materialises and reads one layer (this rank's experts and dense tensors,
-    nothing else), ``release_layer`` returns its tensors to meta. ``finish`` refuses source tensors no read
-    consumed, as a resident load does at its end.
-    """
-
-    def __init__(self, run: RunPlan, *, progress: bool = True) -> None:
-        group = current_group()
-        if run.distribution.fsdp_sharded:
-            raise ValueError("layerwise loading reads whole layers per rank; FSDP2-sharded plans are not supported")
-        src = run_together("load: check the checkpoint", _planned_source, run, group=group)
-        plan = run.distribution
-        _register_dispatch(plan)
-        placement = plan.build_placement()
-        self._converters = _prepare(src, run.checkpoint, plan)
-        model = _build_placed_on_meta(src, plan, placement, run.dtype, group)
-        self.model, self.reader, self.progress = model, src.reader, progress
-        self.layers = list(src.spec.decoder_layers(model))
-        if not self.layers:
-            raise ValueError(f"model_type {src.spec.model_type} names no decoder layers (ReportSpec.decoder_layer_regex)")
-        self._keys = keys_by_layer(src.reader.names(), self.layers)
-        self._consumed: set[str] = set()
-        self._allow_nonfinite = run.config.allow_nonfinite_passthrough
-        self.info = LoadInfo(checkpoint=run.checkpoint, spec=src.spec, plan=plan, placement=placement,
-                             model_cls=src.model_cls, packed_experts=src.layout.packed_experts, _source=src.reader)
-        outside = LoadScope(("",), tuple(self.layers), self._keys[None])
-        materialize(model, plan.device, outside)
-        tie_as_stored(model, src.reader)
-        self._read(outside, "outside the decoder layers")
-        model.eval()
-        model.modelopt_k3 = self.info
-
-    def read_layer(self, name: str) -> None:
-        scope = LoadScope((name,), keys=self._keys[name])
-        materialize(self.model, self.info.plan.device, scope)
-        self._read(scope, name)
-
-    def release_layer(self, name: str) -> None:
-        """Every persistent tensor of layer ``name`` back to meta; quantizers (``is_quantizer_state``) keep theirs."""
-        release_tensors(self.model.get_submodule(name))
-
-    def skip_layer(self, name: str) -> None:
-        """A layer whose export an earlier run completed (a resume): its source keys count as consumed."""
-        self._consumed.update(self._keys[name])
-
-    def finish(self) -> None:
-        unexpected = set(self.reader.names()) - self._consumed
-        if unexpected:
-            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
-
-    def _read(self, scope: LoadScope, what: str) -> None:
-        run_together(f"load {what}", self._read_scope, scope, what, group=current_group())
-
-    def _read_scope(self, scope: LoadScope, what: str) -> None:
-        reader, model = self.reader, self.model
-        tensors = [n for n in persistent_tensors(model) if scope.holds(n)]
-        with reader, tqdm(total=len(tensors), desc=f"load {what}", disable=not self.progress, leave=False) as bar:
-            self._consumed |= _fill_own(model, reader, self._converters, self.info, bar, scope)
-        _record_reads(self.info, reader, self._allow_nonfinite, scope.keys)
+        return under_any(name, self.inside) and not under_any(name, self.outside)
 
 
 def decoded_dense(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[str, ...]]:
@@ -830,28 +747,3 @@ def decoded_dense(reader: CheckpointReader, converters: tuple, keys=None) -> dic
     plan = _plan_dense_conversions(reader, converters, keys)
     return {target: tuple(sorted(k.values())) for target, (conv, k) in plan.items()
             if decode_op(conv) is not None and len(k) > 1}
-
-
-def is_quantizer_state(module: nn.Module) -> bool:
-    """Quantizer modules: what calibration decided, kept when a layer's weights are released."""
-    from .quant.modules import ExpertsQuantState
-    from .quant.quantizer import TensorQuantizer
-
-    return isinstance(module, (TensorQuantizer, ExpertsQuantState))
-
-
-def release_tensors(root: nn.Module) -> None:
-    """Replace every parameter and persistent buffer under ``root`` (not under a quantizer) by a meta tensor."""
-    skip: list[str] = []
-    for name, module in root.named_modules():
-        if skip and _under(name, tuple(skip)):
-            continue
-        if is_quantizer_state(module):
-            skip.append(name)
-            continue
-        for pname, param in list(module._parameters.items()):
-            if param is not None and not param.is_meta:
-                module._parameters[pname] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-        for bname, buf in list(module._buffers.items()):
-            if buf is not None and not buf.is_meta and bname not in module._non_persistent_buffers_set:
-                module._buffers[bname] = torch.empty_like(buf, device="meta")

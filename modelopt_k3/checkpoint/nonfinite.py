@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from .numerics.finite import e8m0_nan_count, nonfinite_count
+from ..numerics.finite import e8m0_nan_count, nonfinite_count
 
 __all__ = ["PASSTHROUGH_FLAG", "NonFiniteError", "describe", "invalid_values", "source_refusal", "warn_passthrough"]
 

@@ -12,7 +12,7 @@ own with ``register_check`` (in the module that owns the feature), e.g.::
 
 What the checks decide on the way (the spec, the one reader of the headers, the experts' source layout,
 the decision table, the distribution plan, the memory estimate) they keep on the context, each decided
-once; ``PreflightContext.run_plan`` freezes it into the run's ``RunPlan`` (``runplan.py``).
+once; ``PreflightContext.run_plan`` freezes it into the run's ``RunPlan`` (``run/plan.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointReader, read_config
-from .export.staging import sweep_stale
-from .files.paths import check_writable, refuse_overlap
-from .recipe import Recipe
-from .runplan import PtqConfig, RunPlan
-from .spec import ModelSpec, get_spec
+from ..checkpoint import CheckpointReader, read_config
+from ..export.staging import sweep_stale
+from ..files.paths import check_writable, refuse_overlap
+from ..recipe import Recipe, load_recipe
+from ..spec import ModelSpec, get_spec
+from .plan import PtqConfig, RunPlan
 
 __all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "register_check", "run_preflight"]
 
@@ -46,8 +46,6 @@ class PreflightContext:
     config: PtqConfig
     checkpoint: Path
     trust_remote_code: bool
-    export_path: Path
-    recipe: Recipe
     export_format: Any  # the ExportFormat ``config.export_format`` names (resolved once by the caller)
     rank: int = 0
     world_size: int = 1
@@ -55,6 +53,8 @@ class PreflightContext:
     # Decided by the checks, in order ("source checkpoint" first, "memory plan fits" last):
     raw_config: dict | None = None  # config.json
     spec: ModelSpec | None = None
+    recipe: Recipe | None = None  # the recipe the config names for this spec ("source checkpoint")
+    export_path: Path | None = None  # --export_path, else named after the checkpoint and the recipe
     reader: CheckpointReader | None = None  # the source's headers, read once
     source: Any = None  # source_check.SourceLayout: the routed experts as stored
     table: Any = None  # quant.decisions.DecisionTable, from the headers (no shared-input groups)
@@ -62,7 +62,7 @@ class PreflightContext:
     layout: Any = None  # memory.layout.CheckpointLayout of the same headers
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
     memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py)
-    layerwise: Any = None  # runplan.LayerwiseSettings, None for a resident run
+    layerwise: Any = None  # run.plan.LayerwiseSettings, None for a resident run
     dtype: Any = None  # the load dtype (``--dtype``, else config.json's), decided with the distribution plan
     notes: list[str] = field(default_factory=list)  # said once by rank 0 (e.g. what was cleaned up)
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # what ``close`` undoes (the export lock)
@@ -135,6 +135,9 @@ def _source_checkpoint(ctx: PreflightContext) -> None:
     ctx.spec = spec = get_spec(raw.get("model_type", ""))
     if spec.loading.model_class.remote_code and not ctx.trust_remote_code:
         raise PreflightError(f"{ctx.checkpoint} ships its own modeling code; pass --trust_remote_code if you trust it")
+    # The recipe (and the export path it names by default) needs the spec: decided here, with it.
+    ctx.recipe = load_recipe(ctx.config.recipe_name(spec), overrides=ctx.config.recipe_overrides())
+    ctx.export_path = ctx.config.export_path or Path(f"{ctx.checkpoint.name}-{Path(ctx.recipe.name).name}")
 
 
 @register_check("export path is not the source")
@@ -146,16 +149,16 @@ def _not_the_source(ctx: PreflightContext) -> None:
 def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it.
     The reader made here is the run's one reader of the source (its headers are never read again)."""
-    from .source_check import check_config, check_experts
+    from ..checkpoint.source_check import check_config, check_experts
 
-    ctx.reader = CheckpointReader(ctx.checkpoint)
+    ctx.reader = CheckpointReader(ctx.checkpoint, view=ctx.spec.loading.checkpoint_view)  # the run's spec
     check_config(ctx.raw_config, ctx.spec)
     ctx.source = check_experts(ctx.reader.headers(), ctx.raw_config, ctx.spec, ctx.reader.stored_name)
 
 
 @register_check("export path free")
 def _export_path_free(ctx: PreflightContext) -> None:
-    from .export.writer import refuse_replacing_a_non_checkpoint
+    from ..export.writer import refuse_replacing_a_non_checkpoint
 
     path = ctx.export_path
     if path.is_dir() and any(path.iterdir()) and not ctx.config.overwrite:
@@ -189,7 +192,7 @@ def _stale_temp_data(ctx: PreflightContext) -> None:
 def _lock_export_path(ctx: PreflightContext) -> None:
     """Rank 0 holds the export path's lock (``files.locks.acquire_export_lock``) from here to the end of the run
     (``ctx.close``), so two runs to one path cannot both pass the preflight."""
-    from .files.locks import LockHeld, acquire_export_lock
+    from ..files.locks import LockHeld, acquire_export_lock
 
     try:
         acquire_export_lock(ctx.export_path, ctx.cleanup, ctx.notes)
@@ -201,7 +204,7 @@ def _lock_export_path(ctx: PreflightContext) -> None:
 def _export_format(ctx: PreflightContext) -> None:
     """The recipe against the checkpoint's modules (the run's decision table, from headers, decided here
     once), and what the export format can hold."""
-    from .quant.decisions import decide
+    from ..quant.decisions import decide
 
     # Shared-input groups need the model's code: quantize adds them to this table (``with_shared_groups``).
     ctx.table = decide(ctx.reader.inventory(), ctx.spec, ctx.recipe, None)
@@ -233,7 +236,7 @@ def _calibration_reaches(ctx: PreflightContext) -> None:
 
 @register_check("calibration data")
 def _calibration_data(ctx: PreflightContext) -> None:
-    from .data import DataError, load_texts
+    from ..data import DataError, load_texts
 
     try:
         ctx.texts = load_texts(ctx.config.dataset)
@@ -304,7 +307,7 @@ def _distribution_plan(ctx: PreflightContext) -> None:
     once; the memory check then sets its experts residency."""
     import torch
 
-    from .dist.plan import decide_plan
+    from ..dist.plan import decide_plan
 
     cfg, spec = ctx.config, ctx.spec
     text = ctx.raw_config.get("text_config", ctx.raw_config)
@@ -321,8 +324,8 @@ def _layerwise(ctx: PreflightContext) -> None:
     """``--layerwise`` (or the recipe's ``algorithm.layerwise``), decided once; refused where a layerwise run
     cannot do what was asked: FSDP2-sharded layers, the held-out passes (they need the whole model), a resume
     directory inside the source or the export."""
-    from .files.paths import refuse_overlap
-    from .runplan import layerwise_settings
+    from ..files.paths import refuse_overlap
+    from .plan import layerwise_settings
 
     cfg = ctx.config
     try:

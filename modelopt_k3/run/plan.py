@@ -17,22 +17,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
-from .export.format_names import EXPORT_FORMAT_NAMES, ExportFormatName
+from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
+from ..export.format_names import EXPORT_FORMAT_NAMES, ExportFormatName
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointReader
-    from .dist.plan import DistributionPlan
-    from .export.layouts import ExportFormat
-    from .memory.layout import CheckpointLayout
-    from .memory.planner import Estimate
-    from .quant.decisions import DecisionTable
-    from .recipe import Recipe
-    from .source_check import SourceLayout
-    from .spec import ModelSpec
+    from ..checkpoint import CheckpointReader
+    from ..checkpoint.source_check import SourceLayout
+    from ..dist.plan import DistributionPlan
+    from ..export.layouts import ExportFormat
+    from ..memory.layout import CheckpointLayout
+    from ..memory.planner import Estimate
+    from ..quant.decisions import DecisionTable
+    from ..recipe import Recipe
+    from ..spec import ModelSpec
 
-__all__ = ["LayerwiseSettings", "PtqConfig", "RunPlan", "layerwise_settings"]
+__all__ = ["QFORMAT_PRESETS", "LayerwiseSettings", "PtqConfig", "RunPlan", "layerwise_settings"]
 
+# ``--qformat`` names and their generic recipes; a model's spec may map a name to its own
+# (``RecipesSpec.qformat``: e.g. Qwen3-MoE's nvfp4 keeps attention NVFP4, as its engines serve it).
+QFORMAT_PRESETS = {
+    "nvfp4": "presets/nvfp4",
+    # The same with a weight calibration algorithm (quant/calibrators); each model's spec maps them too.
+    "nvfp4_mse": "presets/nvfp4_mse",
+    "nvfp4_four_over_six": "presets/nvfp4_four_over_six",
+    "nvfp4_local_hessian": "presets/nvfp4_local_hessian",
+    "nvfp4_gptq": "presets/nvfp4_gptq",
+    "nvfp4_experts_only": "presets/nvfp4_experts_only",
+    "w4a16_nvfp4": "presets/w4a16_nvfp4",
+    "fp8": "presets/fp8",
+}
 KV_CACHE_CHOICES = ("none", "fp8")
 DTYPE_CHOICES = (None, "bfloat16", "float32")
 
@@ -88,7 +101,7 @@ class PtqConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value}")
         if self.ep_degree is not None and self.ep_degree < 1:
             raise ValueError(f"ep_degree must be a positive integer, got {self.ep_degree}")
-        from .quant.coverage import POLICIES
+        from ..quant.coverage import POLICIES
 
         for name, choices in (("plan", PLAN_KINDS), ("dense", DENSE_MODES), ("experts", EXPERTS_CHOICES),
                               ("kv_cache_qformat", KV_CACHE_CHOICES), ("dtype", DTYPE_CHOICES),
@@ -108,6 +121,27 @@ class PtqConfig:
         if unknown:  # a flag the config does not carry would be silently dropped
             raise ValueError(f"PtqConfig has no field for {', '.join(unknown)}")
         return cls(**vars(args))
+
+    def recipe_name(self, spec: ModelSpec) -> str:
+        """The recipe this run means: ``--recipe``; else ``--qformat``, a ``QFORMAT_PRESETS`` name meaning the
+        model's own recipe for it (``RecipesSpec.qformat``) or the generic one; any other text a recipe name."""
+        if self.recipe is not None:
+            return self.recipe
+        if self.qformat not in QFORMAT_PRESETS:
+            return self.qformat
+        return spec.recipes.qformat.get(self.qformat, QFORMAT_PRESETS[self.qformat])
+
+    def recipe_overrides(self) -> dict[str, Any] | None:
+        """What the flags change in the recipe (``--kv_cache_qformat``, ``--calibrate_all_experts``,
+        ``--allow_unmatched``), None: nothing."""
+        overrides: dict[str, Any] = {}
+        if self.kv_cache_qformat != "none":
+            overrides["kv_cache"] = self.kv_cache_qformat
+        if self.calibrate_every_expert:
+            overrides["calibrate_all_experts"] = True
+        if self.allow_unmatched:
+            overrides["allow_unmatched"] = True
+        return overrides or None
 
     @property
     def calibrate_every_expert(self) -> bool:
