@@ -21,7 +21,7 @@ Figures (each judged against its target: met, or missed with what bounds it; a m
 - decode workspace throughput: a packed module's decode of 8 Kimi-K3-sized experts (gate_up 6144x3584,
   down 3584x3072) into its workspace against ``mxfp4_decode`` of the same bytes allocating its output:
   no slower than 1/1.3;
-- the full-size Kimi-K3 layout (header-only, ``testing.layout``) planned for a calibrated NVFP4 run at
+- the full-size Kimi-K3 layout (header-only, ``testing.header_only``) planned for a calibrated NVFP4 run at
   batch 4 x 2048 tokens on 141 GiB GPUs: packed experts + FSDP2 dense on 16 GPUs, budget / peak >= 1;
   the planner's whole table goes to RESULTS.md.
 """
@@ -158,7 +158,7 @@ def _calibration_time_figure(ctx, ckpt, calib: dict) -> Figure:
 
 
 def _planner_figures(ckpt, runs: dict, degrees: tuple[int, ...], calib: dict) -> list[Figure]:
-    from modelopt_k3.memory.layout import read_layout
+    from modelopt_k3.memory.inventory import read_layout
     from modelopt_k3.memory.planner import Asked, RunShape, estimate_asked
 
     layout = read_layout(ckpt)
@@ -237,7 +237,7 @@ def _workspace_figure(ctx) -> Figure:
 
 def _full_size(ctx) -> tuple[Figure, str]:
     from modelopt_k3.memory.planner import GiB, plan_memory
-    from modelopt_k3.testing.layout import make_kimi_k3_layout
+    from modelopt_k3.testing.header_only import make_kimi_k3_layout
 
     path = ctx.workdir / "Kimi-K3-layout"
     if not (path / "config.json").exists():

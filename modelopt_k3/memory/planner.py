@@ -1,7 +1,7 @@
 """Memory planner: what one rank holds at each stage of a PTQ run, before any weight is read.
 
 ``plan_memory(path, world_size=N, ...)`` reads ``config.json`` and the safetensors headers
-(``layout.py``), and for each plan (``whole``, ``expert_parallel`` with the dense part replicated or
+(``inventory.py``), and for each plan (``whole``, ``expert_parallel`` with the dense part replicated or
 FSDP2-sharded, ``fsdp2``) and experts residency (``bf16``, ``packed``) estimates per rank:
 
 * **resident**: parameters this rank holds (dense part, replicated or its FSDP2 rows; its experts,
@@ -49,7 +49,7 @@ from ..export.writer import DEFAULT_SPILL_BYTES
 from ..recipe import Recipe, load_recipe
 from ..spec.names import enclosing
 from .activations import ActivationModel
-from .layout import CheckpointLayout, ExpertGroup, TensorMeta, read_layout
+from .inventory import CheckpointLayout, ExpertGroup, TensorMeta, read_layout
 
 GiB = 2**30
 # RSS of a rank's process besides weights and activations through calibration and export: torch 2.13

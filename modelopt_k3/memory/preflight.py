@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..run.preflight import PreflightContext, register_check
-from .layout import layout_of
+from .inventory import layout_of
 from .planner import RunShape, fit_plan
 
 

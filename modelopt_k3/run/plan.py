@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..checkpoint.source_check import SourceLayout
     from ..dist.plan import DistributionPlan
     from ..export.layouts import ExportFormat
-    from ..memory.layout import CheckpointLayout
+    from ..memory.inventory import CheckpointLayout
     from ..memory.planner import Estimate
     from ..quant.decisions import DecisionTable
     from ..recipe import Recipe

@@ -59,7 +59,7 @@ class PreflightContext:
     source: Any = None  # source_check.SourceLayout: the routed experts as stored
     table: Any = None  # quant.decisions.DecisionTable, from the headers (no shared-input groups)
     distribution: Any = None  # dist.plan.DistributionPlan (its residency set by the memory check)
-    layout: Any = None  # memory.layout.CheckpointLayout of the same headers
+    layout: Any = None  # memory.inventory.CheckpointLayout of the same headers
     texts: list[str] | None = None  # calibration texts, loaded once by the data check for the run
     memory: Any = None  # the memory planner's estimate of the run (memory/preflight.py)
     layerwise: Any = None  # run.plan.LayerwiseSettings, None for a resident run

@@ -263,7 +263,7 @@ class ExportSpec:
 
 @dataclass(frozen=True)
 class MemorySpec:
-    """Read by the memory planner (``memory/layout.py``, ``memory/planner.py``)."""
+    """Read by the memory planner (``memory/inventory.py``, ``memory/planner.py``)."""
 
     # Checkpoint keys of the FSDP2 units (the model's ``_no_split_modules`` instances), with the unit's
     # prefix as named group ``unit``.

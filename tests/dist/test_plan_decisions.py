@@ -21,7 +21,7 @@ from modelopt_k3.dist.plan import (
     decide_plan,
     residency_refusal,
 )
-from modelopt_k3.memory.layout import read_layout
+from modelopt_k3.memory.inventory import read_layout
 from modelopt_k3.memory.planner import Asked, check_fits, choose_residency, estimate_asked
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
 

@@ -138,7 +138,7 @@ def test_tied_embeddings_without_lm_head_load_as_transformers_does(sources, tmp_
 def test_the_planner_sees_gpt_oss_experts_as_stored(sources, capsys) -> None:
     """Through the reader's view: was "0 MoE layers" and packed experts refused as "stored decoded"."""
     from modelopt_k3.cli.plan import main as plan_main
-    from modelopt_k3.memory.layout import read_layout
+    from modelopt_k3.memory.inventory import read_layout
 
     config = json.loads((sources["gpt_oss"] / "config.json").read_text())
     layout = read_layout(sources["gpt_oss"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from modelopt_k3.checkpoint import CheckpointReader, read_header
-from modelopt_k3.memory.layout import read_layout
+from modelopt_k3.memory.inventory import read_layout
 from modelopt_k3.memory.planner import (
     Asked,
     GiB,
@@ -24,7 +24,7 @@ from modelopt_k3.memory.planner import (
 )
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
 from modelopt_k3.recipe import load_recipe
-from modelopt_k3.testing.layout import KIMI_K3_SIZES, make_kimi_k3_layout
+from modelopt_k3.testing.header_only import KIMI_K3_SIZES, make_kimi_k3_layout
 
 pytestmark = pytest.mark.usefixtures("restore_remote_code")
 
@@ -128,7 +128,7 @@ def test_fsdp2_rank_0_holds_the_rows_torch_chunk_gives_it() -> None:
     """torch.chunk's first piece of an odd dim is the larger one: rank 0 holds ceil(rows / world) rows."""
     import torch
 
-    from modelopt_k3.memory.layout import TensorMeta
+    from modelopt_k3.memory.inventory import TensorMeta
     from modelopt_k3.memory.planner import _dense_bytes
 
     for rows, world in ((7, 2), (9, 4), (8, 2), (1, 2)):

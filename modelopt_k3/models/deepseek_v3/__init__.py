@@ -26,10 +26,10 @@ from ...spec import (
 )
 from .experts import DeepseekV3FusedExperts
 from .kv_cache import kv_cache_sites
-from .layout import check_config_fields
 from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .source import DENSE_FP8_CONVERTERS
+from .source_layout import check_config_fields
 
 
 def make_stand_in(path: str | Path, **sizes: Any) -> Path:

@@ -32,7 +32,7 @@ from ...numerics.mxfp4 import mxfp4_decode
 from ...spec import PrepareContext, SpecError
 from ...spec.conversion import DecodeOp
 from .experts import GptOssFusedExperts
-from .layout import BLOCK_BYTES
+from .source_layout import BLOCK_BYTES
 
 PACKED, SCALE = "weight_packed", "weight_scale"
 PROJECTIONS = ("gate_up_proj", "down_proj")

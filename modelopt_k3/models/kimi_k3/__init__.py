@@ -24,12 +24,12 @@ from ...spec import (
 from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .experts import KimiK3Experts
 from .kv_cache import kv_cache_sites, kv_scale_names
-from .layout import check_config_fields, dense_layout, expert_layout
 from .manifest import KIMI_K3_MANIFEST
 from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .shims import apply_import_shims
+from .source_layout import check_config_fields, dense_layout, expert_layout
 
 
 def serving_rules() -> Mapping[str, Any]:

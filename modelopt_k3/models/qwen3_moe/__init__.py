@@ -21,9 +21,9 @@ from ...spec import (
     register_spec,
 )
 from .experts import Qwen3MoeFusedExperts
-from .layout import check_config_fields, dense_layout, expert_layout
 from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
+from .source_layout import check_config_fields, dense_layout, expert_layout
 
 
 def serving_rules() -> Mapping[str, Any]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ...spec.probe import random_probe_model
-from .layout import moe_layers
+from .source_layout import moe_layers
 
 _WIDTHS = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16,
            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4,

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from modelopt_k3.models.qwen3_moe.experts import combine_in_expert_order
-from modelopt_k3.models.qwen3_moe.layout import dense_layout, expert_layout, moe_layers
+from modelopt_k3.models.qwen3_moe.source_layout import dense_layout, expert_layout, moe_layers
 from modelopt_k3.testing.qwen3_moe import (
     QWEN3_MOE_TINY_DEFAULTS,
     calibration_token_ids,
@@ -48,7 +48,7 @@ def test_moe_layers_follow_transformers(cfg):
 @pytest.mark.parametrize("only", [[1, "2"], [True], "1", [1.0]], ids=["a-string", "a-bool", "not-a-list", "a-float"])
 def test_mlp_only_layers_must_be_a_list_of_layer_indices(only):
     """One bad entry refuses the config (every entry is checked, not just one of them)."""
-    from modelopt_k3.models.qwen3_moe.layout import check_config_fields
+    from modelopt_k3.models.qwen3_moe.source_layout import check_config_fields
     from modelopt_k3.spec import SpecError
 
     config = checkpoint_config(QWEN3_MOE_TINY_DEFAULTS)

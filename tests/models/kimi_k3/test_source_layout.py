@@ -1,10 +1,10 @@
-"""The Kimi-K3 expert layout read from config.json (models/kimi_k3/layout.py)."""
+"""The Kimi-K3 expert layout read from config.json (models/kimi_k3/source_layout.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from modelopt_k3.models.kimi_k3.layout import expert_layout
+from modelopt_k3.models.kimi_k3.source_layout import expert_layout
 from modelopt_k3.spec import SpecError
 
 
@@ -38,7 +38,7 @@ def test_dense_layout_fixes_every_dense_shape_of_a_real_checkpoint(tiny_ckpt) ->
     import re
 
     from modelopt_k3.checkpoint import CheckpointReader
-    from modelopt_k3.models.kimi_k3.layout import check_config_fields, dense_layout
+    from modelopt_k3.models.kimi_k3.source_layout import check_config_fields, dense_layout
 
     config = json.loads((tiny_ckpt / "config.json").read_text())
     rules = [(re.compile(rx), shape) for rx, shape, _ in dense_layout(config)]

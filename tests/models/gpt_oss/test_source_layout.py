@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from modelopt_k3.models.gpt_oss.layout import (
+from modelopt_k3.models.gpt_oss.source_layout import (
     deinterleave,
     dequantize_bmm,
     interleave,

@@ -1,7 +1,7 @@
 """A checkpoint's tensor layout from ``config.json`` and the safetensors headers alone.
 
 No tensor byte is read and no model is built: a full-size Kimi-K3 (about half a million tensors) is
-parsed in seconds, and a header-only or sparse checkpoint (``testing.layout``) plans like the real one.
+parsed in seconds, and a header-only or sparse checkpoint (``testing.header_only``) plans like the real one.
 The model spec says which keys are routed experts (``ExpertsSpec.key_regex``), how they fuse
 (``ExpertsSpec.projections``) and which key prefixes are FSDP2 units (``MemorySpec.fsdp_unit_key_regex``).
 """
