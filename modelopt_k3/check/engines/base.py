@@ -21,6 +21,7 @@ from ...numerics import fp8 as fp8n
 from ...quant.schemes import KV_FP8, scheme_of_method
 from ..layout import Layout, Linear
 from ..report import Deviation, EngineResult, Refusal
+from .excludes import ExcludeIndex
 
 
 class Refuse(Exception):
@@ -118,7 +119,7 @@ class QuantView:
     """The engine's parsed ModelOpt quant config."""
 
     algo: str  # upper-case quant_algo
-    exclude: list[str]  # after the engine's own name mapping
+    exclude: ExcludeIndex  # after the engine's own name mapping, indexed once (linear in the list's size)
     quantized_layers: dict[str, str]  # module -> upper-case quant_algo (MIXED_PRECISION), mapped
     kv_algo: str | None
     packed: Mapping[str, tuple[str, ...]]

@@ -35,6 +35,7 @@ from .base import (
     config_json_fields,
     modelopt_config,
 )
+from .excludes import ExcludeIndex
 
 # Fused shards SGLang's is_layer_skipped assumes when the config ships no packed_modules_mapping.
 FALLBACK_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -68,23 +69,20 @@ def _hf_quant_config_method(quant: dict, source: str) -> None:
                              "is built unquantized")
 
 
-def _module_path_match(ignored: str, prefix: str) -> bool:
-    ignored, prefix = ignored.rstrip("."), prefix.rstrip(".")
-    return ignored == prefix or prefix.startswith(ignored + ".") or f".{ignored}." in f".{prefix}."
-
-
-def is_layer_skipped(prefix: str, ignored: list[str], fused: dict[str, tuple[str, ...]]) -> bool:
+def is_layer_skipped(prefix: str, ignored: ExcludeIndex, fused: dict[str, tuple[str, ...]]) -> bool:
+    """utils.py is_layer_skipped: ``_module_path_match`` (an entry is the prefix, an ancestor, or a run of its
+    dotted parts) of the prefix or, for a fused name, of each shard (some but not all raises)."""
     proj = prefix.split(".")[-1]
     mapping = fused if proj in fused else FALLBACK_FUSED
     if proj in mapping:
-        skipped = {any(_module_path_match(i, prefix.replace(proj, s)) for i in ignored) for s in mapping[proj]}
+        skipped = {ignored.module_path_match(prefix.replace(proj, s)) for s in mapping[proj]}
         if len(skipped) > 1:
             raise Refuse(prefix, f"SGLang: some but not all shards of {prefix} ({', '.join(mapping[proj])}) are "
                                  "excluded; all shards of a fused layer need the same precision")
         return skipped.pop()
-    skipped = any(_module_path_match(i, prefix) for i in ignored)
+    skipped = ignored.module_path_match(prefix)
     if "experts" in prefix:
-        skipped = skipped or any(prefix in layer for layer in ignored if "experts" in layer)
+        skipped = skipped or ignored.inside_an_experts_entry(prefix)
     return skipped
 
 
@@ -136,7 +134,7 @@ class SglangEngine(ModelOptEngine):
         mapped += [p.removeprefix("language_model.") for p in mapped if p.startswith("language_model.")]
         return QuantView(
             algo=algo,
-            exclude=list(dict.fromkeys(mapped)),
+            exclude=ExcludeIndex(dict.fromkeys(mapped)),
             quantized_layers={serving.mapper(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items()},
             kv_algo=kv,
             # the config's mapping, updated with the K3 class's (KimiK3LinearForCausalLM.__init__)
@@ -261,15 +259,9 @@ class SglangEngine(ModelOptEngine):
         patterns."""
         prefixes = [prefix] + ([prefix.removeprefix("language_model.")] if prefix.startswith("language_model.") else [])
         last = prefix.rsplit(".", 1)[-1]
-        for pattern in qv.exclude:
-            regex = pattern.replace(".", r"\.").replace("*", ".*")
-            for p in prefixes:
-                if re.fullmatch(regex, p) or any(re.fullmatch(regex, part) for part in p.split(".")):
-                    return True
-            tail = pattern.rsplit(".", 1)[-1]
-            if tail in FUSED_PATTERNS and tail in last:
-                return True
-        return False
+        if qv.exclude.regex_fullmatch_any([*prefixes, *(part for p in prefixes for part in p.split("."))]):
+            return True
+        return any(tail in last for tail in qv.exclude.tails.intersection(FUSED_PATTERNS))
 
     def linear_excluded(self, qv: QuantView, prefix: str) -> bool:
         # _get_quant_method, LinearBase: is_layer_skipped or is_layer_excluded -> UnquantizedLinearMethod.

@@ -27,12 +27,11 @@ single commit; not run here -- where the versions disagree the rule refuses):
 
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
-
 from ...quant.schemes import FP8, FP8_PB_WO, NVFP4
 from ..layout import Layout, Linear
 from ..report import Refusal
 from .base import Refuse
+from .excludes import ExcludeIndex
 
 # Single quant_algo values this check replays for TensorRT-LLM -> the Linear.fmt the method loads.
 TRT_METHODS = {s.algo: s.engine_method for s in (NVFP4, FP8)}
@@ -40,14 +39,14 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 FP8_BLOCK_SCALES = "FP8_BLOCK_SCALES"  # QuantAlgo.FP8_BLOCK_SCALES: 128x128 block FP8 weights
 
 
-def trt_quant(layout: Layout) -> tuple[str | None, list[str]]:
+def trt_quant(layout: Layout) -> tuple[str | None, ExcludeIndex]:
     """(quant_algo upper-cased or None, exclude_modules) as ``load_modelopt_quant_config`` reads them."""
     q = (layout.hf_quant or {}).get("quantization")
     if not isinstance(q, dict):
         if layout.quant:
             raise Refuse("config.json", "no hf_quant_config.json: this check replays only TensorRT-LLM's "
                                         "hf_quant_config.json reading (ModelConfig.load_modelopt_quant_config)")
-        return None, []
+        return None, ExcludeIndex(())
     algo = str(q.get("quant_algo") or "").upper() or None
     if algo == "MIXED_PRECISION":
         raise Refuse(HF_QUANT_CONFIG, "quant_algo MIXED_PRECISION: TensorRT-LLM's per-layer source differs by "
@@ -56,27 +55,27 @@ def trt_quant(layout: Layout) -> tuple[str | None, list[str]]:
         raise Refuse(HF_QUANT_CONFIG, f"quant_algo {algo}: not one this check replays for TensorRT-LLM "
                                       f"({sorted(TRT_METHODS)}; W4A16_NVFP4 is absent from QuantAlgo in the "
                                       "versions read)")
-    return algo, list(q.get("exclude_modules") or [])
+    return algo, ExcludeIndex(q.get("exclude_modules") or ())
 
 
-def trt_excluded(name: str, exclude: list[str]) -> bool:
+def trt_excluded(name: str, exclude: ExcludeIndex) -> bool:
     """``is_module_excluded_from_quantization`` on the module's own name; an ancestor-only match is refused."""
-    if any(fnmatchcase(name, p) for p in exclude):
+    if exclude.fnmatch_any(name, case=True):
         return True
     parts = name.split(".")
     for i in range(1, len(parts)):
         ancestor = ".".join(parts[:i])
-        hit = next((p for p in exclude if fnmatchcase(ancestor, p)), None)
+        hit = exclude.first_fnmatchcase(ancestor)
         if hit:
             raise Refuse(name, f"only its ancestor {ancestor} matches exclude entry {hit!r}: older TensorRT-LLM "
                                "builds match the module's own name only, newer ones also ancestors; unsettled")
     return False
 
 
-def trt_excluded_or_ancestor(name: str, exclude: list[str]) -> bool:
+def trt_excluded_or_ancestor(name: str, exclude: ExcludeIndex) -> bool:
     """``is_module_excluded_from_quantization`` as the newer builds run it: the name or any ancestor matches."""
     parts = name.split(".")
-    return any(fnmatchcase(".".join(parts[:i]), p) for i in range(len(parts), 0, -1) for p in exclude)
+    return any(exclude.fnmatch_any(".".join(parts[:i]), case=True) for i in range(len(parts), 0, -1))
 
 
 def trt_algo(algo: str | None) -> str | None:

@@ -18,7 +18,6 @@ The Kimi-K3 class (``vllm/models/kimi_k3/nvidia/``, same wheel) is in ``models/k
 from __future__ import annotations
 
 import re
-from fnmatch import fnmatch
 
 import torch
 
@@ -34,6 +33,7 @@ from .base import (
     config_json_fields,
     modelopt_config,
 )
+from .excludes import ExcludeIndex
 
 # modelopt.py QUANT_ALGOS (LINEAR_ALGOS + MIXED_PRECISION): any other quant_algo makes from_config raise.
 QUANT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION")
@@ -72,7 +72,7 @@ def _modelopt_method_named(cfg: dict, quant: dict, source: str) -> None:
                          "(load_weights then finds no parameter for the quantized tensors' scales)")
 
 
-def is_layer_skipped(prefix: str, ignored: list[str], fused: dict[str, tuple[str, ...]]) -> bool:
+def is_layer_skipped(prefix: str, ignored: ExcludeIndex, fused: dict[str, tuple[str, ...]]) -> bool:
     """quant_utils.is_layer_skipped (match_mode "exact"): a fused layer is skipped when its own name is
     listed, else iff all its shards are listed exactly (some but not all raises); an experts layer iff
     some listed ``experts`` name contains it."""
@@ -86,7 +86,7 @@ def is_layer_skipped(prefix: str, ignored: list[str], fused: dict[str, tuple[str
                                  "excluded; all shards of a fused layer need the same precision")
         return skipped.pop()
     if "experts" in prefix:
-        return any(prefix in layer for layer in ignored if "experts" in layer)
+        return ignored.inside_an_experts_entry(prefix)
     return prefix in ignored
 
 
@@ -121,7 +121,7 @@ class VllmEngine(ModelOptEngine):
             raise Refuse(source, f"exclude_modules/ignore must be a list, got {type(exclude).__name__}")
         return QuantView(
             algo=algo,
-            exclude=[serving.mapper(p) for p in _split_prefix_wildcards(exclude)],
+            exclude=ExcludeIndex(serving.mapper(p) for p in _split_prefix_wildcards(exclude)),
             quantized_layers={serving.mapper(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items()},
             kv_algo=kv,
             packed=serving.packed_modules_mapping or {},
@@ -138,10 +138,11 @@ class VllmEngine(ModelOptEngine):
         if is_layer_skipped(prefix, qv.exclude, dict(qv.packed)):
             return True
         bare = prefix.removeprefix("language_model.") if prefix.startswith("language_model.") else None
-        for pattern in qv.exclude:
-            if pattern != prefix and (pattern in prefix or (bare is not None and pattern in bare)):
-                return True
-        return any(fnmatch(prefix, pattern) for pattern in qv.exclude)
+        # An entry other than the prefix itself inside the prefix (or its language_model-less form), then fnmatch.
+        if qv.exclude.has_substring_of(prefix, except_equal_to=prefix) or (
+                bare is not None and qv.exclude.has_substring_of(bare, except_equal_to=prefix)):
+            return True
+        return qv.exclude.fnmatch_any(prefix)
 
     def experts_excluded(self, qv: QuantView, prefix: str) -> bool:
         return self.linear_excluded(qv, prefix)

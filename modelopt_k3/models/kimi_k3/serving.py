@@ -50,6 +50,7 @@ import re
 from dataclasses import dataclass
 
 from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, kv_deviations
+from ...check.engines.excludes import ExcludeIndex
 from ...check.engines.trtllm import (
     FP8_BLOCK_SCALES,
     config_json_group_size_warning,
@@ -232,20 +233,20 @@ class TrtQuant:
     """hf_quant_config.json as TensorRT-LLM's ModelConfig holds it (algos in QuantAlgo's spelling)."""
 
     algo: str | None
-    exclude: tuple[str, ...]
+    exclude: ExcludeIndex
     per_layer: dict[str, str | None]
 
 
 def trt_quant_of(layout: Layout) -> TrtQuant:
     q = (layout.hf_quant or {}).get("quantization") or {}
-    return TrtQuant(trt_algo(q.get("quant_algo")), tuple(q.get("exclude_modules") or ()),
+    return TrtQuant(trt_algo(q.get("quant_algo")), ExcludeIndex(q.get("exclude_modules") or ()),
                     {k: trt_algo(v) for k, v in _trt_per_layer_algos(layout).items()})
 
 
 def trt_attention_algo(q: TrtQuant, layer: int, proj: str) -> str | None:
     """``resolve_attention_quant_config``: None (unquantized) or FP8_BLOCK_SCALES; anything else raises."""
     names = [f"{p}layers.{layer}.self_attn.{proj}" for p in TRT_KEY_PREFIXES]
-    if any(trt_excluded_or_ancestor(n, list(q.exclude)) for n in names):
+    if any(trt_excluded_or_ancestor(n, q.exclude) for n in names):
         return None
     declared = [q.per_layer[n] for n in names if n in q.per_layer]
     if len(set(declared)) > 1:
@@ -302,7 +303,7 @@ def _trt_attention_problem(linear: Linear, algo: str | None, aligned: bool) -> s
 
 
 def _trt_bank_excluded(q: TrtQuant, layer: int) -> bool:
-    return any(trt_excluded_or_ancestor(f"{p}layers.{layer}.{s}", list(q.exclude))
+    return any(trt_excluded_or_ancestor(f"{p}layers.{layer}.{s}", q.exclude)
                for p in TRT_BANK_PREFIXES for s in TRT_KEY_SUFFIXES)
 
 

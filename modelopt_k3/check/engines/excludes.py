@@ -1,0 +1,130 @@
+"""An export's exclude list indexed once, so each module's question costs O(its name), not O(entries).
+
+The engines' matching rules (vLLM's exact / substring / fnmatch, SGLang's module-path and regex rules,
+TensorRT-LLM's fnmatchcase on a name and its ancestors) each loop over every entry per module: on a
+manifest with 10^6 entries the check ran for minutes. The answers only ever ask which entries a module's
+name (or a piece of it) equals, contains or is contained in, so a set of the entries, the lengths they
+come in and one joined text answer them exactly; only entries with wildcard characters are matched one
+by one (a manifest has few of those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from fnmatch import fnmatch, fnmatchcase
+from functools import cached_property
+
+__all__ = ["ExcludeIndex"]
+
+_FNMATCH_SPECIAL = frozenset("*?[")
+# Characters that make SGLang's ``pattern.replace(".", r"\.").replace("*", ".*")`` more than an equality.
+_REGEX_SPECIAL = frozenset("*?[]()+{}|^$\\")
+
+
+class ExcludeIndex:
+    """The entries of one exclude list (in their order), with the lookups the engine rules need."""
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self.entries: tuple[str, ...] = tuple(entries)
+        self._set = frozenset(self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __contains__(self, name: object) -> bool:
+        """``name`` is an entry (list membership)."""
+        return name in self._set
+
+    # ----------------------------------------------------------------- derived indexes, built on first use
+
+    @cached_property
+    def _lengths(self) -> tuple[int, ...]:
+        return tuple(sorted({len(e) for e in self._set}))
+
+    @cached_property
+    def _fn_wild(self) -> tuple[str, ...]:
+        return tuple(e for e in self.entries if _FNMATCH_SPECIAL & set(e))
+
+    @cached_property
+    def _fn_literal(self) -> frozenset[str]:
+        return self._set.difference(self._fn_wild)
+
+    @cached_property
+    def _re_wild(self) -> tuple[str, ...]:
+        return tuple(e for e in self.entries if _REGEX_SPECIAL & set(e))
+
+    @cached_property
+    def _re_literal(self) -> frozenset[str]:
+        return self._set.difference(self._re_wild)
+
+    @cached_property
+    def _experts_text(self) -> str:
+        # NUL never occurs in a module name: ``name in text`` is "name is inside one of these entries".
+        return "\0".join(e for e in self.entries if "experts" in e)
+
+    @cached_property
+    def _module_paths(self) -> frozenset[str]:
+        return frozenset(e.rstrip(".") for e in self._set)
+
+    @cached_property
+    def tails(self) -> frozenset[str]:
+        """The last dotted part of every entry."""
+        return frozenset(e.rsplit(".", 1)[-1] for e in self._set)
+
+    # ----------------------------------------------------------------- the questions
+
+    def has_substring_of(self, name: str, *, except_equal_to: str | None = None) -> bool:
+        """Some entry (other than ``except_equal_to``) is a substring of ``name``."""
+        n = len(name)
+        for length in self._lengths:
+            if length > n:
+                break
+            for start in range(n - length + 1):
+                piece = name[start:start + length]
+                if piece in self._set and piece != except_equal_to:
+                    return True
+        return False
+
+    def inside_an_experts_entry(self, name: str) -> bool:
+        """``name`` is a substring of some entry that names ``experts``."""
+        return "\0" not in name and name in self._experts_text
+
+    def fnmatch_any(self, name: str, *, case: bool = False) -> bool:
+        """``fnmatch`` (``fnmatchcase`` with ``case``) of ``name`` against some entry."""
+        if name in self._fn_literal:  # an entry without wildcards matches only itself
+            return True
+        match = fnmatchcase if case else fnmatch
+        return any(match(name, e) for e in self._fn_wild)
+
+    def first_fnmatchcase(self, name: str) -> str | None:
+        """The first entry, in list order, that ``fnmatchcase`` matches ``name`` against."""
+        hits = [e for e in self._fn_wild if fnmatchcase(name, e)]
+        if name in self._fn_literal:
+            hits.append(name)
+        return min(hits, key=self.entries.index) if hits else None
+
+    def module_path_match(self, prefix: str) -> bool:
+        """Some entry (trailing dots dropped) is a run of whole dotted parts of ``prefix``: SGLang's
+        ``ignored == prefix or prefix.startswith(ignored + ".") or f".{ignored}." in f".{prefix}."``."""
+        parts = prefix.rstrip(".").split(".")
+        paths = self._module_paths
+        return any(".".join(parts[i:j]) in paths for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
+
+    def regex_fullmatch_any(self, names: Iterable[str]) -> bool:
+        """SGLang's glob (``.`` literal, ``*`` any run) of some entry matches one of ``names`` whole."""
+        import re
+
+        names = list(names)
+        if any(n in self._re_literal for n in names):  # an entry with no special character matches only itself
+            return True
+        for entry in self._re_wild:
+            regex = re.compile(entry.replace(".", r"\.").replace("*", ".*"))
+            if any(regex.fullmatch(n) for n in names):
+                return True
+        return False
