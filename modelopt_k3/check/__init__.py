@@ -54,11 +54,12 @@ def check_layout(layout: Layout, engines=DEFAULT_ENGINES, *, numerics: bool = Tr
 
 def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport:
     """Replay each engine's loading of ``export_dir``; ``report.ok`` when every engine loads it correctly."""
-    from .completeness import check_complete
+    from .completeness import check_complete, check_scales
 
     layout, reader = scan_export(export_dir)
     with reader:
         check_complete(export_dir, reader)  # every tensor the model needs, before any engine "loads"
+        check_scales(export_dir, reader)  # and no per-tensor scale that serves zeros or NaN
         return check_layout(layout, engines)
 
 

@@ -5,22 +5,35 @@ spec's class; transformers' own classes run no checkpoint code, a remote-code cl
 from headers only, for every parameter and persistent buffer it holds: a dense one under its own name (a
 quantized Linear keeps ``<name>.weight``, or ``weight_packed``), a routed expert's projection under its
 per-expert name. An export with a router, a ``q_norm`` or an expert bias deleted is then refused by name.
+
+Its per-tensor scales are checked too (``check_scales``): a ``weight_scale_2``, ``input_scale``, FP8 per-tensor
+``weight_scale`` or KV-cache ``k_scale``/``v_scale`` that is 0, negative or not finite loads in every engine and
+serves zeros or NaN (a 0 global scale dequantizes the whole weight to 0), so no engine is said to load it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ..checkpoint import CheckpointError, CheckpointReader, read_config
 from ..spec import SpecError, get_spec
 
-__all__ = ["IncompleteExport", "missing_tensors"]
+__all__ = ["DegenerateScales", "IncompleteExport", "check_scales", "degenerate_scales", "missing_tensors"]
+
+# Scales that hold one value per tensor (or per expert) and divide or multiply the whole weight or activation.
+PER_TENSOR_SCALES = ("weight_scale_2", "input_scale", "k_scale", "v_scale")
 
 _SHOWN = 12
 
 
 class IncompleteExport(CheckpointError):
     """The export lacks tensors its model needs (named)."""
+
+
+class DegenerateScales(CheckpointError):
+    """Per-tensor scales of the export are 0, negative or not finite (named, with their values)."""
 
 
 def _expected(path: Path, raw: dict, reader) -> tuple[set[str], list[tuple[str, int, tuple[str, ...]]]] | None:
@@ -79,3 +92,35 @@ def check_complete(export_dir: str | Path, reader: CheckpointReader) -> None:
         more = f" … and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
         raise IncompleteExport(f"{export_dir} is incomplete: the model its config.json builds needs {len(missing)} "
                                f"tensor(s) it does not store: {', '.join(missing[:_SHOWN])}{more}; no engine loads it")
+
+
+def _is_per_tensor_scale(name: str, numel: int) -> bool:
+    part = name.rsplit(".", 1)[-1]
+    return part in PER_TENSOR_SCALES or (part == "weight_scale" and numel == 1)  # FP8 per-tensor weight scale
+
+
+def degenerate_scales(reader: CheckpointReader) -> list[str]:
+    """``name = value`` of every per-tensor scale (``PER_TENSOR_SCALES``; an FP8 weight's one-element
+    ``weight_scale``) that is not a positive finite number; block scales (an all-zero block is legal) are
+    not read."""
+    bad = []
+    for name, info in sorted(reader.headers().items()):
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        if not info.dtype.is_floating_point or not _is_per_tensor_scale(name, numel):
+            continue
+        values = reader.get(name).float()
+        wrong = ~(torch.isfinite(values) & (values > 0))
+        if wrong.any():
+            bad.append(f"{name} = {values[wrong].flatten()[0].item():g}")
+    return bad
+
+
+def check_scales(export_dir: str | Path, reader: CheckpointReader) -> None:
+    """Refuse an export whose per-tensor scales an engine would serve as zeros or NaN (``DegenerateScales``)."""
+    bad = degenerate_scales(reader)
+    if bad:
+        more = f" … and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+        raise DegenerateScales(f"{export_dir} has {len(bad)} per-tensor scale(s) that are not positive finite numbers: "
+                               f"{', '.join(bad[:_SHOWN])}{more}; an engine loads them and serves zeros or NaN")

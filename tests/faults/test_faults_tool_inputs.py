@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from modelopt_k3.cli.check import main as check_main
@@ -61,6 +62,29 @@ def test_an_incomplete_export_is_never_said_to_load(key, qwen3_export, tmp_path,
     rc, out, err = _check(capsys, export)
     assert rc == 2 and "loads correctly" not in out, out  # was: vLLM and SGLang "load correctly"
     assert err.count("\n") == 1 and f"does not store: {key}" in err, err
+
+
+def _set_scale(export: Path, suffix: str, value: float) -> str:
+    """Put ``value`` into the first tensor named ``...{suffix}``; returns its name."""
+    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    key = next(k for k in sorted(index) if k.endswith(suffix))
+    shard = export / index[key]
+    tensors = load_file(str(shard))
+    tensors[key] = torch.full_like(tensors[key], value)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return key
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5], ids=["zero", "negative"])
+def test_a_degenerate_global_scale_is_never_said_to_load(value, qwen3_export, tmp_path, capsys) -> None:
+    """A 0 (or negative) ``weight_scale_2`` loads in every engine and serves a weight of zeros (or flipped):
+    the check names it and says no engine loads it (was: vLLM "loads correctly")."""
+    export = tmp_path / "export"
+    shutil.copytree(qwen3_export, export)
+    key = _set_scale(export, ".weight_scale_2", value)
+    rc, out, err = _check(capsys, export, "--engine", "vllm")
+    assert rc == 2 and "loads correctly" not in out, out
+    assert err.count("\n") == 1 and f"{key} = {value:g}" in err and "serves zeros or NaN" in err, err
 
 
 def _malformed(d: Path) -> None:
