@@ -36,6 +36,9 @@ def test_typed_and_frozen():
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("calib_size", 0, "calib_size must be a positive integer, got 0"),
     ("eval_kl", -1, "eval_kl must be a non-negative integer, got -1"),
+    ("report_heldout", -1, "report_heldout must be a non-negative integer, got -1"),
+    ("min_expert_tokens", -1, "min_expert_tokens must be a non-negative integer, got -1"),
+    ("max_shard_size_mb", 0, "max_shard_size_mb must be a positive integer, got 0"),
     ("ep_degree", 0, "ep_degree must be a positive integer, got 0"),
     ("plan", "ring", "plan='ring'; choose one of \\['auto', 'whole', 'fsdp2', 'expert_parallel'\\]"),
     ("export_format", "gguf", "export_format='gguf'; choose one of \\['modelopt', 'compressed-tensors'\\]"),

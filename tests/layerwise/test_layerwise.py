@@ -153,3 +153,67 @@ def test_gptq_layerwise_feeds_each_layer_the_quantized_outputs_before_it(stand_i
     assert layer0 and all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in layer0)
     differ = {k for k in a if not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))}
     assert any(k.endswith(".weight") and ".experts." not in k for k in differ), sorted(differ)[:5]  # a GPTQ weight
+
+
+@pytest.mark.slow
+def test_gptq_layerwise_with_quantized_propagation_differs_from_unquantized(stand_ins, tmp_path: Path):
+    """``get_qdq_activations_from_prev_layer`` decides what layer 1 on sees: GPTQ's default (true) feeds it layer
+    0's quantized outputs, ``false`` the unquantized ones; layer 0 sees the embeddings either way. So the two
+    runs agree on layer 0's tensors and differ in a later dense GPTQ weight (a run that captured the
+    unquantized outputs with quantized propagation asked for would give the ``false`` export)."""
+    from modelopt_k3.recipe import load_recipe
+
+    text = Path(load_recipe("presets/nvfp4_gptq").path).read_text()
+    assert text.count("enable: false") == 1
+    unquantized = tmp_path / "gptq_unquantized_inputs.yaml"
+    unquantized.write_text(text.replace("enable: false", "enable: true\n    get_qdq_activations_from_prev_layer: false"))
+    ckpt = stand_ins["kimi_k3"]
+    for name, recipe in (("qdq", ["--qformat", "nvfp4_gptq"]), ("plain", ["--recipe", unquantized])):
+        ptq("--pyt_ckpt_path", ckpt, "--trust_remote_code", *recipe, "--layerwise", "--export_path", tmp_path / name)
+    a, b = read_export(tmp_path / "qdq"), read_export(tmp_path / "plain")
+    assert set(a) == set(b)
+    same = {k for k in a if torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))}
+    layer0 = [k for k in a if ".layers.0." in k]
+    assert layer0 and set(layer0) <= same
+    assert any(k.endswith(".weight") and ".experts." not in k and ".layers.0." not in k for k in set(a) - same)
+
+
+class _Toy(torch.nn.Module):
+    """Embedding, three layers, a head: the decoder loop a layerwise replay patches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+
+    def forward(self, input_ids, use_cache=False):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def test_replay_runs_the_current_layer_on_its_inputs_and_captures_what_it_hands_on():
+    """Layer by layer, each layer's captured arguments are the real outputs of the one before (a layer that
+    returned its placeholder while being replayed would hand on zeros)."""
+    from modelopt_k3.layerwise.replay import LayerReplay
+
+    model, ids = _Toy(), torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        want = [model.embed(ids)]
+        for layer in model.layers:
+            want.append(torch.tanh(layer(want[-1])))
+    replay = LayerReplay(model, ["layers.0", "layers.1", "layers.2"], torch.device("cpu"))
+    try:
+        replay.current, replay.capture = -1, True
+        inputs = replay.step(ids, None)
+        for i in range(3):
+            assert torch.equal(inputs.tensors[0], want[i]), i
+            replay.current = i
+            inputs = replay.step(ids, inputs)
+        assert inputs is None  # the last layer: nothing after it to capture
+    finally:
+        replay.restore()

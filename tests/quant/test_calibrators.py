@@ -155,3 +155,160 @@ def test_gptq_lowers_the_output_error_of_max_under_the_same_scales():
     err_gptq = ((x @ (w - w_hat).T) ** 2).sum()
     err_max = ((x @ (w - nvfp4_fake_quant(w, gs)).T) ** 2).sum()
     assert err_gptq < 0.9 * err_max, (err_gptq, err_max)
+
+
+# --------------------------------------------------------------------------- issue 33: what tells a wrong answer
+
+
+def test_a_tie_keeps_the_first_smallest_scale_of_the_sweep():
+    """Blocks that several E4M3 scales quantize exactly (zero error for each): the sweep keeps the first,
+    the smallest, as ModelOpt's strict ``<`` does; e.g. 3.0 everywhere is 6 x 0.5 (not 0.5 x 6)."""
+    gs = torch.tensor(1.0)
+    w = torch.tensor([[3.0] * 16, [1.5, -6.0] * 8, [0.25, 0.5, 0.75, 1.5] * 4])
+    chosen = nvfp4_sweep_block_scales(w, gs)
+    every_e4m3 = [float(torch.tensor([i], dtype=torch.uint8).view(torch.float8_e4m3fn).float()) for i in range(1, 127)]
+    for r in range(w.shape[0]):
+        errors = _block_errors(w[r].tolist(), every_e4m3, 1.0)
+        zero = [s for s, e in zip(every_e4m3, errors.tolist()) if e == 0.0]
+        assert len(zero) > 1 and float(chosen[r, 0].float()) == zero[0], (r, zero, chosen[r])
+    assert float(chosen[0, 0].float()) == 0.5
+
+
+def _reference_gptq(w, h, gs, bs, perc_damp):
+    """Unblocked GPTQ in float64, written from the algorithm: damp H by perc_damp x its mean diagonal, take the
+    upper Cholesky factor U of H^-1, then left to right round column j and subtract (w_j - q_j) / U_jj x U_j,>j
+    from the columns after it."""
+    w, h = w.double().clone(), h.double().clone()
+    n = w.shape[1]
+    h += torch.eye(n, dtype=torch.float64) * (perc_damp * h.diag().mean())
+    u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    for j in range(n):
+        q = nvfp4_fake_quant(w.float(), gs, block_scale=bs).double()[:, j]
+        err = (w[:, j] - q) / u[j, j]
+        w[:, j] = q
+        w[:, j + 1:] -= err[:, None] * u[j, j + 1:][None, :]
+    return w.float()
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gptq_equals_the_unblocked_reference_for_any_column_block(block_size):
+    from modelopt_k3.numerics import nvfp4_block_scales
+    from modelopt_k3.numerics.gptq import nvfp4_gptq
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 64, generator=g)
+    x = torch.randn(256, 64, generator=g)
+    x[:, 9] *= 15
+    h = 2 * x.T @ x / x.shape[0]
+    gs = nvfp4_global_scale(w.abs().amax())
+    bs = nvfp4_block_scales(w, gs)
+    got = nvfp4_gptq(w, h, gs, bs, perc_damp=0.01, block_size=block_size)
+    want = _reference_gptq(w, h, gs, bs, 0.01)
+    assert torch.equal(got, want), (got != want).float().mean()
+    assert not torch.equal(got, nvfp4_fake_quant(w, gs, block_scale=bs))  # GPTQ moved something
+
+
+def test_gptq_damping_is_relative_so_scaling_the_hessian_changes_nothing():
+    """``perc_damp`` is a share of the mean diagonal: H and H / 2**20 give the same weights, bit for bit (a power
+    of two scales every step exactly); an absolute damping would swamp the small one."""
+    from modelopt_k3.numerics import nvfp4_block_scales
+    from modelopt_k3.numerics.gptq import nvfp4_gptq
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 32, generator=g)
+    x = torch.randn(128, 32, generator=g)
+    h = 2 * x.T @ x / x.shape[0]
+    gs = nvfp4_global_scale(w.abs().amax())
+    bs = nvfp4_block_scales(w, gs)
+    a = nvfp4_gptq(w, h, gs, bs, perc_damp=0.01, block_size=16)
+    assert torch.equal(a, nvfp4_gptq(w, h * 2.0**-20, gs, bs, perc_damp=0.01, block_size=16))
+    assert not torch.equal(a, nvfp4_fake_quant(w, gs, block_scale=bs))
+
+
+def test_a_bool_is_no_integer_or_float_option():
+    for value in ({"method": "gptq", "block_size": True}, {"method": "gptq", "perc_damp": False},
+                  {"method": "mse", "step_size": True}):
+        with pytest.raises(AlgorithmError, match="must be (int|float), got (True|False)"):
+            parse_algorithm(value)
+    assert parse_algorithm({"method": "gptq", "perc_damp": 1}).get("perc_damp") == 1.0  # an int is a float
+
+
+def test_the_sweep_candidates_are_every_positive_finite_e4m3_value():
+    from modelopt_k3.numerics.nvfp4_search import e4m3_scale_candidates
+
+    c = e4m3_scale_candidates().float()
+    assert c.numel() == 126 and float(c[0]) == 2.0**-9 and float(c[-1]) == 448.0
+    assert bool((c[1:] > c[:-1]).all())
+    assert set(c.tolist()) == {v for v in torch.arange(256, dtype=torch.int32).to(torch.uint8)
+                               .view(torch.float8_e4m3fn).float().tolist() if v > 0 and v == v and v != float("inf")}
+
+
+def test_four_over_six_global_scale_is_amax_over_1536_and_one_only_for_zero():
+    assert float(nvfp4_global_scale_46(1.0)) == float(torch.tensor(1.0) / 1536)  # fp32, as exported
+    assert float(nvfp4_global_scale_46(3072.0)) == 2.0
+    assert float(nvfp4_global_scale_46(0.0)) == 1.0
+
+
+def test_the_hessian_grid_of_a_weight_only_linear_comes_from_its_weight():
+    """A weight-only Linear (w4a16) has no input quantizer: the split grid takes the weight's amax."""
+    from types import SimpleNamespace
+
+    from modelopt_k3.quant.calibrators.local_hessian import _input_amax
+
+    linear = torch.nn.Linear(16, 4)
+    linear.input_quantizer = None
+    linear.weight_quantizer = SimpleNamespace(amax=torch.tensor([0.5, 3.0]))
+    assert _input_amax(linear) == 3.0
+    linear.input_quantizer = SimpleNamespace(calibrated=False, amax=None)
+    assert _input_amax(linear) == 3.0
+    linear.input_quantizer = SimpleNamespace(calibrated=True, amax=torch.tensor(7.0))
+    assert _input_amax(linear) == 7.0
+
+
+def _one_linear(seed: int, in_f: int = 32, out_f: int = 8, inputs: bool = True):
+    from modelopt_k3.quant.modules import attach_linear
+    from modelopt_k3.quant.schemes import NVFP4_TENSOR
+
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(out_f, in_f, generator=g) * torch.logspace(-1, 1, in_f))
+    attach_linear(model[0], NVFP4_TENSOR, NVFP4_TENSOR if inputs else None, None)
+    return model, g
+
+
+def test_the_four_over_six_calibrator_sets_the_256_global_scale_and_searches_under_it():
+    model, _ = _one_linear(6)
+    cal = calibrator_for({"method": "mse", "four_over_six": True, "start_multiplier": 1.0, "stop_multiplier": 1.5,
+                          "step_size": 0.5})
+    assert cal.multipliers == (1.0, 1.5)
+    cal.finalize_weights(model)
+    q, w = model[0].weight_quantizer, model[0].weight.detach()
+    gs = nvfp4_global_scale_46(w.abs().amax())
+    assert torch.equal(q.scale(), gs)
+    assert torch.equal(q.block_scale.view(torch.uint8), nvfp4_multiplier_block_scales(w, gs, (1.0, 1.5)).view(torch.uint8))
+    assert cal.labels["0"].startswith("mse(")
+
+
+def test_local_hessian_weights_by_the_linears_input_before_its_own_quantizer():
+    """One Linear, NVFP4 inputs with an outlier channel per block: the block Hessians are ``E[x xᵀ]`` of the input as it
+    arrives (here the data itself), not of its fake-quantized copy; the scales are the sweep's under them."""
+    from modelopt_k3.numerics.nvfp4_search import nvfp4_sweep_block_scales as sweep
+
+    model, g = _one_linear(7, out_f=32)
+    x = torch.randn(64, 32, generator=g)
+    x[:, [5, 21]] *= 200  # one outlier per 16-block: the fake-quantized input zeroes most of the others
+
+    def loop(m):
+        with torch.no_grad():
+            m(x)
+
+    calibrator_for("local_hessian").calibrate(model, loop, {})
+    q, w = model[0].weight_quantizer, model[0].weight.detach()
+    xb = x.double().reshape(-1, 2, 16)
+    h = torch.einsum("tnb,tnd->nbd", xb, xb) / x.shape[0]
+    want = sweep(w, q.scale(), hessian=h.float())
+    assert torch.equal(q.block_scale.view(torch.uint8), want.view(torch.uint8))
+    xq = model[0].input_quantizer(x).double().reshape(-1, 2, 16)  # what a hook after the input quantizer sees
+    hq = torch.einsum("tnb,tnd->nbd", xq, xq) / x.shape[0]
+    assert not torch.equal(sweep(w, q.scale(), hessian=hq.float()).view(torch.uint8), want.view(torch.uint8))

@@ -99,3 +99,20 @@ def test_gptq_output_error_below_max_for_every_dense_layer(qwen3_moe_ckpt):
         x = inputs[name]
         err_gptq, err_max = ((x @ (w - w_gptq).T) ** 2).sum(), ((x @ (w - w_max).T) ** 2).sum()
         assert err_gptq < err_max, (name, float(err_gptq), float(err_max))
+
+
+def test_local_hessian_weights_by_the_input_as_it_arrives(qwen3_moe_ckpt, monkeypatch):
+    """ModelOpt's local Hessian hooks a Linear's input before the Linear's own input quantizer (upstream
+    activations fake-quantized, this one not): the calibrator must ask for that input, in 16-blocks."""
+    from modelopt_k3.quant.calibrators import local_hessian
+
+    asked, real = [], local_hessian.input_moments
+
+    def input_moments(*args, **kwargs):
+        asked.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local_hessian, "input_moments", input_moments)
+    model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_local_hessian")
+    assert asked == [{"blocks": True, "raw_input": True}]
+    assert any(v.startswith("local_hessian") for v in model.modelopt_k3_quant.calibration.values())

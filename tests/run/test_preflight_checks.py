@@ -1,0 +1,82 @@
+"""The preflight's single checks and the ``RunPlan`` decisions, each against the case that tells a right
+answer from a plausible wrong one (issue 33: the boundary, the flag that must win, the sequences a check
+must count)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from modelopt_k3.recipe.algorithm import parse_algorithm
+from modelopt_k3.run import preflight
+from modelopt_k3.run.plan import PtqConfig, layerwise_settings
+from modelopt_k3.run.preflight import PreflightContext, PreflightError
+
+
+def _ctx(config: PtqConfig, raw: dict | None = None, **kw) -> PreflightContext:
+    ctx = PreflightContext(config, Path("src"), True, None, **kw)
+    ctx.raw_config = raw
+    return ctx
+
+
+def test_calib_seq_may_equal_max_position_embeddings_not_pass_it():
+    raw = {"text_config": {"max_position_embeddings": 16}}
+    preflight._calib_seq_within_positions(_ctx(PtqConfig(calib_seq=16), raw))  # exactly the limit: fine
+    with pytest.raises(PreflightError, match="--calib_seq 17 is longer than the model's max_position_embeddings = 16"):
+        preflight._calib_seq_within_positions(_ctx(PtqConfig(calib_seq=17), raw))
+
+
+def test_the_calibration_size_check_counts_the_report_heldout_sequences(monkeypatch):
+    """32 calibration + 8 held-out sequences of 128 tokens: 81920 bytes of ids. A host of 288 KiB allows a
+    quarter (73728 bytes): the 32 alone (65536) fit, with --report_heldout 8 they do not."""
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 72}
+    monkeypatch.setattr(preflight.os, "sysconf", lambda name: pages[name])
+    preflight._calibration_size(_ctx(PtqConfig()))
+    with pytest.raises(PreflightError, match=r"\+ 8 held out"):
+        preflight._calibration_size(_ctx(PtqConfig(report_heldout=8)))
+    with pytest.raises(PreflightError, match=r"\+ 8 held out"):
+        preflight._calibration_size(_ctx(PtqConfig(eval_kl=8)))
+
+
+def test_the_layerwise_checkpoint_flag_wins_over_the_recipes_directory(tmp_path: Path):
+    recipe = SimpleNamespace(algorithm=parse_algorithm(
+        {"method": "max", "layerwise": {"enable": True, "checkpoint_dir": str(tmp_path / "recipe")}}))
+    flag = layerwise_settings(PtqConfig(layerwise_checkpoint_dir=tmp_path / "flag"), recipe)
+    assert flag.checkpoint_dir == tmp_path / "flag"
+    assert layerwise_settings(PtqConfig(), recipe).checkpoint_dir == tmp_path / "recipe"
+    gptq = SimpleNamespace(algorithm=parse_algorithm("gptq"))
+    assert layerwise_settings(PtqConfig(layerwise=True), gptq).qdq_inputs
+    assert layerwise_settings(PtqConfig(), gptq) is None
+
+
+@pytest.mark.parametrize(("export", "ckpt"), [("out", "out/ck"), ("ck/out", "ck"), ("out", "out")],
+                         ids=["inside the export", "holding the export", "the export itself"])
+def test_a_layerwise_checkpoint_dir_overlapping_the_export_either_way_is_refused(tmp_path: Path, export, ckpt):
+    ctx = _ctx(PtqConfig(layerwise=True, layerwise_checkpoint_dir=tmp_path / ckpt), {})
+    ctx.checkpoint, ctx.export_path = tmp_path / "src", tmp_path / export
+    ctx.recipe = SimpleNamespace(algorithm=parse_algorithm("max"))
+    ctx.distribution = SimpleNamespace(fsdp_sharded=False, describe=lambda: "whole")
+    with pytest.raises(PreflightError, match="overlaps the export path"):
+        preflight._layerwise(ctx)
+    ctx.config = PtqConfig(layerwise=True, layerwise_checkpoint_dir=tmp_path / "beside")
+    preflight._layerwise(ctx)  # a directory beside the export: fine
+    assert ctx.layerwise.checkpoint_dir == tmp_path / "beside"
+
+
+@pytest.mark.parametrize(("flag", "want"), [((), torch.bfloat16), (("--dtype", "float32"), torch.float32)])
+def test_the_run_plan_loads_in_the_dtype_flag_else_the_configs(tiny_ckpt: Path, tmp_path: Path, flag, want):
+    from modelopt_k3.cli.hf_ptq import _preflight, build_parser
+    from modelopt_k3.export.layouts import MODELOPT
+
+    argv = ["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--export_path", str(tmp_path / "out"),
+            "--calib_size", "2", "--batch_size", "2", "--calib_seq", "16", *flag]
+    group = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    ctx = _preflight(PtqConfig.from_namespace(build_parser().parse_args(argv)), MODELOPT, group, tiny_ckpt, True)
+    try:
+        plan = ctx.run_plan()
+    finally:
+        ctx.close()
+    assert plan.dtype is want
