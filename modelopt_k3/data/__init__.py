@@ -24,25 +24,75 @@ class DataError(ValueError):
     pass
 
 
-def _read_text(path: Path) -> str:
+# Characters of a calibration file read per token the run needs: far more than any tokenizer's average
+# characters per token, so a file is read no further than the sequences can use (a 200 MB line is not one
+# allocation), and at least ``MIN_READ_CHARS``.
+CHARS_PER_TOKEN_READ = 64
+MIN_READ_CHARS = 1 << 20
+
+
+def read_budget(num_tokens: int) -> int:
+    """Characters of a calibration file worth reading for ``num_tokens`` tokens (``load_texts(max_chars=)``)."""
+    return max(num_tokens * CHARS_PER_TOKEN_READ, MIN_READ_CHARS)
+
+
+def _read_text(path: Path, max_chars: int | None = None) -> str:
+    """The file's text (universal newlines), its first ``max_chars`` characters when given."""
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            return f.read() if max_chars is None else f.read(max_chars)
     except UnicodeDecodeError as e:
-        raise DataError(f"calibration file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise _not_utf8(path, e) from None
 
 
-def _read_txt(path: Path) -> list[str]:
-    # Paragraphs (blank-line separated) are samples; a file without blank lines gives one per line.
-    text = _read_text(path)
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> DataError:
+    """The refusal naming the file's first byte that is not UTF-8 (a text reader's error counts from its chunk)."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as found:
+                return DataError(f"calibration file {path} is not UTF-8 text (byte {offset - pending + found.start}: "
+                                 f"{found.reason})")
+            offset += len(chunk)
+    return DataError(f"calibration file {path} is not UTF-8 text ({e.reason})")
+
+
+def _read_txt(path: Path, max_chars: int | None = None) -> list[str]:
+    # Paragraphs (blank-line separated) are samples; a file without blank lines gives one per line. A file
+    # longer than ``max_chars`` is read that far (its last sample may end there).
+    text = _read_text(path, max_chars)
     parts = [p.strip() for p in text.split("\n\n")]
     if len(parts) <= 1:
         parts = [line.strip() for line in text.splitlines()]
     return [p for p in parts if p]
 
 
-def _read_jsonl(path: Path, field: str = "text") -> list[str]:
+def _jsonl_lines(path: Path, max_chars: int | None):
+    """(line number, line) of a JSON-lines file, until ``max_chars`` characters are read; a line longer than
+    that is refused (a JSON object cut short is no object)."""
+    total = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(iter(lambda: f.readline(-1 if max_chars is None else max_chars + 1), ""), 1):
+                if max_chars is not None and len(line) > max_chars:
+                    raise DataError(f"{path}:{lineno}: a line longer than the {max_chars} characters this calibration "
+                                    "can use (--calib_size x --calib_seq tokens); split it into several objects")
+                yield lineno, line
+                total += len(line)
+                if max_chars is not None and total >= max_chars:
+                    return
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+
+
+def _read_jsonl(path: Path, field: str = "text", max_chars: int | None = None) -> list[str]:
     out = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+    for lineno, line in _jsonl_lines(path, max_chars):
         if not line.strip():
             continue
         try:
@@ -71,8 +121,9 @@ def _not_a_file(path: Path) -> str:
     return f"is {kind}; only regular files are read"
 
 
-def load_texts(dataset: str | None) -> list[str]:
-    """Calibration texts from ``dataset``: None/"builtin", a .txt/.jsonl path, or a ``datasets`` name."""
+def load_texts(dataset: str | None, *, max_chars: int | None = None) -> list[str]:
+    """Calibration texts from ``dataset``: None/"builtin", a .txt/.jsonl path, or a ``datasets`` name.
+    ``max_chars``: read a local file no further (``read_budget``: what the run's tokens can use)."""
     if dataset in (None, BUILTIN):
         return _read_txt(BUILTIN_PATH)
     path = Path(dataset)
@@ -82,7 +133,8 @@ def load_texts(dataset: str | None) -> list[str]:
     if local or path.suffix in (".txt", ".jsonl", ".json") or path.exists():
         if not path.is_file():
             raise DataError(f"calibration file {path} {_not_a_file(path)}")
-        texts = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_txt(path)
+        texts = (_read_jsonl(path, max_chars=max_chars) if path.suffix in (".jsonl", ".json")
+                 else _read_txt(path, max_chars))
     else:
         try:
             import datasets  # optional; needs network or a local cache

@@ -236,10 +236,12 @@ def _calibration_reaches(ctx: PreflightContext) -> None:
 
 @register_check("calibration data")
 def _calibration_data(ctx: PreflightContext) -> None:
-    from ..data import DataError, load_texts
+    from ..data import DataError, load_texts, read_budget
 
+    cfg = ctx.config
+    tokens = (cfg.calib_size + max(cfg.report_heldout or 0, cfg.eval_kl)) * cfg.calib_seq  # as "calibration size"
     try:
-        ctx.texts = load_texts(ctx.config.dataset)
+        ctx.texts = load_texts(cfg.dataset, max_chars=read_budget(tokens))  # read no further than the tokens need
     except DataError as e:
         raise PreflightError(f"--dataset {ctx.config.dataset}: {e}") from None
 

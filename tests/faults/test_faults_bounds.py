@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 
 from faults.helpers import SMALL, temp_leftovers
-from modelopt_k3.data import PIECE_CHARS, pack_sequences
+from modelopt_k3.data import PIECE_CHARS, DataError, load_texts, pack_sequences, read_budget
 
 BUDGET_S = 5.0
 
@@ -71,6 +71,49 @@ def test_a_huge_single_line_is_tokenized_in_bounded_pieces_no_further_than_neede
     assert tok.longest <= PIECE_CHARS
     assert peak < 64 * 2**20, peak
     assert ids.shape == (4, 64) and ids.flatten().tolist() == [ord(c) for c in line[:256]]
+
+
+def test_a_200_mb_dataset_line_is_read_no_further_than_the_tokens_need(tmp_path) -> None:
+    """A 200 MB single-line .txt (was: read whole, 8 GiB in 36 s): read up to ``read_budget`` characters, in
+    bounded memory, and the texts begin as the file does."""
+    path = tmp_path / "calib.txt"
+    with open(path, "w") as f:
+        for _ in range(200):
+            f.write("word " * (2**20 // 5))
+    tokens = 32 * 128
+    tracemalloc.start()
+    texts = load_texts(str(path), max_chars=read_budget(tokens))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 * 2**20, peak
+    assert len(texts) == 1 and len(texts[0]) <= read_budget(tokens) and texts[0].startswith("word word")
+
+
+def test_a_file_within_the_budget_reads_as_before(tmp_path) -> None:
+    path = tmp_path / "calib.txt"
+    path.write_text("first paragraph\nstill first\n\n  second  \n\n\nthird\n")
+    assert load_texts(str(path), max_chars=10**6) == load_texts(str(path)) == [
+        "first paragraph\nstill first", "second", "third"]
+    jsonl = tmp_path / "calib.jsonl"
+    jsonl.write_text('{"text": "a"}\n\n{"text": "b"}\n')
+    assert load_texts(str(jsonl), max_chars=10**6) == load_texts(str(jsonl)) == ["a", "b"]
+
+
+def test_jsonl_reading_stops_at_the_budget_and_refuses_a_longer_line(tmp_path) -> None:
+    jsonl = tmp_path / "calib.jsonl"
+    jsonl.write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(1000)))
+    # 18 characters a line: the line that crosses 40 is read whole, then reading stops
+    assert load_texts(str(jsonl), max_chars=40) == ["row 0", "row 1", "row 2"]
+    jsonl.write_text('{"text": "' + "x" * 100 + '"}\n')
+    with pytest.raises(DataError, match=r"calib\.jsonl:1: a line longer than the 50 characters"):
+        load_texts(str(jsonl), max_chars=50)
+
+
+def test_a_non_utf8_byte_past_the_first_chunk_is_named_by_its_file_offset(tmp_path) -> None:
+    path = tmp_path / "calib.txt"
+    path.write_bytes(b"a" * 100_000 + b"\xff" + b"b" * 10)
+    with pytest.raises(DataError, match=r"is not UTF-8 text \(byte 100000: invalid start byte\)"):
+        load_texts(str(path))
 
 
 def test_short_texts_are_tokenized_whole_as_before() -> None:
