@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 __all__ = ["OWNED_RECORD", "DestinationError", "check_owned_dir", "check_writable", "create_new", "is_checkpoint_dir",
+           "replace_file",
            "refuse_overlap", "staging_path", "write_new", "write_owned"]
 
 # Mode of every file the tools write, before the umask (as any tool creating a file): 0644 under umask 022.
@@ -246,6 +247,21 @@ def write_owned(out_dir: Path, files: dict[str, bytes], *, flag: str) -> list[Pa
 
     _replace_new(out_dir / OWNED_RECORD, (json.dumps({"files": record}, indent=1, sort_keys=True) + "\n").encode())
     return written
+
+
+def replace_file(path: Path, data: bytes, *, flag: str) -> None:
+    """Replace the one file ``path`` (a file of the project's own, e.g. a tracked report) with ``data``: created new
+    under a fresh name and renamed over it, never written through a link; refused when ``path`` is a symlink or
+    a directory, or lies in a checkpoint directory."""
+    path = Path(path)
+    if path.is_symlink():
+        raise DestinationError(f"{flag} {path} is a symlink; it is never written through or replaced: remove it")
+    if path.is_dir():
+        raise DestinationError(f"{flag} {path} is a directory; a file is written there")
+    if path.parent.is_dir() and is_checkpoint_dir(path.parent):
+        raise DestinationError(f"{flag} {path.parent} is a checkpoint directory; nothing is written into a checkpoint")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_new(path, data)
 
 
 def _replace_new(final: Path, data: bytes) -> None:

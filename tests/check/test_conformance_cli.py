@@ -164,3 +164,33 @@ def test_regenerating_the_committed_matrix_and_report_changes_nothing(tmp_path):
                         keep_sections_of=md, generated=doc["generated"])
     assert (tmp_path / "m.json").read_text() == js.read_text()
     assert (tmp_path / "r.md").read_text() == md.read_text()
+
+
+def test_out_holding_a_planted_link_is_refused_before_anything_runs(no_side_effects, capsys):
+    """``--out`` goes through the owned-destination writer: a link at a result's name (to a file the user keeps)
+    is refused at argument validation, before any install or run; the link's target is never written."""
+    keep = no_side_effects / "keep.txt"
+    keep.write_text("mine")
+    out = no_side_effects / "results"
+    out.mkdir()
+    os.symlink(keep, out / run.JSON_NAME)
+    with pytest.raises(SystemExit) as done:
+        run.main(["--out", str(out)])
+    assert done.value.code == 2
+    assert "is a symlink" in capsys.readouterr().err and keep.read_text() == "mine"
+
+
+def test_the_committed_files_are_the_repositorys_wherever_it_runs_and_never_written_through_a_link(tmp_path):
+    repo = Path(run.__file__).resolve().parents[2]
+    assert run.COMMITTED_JSON == repo / "tests" / "data" / "engine_conformance.json"  # was: relative to the cwd
+    assert run.COMMITTED_DOC == repo / "docs" / "ENGINE_CONFORMANCE.md"
+    from modelopt_k3.files.paths import DestinationError
+
+    keep = tmp_path / "keep.json"
+    keep.write_text("mine")
+    js, md = tmp_path / "m.json", tmp_path / "r.md"
+    os.symlink(keep, js)
+    doc = json.loads(run.COMMITTED_JSON.read_text())
+    with pytest.raises(DestinationError, match="is a symlink"):
+        report.write_report(doc, js, md, order=[c.id for c in CELLS], generated=doc["generated"])
+    assert keep.read_text() == "mine" and js.is_symlink()

@@ -6,6 +6,8 @@ import datetime
 import json
 from pathlib import Path
 
+from modelopt_k3.files.paths import replace_file, write_owned
+
 from .drivers.stub_list import STUBS
 from .verdict import cpu_limit
 
@@ -62,9 +64,12 @@ def merge_rows(old: dict, fresh: dict, order: list[str]) -> dict:
 
 
 def write_report(result: dict, json_path: Path, md_path: Path, *, order: list[str],
-                 keep_sections_of: Path | None = None, generated: str | None = None) -> dict:
+                 keep_sections_of: Path | None = None, generated: str | None = None,
+                 owned_flag: str | None = None) -> dict:
     """Write the matrix (JSON) and its report (Markdown); returns the written matrix. Rows follow ``order``,
-    engines their names; ``keep_sections_of``: a report whose sections other than the generated ones
+    engines their names; ``owned_flag``: the two files go into a results directory of the tool's own
+    (``files.paths.write_owned``: never through a link, never over a file it did not write), else each
+    file is replaced as a file of the repository; ``keep_sections_of``: a report whose sections other than the generated ones
     (findings, how to run, before/after tables) are carried over, in their order."""
     cells = []
     for row in _sorted_cells(result["cells"], order):
@@ -82,10 +87,13 @@ def write_report(result: dict, json_path: Path, md_path: Path, *, order: list[st
            "stubs": {e: [{"name": n, "why": w} for n, w in STUBS[e]] for e in engines},
            "cells": cells}
     kept = kept_sections(keep_sections_of.read_text()) if keep_sections_of and keep_sections_of.exists() else []
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    md_path.write_text(markdown(doc).rstrip("\n") + "".join(f"\n\n{section}" for section in kept) + "\n")
+    files = {json_path: (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode(),
+             md_path: (markdown(doc).rstrip("\n") + "".join(f"\n\n{section}" for section in kept) + "\n").encode()}
+    if owned_flag is not None and json_path.parent == md_path.parent:  # a directory of results the tool owns
+        write_owned(json_path.parent, {p.name: data for p, data in files.items()}, flag=owned_flag)
+    else:  # the committed matrix and report: files of the repository, replaced, never written through
+        for path, data in files.items():
+            replace_file(path, data, flag="conformance")
     return doc
 
 

@@ -133,8 +133,9 @@ def run_matrix(engines: list[EngineSpec], *, venv_root: Path, work: Path, cell_i
     return {"engines": versions, "cells": rows}
 
 
-COMMITTED_JSON = Path("tests/data/engine_conformance.json")
-COMMITTED_DOC = Path("docs/ENGINE_CONFORMANCE.md")
+REPO = Path(__file__).resolve().parents[2]  # the committed files are the repository's, wherever it runs from
+COMMITTED_JSON = REPO / "tests" / "data" / "engine_conformance.json"
+COMMITTED_DOC = REPO / "docs" / "ENGINE_CONFORMANCE.md"
 JSON_NAME, DOC_NAME = COMMITTED_JSON.name, COMMITTED_DOC.name
 
 
@@ -187,6 +188,12 @@ def parse_args(argv: list[str] | None = None):
         p.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
     if args.pip_constraint and not Path(args.pip_constraint).is_file():
         p.error(f"--pip_constraint {args.pip_constraint}: no such file")
+    from modelopt_k3.files.paths import OWNED_RECORD, DestinationError, check_owned_dir
+
+    try:  # where the results go, before anything is installed or run
+        check_owned_dir(args.out, [JSON_NAME, DOC_NAME, OWNED_RECORD], flag="--out")
+    except DestinationError as e:
+        p.error(str(e))
     return args
 
 
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                         cell_ids=args.cell_ids, timeout=args.timeout, reuse_exports=args.reuse_exports,
                         pip_constraint=args.pip_constraint)
     order = [c.id for c in CELLS]
-    written = write_report(result, args.out / JSON_NAME, args.out / DOC_NAME, order=order)
+    written = write_report(result, args.out / JSON_NAME, args.out / DOC_NAME, order=order, owned_flag="--out")
     print(f"wrote {args.out / JSON_NAME} and {args.out / DOC_NAME}")
     if args.update_committed:
         committed = result
