@@ -12,22 +12,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...spec import SpecError
+from ...spec.config import positive_int
 
 CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group")
 
 
-def _positive(config: Mapping[str, Any], name: str) -> int:
-    value = config.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(f"config.json {name} = {value!r}; a positive integer is needed")
-    return value
-
-
 def check_config_fields(config: Mapping[str, Any]) -> None:
     for name in CONFIG_FIELDS:
-        _positive(config, name)
+        positive_int(config, name)
     first = config.get("first_k_dense_replace", 0)
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
         raise SpecError(f"config.json first_k_dense_replace = {first!r}; a non-negative integer is needed")
@@ -41,4 +35,4 @@ def check_config_fields(config: Mapping[str, Any]) -> None:
 
 def moe_layers(config: Mapping[str, Any]) -> list[int]:
     """Indices of the layers with routed experts (``DeepseekV3DecoderLayer.__init__``'s rule)."""
-    return list(range(config.get("first_k_dense_replace", 0), _positive(config, "num_hidden_layers")))
+    return list(range(config.get("first_k_dense_replace", 0), positive_int(config, "num_hidden_layers")))

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...spec import ExpertsLayout, SpecError
+from ...spec import ExpertsLayout
+from ...spec.config import positive_int
 
 EXPERTS_MODULE = "language_model.model.layers.{layer}.block_sparse_moe.experts"
 
@@ -24,10 +25,7 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _field(text: Mapping[str, Any], name: str) -> int:
-    value = text.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(f"config.json text_config.{name} = {value!r}; a positive integer is needed")
-    return value
+    return positive_int(text, name, label=f"config.json text_config.{name}")
 
 
 # Every text_config field the tools read without building the model (source check, memory planner, the

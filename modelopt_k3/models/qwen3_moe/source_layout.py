@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...spec import ExpertsLayout, SpecError
+from ...spec.config import positive_int
 
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"
 CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
@@ -21,24 +22,17 @@ CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num
 MOE_CONFIG_FIELDS = ("num_experts", "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step")
 
 
-def _field(config: Mapping[str, Any], name: str) -> int:
-    value = config.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(f"config.json {name} = {value!r}; a positive integer is needed")
-    return value
-
-
 def _head_dim(config: Mapping[str, Any]) -> int:
     # Qwen3MoeAttention: getattr(config, "head_dim", hidden_size // num_attention_heads).
     if config.get("head_dim") is not None:
-        return _field(config, "head_dim")
-    return _field(config, "hidden_size") // _field(config, "num_attention_heads")
+        return positive_int(config, "head_dim")
+    return positive_int(config, "hidden_size") // positive_int(config, "num_attention_heads")
 
 
 def check_config_fields(config: Mapping[str, Any]) -> None:
     moe = bool(config.get("num_experts"))
     for name in CONFIG_FIELDS + (MOE_CONFIG_FIELDS if moe else ()):
-        _field(config, name)
+        positive_int(config, name)
     only = config.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise SpecError(f"config.json mlp_only_layers = {only!r}; a list of layer indices is needed")
@@ -50,15 +44,15 @@ def moe_layers(config: Mapping[str, Any]) -> list[int]:
     if not config.get("num_experts"):
         return []
     only = set(config.get("mlp_only_layers") or [])
-    step = _field(config, "decoder_sparse_step")
-    return [i for i in range(_field(config, "num_hidden_layers")) if i not in only and (i + 1) % step == 0]
+    step = positive_int(config, "decoder_sparse_step")
+    return [i for i in range(positive_int(config, "num_hidden_layers")) if i not in only and (i + 1) % step == 0]
 
 
 def expert_layout(config: Mapping[str, Any]) -> tuple[ExpertsLayout, ...]:
     layers = moe_layers(config)
     if not layers:
         return ()
-    num_experts, inter, hidden = (_field(config, k) for k in ("num_experts", "moe_intermediate_size", "hidden_size"))
+    num_experts, inter, hidden = (positive_int(config, k) for k in ("num_experts", "moe_intermediate_size", "hidden_size"))
     source = (f"num_experts={num_experts}, moe_intermediate_size={inter}, hidden_size={hidden}, MoE layers {layers} "
               f"(num_hidden_layers={config.get('num_hidden_layers')}, decoder_sparse_step="
               f"{config.get('decoder_sparse_step')}, mlp_only_layers={config.get('mlp_only_layers') or []})")
@@ -73,8 +67,8 @@ def _layer_alternation(layers: list[int]) -> str:
 def dense_layout(config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...] | None, str], ...]:
     """(key regex, shape, the config fields it follows) for the dense tensors whose shapes config.json fixes;
     shape None: the key only needs its layer < num_hidden_layers."""
-    d, vocab, n = (_field(config, k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
-    heads, kv, hd = _field(config, "num_attention_heads"), _field(config, "num_key_value_heads"), _head_dim(config)
+    d, vocab, n = (positive_int(config, k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+    heads, kv, hd = positive_int(config, "num_attention_heads"), positive_int(config, "num_key_value_heads"), _head_dim(config)
     moe = moe_layers(config)
     dense = [i for i in range(n) if i not in moe]
     layer = r"model\.layers\.(?P<layer>\d+)\."
@@ -90,9 +84,9 @@ def dense_layout(config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...] 
     ]
     if moe:
         rules.append((rf"model\.layers\.(?P<layer>{_layer_alternation(moe)})\.mlp\.gate\.weight",
-                      (_field(config, "num_experts"), d), "num_experts x hidden_size"))
+                      (positive_int(config, "num_experts"), d), "num_experts x hidden_size"))
     if dense:
-        inter = _field(config, "intermediate_size")
+        inter = positive_int(config, "intermediate_size")
         at = rf"model\.layers\.(?P<layer>{_layer_alternation(dense)})\.mlp\."
         rules += [(at + r"(gate|up)_proj\.weight", (inter, d), "intermediate_size x hidden_size"),
                   (at + r"down_proj\.weight", (d, inter), "hidden_size x intermediate_size")]
