@@ -198,9 +198,13 @@ def check_present(names: Iterable[str], tensors: Mapping[str, TensorMeta]) -> No
 
 
 def check_dense_against_config(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> None:
-    """The dense tensors whose shapes config.json fixes (``spec.source_check.dense_layout``), without building the model:
-    the converter's check when it runs no remote code (``load_pretrained`` checks against the model itself)."""
+    """The dense tensors whose shapes config.json fixes (``spec.source_check.dense_layout``) and those every checkpoint
+    of the config stores (``dense_required``), without building the model: the converter's check when it runs no
+    remote code (``load_pretrained`` checks against the model itself)."""
+    required = spec.source_check.dense_required
+    missing = [key for key in required(config) if key not in tensors] if required is not None else []
     if spec.source_check.dense_layout is None:
+        _raise("the checkpoint lacks dense tensors config.json implies", missing, [], [], "")
         return
     rules = [(re.compile(rx), shape, why) for rx, shape, why in spec.source_check.dense_layout(config)]
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
@@ -217,4 +221,4 @@ def check_dense_against_config(tensors: Mapping[str, TensorMeta], config: Mappin
             elif tuple(meta.shape) != shape:
                 mismatched.append(f"{key} stored as {list(meta.shape)}, config.json needs {list(shape)} ({why})")
             break
-    _raise("the checkpoint's dense tensors do not match config.json", [], mismatched, unexpected, "")
+    _raise("the checkpoint's dense tensors do not match config.json", missing, mismatched, unexpected, "")

@@ -41,7 +41,8 @@ from .state import (
 log = logging.getLogger("modelopt_k3")
 
 _DENSE_UNCHECKED = ("dense tensors were checked against their headers and the shapes config.json fixes (embedding, "
-                    "lm_head, norms, dense MLP, layer count) only: the model was not built "
+                    "lm_head, norms, dense MLP, layer count) and the keys it implies (routers, norms, MLPs, o_proj) "
+                    "only: the model was not built "
                     "(trust_remote_code / --trust_remote_code builds it on meta and checks each one, as hf_ptq does)")
 
 

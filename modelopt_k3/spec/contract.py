@@ -283,6 +283,9 @@ class SourceCheckSpec:
     # shape the config fixes, and (shape None) the keys whose ``layer`` group must be < num_hidden_layers:
     # what the converter checks when it does not build the model (``source_check.check_dense_against_config``).
     dense_layout: Callable[[Mapping[str, Any]], tuple[tuple[str, tuple[int, ...] | None, str], ...]] | None = None
+    # config.json -> dense keys every checkpoint of that config stores (routers, norms, dense MLPs, ...): a missing
+    # one is refused by the converter when it does not build the model, as ``load_pretrained`` refuses it.
+    dense_required: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
     # config.json -> None, or SpecError naming the first field the tools read that is missing or invalid
     # (run before anything reads the config: ``source_check.check_config``).
     check_config: Callable[[Mapping[str, Any]], None] | None = None

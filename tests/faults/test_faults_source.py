@@ -200,10 +200,27 @@ def test_nan_activations_are_named_not_called_missing_data(copy_ckpt, tiny_ckpt,
     assert not out.exists() and temp_leftovers(out) == []
 
 
+@pytest.mark.parametrize("key", [f"{LAYERS}.1.block_sparse_moe.shared_experts.up_proj.weight",
+                                 f"{LAYERS}.2.block_sparse_moe.gate.weight", f"{LAYERS}.3.input_layernorm.weight",
+                                 f"{LAYERS}.0.mlp.down_proj.weight"],
+                         ids=["shared-expert", "router", "norm", "dense-mlp"])
+def test_converter_refuses_a_missing_dense_tensor_the_config_implies_without_building_the_model(
+        key, copy_ckpt, tmp_path, run_tool) -> None:
+    """Kimi-K3's spec declares the dense keys every checkpoint of a config stores (``dense_required``): without
+    --trust_remote_code (no model built) a missing router, norm, shared expert or dense MLP is refused as the model
+    path refuses it (was: converted, exit 0, an export missing it)."""
+    src = copy_ckpt(drop=[key])
+    rc, _, err = run_tool("convert", ["--src", src, "--recipe", MIRROR, "--no_progress", "--dst", tmp_path / "out"])
+    line = _one_error_line(err, "modelopt-k3-convert")
+    assert rc == 2 and f"do not match config.json: 1 missing: {key}" in line, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_converter_checks_dense_tensors_only_against_a_model_it_may_build(copy_ckpt, tmp_path, run_tool) -> None:
-    """A dense tensor removed (from shard and index): only the model knows it should be there. The converter
-    says it did not check; with --trust_remote_code it builds the model on meta and refuses, naming it."""
-    key = f"{LAYERS}.1.block_sparse_moe.shared_experts.up_proj.weight"
+    """An attention-internal tensor removed (from shard and index; KDA and MLA layers differ, so the spec does not
+    declare them): only the model knows it should be there. The converter says it did not check; with
+    --trust_remote_code it builds the model on meta and refuses, naming it."""
+    key = f"{LAYERS}.1.self_attn.q_conv1d.weight"
     src = copy_ckpt(drop=[key])
     before = tree_digest(src)
     argv = ["--src", src, "--recipe", MIRROR, "--no_progress"]

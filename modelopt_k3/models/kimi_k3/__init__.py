@@ -29,7 +29,7 @@ from .memory import activation_memory
 from .prepare import SUPPORTED_SOURCE_FORMATS, checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .shims import apply_import_shims
-from .source_layout import check_config_fields, dense_layout, expert_layout
+from .source_layout import check_config_fields, dense_layout, dense_required, expert_layout
 
 
 def serving_rules() -> Mapping[str, Any]:
@@ -89,7 +89,7 @@ KIMI_K3_SPEC = register_spec(
             activation_memory=activation_memory,
         ),
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
-                                     check_config=check_config_fields),
+                                     dense_required=dense_required, check_config=check_config_fields),
         # KimiDecoderLayer instances of the language model (the vision tower's are encoder.blocks).
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(converter="models/moonshotai/Kimi-K3/nvfp4_experts"),

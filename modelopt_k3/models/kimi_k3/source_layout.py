@@ -65,6 +65,42 @@ def dense_layout(config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...] 
     return tuple(rules)
 
 
+def _moe_layers(text: Mapping[str, Any]) -> list[int]:
+    """The decoder layers with a ``block_sparse_moe`` (KimiDecoderLayer: from first_k_dense_replace, every
+    moe_layer_freq-th), none without ``num_experts``."""
+    if text.get("num_experts") is None:
+        return []
+    first_k = text.get("first_k_dense_replace", 0) or 0
+    freq = text.get("moe_layer_freq", 1) or 1
+    return [i for i in range(_field(text, "num_hidden_layers")) if i >= first_k and i % freq == 0]
+
+
+def dense_required(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """Dense keys every Kimi-K3 checkpoint of this config stores (the module tree of kimi_k3_reference.md): the
+    embedding and final norm, ``lm_head`` unless tied, each layer's two norms and attention ``o_proj`` (KDA and
+    MLA both have one), a dense layer's MLP, an MoE layer's router, its score-correction bias and (with
+    ``num_shared_experts``) its shared experts. Attention internals, which differ between KDA and MLA layers, and
+    the optional residual-attention and latent tensors are left to the model-building check."""
+    text = _text_config(config)
+    base = "language_model.model"
+    keys = [f"{base}.embed_tokens.weight", f"{base}.norm.weight"]
+    if not (config.get("tie_word_embeddings") or text.get("tie_word_embeddings")):
+        keys.append("language_model.lm_head.weight")
+    moe = set(_moe_layers(text))
+    shared = (text.get("num_shared_experts") or 0) > 0
+    for i in range(_field(text, "num_hidden_layers")):
+        layer = f"{base}.layers.{i}"
+        keys += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight",
+                 f"{layer}.self_attn.o_proj.weight"]
+        if i in moe:
+            keys += [f"{layer}.block_sparse_moe.gate.weight", f"{layer}.block_sparse_moe.gate.e_score_correction_bias"]
+            if shared:
+                keys += [f"{layer}.block_sparse_moe.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+        else:
+            keys += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    return tuple(keys)
+
+
 def expert_layout(config: Mapping[str, Any]) -> tuple[ExpertsLayout, ...]:
     text = _text_config(config)
     if text.get("num_experts") is None:
@@ -75,7 +111,7 @@ def expert_layout(config: Mapping[str, Any]) -> tuple[ExpertsLayout, ...]:
     hidden = _field(text, "routed_expert_hidden_size" if latent is not None else "hidden_size")
     first_k = text.get("first_k_dense_replace", 0) or 0
     freq = text.get("moe_layer_freq", 1) or 1
-    layers = [i for i in range(_field(text, "num_hidden_layers")) if i >= first_k and i % freq == 0]
+    layers = _moe_layers(text)
     source = (
         f"num_experts={num_experts}, moe_intermediate_size={inter}, "
         f"{'routed_expert_hidden_size' if latent is not None else 'hidden_size'}={hidden}, MoE layers "
