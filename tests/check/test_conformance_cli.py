@@ -182,8 +182,8 @@ def test_out_holding_a_planted_link_is_refused_before_anything_runs(no_side_effe
 
 def test_the_committed_files_are_the_repositorys_wherever_it_runs_and_never_written_through_a_link(tmp_path):
     repo = Path(run.__file__).resolve().parents[2]
-    assert run.COMMITTED_JSON == repo / "tests" / "data" / "engine_conformance.json"  # was: relative to the cwd
-    assert run.COMMITTED_DOC == repo / "docs" / "ENGINE_CONFORMANCE.md"
+    assert repo / "tests" / "data" / "engine_conformance.json" == run.COMMITTED_JSON  # was: relative to the cwd
+    assert repo / "docs" / "ENGINE_CONFORMANCE.md" == run.COMMITTED_DOC
     from modelopt_k3.files.paths import DestinationError
 
     keep = tmp_path / "keep.json"
