@@ -243,6 +243,7 @@ def _calibrate_scope(qplan, module: nn.Module, forward_loop, rename_member, orig
     calibrator = calibrator_for(qplan.recipe.algorithm)
     calibrator.calibrate(module, forward_loop, _scoped_groups(qplan.table.groups, rename_member))
     qplan.calibration.update({original_name(k): v for k, v in calibrator.labels.items()})
+    qplan.weight_algorithms.update({original_name(k): v for k, v in calibrator.weight_algorithms.items()})
 
 
 def _calibrate_outside(plan, model, qplan, outside: LoadScope, replay_all, last_layer: nn.Module,

@@ -47,6 +47,9 @@ class QuantPlan:
     left_bf16: dict[str, str] = field(default_factory=dict)  # module name -> reason
     # weight quantizer name -> what chose its scales, for weight algorithms (quant/calibrators); {} under max
     calibration: dict[str, str] = field(default_factory=dict)
+    # weight quantizer name -> which algorithm produced its scales (calibrators/weights.WEIGHT_ALGORITHMS);
+    # the calibrator's own record, the report's ``weight_algorithm``
+    weight_algorithms: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         counts: Counter[str] = Counter(f.algo for f in self.dense.values())
@@ -208,6 +211,7 @@ def quantize(
     calibrator = calibrator_for(qplan.recipe.algorithm)  # max, or a weight algorithm on top of max
     calibrator.calibrate(model, forward_loop, qplan.table.groups)
     qplan.calibration = calibrator.labels
+    qplan.weight_algorithms = calibrator.weight_algorithms
     model.modelopt_k3_quant = qplan
     if verbose and model.modelopt_k3.plan.rank == 0:
         print(qplan.summary())

@@ -1,6 +1,7 @@
 """Rank 0: the report's data (``report.json``) from the merged per-rank summaries. Pure: dicts in, dict out.
 
-Schema ``modelopt_k3.quant_report`` version 1 (docs/REPORT.md describes every field). Fields that
+Schema ``modelopt_k3.quant_report`` version 2 (docs/REPORT.md describes every field; version 2 added each
+module's ``weight_algorithm``, version 1 reports still load). Fields that
 depend on how the run was split (``run.world_size``, ``run.plan``, ``coverage.layers[].routed_by_rank``)
 are the only ones that differ between a 1-process run and an expert-parallel run of the same job.
 """
@@ -13,7 +14,7 @@ from typing import Any
 from ..numerics.stats import WEIGHT_FIELDS, rel_rms
 
 SCHEMA = "modelopt_k3.quant_report"
-VERSION = 1
+VERSION = 2  # 2: modules[] and experts[] carry weight_algorithm
 _F = {name: i for i, name in enumerate(WEIGHT_FIELDS)}
 
 
@@ -65,6 +66,7 @@ def dense_modules(rows: list[dict[str, Any]], inputs: dict[str, Any], counts: di
     for row in sorted(rows, key=lambda r: r["name"]):
         q = f"{row['name']}.input_quantizer"
         out.append({"name": row["name"], "kind": "linear", "algo": row["algo"], "calibration": row.get("calibration"),
+                    "weight_algorithm": row.get("weight_algorithm"),
                     "weight_format": row["weight_format"],
                     "weight": weight_summary([row["stats"]]), "weight_scale": row["weight_scale"],
                     "input": _input_entry(inputs.get(q), counts.get(q))})
@@ -88,7 +90,7 @@ def expert_modules(merged: list[dict[str, Any]], inputs: dict[str, Any], counts:
                       "blocks": [int(r[_F["units"]]) for r in stats]}
         item = {"name": f"{entry['module']}.*.{entry['projection']}", "module": entry["module"],
                 "projection": entry["projection"], "kind": "experts", "algo": entry["algo"],
-                "calibration": entry.get("calibration"),
+                "calibration": entry.get("calibration"), "weight_algorithm": entry.get("weight_algorithm"),
                 "weight_format": entry["weight_format"], "weight": weight_summary(stats) if stats else None,
                 "source": "mxfp4" if entry["requantized"] is not None else None,
                 "input": _input_entry(inputs.get(q), counts.get(q)), "per_expert": per_expert}

@@ -55,6 +55,7 @@ def dense_rows(model: nn.Module) -> list[dict[str, Any]]:
         if owner == group.rank:
             rows.append(_dense_row(name, modules[name], weight.detach(), qplan.dense[name]))
             rows[-1]["calibration"] = calibration_label(qplan, name)
+            rows[-1]["weight_algorithm"] = weight_algorithm(qplan, name)
     return rows
 
 
@@ -132,6 +133,12 @@ def calibration_label(qplan, quantizer_name: str) -> str:
     return qplan.calibration.get(quantizer_name, str(qplan.recipe.algorithm))
 
 
+def weight_algorithm(qplan, quantizer_name: str) -> str | None:
+    """Which algorithm produced a weight's scales, as the calibrator that ran recorded it
+    (``calibrators.weights.WEIGHT_ALGORITHMS``); None where no calibrator recorded one."""
+    return qplan.weight_algorithms.get(quantizer_name)
+
+
 def rank_summary(model: nn.Module) -> dict[str, Any]:
     """What this rank contributes to the report (call on every rank: dense rows may gather under FSDP2)."""
     info, qplan = model.modelopt_k3, model.modelopt_k3_quant
@@ -143,6 +150,7 @@ def rank_summary(model: nn.Module) -> dict[str, Any]:
         for name, projs in sorted(qplan.experts.items()):
             for row in expert_rows(name, modules[name], spec, projs):
                 row["calibration"] = calibration_label(qplan, f"{name}.{fused[row['projection']]}")
+                row["weight_algorithm"] = weight_algorithm(qplan, f"{name}.{fused[row['projection']]}")
                 experts.append(row)
     routed = {name: m.token_counter.routed.tolist() for name, m in spec.experts_modules(model).items()
               if hasattr(m, "token_counter")}

@@ -23,6 +23,14 @@ def _pct(x: Any) -> str:
     return "-" if x is None else f"{100 * x:.3g}%"
 
 
+def weight_algorithm_text(m: dict[str, Any]) -> str:
+    """A module's ``weight_algorithm`` for a table ("-" in version 1 reports, which have none)."""
+    algo = m.get("weight_algorithm")
+    if algo is None:
+        return "-"
+    return "lossless cast" if algo == "lossless_cast" else str(algo)
+
+
 def _layer_index(name: str) -> int | None:
     m = _LAYER.search(name + ".")
     return int(m.group(1)) if m else None
@@ -57,10 +65,11 @@ def markdown(data: dict[str, Any]) -> str:
     lines += ["## Quantized modules (worst weight error first)", "",
               "Weight error: the dequantized export vs the source weight. Units are NVFP4 blocks of 16 "
               "(elements for FP8); saturated: block scale above 448 (values clip); underflow: non-zero "
-              "block whose scale falls below 2^-9.", "",
-              "| module | algo | rel. RMS | max abs err | max err / amax | saturated | underflow | weight scale | "
+              "block whose scale falls below 2^-9. Scales by: the weight algorithm that produced the scales, as the "
+              "run's calibrator recorded it.", "",
+              "| module | algo | scales by | rel. RMS | max abs err | max err / amax | saturated | underflow | weight scale | "
               "input scale | input clip (calib / held-out) | held-out block underflow | MXFP4 blocks lossless / requantized |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in ranked_modules(data):
         w, i = m["weight"], m.get("input") or {}
         wscale = m.get("weight_scale")
@@ -68,7 +77,7 @@ def markdown(data: dict[str, Any]) -> str:
             wscale = None
         src = (f"{m['lossless_blocks']} / {m['requantized_blocks']}" if m.get("source") == "mxfp4" else "-")
         lines.append(
-            f"| `{m['name']}` | {m['algo']} | {_num(w['rel_rms'], '.4g')} | {_num(w['max_abs_err'])} | "
+            f"| `{m['name']}` | {m['algo']} | {weight_algorithm_text(m)} | {_num(w['rel_rms'], '.4g')} | {_num(w['max_abs_err'])} | "
             f"{_num(w['rel_max_err'])} | {_pct(w['saturated_fraction'])} | {_pct(w['underflow_fraction'])} | "
             f"{_num(wscale)} | {_num(i.get('scale'))}{' (const)' if i.get('constant') else ''} | "
             f"{_pct(i.get('calibration_clip_fraction'))} / {_pct(i.get('held_out_clip_fraction'))} | "

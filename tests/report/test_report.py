@@ -75,7 +75,9 @@ def shared_run(probe_ckpt, tmp_path_factory):
 def test_files_are_written(shared_run):
     out, data = shared_run
     report_dir = out / "quant_report"
-    assert (data["schema"], data["version"]) == ("modelopt_k3.quant_report", 1)
+    assert (data["schema"], data["version"]) == ("modelopt_k3.quant_report", 2)
+    assert {m["weight_algorithm"] for m in data["modules"]} == {"max"}
+    assert {m["weight_algorithm"] for m in data["experts"]} == {"lossless_cast"}  # MXFP4-sourced routed experts
     assert "## Expert coverage" in (report_dir / "report.md").read_text()
     for name in ("error_by_layer.png", "expert_tokens.png", "worst_modules.png"):
         assert (report_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

@@ -14,7 +14,9 @@ ForwardLoop = Callable[[nn.Module], None]
 
 class Calibrator:
     """One calibration algorithm. ``calibrate`` runs observe -> reduce -> finalize; subclasses
-    override the steps. ``labels``: quantizer name -> what chose its scales (the report's column)."""
+    override the steps. ``labels``: quantizer name -> what chose its scales, in words (the summary's lines);
+    ``weight_algorithms``: weight quantizer name -> which of ``weights.WEIGHT_ALGORITHMS`` produced its scales
+    (the report's ``weight_algorithm``), filled by max's finalize and overwritten where a search ran."""
 
     method: ClassVar[str]
 
@@ -23,6 +25,7 @@ class Calibrator:
             raise ValueError(f"{type(self).__name__} calibrates {self.method}, not {algorithm.method}")
         self.algorithm = algorithm
         self.labels: dict[str, str] = {}
+        self.weight_algorithms: dict[str, str] = {}
 
     def observe(self, model: nn.Module, forward_loop: ForwardLoop | None) -> None:
         raise NotImplementedError

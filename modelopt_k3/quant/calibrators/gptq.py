@@ -59,6 +59,7 @@ class GptqCalibrator(MaxCalibrator):
             q.updated_weight = nvfp4_gptq(w, h, gs, q.block_scale, self.algorithm.get("perc_damp"),
                                           self.algorithm.get("block_size")).to(w.dtype)
             self.labels[names[key]] = str(self.algorithm)
+            self.weight_algorithms[names[key]] = "gptq"  # max's scales, GPTQ's values: the update is the weight's
         for site in weight_sites(model):
             if site.experts:
                 self.labels[site.name] = SKIPPED_MXFP4 if site.quantizer.source is not None else \

@@ -25,6 +25,7 @@ from ..modules import set_mode
 from ..schemes import NVFP4_TENSOR
 from .base import ForwardLoop, register_calibrator
 from .mse import MseCalibrator
+from .weights import WeightSite
 
 HI_BITS = 14  # x = hi * g1 + lo * g2 + r, |hi|, |lo| <= 2**14 (about), |r| <= 2**-29 * amax
 MAX_EXACT_TOKENS = 1 << 21  # integer-valued float64 sums of hi*hi stay below 2**53 up to here
@@ -147,6 +148,12 @@ class LocalHessianCalibrator(MseCalibrator):
 
     def hessian(self, module: nn.Module, param: str) -> torch.Tensor | None:
         return self.hessians.get(id(module))
+
+    def choice(self, site: WeightSite) -> tuple[str, str]:
+        """Without a Hessian (routed experts; a Linear no token reached) the search is mse's plain-error one."""
+        if self.hessian(site.module, site.param) is None:
+            return "mse", f"{self.algorithm} (no input Hessian here: plain-error search)"
+        return "local_hessian", str(self.algorithm)
 
     def calibrate(self, model: nn.Module, forward_loop: ForwardLoop | None,
                   groups: dict[str, tuple[str, ...]]) -> None:

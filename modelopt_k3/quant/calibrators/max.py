@@ -10,6 +10,7 @@ from torch import nn
 from ..calibrate import check_calibrated, observe_inputs, share_group_amax, sync_amax
 from ..modules import set_mode
 from .base import Calibrator, ForwardLoop, register_calibrator
+from .weights import max_algorithms
 
 
 @register_calibrator
@@ -26,3 +27,4 @@ class MaxCalibrator(Calibrator):
         check_calibrated(model)
         set_mode(model, "quant")
         share_group_amax(model, groups)
+        max_algorithms(model, self.weight_algorithms)

@@ -22,7 +22,7 @@ from ...numerics.nvfp4_search import (
 )
 from .base import register_calibrator
 from .max import MaxCalibrator
-from .weights import search_sites
+from .weights import WeightSite, search_sites
 
 
 @register_calibrator
@@ -49,10 +49,14 @@ class MseCalibrator(MaxCalibrator):
             return nvfp4_sweep_block_scales(w, gs, hessian=h)
         return nvfp4_multiplier_block_scales(w, gs, self.multipliers, hessian=h)
 
+    def choice(self, site: WeightSite) -> tuple[str, str]:
+        """What a searched site's scales are called: (``WEIGHT_ALGORITHMS`` entry, label)."""
+        return ("four_over_six" if self.four_over_six else "mse"), str(self.algorithm)
+
     def finalize(self, model: nn.Module, groups: dict[str, tuple[str, ...]]) -> None:
         super().finalize(model, groups)  # global scales final (groups shared) before any block search
         self.finalize_weights(model)
 
     def finalize_weights(self, model: nn.Module) -> None:
         global_scale = (lambda q: nvfp4_global_scale_46(q.amax)) if self.four_over_six else None
-        search_sites(model, self.method, self.search, self.labels, str(self.algorithm), global_scale)
+        search_sites(model, self.method, self.search, self.labels, self.choice, self.weight_algorithms, global_scale)

@@ -24,6 +24,10 @@ from ..schemes import NVFP4_TENSOR
 
 EXPERTS_PER_SEARCH = 16  # experts searched at a time (bounds the temporaries)
 SKIPPED_MXFP4 = "max (lossless MXFP4 cast: weight algorithms skip it)"
+# What produced a weight's scales, as the report's ``weight_algorithm`` names it: one of these per weight
+# quantizer, recorded by the calibrator that set them (``Calibrator.weight_algorithms``).
+LOSSLESS_CAST = "lossless_cast"  # MXFP4-sourced experts: the source's own scales, carried by the exact cast
+WEIGHT_ALGORITHMS = ("max", "mse", "four_over_six", "local_hessian", "gptq", LOSSLESS_CAST)
 
 # (weight [..., out, in], global scale (0-d, or [E] for experts), owner module, param) -> e4m3 block scales
 Search = Callable[[torch.Tensor, torch.Tensor, nn.Module, str], torch.Tensor]
@@ -51,17 +55,28 @@ def weight_sites(model: nn.Module) -> Iterator[WeightSite]:
                 yield WeightSite(f"{name}.{param}", module, param, q, True)
 
 
-def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str, str], label: str,
+def max_algorithms(model: nn.Module, algorithms: dict[str, str]) -> None:
+    """Max's decision for every weight quantizer: ``max``, or ``lossless_cast`` for MXFP4-sourced experts (whose
+    scales are the source's, whatever the algorithm). A weight algorithm overwrites the sites it searches."""
+    for site in weight_sites(model):
+        algorithms[site.name] = LOSSLESS_CAST if site.quantizer.source is not None else "max"
+
+
+def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str, str],
+                 choice: Callable[[WeightSite], tuple[str, str]], algorithms: dict[str, str],
                  global_scale: Callable[[TensorQuantizer], torch.Tensor] | None = None) -> None:
     """Set ``block_scale`` (and with ``global_scale`` the per-tensor ``fixed_scale``) of every eligible
-    NVFP4 weight quantizer from ``search``; ``labels[name]`` records what chose each one's scales."""
+    NVFP4 weight quantizer from ``search``. ``choice(site)``: (the ``WEIGHT_ALGORITHMS`` entry, the label) of
+    the search that site gets; ``algorithms[name]`` and ``labels[name]`` record them (skipped sites: max's)."""
     for site in weight_sites(model):
         q = site.quantizer
         if q.fmt is not NVFP4_TENSOR:
             labels[site.name] = "max (not NVFP4)"
+            algorithms[site.name] = "max"
             continue
         if q.source is not None:
             labels[site.name] = SKIPPED_MXFP4
+            algorithms[site.name] = LOSSLESS_CAST
             continue
         weight = getattr(site.module, site.param, None)
         if weight is not None and is_sharded(weight):
@@ -74,7 +89,7 @@ def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str
             q.block_scale = _search_experts(site, gs, search)
         else:
             q.block_scale = search(site.module.weight.detach(), gs.to(site.module.weight.device), site.module, "weight")
-        labels[site.name] = label
+        algorithms[site.name], labels[site.name] = choice(site)
 
 
 def _search_experts(site: WeightSite, gs: torch.Tensor, search: Search) -> torch.Tensor:
