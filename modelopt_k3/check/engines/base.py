@@ -89,6 +89,9 @@ class ModelServing:
     # The MoE runner backend the engine's config-time override picks for this class under the default
     # ``auto`` (None: the engine's generic default), from the checkpoint's configs.
     moe_runner: Callable[[Layout], str | None] | None = None
+    # The class's own rename of a checkpoint KV-scale name (engine naming) before it looks the name up,
+    # used instead of the engine's ``maybe_remap_kv_scale_name`` (None: the engine's remap).
+    kv_scale_rename: Callable[[str], str] | None = None
 
     def engine_prefix(self, name: str) -> str:
         return self.mapper(name).removeprefix(self.strip_prefix)
@@ -271,7 +274,11 @@ class ModelOptEngine:
             engine_name = serving.engine_prefix(name)
             attn = engine_name.rpartition(".self_attn.")[0] + ".self_attn"
             params = {f"{attn}.{p}" for p in serving.kv_scale_params} if qv.kv_algo else set()
-            target, exists = self.remap_kv_scale(engine_name, params)
+            if serving.kv_scale_rename is not None:
+                target = serving.kv_scale_rename(engine_name)
+                exists = target in params
+            else:
+                target, exists = self.remap_kv_scale(engine_name, params)
             if not exists:
                 dropped[name] = f"{self.name} remaps it to {target}, which is no parameter ({serving.kv_note}): dropped"
         return kv_deviations(layout, dropped, numerics)

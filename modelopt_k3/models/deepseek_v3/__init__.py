@@ -8,6 +8,7 @@ experts converters. Facts: docs/DESIGN_NOTES.md "DeepSeek-V3".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,24 @@ from ...spec import (
     QuantSpec,
     RecipesSpec,
     ReportSpec,
+    ServingSpec,
     SourceCheckSpec,
     TransformersClass,
     register_spec,
 )
 from .experts import DeepseekV3FusedExperts
-from .kv_cache import kv_cache_sites
+from .kv_cache import kv_cache_sites, kv_scale_names
 from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .source import DENSE_FP8_CONVERTERS
 from .source_layout import check_config_fields
+
+
+def serving_rules() -> Mapping[str, Any]:
+    """``ServingSpec.rules``: built from ``check/``'s classes, so imported when a check first asks."""
+    from .serving import SERVING
+
+    return SERVING
 
 
 def make_stand_in(path: str | Path, **sizes: Any) -> Path:
@@ -77,6 +86,8 @@ DEEPSEEK_V3_SPEC = register_spec(
             converter=None,
             no_converter_reason="its experts' NVFP4 input scales need calibration",
         ),
+        # vLLM's, SGLang's and TensorRT-LLM's DeepSeek-V3 loaders (serving.py; docs "DeepSeek-V3").
+        serving=ServingSpec(rules=serving_rules, kv_scale_names=kv_scale_names),
         stand_in=make_stand_in,
     ),
 )

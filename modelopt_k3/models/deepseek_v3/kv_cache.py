@@ -29,3 +29,9 @@ def kv_cache_sites(model: nn.Module) -> list[KvCacheSite]:
         for module in model.modules()
         if isinstance(module, DeepseekV3Attention)
     ]
+
+
+def kv_scale_names(config: dict) -> list[str]:
+    """The KV-cache scales the exporter writes: one pair per decoder layer (every layer is MLA)."""
+    return [f"model.layers.{i}.self_attn.{key}" for i in range(int(config.get("num_hidden_layers", 0)))
+            for key in KV_SCALE_NAMES]

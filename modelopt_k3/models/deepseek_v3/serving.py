@@ -1,0 +1,328 @@
+"""How each serving engine's DeepSeek-V3 class loads a ModelOpt export: the rules ``modelopt-k3-check`` replays.
+
+One snapshot per engine (the project's pins; facts and functions, not their code):
+
+* vLLM 0.33.0 (the PyPI wheel): ``vllm/model_executor/models/deepseek_v2.py`` (``DeepseekV3ForCausalLM`` is
+  ``DeepseekV2ForCausalLM``). ``DeepseekV2ForCausalLM.__init__`` adds ``fused_qkv_a_proj: [q_a_proj,
+  kv_a_proj_with_mqa]`` to ``packed_modules_mapping`` when ``q_lora_rank`` is set (next to the class's
+  ``gate_up_proj``); ``DeepseekV2MLAAttention.__init__`` then builds ``fused_qkv_a_proj`` as one
+  ``DeepSeekV2FusedQkvAProjLinear`` (a ``MergedColumnParallelLinear``, one quant method for both shards;
+  ``quant_utils.is_layer_skipped`` raises when only one shard is excluded) and ``q_b_proj``, ``kv_b_proj``,
+  ``o_proj`` with the quant config; ``DeepseekV2MLP`` (dense layers and shared experts) fuses gate/up into
+  ``gate_up_proj``; ``DeepseekV2MoE.__init__`` builds the router ``GateLinear`` *without* a quant config and
+  the routed experts as one ``FusedMoE`` (``DeepseekV2Model.load_weights``: ``stacked_params_mapping`` and
+  ``fused_moe_make_expert_params_mapping(gate_proj, down_proj, up_proj)``); ``lm_head`` is a
+  ``ParallelLMHead`` built with the quant config. ``load_weights`` skips every name
+  ``utils.get_spec_layer_idx_from_weight_name`` gives an MTP index (``model.layers.{num_hidden_layers + j}``,
+  only when ``num_nextn_predict_layers`` > 0; otherwise such a name has no parameter: ``KeyError``).
+  ``layers/mla.py`` ``MultiHeadLatentAttentionWrapper`` holds the ``MLAAttention`` as ``mla_attn``, which the
+  ModelOpt config gives its KV-cache method (``modelopt.py get_quant_method``), so ModelOpt's
+  ``self_attn.{k,v}_proj.{k,v}_scale`` land at ``self_attn.mla_attn.mla_attn.{k,v}_scale``
+  (``weight_utils.maybe_remap_kv_scale_name``). ``attention/mla_attention.py split_kv_b_proj`` reads
+  ``kv_b_proj`` through ``quant_utils.get_and_maybe_dequant_weights``: plain weights and FP8 are read directly,
+  any other method by running the quantized layer on an identity matrix (NVFP4 W4A4 quantizes that identity
+  too) -- not replayed, so a quantized ``kv_b_proj`` is refused as unsettled. (The AITER fused shared expert
+  is ROCm only.)
+* SGLang 0.5.23 (the PyPI wheel): ``sglang/srt/models/deepseek_v2.py`` and
+  ``models/deepseek_common/deepseek_weight_loader.py``. ``DeepseekV2AttentionMLA.__init__`` builds one
+  ``ReplicatedLinear`` ``fused_qkv_a_proj_with_mqa`` (quant config) when ``q_lora_rank`` is set and
+  ``DeepseekV2ForCausalLM.__init__`` registers it in the quant config's packed mapping;
+  ``DeepseekV2WeightLoaderMixin.do_load_weights`` caches ``q_a_proj`` and ``kv_a_proj_with_mqa`` tensors and
+  loads ``torch.cat([q_a, kv_a])`` -- except for 0-d tensors (per-tensor ``weight_scale_2``, ``input_scale``),
+  where it loads q_a_proj's alone: kv_a_proj_with_mqa's rows are served with q_a_proj's per-tensor scales.
+  ``MoEGate`` is a bare ``nn.Parameter`` (no quant method, whatever the exclusions say); ``DeepseekV2MLP`` has
+  ``gate_up_proj``; experts via ``FusedMoE.make_expert_params_mapping``; MTP names
+  (``model.layers.{>= num_hidden_layers}``) are skipped (``NextNDisabledConfig`` and the ``end_layer`` test).
+  KV scales: the loader itself renames ``k_proj``/``v_proj`` to ``attn_mqa`` (the ``RadixAttention`` that gets
+  ``ModelOptFp8KVCacheMethod`` when the config names a ``kv_cache_quant_algo``), no
+  ``maybe_remap_kv_scale_name``. ``post_load_weights`` reads ``kv_b_proj.weight`` itself to build
+  ``w_kc``/``w_vc``, dequantizing only float8 weights (and AWQ): an NVFP4 ``kv_b_proj`` is refused.
+  ``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`` fuses the shared expert into the routed
+  experts (expert ``n_routed_experts``) for a ``DeepseekV3ForCausalLM`` config with 256 routed experts and 1
+  shared expert unless an ``exclude_modules`` entry names a shared expert (``ModelOptFp4Config.
+  can_fuse_shared_expert``) -- and then the device capability, EP size, SBO/TBO/DeepEP and the MoE runner
+  (``moe_runner/flashinfer_trtllm.py`` asserts no fused shared experts) decide: not settled here, refused.
+* TensorRT-LLM (PyTorch backend): NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_deepseekv3.py`` @
+  000561df (the code index's stored version; newer builds moved the loading into a weight-mapper class, not
+  read). ``DeepseekV3Attention`` builds ``kv_a_proj_with_mqa`` with ``q_lora_rank`` extra rows (q_a_proj and
+  kv_a_proj_with_mqa fused, q_a first) and the quant config; ``DeepseekV3ForCausalLM.load_weights`` copies only
+  the two pieces' ``weight`` (and ``weight_scale_inv``, block FP8) into it, so a per-tensor-scaled piece loads
+  no scales; ``kv_b_proj`` is read raw (``weight`` and, for a module with ``weight_scale``, the
+  ``weight_scale_inv`` an NVFP4 export does not have), or dequantized from ``weight_scale_inv`` when
+  ``is_module_excluded_from_quantization("kv_b_proj")`` (the bare name) matches; ``DeepseekV3Gate`` is a bare
+  ``weight`` parameter copied as stored; experts per expert (``gate_proj``/``up_proj``/``down_proj`` renamed
+  ``w1``/``w3``/``w2``), generic NVFP4 rules in ``check/engines/trtllm.py``; the loader walks the model's own
+  modules, so checkpoint MTP layers are read only when an MTP ``spec_config`` builds them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, experts_scale_deviations
+from ...check.engines.sglang import SGLANG
+from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
+from ...check.engines.vllm import VLLM
+from ...check.layout import Layout, Linear
+from ...check.report import Deviation, EngineResult, Refusal
+from ...quant.schemes import NVFP4, scheme_of_method
+from ..qwen3_moe.serving import _trt_experts  # VANILLA per-expert loading: the same rules for both classes
+
+EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
+GATE_UP = ("gate_proj", "up_proj")
+QKV_A = ("q_a_proj", "kv_a_proj_with_mqa")
+ROUTER = r"\.mlp\.gate$"
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+VLLM_KV_B = ("vLLM's MLA reads kv_b_proj through get_and_maybe_dequant_weights, which dequantizes any method but "
+             "FP8 by running the quantized layer on an identity matrix (NVFP4 W4A4 quantizes that identity too; "
+             "attention/mla_attention.py split_kv_b_proj): not replayed by this check, unsettled")
+
+VLLM_DEEPSEEK_V3 = ModelServing(
+    engine="vllm",
+    model_type="deepseek_v3",
+    mapper=WeightsMapper(),
+    strip_prefix="",
+    fused=(Fused("fused_qkv_a_proj", QKV_A), Fused("gate_up_proj", GATE_UP)),
+    unquantized=((ROUTER, "vLLM's DeepSeek-V3 router is a GateLinear built without a quant config "
+                          "(deepseek_v2.py DeepseekV2MoE.__init__)"),),
+    formats_only=((r"\.self_attn\.kv_b_proj$", (), VLLM_KV_B),),
+    # DeepseekV2ForCausalLM.packed_modules_mapping with __init__'s fused_qkv_a_proj (q_lora_rank set).
+    packed_modules_mapping={"gate_up_proj": GATE_UP, "fused_qkv_a_proj": QKV_A},
+    expert_re=EXPERT_RE,
+    gate_up=GATE_UP,
+    kv_scale_params=("mla_attn.mla_attn.k_scale", "mla_attn.mla_attn.v_scale"),
+    kv_note="vLLM's DeepSeek-V3 MLA holds its KV-cache scales on self_attn.mla_attn.mla_attn (an MLAAttention, "
+            "given the ModelOpt KV-cache method only when the config names a kv_cache_quant_algo)",
+)
+
+SGLANG_DEEPSEEK_V3 = ModelServing(
+    engine="sglang",
+    model_type="deepseek_v3",
+    mapper=WeightsMapper(),
+    strip_prefix="",
+    fused=(Fused("fused_qkv_a_proj_with_mqa", QKV_A, merged=False), Fused("gate_up_proj", GATE_UP)),
+    unquantized=((ROUTER, "SGLang's DeepSeek-V3 router MoEGate is a bare nn.Parameter with no quant method "
+                          "(deepseek_v2.py MoEGate)"),),
+    formats_only=((r"\.self_attn\.kv_b_proj$", (),
+                   "SGLang's DeepSeek-V3 post_load_weights builds w_kc/w_vc from kv_b_proj.weight itself, "
+                   "dequantizing only float8 (and AWQ) weights (deepseek_weight_loader.py post_load_weights); "
+                   "packed NVFP4 codes would be split as values"),),
+    # DeepseekV2ForCausalLM.__init__ -> quant_config.update_packed_modules_mapping.
+    packed_modules_mapping={"fused_qkv_a_proj_with_mqa": QKV_A},
+    expert_re=EXPERT_RE,
+    gate_up=GATE_UP,
+    kv_scale_params=("attn_mqa.k_scale", "attn_mqa.v_scale"),
+    kv_note="SGLang's DeepSeek-V3 MLA holds its KV-cache scales on its RadixAttention attn_mqa (a KV-cache method "
+            "only when the config names a kv_cache_quant_algo)",
+    # do_load_weights: a {k,v}_scale name without a parameter has "{k,v}_proj" replaced by "attn_mqa".
+    kv_scale_rename=lambda name: name.replace(f"{name[-7]}_proj", "attn_mqa") if name.endswith(("k_scale", "v_scale"))
+    else name,
+)
+
+
+# ---------------------------------------------------------------------- MTP layers (num_nextn_predict_layers)
+
+
+def _mtp_split(layout: Layout) -> tuple[Layout, list[str]]:
+    """``layout`` without the Linears / KV scales of layers ``>= num_hidden_layers`` (and those names)."""
+    n = int(layout.config.get("num_hidden_layers", 0) or 0)
+
+    def mtp(name: str) -> bool:
+        m = LAYER_RE.match(name)
+        return m is not None and int(m[1]) >= n
+
+    dropped = sorted(k for k in (*layout.linears, *layout.kv_scales) if mtp(k))
+    if not dropped:
+        return layout, []
+    kept = replace(layout, linears={k: v for k, v in layout.linears.items() if not mtp(k)},
+                   kv_scales={k: v for k, v in layout.kv_scales.items() if not mtp(k)})
+    return kept, dropped
+
+
+def _mtp_layers(names: list[str]) -> str:
+    return ", ".join(sorted({f"model.layers.{LAYER_RE.match(n)[1]}" for n in names}))
+
+
+def replay_vllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """vLLM's ``DeepseekV3ForCausalLM`` (module docstring): MTP layers skipped when the config declares them."""
+    kept, mtp = _mtp_split(layout)
+    result = VLLM.replay(kept, VLLM_DEEPSEEK_V3, numerics=numerics)
+    if mtp and not int(layout.config.get("num_nextn_predict_layers", 0) or 0):
+        first = next(n for n in sorted(layout.linears) if n in mtp)
+        result.refusals.append(Refusal(layout.linears[first].tensor_name(), (
+            "a layer past num_hidden_layers while num_nextn_predict_layers is 0: vLLM's load_weights treats it as "
+            "no MTP layer and finds no parameter for it (deepseek_v2.py load_weights, KeyError)")))
+    elif mtp:
+        result.warnings.append(f"{_mtp_layers(mtp)}: MTP layers, skipped by the main model's load_weights; "
+                               "vLLM's MTP drafter (deepseek_mtp.py) is not replayed")
+    return result
+
+
+# ---------------------------------------------------------------------- SGLang
+
+
+def _sglang_fuses_shared_expert(layout: Layout, exclude: list) -> bool:
+    """``shared_experts_fusion_disable_reason``'s config-only part (ModelOpt NVFP4, no forcing flags)."""
+    cfg = layout.config
+    arch = (cfg.get("architectures") or [None])[0]
+    return (arch == "DeepseekV3ForCausalLM" and cfg.get("n_routed_experts") == 256
+            and cfg.get("n_shared_experts") == 1
+            and not any("shared_expert" in str(e) and "shared_expert_gate" not in str(e) for e in exclude))
+
+
+def _sglang_qkv_a_scales(layout: Layout, module: str, pieces: dict[str, Linear]) -> list[Deviation]:
+    """0-d per-tensor scales of the fused pieces: SGLang keeps q_a_proj's, so kv_a_proj_with_mqa is off by s_q/s_kv."""
+    q, kv = pieces["q_a_proj"], pieces["kv_a_proj_with_mqa"]
+    scheme = scheme_of_method(q.fmt)
+    if scheme is None or q.fmt != kv.fmt:
+        return []
+    keys = [k for k in (scheme.weights.global_scale_key, "input_scale" if scheme.inputs is not None else None) if k]
+    out = []
+    for key in keys:
+        if key not in q.tensors or key not in kv.tensors or q.tensors[key].shape != () or kv.tensors[key].shape != ():
+            continue
+        sq, skv = float(layout.value(q.tensor_name(key))), float(layout.value(kv.tensor_name(key)))
+        if sq != skv:
+            out.append(Deviation(module, f"{key} of q_a_proj {sq:.6g} and kv_a_proj_with_mqa {skv:.6g}: SGLang's "
+                                         "do_load_weights loads only q_a_proj's 0-d scale into fused_qkv_a_proj_with_mqa",
+                                 abs(sq / skv - 1.0)))
+    return out
+
+
+def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """SGLang's ``DeepseekV3ForCausalLM`` (module docstring)."""
+    kept, mtp = _mtp_split(layout)
+    result = SGLANG.replay(kept, SGLANG_DEEPSEEK_V3, numerics=numerics)
+    q = (layout.hf_quant or {}).get("quantization") or layout.quant or {}
+    exclude = q.get("exclude_modules") or q.get("ignore") or []
+    if _sglang_fuses_shared_expert(layout, exclude):
+        first = min((n for n in kept.linears if ".mlp.shared_experts." in n), default=None)
+        if first is not None:
+            result.refusals.append(Refusal(kept.linears[first].tensor_name(), (
+                "DeepseekV3ForCausalLM with 256 routed experts and 1 shared expert, none excluded: SGLang fuses the "
+                "shared expert into the routed experts (shared_experts_fusion_disable_reason) depending on the "
+                "device, EP size, SBO/TBO/DeepEP and the MoE runner (flashinfer_trtllm asserts no fused shared "
+                "experts); this check does not replay that path: unsettled")))
+    if numerics and kept.read is not None:
+        fused = "fused_qkv_a_proj_with_mqa"
+        by_parent: dict[str, dict[str, Linear]] = {}
+        for name, lin in kept.linears.items():
+            parent, _, last = name.rpartition(".")
+            if last in QKV_A:
+                by_parent.setdefault(parent, {})[last] = lin
+        for parent, pieces in sorted(by_parent.items()):
+            if len(pieces) == 2:
+                module = f"{parent}.{fused}"
+                result.deviations = [d for d in result.deviations if d.module != module]
+                result.deviations += _sglang_qkv_a_scales(kept, module, pieces)
+    if mtp:
+        result.warnings.append(f"{_mtp_layers(mtp)}: past num_hidden_layers, skipped by the main model's "
+                               "do_load_weights; SGLang's NextN drafter (deepseek_nextn.py) is not replayed")
+    result.refusals.sort(key=lambda r: r.tensor)
+    return result
+
+
+# ---------------------------------------------------------------------- TensorRT-LLM
+
+TRT_SCALES = ("weight_scale_2", "input_scale")
+
+
+def _trt_groups(layout: Layout):
+    expert_re = re.compile(EXPERT_RE)
+    modules: dict[str, list[Linear]] = {}
+    experts: dict[str, dict[int, dict[str, Linear]]] = {}
+    for name, linear in sorted(layout.linears.items()):
+        m = expert_re.fullmatch(name)
+        if m:
+            experts.setdefault(m["module"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = linear
+            continue
+        parent, _, last = name.rpartition(".")
+        key = (f"{parent}.kv_a_proj_with_mqa" if last in QKV_A else
+               f"{parent}.gate_up_proj" if last in GATE_UP else name)
+        modules.setdefault(key, []).append(linear)
+    order = {p: i for i, p in enumerate((*QKV_A, *GATE_UP))}
+    for pieces in modules.values():
+        pieces.sort(key=lambda lin: order.get(lin.name.rpartition(".")[2], 0))
+    return modules, experts
+
+
+def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, numerics: bool) -> Refusal | None:
+    if re.search(ROUTER, name):
+        quantized = next((p for p in pieces if p.fmt != "bf16"), None)
+        return quantized and Refusal(quantized.tensor_name(), f"stored {quantized.fmt}, but TensorRT-LLM's "
+                                     "DeepseekV3Gate is a bare weight parameter copied as stored (modeling_deepseekv3.py)")
+    if name == "lm_head":  # as for Qwen3-MoE: only a BF16, excluded lm_head is settled
+        head = pieces[0]
+        if head.fmt == "bf16" and (algo is None or trt_excluded(name, exclude)):
+            return None
+        return Refusal(head.tensor_name(), f"stored {head.fmt}: whether TensorRT-LLM's DeepSeek-V3 lm_head takes "
+                                           "the quant config was not read; only a BF16 lm_head exclude_modules "
+                                           "names is settled")
+    method = trt_method(algo, trt_excluded(name, exclude))
+    why = ("hf_quant_config.json declares no quant_algo" if algo is None else
+           f"quant_algo {algo}; exclude_modules {'matches' if method == 'bf16' else 'does not match'} {name}")
+    last = name.rpartition(".")[2]
+    if last == "kv_b_proj" and exclude.fnmatch_any("kv_b_proj", case=True):
+        return Refusal(pieces[0].tensor_name(), "an exclude_modules entry matches the bare name kv_b_proj, so "
+                                                "TensorRT-LLM's load_weights dequantizes kv_b_proj from a "
+                                                "weight_scale_inv this export does not have (KeyError)")
+    for piece in pieces:
+        refusal = format_refusal(piece, method, name, why)
+        if refusal:
+            return refusal
+    if method != "bf16" and last == "kv_a_proj_with_mqa":
+        return Refusal(pieces[0].tensor_name(), f"TensorRT-LLM builds the fused {name} (q_a_proj + "
+                                                f"kv_a_proj_with_mqa) as {method}, but load_weights copies only the "
+                                                "pieces' weight (and block-FP8 weight_scale_inv): its per-tensor "
+                                                "and block scales are never loaded")
+    if method != "bf16" and last == "kv_b_proj":
+        return Refusal(pieces[0].tensor_name(), f"TensorRT-LLM builds kv_b_proj as {method} and load_weights then "
+                                                "reads its scales from weight_scale_inv, which an NVFP4 export "
+                                                "does not have (KeyError)")
+    if method == NVFP4.engine_method and len(pieces) > 1 and numerics and layout.read is not None:
+        return equal_scales(layout, pieces, TRT_SCALES, "NVFP4LinearMethod.load_weight_scales (linear.py)")
+    return None
+
+
+def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """TensorRT-LLM's ``DeepseekV3ForCausalLM.load_weights`` (module docstring)."""
+    result = EngineResult("trtllm")
+    try:
+        algo, exclude = trt_quant(layout)
+    except Refuse as r:
+        result.refusals.append(r.refusal)
+        return result
+    kept, mtp = _mtp_split(layout)
+    modules, experts = _trt_groups(kept)
+    for name, pieces in modules.items():
+        try:
+            refusal = _trt_module(kept, name, pieces, algo, exclude, numerics)
+        except Refuse as r:
+            refusal = r.refusal
+        if refusal:
+            result.refusals.append(refusal)
+    for module, per_expert in experts.items():
+        try:
+            refusal = _trt_experts(kept, module, per_expert, algo, exclude, numerics)
+        except Refuse as r:
+            refusal = r.refusal
+        if refusal:
+            result.refusals.append(refusal)
+        elif numerics and kept.read is not None and \
+                next(iter(per_expert[min(per_expert)].values())).fmt == NVFP4.engine_method:
+            # One fc31/fc2 input scale per layer, the max over experts (fused_moe/quantization.py).
+            result.deviations += experts_scale_deviations(kept, module, per_expert, GATE_UP, NVFP4.engine_method)
+    if kept.kv_scales:
+        result.refusals.append(Refusal(sorted(kept.kv_scales)[0], "KV-cache scales: TensorRT-LLM's DeepSeek-V3 "
+                                                                  "MLA KV-cache loading is not replayed by this check"))
+    if mtp:
+        result.warnings.append(f"{_mtp_layers(mtp)}: never read by load_weights (it walks the model's own modules; "
+                               "MTP layers are built only for an MTP spec_config, not replayed)")
+    result.refusals.sort(key=lambda r: r.tensor)
+    return result
+
+
+# The spec's ``ServingSpec.rules``: engine -> rules.
+SERVING = {"vllm": replay_vllm, "sglang": replay_sglang, "trtllm": replay_trtllm}
