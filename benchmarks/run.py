@@ -2,7 +2,7 @@
 
     python -m benchmarks                 # everything (< ~10 min on a 2-core CPU machine)
     python -m benchmarks --quick         # smoke run: small shapes, tiny checkpoints, no convert
-    python -m benchmarks --only numerics # one area (numerics, io, ep, convert); repeat or comma-join
+    python -m benchmarks --only numerics # one area (numerics, io, ep, memory, layerwise, calibrators, convert); repeat or comma-join
     python -m benchmarks --out DIR       # write results.json / RESULTS.md into DIR
     python -m benchmarks --only convert --convert_size multi-gb   # converter vs ModelOpt's on ~2.2 GB
 
@@ -38,6 +38,7 @@ AREAS = {
     "ep": "benchmarks.bench_ep",
     "memory": "benchmarks.bench_memory",
     "layerwise": "benchmarks.bench_layerwise",
+    "calibrators": "benchmarks.bench_calibrators",
     "convert": "benchmarks.convert_area",
 }
 QUICK_SKIPS = {"convert": "bench_convert.py builds a ~0.5 GB checkpoint; run it with --only convert"}

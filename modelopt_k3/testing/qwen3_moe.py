@@ -11,6 +11,15 @@ Names and shapes come from transformers' own ``Qwen3MoeForCausalLM`` built on th
 ``Qwen3MoeConfig``; values are deterministic in ``seed`` and each tensor's name (the Kimi-K3 generator's
 per-tensor seeding). In every MoE layer one expert's ``up_proj`` and another's ``gate_proj`` hold the largest
 magnitude of their pair, so a shared gate/up ``weight_scale_2`` taken from one projection alone is wrong.
+
+``outliers=True`` (off by default: the default files are byte-identical with or without this option) makes the
+values heavy-tailed as a trained LLM's are, so that the weight algorithms (mse, gptq, ...) have something to
+improve on: a few hidden channels (``outlier_channels``, chosen by seed) get their ``input_layernorm`` /
+``post_attention_layernorm`` weight scaled by 20-100x (every Linear fed by a norm then sees a few huge input
+channels, as the massive-activation channels of real models), and every projection's weight is drawn
+Student-t (3 degrees of freedom, unit variance: heavy-tailed elements) with a few rows raised 4-10x. The extra
+draws come from their own generators (seed, name), so the base values, and the default files, do not move.
+Still a random model: it shows the algorithms' mechanics on outlier-shaped inputs, not their quality.
 """
 
 from __future__ import annotations
@@ -90,6 +99,45 @@ def raised_gate_up_expert(layer: int, num_experts: int) -> dict[str, int]:
     return {"up_proj": layer % num_experts, "gate_proj": (layer + num_experts // 2) % num_experts}
 
 
+# outliers=True: how many hidden channels carry outliers, their norm-weight factors, the raised rows.
+OUTLIER_CHANNELS = 4
+OUTLIER_FACTOR = (20.0, 100.0)
+OUTLIER_ROW_FRACTION = 1 / 16
+OUTLIER_ROW_FACTOR = (4.0, 10.0)
+_OUTLIER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def outlier_channels(seed: int, hidden_size: int) -> dict[int, float]:
+    """``outliers=True``: hidden channel -> the factor its decoder-layer norm weights are scaled by (the same
+    channels in every layer, as real models' outlier channels persist through the residual stream)."""
+    gen = _tensor_generator(seed, "#outlier_channels")
+    channels = torch.randperm(hidden_size, generator=gen)[:OUTLIER_CHANNELS].tolist()
+    lo, hi = OUTLIER_FACTOR
+    factors = (lo + (hi - lo) * torch.rand(len(channels), generator=gen)).tolist()
+    return dict(zip(sorted(channels), factors))
+
+
+def _with_outliers(name: str, value: torch.Tensor, seed: int, channels: dict[int, float]) -> torch.Tensor:
+    """``value`` made heavy-tailed (``outliers=True``); draws from their own generator, keyed by ``name``."""
+    if name.endswith(_OUTLIER_NORMS):
+        value = value.clone()
+        for c, f in channels.items():
+            value[c] *= f
+        return value
+    if name.endswith("norm.weight") or name.endswith("embed_tokens.weight") or value.dim() != 2:
+        return value
+    gen = _tensor_generator(seed, name + "#outliers")
+    rows, cols = value.shape
+    # Student-t with 3 degrees of freedom, scaled to unit variance (t3's variance is 3), then the layer's scale.
+    chi2 = (torch.randn((3, rows, cols), generator=gen) ** 2).sum(0)
+    t3 = torch.randn((rows, cols), generator=gen) / (chi2 / 3).sqrt() / math.sqrt(3.0)
+    value = t3 / math.sqrt(cols)
+    raised = torch.randperm(rows, generator=gen)[: max(1, round(rows * OUTLIER_ROW_FRACTION))]
+    lo, hi = OUTLIER_ROW_FACTOR
+    value[raised] *= (lo + (hi - lo) * torch.rand(len(raised), generator=gen))[:, None]
+    return value
+
+
 def _value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     randn = torch.randn(shape, generator=gen)
     if name.endswith("norm.weight"):
@@ -99,12 +147,18 @@ def _value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Ten
     return randn / math.sqrt(shape[-1])
 
 
-def _checkpoint_tensors(model: Any, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(model: Any, seed: int, outliers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, BF16 tensor) in module-tree order; fused experts written back as per-expert Linears."""
+    channels = outlier_channels(seed, model.config.hidden_size) if outliers else {}
+
+    def value_of(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        value = _value(key, shape, _tensor_generator(seed, key))
+        return _with_outliers(key, value, seed, channels) if outliers else value
+
     for name, param in model.named_parameters():
         m = _EXPERT_RE.match(name)
         if m is None:
-            yield name, _value(name, tuple(param.shape), _tensor_generator(seed, name)).to(torch.bfloat16)
+            yield name, value_of(name, tuple(param.shape)).to(torch.bfloat16)
             continue
         layer = int(_LAYER_RE.search(name)["layer"])
         num_experts, rows, cols = param.shape
@@ -113,7 +167,7 @@ def _checkpoint_tensors(model: Any, seed: int) -> Iterator[tuple[str, torch.Tens
         for e in range(num_experts):
             for proj in projs:
                 key = f"{m['prefix']}.{e}.{proj}.weight"
-                value = _value(key, (rows // len(projs), cols), _tensor_generator(seed, key))
+                value = value_of(key, (rows // len(projs), cols))
                 if raised.get(proj) == e:
                     value.view(-1)[0] = 4.0 * value.abs().max()
                 yield key, value.to(torch.bfloat16)
@@ -131,13 +185,17 @@ def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_tiny_qwen3_moe(
-    path: str | Path, *, seed: int = 0, overwrite: bool = False, max_shard_size: int | None = None, **sizes: Any
+    path: str | Path, *, seed: int = 0, overwrite: bool = False, max_shard_size: int | None = None,
+    outliers: bool = False, **sizes: Any
 ) -> Path:
     """Write a tiny Qwen3-MoE checkpoint into ``path`` and return it (``sizes`` override
-    ``QWEN3_MOE_TINY_DEFAULTS``). The same seed and sizes give byte-identical files; about three shards."""
+    ``QWEN3_MOE_TINY_DEFAULTS``). The same seed, sizes and ``outliers`` give byte-identical files; about
+    three shards. ``outliers``: heavy-tailed activations and weights (the module docstring)."""
+    if not isinstance(outliers, bool):
+        raise TypeError(f"outliers must be True or False, got {outliers!r}")
     path = fresh_dir(path, overwrite)
     s = _resolve_sizes(sizes)
     config = checkpoint_config(s)
-    tensors = list(_checkpoint_tensors(_meta_model(config), seed))
+    tensors = list(_checkpoint_tensors(_meta_model(config), seed, outliers))
     return write_stand_in(path, tensors, config, vocab_size=s["vocab_size"], max_shard_size=max_shard_size)
 

@@ -15,6 +15,12 @@ def qwen3_moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe") / "ckpt", seed=0)
 
 
+@pytest.fixture(scope="session")
+def qwen3_moe_outlier_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same sizes with ``outliers=True``: heavy-tailed weights and a few 20-100x input channels."""
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe_outliers") / "ckpt", seed=0, outliers=True)
+
+
 def quantize_and_export(ckpt: Path, out: Path, recipe: str = "nvfp4_default") -> Path:
     """Load, calibrate on ``calibration_token_ids()`` (what the golden's ModelOpt run saw), export."""
     import modelopt_k3
