@@ -21,7 +21,7 @@ from ..run.preflight import PreflightContext, PreflightError, register_check
 from ..spec import ModelSpec, ServingSpec
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
 from .layout import Layout, planned_layout, scan_export
-from .report import DIFFERENT, LOADS, REFUSES, CheckReport, EngineRefusal, EngineResult
+from .report import DIFFERENT, LOADS, REFUSES, CheckReport, EngineRefusal, EngineResult, Refusal
 
 DEFAULT_ENGINES = ("vllm", "sglang")
 
@@ -47,9 +47,15 @@ __all__ = [
 
 def check_layout(layout: Layout, engines=DEFAULT_ENGINES, *, numerics: bool = True,
                  serving: ServingSpec | None = None) -> CheckReport:
-    """Each engine's replay of ``layout`` (``serving``: the model's declarations, when the caller holds its spec)."""
-    return CheckReport(layout.source, {e: replay(e, layout, numerics=numerics, serving=serving)
-                                       for e in parse_engines(engines)})
+    """Each engine's replay of ``layout`` (``serving``: the model's declarations, when the caller holds its spec).
+    A module stored quantized that is no Linear (``Layout.quantized_non_linears``) is refused by every engine:
+    each builds it as a plain parameter and would load the codes as its values."""
+    results = {e: replay(e, layout, numerics=numerics, serving=serving) for e in parse_engines(engines)}
+    for result in results.values():
+        result.refusals[:0] = [Refusal(f"{name}.weight", "stored quantized, but no engine builds it as a quantizable "
+                                       "Linear (a router, an embedding or a norm is a plain parameter): its codes "
+                                       "would be loaded as values") for name in layout.quantized_non_linears]
+    return CheckReport(layout.source, results)
 
 
 def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport:

@@ -100,6 +100,9 @@ class Layout:
     # Reads one tensor's values (None for a planned layout: nothing is written yet).
     read: Callable[[str], torch.Tensor] | None = field(default=None, repr=False)
     source: str = ""
+    # Modules stored in a quantized format that no engine builds as a quantizable Linear (a router, an
+    # embedding, a norm): ``quantized_non_linears``.
+    quantized_non_linears: tuple[str, ...] = ()
 
     @property
     def text_config(self) -> dict:
@@ -132,6 +135,23 @@ def _group_linears(metas: dict[str, TensorMeta]) -> dict[str, Linear]:
     return out
 
 
+_QUANT_PARTS = ("weight_packed", "weight_scale", "weight_scale_2", "input_scale")
+
+
+def quantized_non_linears(metas: dict[str, TensorMeta], linears: dict[str, Linear]) -> tuple[str, ...]:
+    """Modules with a quantization tensor (codes, a scale) or a uint8/FP8 ``weight`` that are not Linears
+    (``_group_linears``: routers beside their ``e_score_correction_bias``, embeddings, norms, convolutions): an
+    engine builds them as plain parameters and loads the raw codes into them."""
+    found = set()
+    for key, meta in metas.items():
+        module, _, part = key.rpartition(".")
+        if module in linears:
+            continue
+        if part in _QUANT_PARTS or (part == "weight" and meta.dtype in (torch.uint8, torch.float8_e4m3fn)):
+            found.add(module)
+    return tuple(sorted(found))
+
+
 def _read_json(path: Path) -> dict | None:
     """A JSON object file of the export through the one validating reader (``checkpoint.read_json``: a regular
     file, bounded size, no duplicate keys, no NaN), or None when absent; anything else one ``CheckpointError``."""
@@ -157,11 +177,13 @@ def scan_export(export_dir: str | Path) -> tuple[Layout, CheckpointReader]:
         raise CheckpointError(f"{path} has no config.json")
     reader = CheckpointReader(path)
     metas = {k: TensorMeta(reader.info(k).dtype, reader.info(k).shape) for k in reader.names()}
+    linears = _group_linears(metas)
     layout = Layout(
         config=config,
         quant=config.get("quantization_config"),
         hf_quant=_read_json(path / HF_QUANT_CONFIG),
-        linears=_group_linears(metas),
+        linears=linears,
+        quantized_non_linears=quantized_non_linears(metas, linears),
         kv_scales={k: m for k, m in metas.items() if k.rpartition(".")[2] in KV_SCALE_SUFFIXES},
         tensors=metas,
         read=reader.get,
