@@ -213,3 +213,18 @@ def test_mla_kv_cache_scale_is_the_latent_and_rope_key_amax(deepseek_fp8_ckpt, t
         k = out[f"model.layers.{i}.self_attn.k_proj.k_scale"]
         assert torch.equal(k, out[f"model.layers.{i}.self_attn.v_proj.v_scale"])
         assert k.item() == pytest.approx(seen[f"{i}"] / 448.0, rel=1e-6), i
+
+
+def test_the_planner_counts_block_fp8_weights_at_their_loaded_size(deepseek_fp8_ckpt: Path) -> None:
+    """Block-FP8 weights are dequantized as they load: the planner counts a stored 1-byte weight at the run's
+    dtype (2 bytes in BF16) and a routed expert at its decoded size, not as stored."""
+    import torch
+
+    from modelopt_k3.memory.inventory import read_layout
+
+    layout = read_layout(deepseek_fp8_ckpt)
+    fp8 = [t for t in layout.dense if t.dtype == torch.float8_e4m3fn]
+    assert fp8 and all(layout.load_dtype(t, torch.bfloat16) == torch.bfloat16 for t in fp8)
+    group = layout.experts[0]
+    assert group.decoded_numel_per_expert * 1 <= group.stored_bytes_per_expert  # stored: 1 byte + scales
+    assert group.decoded_numel_per_expert * 2 > group.stored_bytes_per_expert  # loaded BF16: twice the codes
