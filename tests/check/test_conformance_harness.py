@@ -145,3 +145,64 @@ def test_broken_copies_leave_their_source_unchanged(tmp_path: Path, tiny_ckpt: P
     key = f"{matrix.LM}.layers.1.block_sparse_moe.experts.2.w3.weight_scale_2"
     assert float(matrix._read(out, key)) == 2 * float(matrix._read(src, key))
     assert export_fingerprint(src) == before
+
+
+def test_each_export_gets_the_driver_of_its_model(tmp_path):
+    """``run.driver_of``: the Qwen3-MoE cells run ``drivers/<engine>_qwen3.py``, the Kimi-K3 ones ``<engine>_k3.py``."""
+    import json
+
+    from tools.conformance.run import DRIVERS, driver_of
+    from tools.conformance.venv import EngineSpec
+
+    for model_type, suffix in (("kimi_k3", "k3"), ("qwen3_moe", "qwen3")):
+        export = tmp_path / model_type
+        export.mkdir()
+        (export / "config.json").write_text(json.dumps({"model_type": model_type}))
+        for engine in ("vllm", "sglang"):
+            driver = driver_of(EngineSpec(engine, "0"), export)
+            assert driver == DRIVERS / f"{engine}_{suffix}.py" and driver.is_file()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    with pytest.raises(ValueError, match="no conformance driver for model_type 'gpt_oss'"):
+        driver_of(EngineSpec("vllm", "0"), tmp_path / "other")
+
+
+def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_recipe_hf_ptq_resolves():
+    from modelopt_k3.run.plan import PtqConfig
+    from modelopt_k3.spec.registry import get_spec
+
+    assert set(matrix.TINY_MODELS) == set(matrix.TINY_VARIANTS)
+    qformat_cells = [c for c in matrix.CELLS if c.qformat]
+    assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide"}
+    for cell in qformat_cells:
+        assert cell.how == "hf_ptq"
+        spec = get_spec(matrix.TINY_MODELS[cell.tiny])
+        assert PtqConfig(qformat=cell.qformat).recipe_name(spec) == cell.recipe, cell.id
+
+
+def test_an_expert_tensor_read_into_a_zero_padded_wider_parameter_is_landed_losslessly():
+    """SGLang's flashinfer_trtllm experts pad the intermediate size to 64: a down_proj [r, c] lands as r rows of
+    ``w2_weight`` [E, r, c_pad] (first c columns byte for byte, the padding zero) -- no deviation."""
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w2_weight = torch.nn.Parameter(torch.zeros(2, 3, 8, dtype=torch.uint8), requires_grad=False)
+
+    ours = {f"e.{i}.down_proj.weight": torch.randint(1, 255, (3, 5), dtype=torch.uint8) for i in range(2)}
+    model = Experts()
+
+    def load():
+        with torch.no_grad():
+            model.w2_weight.zero_()
+            for i in range(2):
+                model.w2_weight[i, :, :5] = ours[f"e.{i}.down_proj.weight"]
+
+    masks, land = C.load_with_sentinel(model, load, ours)
+    summary = C.summarize(ours, land, masks)
+    assert land["e.1.down_proj.weight"]["padded_to"] == 8 and land["e.1.down_proj.weight"]["offset"] == 24
+    assert summary["not_landed"] == [] and summary["params_never_written"] == {}
+    assert summary["landed_lossless_other_form"] == sorted(ours)
+    with torch.no_grad():  # non-zero padding is no lossless landing
+        model.w2_weight[1, 0, 7] = 3
+    assert C.landings(ours, dict(model.named_parameters()))["e.1.down_proj.weight"] is None

@@ -49,6 +49,9 @@ def test_the_matrix_covers_what_the_issue_asks():
     assert {f"preset-{p}" for p in ("nvfp4", "nvfp4_experts_only", "w4a16_nvfp4", "fp8")} <= ids
     assert {"convert-default", "convert-mirror", "wide-convert-default"} <= ids
     assert any(r["how"] == "broken" for r in DOC["cells"])
+    # Issue 30: Qwen3-MoE's exports on its stand-in (mlp_only_layers, hidden 64) and on the all-MoE 128-wide one.
+    assert {f"{t}-{k}" for t in ("qwen3", "qwen3-wide")
+            for k in ("qformat-nvfp4", "recipe-nvfp4", "qformat-w4a16_nvfp4")} <= ids
     assert set(ENGINES) == {"vllm", "sglang"} and all(DOC["stubs"][e] for e in ENGINES)
     for row in DOC["cells"]:
         for engine in ENGINES:

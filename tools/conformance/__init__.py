@@ -1,9 +1,9 @@
-"""Engine-in-the-loop conformance: the engines' own Kimi-K3 loaders, run on CPU, against the check.
+"""Engine-in-the-loop conformance: the engines' own Kimi-K3 and Qwen3-MoE loaders, run on CPU, against the check.
 
 A developer tool run from a checkout, not part of the installed library (it builds test checkpoints and
 calls ``modelopt_k3.cli.hf_ptq``): ``python -m tools.conformance`` validates its arguments, builds the
 matrix's exports (``matrix.py``), makes one venv per pinned engine release (``venv.py``; cached outside the
-repository), and in each venv runs a driver (``drivers/<engine>_k3.py``: our own code that imports the engine
+repository), and in each venv runs a driver (``drivers/<engine>_<model>.py``, by the export's ``model_type``: our own code that imports the engine
 and drives its public model config, model loader and model class; the GPU-only pieces it stubs are
 ``drivers/stub_list.py``). It writes the observed verdicts next to ``modelopt-k3-check``'s into ``--out``
 (``engine_conformance.json``, ``ENGINE_CONFORMANCE.md``) and exits 1 on any disagreement; with

@@ -1,6 +1,6 @@
 """The conformance matrix: which exports the engines' own loaders are run on, and how each is built.
 
-Every cell is an export of a tiny Kimi-K3 stand-in (``make_tiny_kimi_k3``) written under a scratch
+Every cell is an export of a tiny Kimi-K3 stand-in (``make_tiny_kimi_k3``), or of the tiny Qwen3-MoE one (``make_tiny_qwen3_moe``, the ``qwen3*`` cells), written under a scratch
 work directory, never inside an existing export: the presets through ``hf_ptq`` (calibrated), the
 converter's default and the mirror recipe through ``convert_checkpoint`` (calibration-free), the same
 on a 128-wide variant (flashinfer's weight shuffle, which SGLang's NVFP4 MoE post-processing runs, needs
@@ -29,7 +29,13 @@ LM = "language_model.model"
 MLA_SIZES = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 # Routed-expert rows (w13: 2 x moe_intermediate_size, w2: routed_expert_hidden_size) a multiple of 128.
 WIDE_SIZES = {"moe_intermediate_size": 128, "routed_expert_hidden_size": 128}
-TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES}}
+# The tiny Qwen3-MoE stand-in as generated (one mlp_only_layers layer, hidden 64: w2 rows 64) and an all-MoE
+# variant with hidden 128 (w2 rows 128; w13 rows are 2 x 32 padded to 64 = 128 either way).
+QWEN3_WIDE_SIZES = {"mlp_only_layers": [], "hidden_size": 128}
+TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
+                 "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES}
+# Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
+TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe"}
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
 
@@ -43,6 +49,9 @@ class Cell:
     recipe: str
     tiny: str = "default"  # a TINY_VARIANTS key
     base: str | None = None
+    # hf_ptq cells: run with ``--qformat`` (the model's own recipe for it, ``RecipesSpec.qformat``) instead of
+    # ``--recipe``; ``recipe`` then names the recipe that qformat resolves to (``test_conformance_harness``).
+    qformat: str | None = None
     edit: str | None = None
     about: str = ""
     tags: tuple[str, ...] = field(default=())
@@ -73,17 +82,28 @@ CELLS: tuple[Cell, ...] = (
          about="layer 0's dense MLP 128x128 block FP8 (FP8_PB_WO), scales [nr, 1, nc, 1] as ModelOpt writes"),
     Cell("broken-fp8_pb-2d-scale", "broken", "inline:mlp0_fp8_pb", base="mlp0-fp8_pb", edit="fp8_pb_2d",
          about="the FP8_PB_WO export with its block scales written [nr, nc]"),
+    # Qwen3-MoE (issue 30): the default stand-in (mlp_only_layers [1], hidden 64) and the all-MoE 128-wide one.
+    *(Cell(f"{tiny}-{kind}", "hf_ptq", recipe, tiny=tiny, qformat=qformat, about=f"Qwen3-MoE: {how} ({what})")
+      for tiny, what in (("qwen3", "the stand-in: layer 1 in mlp_only_layers, hidden 64"),
+                         ("qwen3-wide", "all layers MoE, hidden 128"))
+      for kind, recipe, qformat, how in (
+          ("qformat-nvfp4", "presets/nvfp4_default", "nvfp4", "hf_ptq --qformat nvfp4 (attention NVFP4)"),
+          ("recipe-nvfp4", "presets/nvfp4", None, "hf_ptq --recipe presets/nvfp4 (attention BF16)"),
+          ("qformat-w4a16_nvfp4", "presets/w4a16_nvfp4", "w4a16_nvfp4", "hf_ptq --qformat w4a16_nvfp4"))),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 
 
 def tiny_checkpoint(root: Path, tiny: str) -> Path:
-    """The tiny Kimi-K3 source of a cell (generated once under ``root``; same seed, same bytes)."""
+    """The tiny source of a cell, Kimi-K3 or Qwen3-MoE (``TINY_MODELS``; generated once under ``root``; same
+    seed, same bytes)."""
     from modelopt_k3.testing import make_tiny_kimi_k3
+    from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
 
     path = root / f"tiny-{tiny}"
     if not (path / INDEX).exists():
-        make_tiny_kimi_k3(path, overwrite=True, **TINY_VARIANTS[tiny])
+        make = {"kimi_k3": make_tiny_kimi_k3, "qwen3_moe": make_tiny_qwen3_moe}[TINY_MODELS[tiny]]
+        make(path, overwrite=True, **TINY_VARIANTS[tiny])
     return path
 
 
@@ -118,8 +138,9 @@ def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool 
     elif cell.how == "hf_ptq":
         from modelopt_k3.cli import hf_ptq
 
+        which = ["--qformat", cell.qformat] if cell.qformat else ["--recipe", cell.recipe]
         rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_checkpoint(root, cell.tiny)), "--trust_remote_code",
-                          "--recipe", cell.recipe, "--calib_size", "4", "--calib_seq", "32", "--no_progress",
+                          *which, "--calib_size", "4", "--calib_seq", "32", "--no_progress",
                           "--export_path", str(dst)])
         if rc != 0:
             raise RuntimeError(f"hf_ptq exited {rc} for {cell.id}")

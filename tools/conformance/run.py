@@ -1,7 +1,7 @@
 """Run the engines' own loaders over exports and compare with ``modelopt-k3-check``'s verdicts.
 
-Per (engine version, export) cell a driver runs in the engine's venv (``drivers/<engine>_k3.py``, a
-subprocess with a timeout) and writes what it saw as JSON; ``verdict.py`` turns that into an observed
+Per (engine version, export) cell a driver runs in the engine's venv (``drivers/<engine>_<model>.py``,
+chosen by the export's ``model_type``: ``DRIVER_MODELS``; a subprocess with a timeout) and writes what it saw as JSON; ``verdict.py`` turns that into an observed
 verdict in the check's vocabulary (refuses / loads but serves different numbers / loads correctly).
 
 What the CPU run cannot observe (post-processing a kernel layout that needs a GPU, the first forward)
@@ -23,6 +23,8 @@ from .venv import EngineSpec, driver_stub, ensure_venv, installed_version, pytho
 from .verdict import observed_verdict
 
 DRIVERS = Path(__file__).parent / "drivers"
+# config.json model_type -> the drivers' model suffix (drivers/<engine>_<suffix>.py builds the engine's own class).
+DRIVER_MODELS = {"kimi_k3": "k3", "qwen3_moe": "qwen3"}
 CHECK_ENGINES = ("vllm", "sglang", "trtllm")
 NOT_OBSERVABLE = {  # what no CPU run of these drivers sees, whatever the cell
     "vllm": ("any forward (every GEMM, attention and MoE kernel is CUDA)",),
@@ -39,18 +41,38 @@ def export_fingerprint(export: Path) -> str:
     return h.hexdigest()
 
 
+def driver_of(spec: EngineSpec, export: Path) -> Path:
+    """The driver that builds ``spec``'s own model class for ``export`` (by its config.json ``model_type``)."""
+    model_type = json.loads((export / "config.json").read_text()).get("model_type")
+    if model_type not in DRIVER_MODELS:
+        raise ValueError(f"{export}: no conformance driver for model_type {model_type!r}; known: {sorted(DRIVER_MODELS)}")
+    return DRIVERS / f"{spec.name}_{DRIVER_MODELS[model_type]}.py"
+
+
 def run_driver(spec: EngineSpec, venv: Path, exports: list[Path], *, timeout: float,
                options: dict | None = None) -> list[dict]:
-    """The driver's JSON for each export, in order. One engine process loads the exports in turn
-    (importing the engine is most of a run); when it dies or times out, the exports it had not
-    answered are each retried in a process of their own, so one bad cell cannot hide the others."""
+    """The driver's JSON for each export, in order. One engine process per driver (``driver_of``) loads its
+    exports in turn (importing the engine is most of a run); when it dies or times out, the exports it had
+    not answered are each retried in a process of their own, so one bad cell cannot hide the others."""
+    results: dict[int, dict] = {}
+    by_driver: dict[Path, list[int]] = {}
+    for i, e in enumerate(exports):
+        by_driver.setdefault(driver_of(spec, e), []).append(i)
+    for driver, indices in by_driver.items():
+        for i, r in zip(indices, _run_one_driver(driver, venv, [exports[i] for i in indices],
+                                                 timeout=timeout, options=options)):
+            results[i] = r
+    return [results[i] for i in range(len(exports))]
+
+
+def _run_one_driver(driver: Path, venv: Path, exports: list[Path], *, timeout: float, options) -> list[dict]:
     before = {e: export_fingerprint(e) for e in exports}
     results: dict[int, dict] = {}
     pending = list(range(len(exports)))
     batch = True
     while pending:
         group = pending if batch else pending[:1]
-        answered = _driver_process(spec, venv, [exports[i] for i in group], timeout * len(group), options)
+        answered = _driver_process(driver, venv, [exports[i] for i in group], timeout * len(group), options)
         for j, i in enumerate(group):
             if j in answered:
                 results[i] = answered[j]
@@ -64,11 +86,11 @@ def run_driver(spec: EngineSpec, venv: Path, exports: list[Path], *, timeout: fl
     return [results[i] for i in range(len(exports))]
 
 
-def _driver_process(spec: EngineSpec, venv: Path, exports: list[Path], timeout: float, options) -> dict:
+def _driver_process(driver: Path, venv: Path, exports: list[Path], timeout: float, options) -> dict:
     with tempfile.TemporaryDirectory(prefix="k3conf-") as tmp:
         out = Path(tmp) / "results"
         out.mkdir()
-        cmd = [str(python_of(venv)), str(DRIVERS / f"{spec.name}_k3.py"), "--exports", *map(str, exports),
+        cmd = [str(python_of(venv)), str(driver), "--exports", *map(str, exports),
                "--out_dir", str(out), "--options", json.dumps(options or {})]
         # The driver's own scratch (engine caches, HF modules) stays in the temporary directory; the GPU
         # driver stand-in (venv.driver_stub) is found through the loader path.
@@ -122,7 +144,7 @@ def run_matrix(engines: list[EngineSpec], *, venv_root: Path, work: Path, cell_i
     for spec in sorted(engines, key=lambda e: e.name):  # stable: engines by name, whatever the --engine order
         venv = ensure_venv(spec, venv_root, say=say, pip_constraint=pip_constraint)
         versions[spec.name] = installed_version(venv, spec.name)
-        say(f"[{spec}] {len(rows)} exports in one engine process")
+        say(f"[{spec}] {len(rows)} exports, one engine process per model's driver")
         for row, result in zip(rows, run_driver(spec, venv, [r["_export"] for r in rows], timeout=timeout)):
             result["verdict"] = observed_verdict(result)
             result.setdefault("not_observable", list(NOT_OBSERVABLE[spec.name]))
@@ -148,7 +170,7 @@ def parse_args(argv: list[str] | None = None):
     from .matrix import CELLS
 
     p = argparse.ArgumentParser(prog="python -m tools.conformance",
-                                description="Run vLLM's and SGLang's own Kimi-K3 loaders on CPU over the "
+                                description="Run vLLM's and SGLang's own Kimi-K3 / Qwen3-MoE loaders on CPU over the "
                                             "conformance matrix and compare with modelopt-k3-check; exits 1 on "
                                             "any disagreement.")
     p.add_argument("--engine", action="append", default=None, metavar="NAME==VERSION",

@@ -12,9 +12,10 @@ from __future__ import annotations
 from modelopt_k3.check.report import DIFFERENT, LOADS, REFUSES
 
 # Errors that are the CPU's, not the engine's answer: a CUDA op without a CPU kernel, torch.compile of a
-# GPU path, a kernel entry point that did not load, a call that needs the GPU driver.
+# GPU path, a kernel entry point that did not load, a call that needs the GPU driver, flashinfer asking a
+# CPU-placed tensor's device for its compute capability (flashinfer utils.py get_compute_capability).
 CPU_LIMITS = ("from the 'CPU' backend", "InternalTorchDynamoError", "'NoneType' object is not callable",
-              "Found no NVIDIA driver", "Torch not compiled with CUDA")
+              "Found no NVIDIA driver", "Torch not compiled with CUDA", "device must be a cuda device")
 
 
 def cpu_limit(error: dict) -> bool:

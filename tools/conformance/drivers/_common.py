@@ -94,7 +94,12 @@ def load_with_sentinel(model: torch.nn.Module, load: Callable[[], object],
     masks = {k: unwritten_mask(v, SENTINEL) if v.is_contiguous() else torch.zeros(v.numel(), dtype=torch.bool)
              for k, v in tensors.items()}
     for name, where in land.items():
-        if where is None or "cast_to" in where or "rounded_to" in where or "prefix" in where:
+        if where is not None and "padded_to" in where and tensors[where["param"]].element_size() == 1:
+            m = masks.get(where["param"])  # the data columns of the rows it landed in
+            if m is not None:
+                m.view(-1, where["padded_to"])[where["offset"] // where["padded_to"]:][:where["rows"], :where["cols"]] = False
+            continue
+        if where is None or "cast_to" in where or "rounded_to" in where or "prefix" in where or "padded_to" in where:
             continue
         m = masks.get(where["param"])
         if m is not None and tensors[where["param"]].element_size() == 1:
@@ -142,8 +147,35 @@ def landings(ours: dict[str, torch.Tensor], engine: dict[str, torch.Tensor]) -> 
         if found:
             out[name] = {"param": found[0][0], "offset": found[0][1], "matches": len(found)}
         else:
-            out[name] = _landed_cast(name, t, engine)
+            out[name] = _landed_cast(name, t, engine) or _landed_padded(name, t, engine)
     return out
+
+
+def _landed_padded(name: str, t: torch.Tensor, engine: dict[str, torch.Tensor]) -> dict | None:
+    """A 2-D tensor [r, c] found as r consecutive rows of an engine tensor whose last dim is wider (c_pad > c),
+    byte for byte in the first c columns, the padding columns of those rows zero (``padded_to``): e.g. an
+    expert's down_proj read into ``w2_weight`` with the intermediate size padded (a zero K-padding)."""
+    if t.dim() != 2 or not t.numel():
+        return None
+    r, c = t.shape
+    needle = bytes(_bytes(t).numpy())
+    for k, v in sorted(engine.items(), key=lambda kv: -_affinity(name, kv[0])):
+        if v.dim() < 2 or v.shape[-1] <= c or v.element_size() != t.element_size() or not v.is_contiguous():
+            continue
+        rows = v.detach().reshape(-1, v.shape[-1])
+        hay = bytes(_bytes(rows[:, :c]).numpy())
+        start = 0
+        while True:
+            at = hay.find(needle, start)
+            if at < 0:
+                break
+            row_bytes = c * t.element_size()
+            if at % row_bytes == 0:
+                i = at // row_bytes
+                if i + r <= rows.shape[0] and not _bytes(rows[i:i + r, c:]).any():
+                    return {"param": k, "offset": i * v.shape[-1], "padded_to": int(v.shape[-1]), "rows": r, "cols": c}
+            start = at + 1
+    return None
 
 
 def _landed_cast(name: str, t: torch.Tensor, engine: dict[str, torch.Tensor]) -> dict | None:
@@ -204,7 +236,7 @@ def summarize(ours: dict[str, torch.Tensor], land: dict[str, dict | None], masks
     (no checkpoint has it: an internal default, a buffer computed at construction); those are listed
     apart and do not make the load different."""
     not_landed = sorted(k for k, v in land.items() if v is None)
-    cast = sorted(k for k, v in land.items() if v is not None and ("cast_to" in v or "prefix" in v))
+    cast = sorted(k for k, v in land.items() if v is not None and ("cast_to" in v or "prefix" in v or "padded_to" in v))
     rounded = {k: v for k, v in land.items() if v is not None and "rounded_to" in v}
     unwritten, owned = {}, {}
     for k, m in masks.items():
@@ -319,6 +351,30 @@ def compare_scales(scales: dict[str, dict[str, torch.Tensor]], ours: dict[str, t
                                                "engine": got, "export_says": e, "rel": err, "export": row})
     return {"compared": compared, "max_rel": worst, "mismatches": mismatches[:50],
             "mismatch_count": len(mismatches), "unruled": sorted(unknown)}
+
+
+def pieces_by_name(ours: dict[str, torch.Tensor], fused: dict[str, tuple[str, ...]],
+                   expert_projs: dict[str, str]) -> Callable[[str], dict[str, list[list[str]]] | None]:
+    """``compare_scales``' ``pieces`` for an engine that keeps the checkpoint's module names: an engine module
+    is an export module, a fused one (``fused``: engine name -> checkpoint pieces, in shard order) or a routed
+    experts module whose experts hold ``expert_projs`` (role ``w1``/``w3``/``w2`` -> checkpoint projection)."""
+    modules = {k.rpartition(".")[0] for k in ours}
+
+    def pieces(engine_module: str):
+        if engine_module in modules:
+            return {"lin": [[engine_module]]}
+        parent, _, last = engine_module.rpartition(".")
+        if last in fused:
+            row = [f"{parent}.{p}" for p in fused[last] if f"{parent}.{p}" in modules]
+            return {"lin": [[m] for m in row]} if row else None
+        n = 0
+        while f"{engine_module}.{n}.{expert_projs['w1']}" in modules:
+            n += 1
+        if n:
+            return {role: [[f"{engine_module}.{e}.{proj}"] for e in range(n)] for role, proj in expert_projs.items()}
+        return None
+
+    return pieces
 
 
 # ----------------------------------------------------------------------------------- kernel stand-ins

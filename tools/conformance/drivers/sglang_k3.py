@@ -138,7 +138,18 @@ def experts_forward(model) -> dict:
     return {"layer": name, "outcome": "ran on CPU"}
 
 
-def run(export: Path, options: dict) -> dict:
+def _resolved_backend() -> str | None:
+    """The MoE runner backend the engine settled on (after its model overrides of ``auto``)."""
+    try:
+        from sglang.srt.layers.moe import get_moe_runner_backend
+
+        return str(get_moe_runner_backend())
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        return f"unknown ({type(exc).__name__}: {exc})"[:200]
+
+
+def run(export: Path, options: dict, pieces_of=pieces_of) -> dict:
+    """One export's load (``pieces_of``: the export modules behind each engine module, for the scales)."""
     backend = options.get("moe_runner_backend", "flashinfer_trtllm")
     result: dict = {"engine": "sglang", "export": str(export), "moe_runner_backend": backend}
     stage = "import"
@@ -203,6 +214,7 @@ def run(export: Path, options: dict) -> dict:
             stage = probe["stage"]
             raise
         stage = "report"
+        result["moe_runner_backend_resolved"] = _resolved_backend()
         result["quant_method"] = type(model.quant_config).__name__ if getattr(model, "quant_config", None) else None
         result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
         scales = C.post_load_scales(model, SGLANG_RULES)
@@ -214,28 +226,32 @@ def run(export: Path, options: dict) -> dict:
             raise
         result["outcome"] = "raised"
         result["error"] = C.error_record(stage, exc)
+        if stage in ("build", "load_weights", "post_process"):
+            result["moe_runner_backend_resolved"] = _resolved_backend()
         if "masks" in probe:
             result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
     return result
 
 
-def main() -> int:
+def main(defaults: dict | None = None, pieces_of=pieces_of, stubs=apply_stubs) -> int:
     """``--exports A B ...``: each export's result goes to ``--out_dir``/<index>.json as soon as it is
-    known (one process loads them in turn: importing the engine is most of the time)."""
+    known (one process loads them in turn: importing the engine is most of the time). ``defaults``: options
+    a model's driver sets unless ``--options`` gives them (``sglang_qwen3.py``); ``stubs``: ``apply_stubs`` or
+    a model's own additions to it."""
     p = argparse.ArgumentParser()
     p.add_argument("--exports", type=Path, nargs="+", required=True)
     p.add_argument("--out_dir", type=Path, required=True)
     p.add_argument("--options", default="{}")
     args = p.parse_args()
-    apply_stubs()
-    options = json.loads(args.options)
+    stubs()
+    options = {**(defaults or {}), **json.loads(args.options)}
     for i, export in enumerate(args.exports):
-        result = run(export, options)
+        result = run(export, options, pieces_of)
         # The same export under the other runner backends: what their first forward does (the routed
         # experts' kernel arguments are assembled from post-processed layer state).
         result["other_backends"] = {}
         for backend in options.get("other_backends", ("auto",)) if result.get("outcome") == "ran" else ():
-            other = run(export, {**options, "moe_runner_backend": backend})
+            other = run(export, {**options, "moe_runner_backend": backend}, pieces_of)
             result["other_backends"][backend] = {"outcome": other.get("outcome"),
                                                  "error": other.get("error"),
                                                  "first_forward": other.get("first_forward")}

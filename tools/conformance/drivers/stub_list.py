@@ -35,5 +35,8 @@ STUBS: dict[str, list[tuple[str, str]]] = {
          "post-processing swizzles NVFP4 block scales with a CUDA kernel; the layout is plain index arithmetic"),
         ("distributed: gloo, world size 1",
          "SGLang's parallel groups must exist to build layers; NCCL needs a GPU, gloo on one rank has the same shapes"),
+        ("Qwen3-MoE driver: layers/rotary_embedding/base.py module-level _is_cuda -> True",
+         "it is torch.cuda.is_available() at import; on CUDA RotaryEmbedding takes its rope kernel from sglang.kernels, "
+         "on CPU it imports vLLM's (absent from an SGLang venv); only the rope kernel and the cos/sin cache dtype depend on it"),
     ],
 }

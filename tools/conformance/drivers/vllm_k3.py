@@ -122,7 +122,10 @@ def pieces_of(ours: dict[str, torch.Tensor]):
     return pieces
 
 
-def run(export: Path, options: dict) -> dict:
+def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES) -> dict:
+    """One export's load (``pieces_of``: the export modules behind each engine module, for the scales;
+    ``owned_of(model, export)``: a model's engine-owned parameters besides the non-persistent buffers;
+    ``rules``: what each post-load scale attribute holds, ``VLLM_RULES`` or a model's own)."""
     result: dict = {"engine": "vllm", "export": str(export), "stubs": "stub_list.STUBS['vllm']"}
     stage = "import"
     try:
@@ -155,7 +158,7 @@ def run(export: Path, options: dict) -> dict:
             def load_weights(self, model, model_config):
                 probe["masks"], probe["landed"] = C.load_with_sentinel(
                     model, lambda: DefaultModelLoader.load_weights(self, model, model_config), ours)
-                probe["owned"] = C.non_persistent(model)
+                probe["owned"] = {**C.non_persistent(model), **(owned_of(model, export) if owned_of else {})}
                 probe["stage"] = "post_process"
 
         stage = "config"
@@ -183,8 +186,8 @@ def run(export: Path, options: dict) -> dict:
         global LAST_MODEL
         LAST_MODEL = model  # for interactive inspection of one run
         result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
-        scales = C.post_load_scales(model, VLLM_RULES)
-        result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours), VLLM_RULES)
+        scales = C.post_load_scales(model, rules)
+        result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours), rules)
         result["outcome"] = "ran"
     except BaseException as exc:  # noqa: BLE001 - every failure is the observation
         if isinstance(exc, KeyboardInterrupt):
@@ -196,7 +199,7 @@ def run(export: Path, options: dict) -> dict:
     return result
 
 
-def main() -> int:
+def main(pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES) -> int:
     """``--exports A B ...``: each export's result goes to ``--out_dir``/<index>.json as soon as it is
     known (one process loads them in turn: importing the engine is most of the time)."""
     p = argparse.ArgumentParser()
@@ -207,7 +210,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     stubbed = apply_stubs()
     for i, export in enumerate(args.exports):
-        result = run(export, json.loads(args.options))
+        result = run(export, json.loads(args.options), pieces_of, owned_of, rules)
         result["extensions_without_driver"] = stubbed
         (args.out_dir / f"{i}.json").write_text(json.dumps(result, indent=1, default=str))
     return 0
