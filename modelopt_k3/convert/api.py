@@ -40,9 +40,9 @@ from .state import (
 
 log = logging.getLogger("modelopt_k3")
 
-_DENSE_UNCHECKED = ("dense tensors were checked against their headers and the shapes config.json fixes (embedding, "
-                    "lm_head, norms, dense MLP, layer count) and the keys it implies (routers, norms, MLPs, o_proj) "
-                    "only: the model was not built "
+_DENSE_UNCHECKED = ("dense tensors were checked against their headers, the shapes config.json fixes (embedding, "
+                    "lm_head, norms, dense MLP, layer count) and the language model's keys it implies only: the "
+                    "model was not built, so the vision tower's were not checked "
                     "(trust_remote_code / --trust_remote_code builds it on meta and checks each one, as hf_ptq does)")
 
 

@@ -202,13 +202,16 @@ def test_nan_activations_are_named_not_called_missing_data(copy_ckpt, tiny_ckpt,
 
 @pytest.mark.parametrize("key", [f"{LAYERS}.1.block_sparse_moe.shared_experts.up_proj.weight",
                                  f"{LAYERS}.2.block_sparse_moe.gate.weight", f"{LAYERS}.3.input_layernorm.weight",
-                                 f"{LAYERS}.0.mlp.down_proj.weight"],
-                         ids=["shared-expert", "router", "norm", "dense-mlp"])
+                                 f"{LAYERS}.0.mlp.down_proj.weight", f"{LAYERS}.1.self_attn.q_conv1d.weight",
+                                 f"{LAYERS}.3.self_attn.kv_b_proj.weight", f"{LAYERS}.2.mlp_res_proj.weight",
+                                 f"{LAYERS}.1.block_sparse_moe.routed_expert_norm.weight"],
+                         ids=["shared-expert", "router", "norm", "dense-mlp", "kda-conv", "mla-kv_b", "attn-res",
+                              "latent-norm"])
 def test_converter_refuses_a_missing_dense_tensor_the_config_implies_without_building_the_model(
         key, copy_ckpt, tmp_path, run_tool) -> None:
-    """Kimi-K3's spec declares the dense keys every checkpoint of a config stores (``dense_required``): without
-    --trust_remote_code (no model built) a missing router, norm, shared expert or dense MLP is refused as the model
-    path refuses it (was: converted, exit 0, an export missing it)."""
+    """Kimi-K3's spec declares the language model's dense keys every checkpoint of a config stores
+    (``dense_required``: KDA and MLA layers, AttnRes, latent MoE): without --trust_remote_code (no model built) a
+    missing one is refused as the model path refuses it (was: converted, exit 0, an export missing it)."""
     src = copy_ckpt(drop=[key])
     rc, _, err = run_tool("convert", ["--src", src, "--recipe", MIRROR, "--no_progress", "--dst", tmp_path / "out"])
     line = _one_error_line(err, "modelopt-k3-convert")
@@ -217,22 +220,22 @@ def test_converter_refuses_a_missing_dense_tensor_the_config_implies_without_bui
 
 
 def test_converter_checks_dense_tensors_only_against_a_model_it_may_build(copy_ckpt, tmp_path, run_tool) -> None:
-    """An attention-internal tensor removed (from shard and index; KDA and MLA layers differ, so the spec does not
-    declare them): only the model knows it should be there. The converter says it did not check; with
-    --trust_remote_code it builds the model on meta and refuses, naming it."""
-    key = f"{LAYERS}.1.self_attn.q_conv1d.weight"
+    """A vision-tower tensor removed (from shard and index; the spec declares the language model's keys only):
+    only the model knows it should be there. The converter says it did not check; with --trust_remote_code it
+    builds the model on meta and refuses, naming it."""
+    key = "vision_tower.encoder.blocks.0.wo.weight"
     src = copy_ckpt(drop=[key])
     before = tree_digest(src)
     argv = ["--src", src, "--recipe", MIRROR, "--no_progress"]
     rc, text, err = run_tool("convert", [*argv, "--dst", tmp_path / "unchecked"])
-    assert rc == 0 and "dense tensors were checked against their headers and the shapes config.json fixes" in text, err
+    assert rc == 0 and "dense tensors were checked against their headers, the shapes config.json fixes" in text, err
     rc, _, err = run_tool("convert", [*argv, "--dst", tmp_path / "checked", "--trust_remote_code"])
     line = _one_error_line(err, "modelopt-k3-convert")
     assert rc == 2 and f"does not match the model built from config.json: 1 missing: {key}" in line, err
     assert not (tmp_path / "checked").exists() and tree_digest(src) == before
     rc, text, err = run_tool("convert", ["--src", copy_ckpt(), "--recipe", MIRROR, "--no_progress",
                                          "--dst", tmp_path / "trusted", "--trust_remote_code"])
-    assert rc == 0 and "checked against their headers and the shapes" not in text, err
+    assert rc == 0 and "checked against their headers, the shapes" not in text, err
 
 
 # --------------------------------------------------------------------------- a source changed between a run and its resume

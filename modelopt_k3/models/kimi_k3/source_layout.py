@@ -75,27 +75,60 @@ def _moe_layers(text: Mapping[str, Any]) -> list[int]:
     return [i for i in range(_field(text, "num_hidden_layers")) if i >= first_k and i % freq == 0]
 
 
+def _kda_keys(lin: Mapping[str, Any]) -> list[str]:
+    """A KimiDeltaAttention's tensors (q/k/v with their short convolutions, the decay gate, beta, the output gate
+    full-rank or low-rank as ``use_full_rank_gate`` says, the gated norm, ``o_proj``)."""
+    keys = [f"{p}_proj.weight" for p in ("q", "k", "v", "f_a", "f_b", "b", "o")]
+    keys += [f"{p}_conv1d.weight" for p in ("q", "k", "v")] + ["A_log", "dt_bias", "o_norm.weight"]
+    full_rank = lin.get("use_full_rank_gate")
+    if full_rank is not None:  # either form otherwise: left to the model-building check
+        keys += ["g_proj.weight"] if full_rank else ["g_a_proj.weight", "g_b_proj.weight"]
+    return keys
+
+
+def _mla_keys(text: Mapping[str, Any]) -> list[str]:
+    """A KimiMLAAttention's tensors (q low-rank when ``q_lora_rank`` is set, the joint kv projection and its norm,
+    ``kv_b_proj``, ``o_proj``, the output gate with ``mla_use_output_gate``)."""
+    q = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if text.get("q_lora_rank") else ["q_proj.weight"]
+    keys = [*q, "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+    return keys + (["g_proj.weight"] if text.get("mla_use_output_gate") else [])
+
+
 def dense_required(config: Mapping[str, Any]) -> tuple[str, ...]:
     """Dense keys every Kimi-K3 checkpoint of this config stores (the module tree of kimi_k3_reference.md): the
-    embedding and final norm, ``lm_head`` unless tied, each layer's two norms and attention ``o_proj`` (KDA and
-    MLA both have one), a dense layer's MLP, an MoE layer's router, its score-correction bias and (with
-    ``num_shared_experts``) its shared experts. Attention internals, which differ between KDA and MLA layers, and
-    the optional residual-attention and latent tensors are left to the model-building check."""
+    embedding and final norm, ``lm_head`` unless tied; per layer its norms, its attention's tensors (KDA for the
+    1-indexed ``linear_attn_config.kda_layers``, MLA for every other layer), a dense layer's MLP, an MoE layer's
+    router, score-correction bias, shared experts (``num_shared_experts``) and latent projections
+    (``routed_expert_hidden_size``, its norm with ``latent_moe_use_norm``); AttnRes' norms and projections with
+    ``attn_res_block_size``. The vision tower and projector are left to the model-building check."""
     text = _text_config(config)
     base = "language_model.model"
     keys = [f"{base}.embed_tokens.weight", f"{base}.norm.weight"]
     if not (config.get("tie_word_embeddings") or text.get("tie_word_embeddings")):
         keys.append("language_model.lm_head.weight")
+    attn_res = text.get("attn_res_block_size") is not None
+    if attn_res:
+        keys += [f"{base}.output_attn_res_norm.weight", f"{base}.output_attn_res_proj.weight"]
+    lin = text.get("linear_attn_config") or {}
+    kda = {int(i) - 1 for i in (lin.get("kda_layers") or ())}
     moe = set(_moe_layers(text))
     shared = (text.get("num_shared_experts") or 0) > 0
+    latent = text.get("routed_expert_hidden_size") is not None
     for i in range(_field(text, "num_hidden_layers")):
         layer = f"{base}.layers.{i}"
-        keys += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight",
-                 f"{layer}.self_attn.o_proj.weight"]
+        keys += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"]
+        if attn_res:
+            keys += [f"{layer}.{part}" for part in ("self_attention_res_norm.weight", "self_attention_res_proj.weight",
+                                                   "mlp_res_norm.weight", "mlp_res_proj.weight")]
+        keys += [f"{layer}.self_attn.{k}" for k in (_kda_keys(lin) if i in kda else _mla_keys(text))]
         if i in moe:
-            keys += [f"{layer}.block_sparse_moe.gate.weight", f"{layer}.block_sparse_moe.gate.e_score_correction_bias"]
+            moe_block = f"{layer}.block_sparse_moe"
+            keys += [f"{moe_block}.gate.weight", f"{moe_block}.gate.e_score_correction_bias"]
             if shared:
-                keys += [f"{layer}.block_sparse_moe.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+                keys += [f"{moe_block}.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+            if latent:
+                keys += [f"{moe_block}.routed_expert_down_proj.weight", f"{moe_block}.routed_expert_up_proj.weight"]
+                keys += [f"{moe_block}.routed_expert_norm.weight"] if text.get("latent_moe_use_norm") else []
         else:
             keys += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     return tuple(keys)
