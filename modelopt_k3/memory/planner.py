@@ -239,18 +239,25 @@ def _refusal(layout: CheckpointLayout, asked: Asked, shape: RunShape) -> tuple[D
         return None, str(err)
 
 
+def owner_bytes(impl: str, r: int, act: ActivationModel, group: ExpertGroup, b: int, local_experts: int) -> int:
+    """Peak bytes of the owner's experts implementation ``impl`` on ``r`` routed rows (its allocations, not its
+    inputs or weights); ``tests/memory/test_planner.py`` measures the eager one's live tensors against it."""
+    dl = act.latent_dim
+    if impl == "batched_mm":  # one weight matrix per (token, expert) pair
+        return r * group.decoded_numel_per_expert * b + r * act.expert_row_bytes
+    if impl == "grouped_mm":  # every row at once: inputs, gate/up + activation, down, fp32 weighting
+        return r * dl * (2 * b + 2 * F32) + r * act.expert_row_bytes
+    # eager: gathered inputs, outputs, fp32 combine of the bare outputs; one expert's rows at a time
+    return r * dl * (3 * b + 2 * F32) + -(-r // max(local_experts, 1)) * act.expert_row_bytes
+
+
 def _moe_phase(act: ActivationModel, plan: DistributionPlan, impl: str, local_experts: int, group: ExpertGroup,
                b: int, chunk: int | None, all_experts_rows: int) -> tuple[int, str]:
     """Peak bytes while a MoE layer's routed experts run: all-to-all steps and the owner's implementation."""
     dl, rows = act.latent_dim, act.tokens * act.top_k  # rows sent, and (balanced) received, per rank
 
     def owner(r: int) -> int:
-        if impl == "batched_mm":  # one weight matrix per (token, expert) pair
-            return r * group.decoded_numel_per_expert * b + r * act.expert_row_bytes
-        if impl == "grouped_mm":  # every row at once: inputs, gate/up + activation, down, fp32 weighting
-            return r * dl * (2 * b + 2 * F32) + r * act.expert_row_bytes
-        # eager: gathered inputs, outputs, fp32 combine of the bare outputs; one expert's rows at a time
-        return r * dl * (3 * b + 2 * F32) + -(-r // max(local_experts, 1)) * act.expert_row_bytes
+        return owner_bytes(impl, r, act, group, b, local_experts)
 
     def decoded_owner(r: int) -> int:
         if chunk is None or chunk >= local_experts:
@@ -762,5 +769,6 @@ def choose_residency(path: str | Path, plan: DistributionPlan, *, packed_source:
 
 __all__ = [
     "Asked", "Estimate", "MemoryPlanError", "MemoryReport", "RunShape", "check_fits", "choose_residency",
-    "estimate", "fit_plan", "estimate_asked", "plan_label", "plan_memory", "planned", "resolve_experts", "smallest_world",
+    "estimate", "fit_plan", "estimate_asked", "owner_bytes", "plan_label", "plan_memory", "planned", "resolve_experts",
+    "smallest_world",
 ]
