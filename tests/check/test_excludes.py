@@ -66,8 +66,10 @@ def _entry(rng: random.Random) -> str:
     ])
 
 
+@pytest.mark.parametrize("loop_below", [0, ExcludeIndex.LOOP_BELOW], ids=["indexed", "looped"])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_index_answers_as_each_engines_loop_does(seed: int) -> None:
+def test_the_index_answers_as_each_engines_loop_does(seed: int, loop_below: int, monkeypatch) -> None:
+    monkeypatch.setattr(ExcludeIndex, "LOOP_BELOW", loop_below)  # both ways of answering a short list
     rng = random.Random(seed)
     entries = [_entry(rng) for _ in range(rng.randint(0, 40))]
     index = ExcludeIndex(entries)

@@ -24,6 +24,10 @@ _REGEX_SPECIAL = frozenset("*?[]()+{}|^$\\")
 class ExcludeIndex:
     """The entries of one exclude list (in their order), with the lookups the engine rules need."""
 
+    # Below this many entries a plain loop of C-level ``in`` checks beats slicing the name's windows (a real
+    # manifest: ~200 entries, 2x faster looped); above it the windows win by orders of magnitude.
+    LOOP_BELOW = 512
+
     def __init__(self, entries: Iterable[str]) -> None:
         self.entries: tuple[str, ...] = tuple(entries)
         self._set = frozenset(self.entries)
@@ -81,6 +85,8 @@ class ExcludeIndex:
 
     def has_substring_of(self, name: str, *, except_equal_to: str | None = None) -> bool:
         """Some entry (other than ``except_equal_to``) is a substring of ``name``."""
+        if len(self.entries) < self.LOOP_BELOW:
+            return any(e != except_equal_to and e in name for e in self.entries)
         n = len(name)
         for length in self._lengths:
             if length > n:
