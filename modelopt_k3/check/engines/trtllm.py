@@ -27,10 +27,13 @@ single commit; not run here -- where the versions disagree the rule refuses):
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 from ...quant.schemes import FP8, FP8_PB_WO, NVFP4
 from ..layout import Layout, Linear
-from ..report import Refusal
-from .base import Refuse
+from ..report import EngineResult, Refusal
+from .base import Fused, Refuse, experts_scale_deviations
 from .excludes import ExcludeIndex
 
 # Single quant_algo values this check replays for TensorRT-LLM -> the Linear.fmt the method loads.
@@ -112,3 +115,94 @@ def equal_scales(layout: Layout, pieces: list[Linear], keys: tuple[str, ...], ru
             return Refusal(pieces[0].tensor_name(key), f"{key} differ across {names} ({min(values):.6g}.."
                                                        f"{max(values):.6g}); {rule} asserts they are equal")
     return None
+
+
+# ---------------------------------------------------------------------- a model class with VANILLA routed experts
+# (Qwen3-MoE's and DeepSeek-V3's TensorRT-LLM classes): per-expert w1/w2/w3, fused Linears, one rule per module.
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # w1, w3, w2: every one of every expert is read
+NVFP4_SCALES = ("weight_scale_2", "input_scale")  # the per-tensor scales a fused NVFP4 group must share
+ModuleRule = Callable[[Layout, str, list[Linear], "str | None", ExcludeIndex, bool], "Refusal | None"]
+
+
+def trt_why(algo: str | None, method: str, name: str) -> str:
+    """Why TensorRT-LLM builds ``name`` as ``method``: the declared quant_algo and whether exclude_modules matches."""
+    if algo is None:
+        return "hf_quant_config.json declares no quant_algo"
+    return f"quant_algo {algo}; exclude_modules {'matches' if method == 'bf16' else 'does not match'} {name}"
+
+
+def trt_groups(layout: Layout, expert_re: str, fused: tuple[Fused, ...]
+               ) -> tuple[dict[str, list[Linear]], dict[str, dict[int, dict[str, Linear]]]]:
+    """Engine modules (each of ``fused`` under its engine name, its pieces in shard order; else one Linear each)
+    and routed experts (module -> expert -> projection, by ``expert_re``'s groups)."""
+    engine_name = {piece: f.engine_name for f in fused for piece in f.pieces}
+    order = {piece: i for f in fused for i, piece in enumerate(f.pieces)}
+    experts_re = re.compile(expert_re)
+    modules: dict[str, list[Linear]] = {}
+    experts: dict[str, dict[int, dict[str, Linear]]] = {}
+    for name, linear in sorted(layout.linears.items()):
+        m = experts_re.fullmatch(name)
+        if m:
+            experts.setdefault(m["module"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = linear
+            continue
+        parent, _, last = name.rpartition(".")
+        modules.setdefault(f"{parent}.{engine_name[last]}" if last in engine_name else name, []).append(linear)
+    for pieces in modules.values():
+        pieces.sort(key=lambda lin: order.get(lin.name.rpartition(".")[2], 0))
+    return modules, experts
+
+
+def trt_vanilla_experts(layout: Layout, module: str, per_expert: dict[int, dict[str, Linear]], algo: str | None,
+                        exclude: ExcludeIndex, numerics: bool, gate_up: tuple[str, str]) -> Refusal | None:
+    """VANILLA expert loading: every expert's w1, w2 and w3 in the method the bank is built with, and (NVFP4) each
+    expert's gate/up sharing their per-tensor scales."""
+    method = trt_method(algo, trt_excluded(module, exclude))
+    why = trt_why(algo, method, module)
+    for e, projs in sorted(per_expert.items()):
+        for proj in EXPERT_PROJECTIONS:
+            if proj not in projs:
+                return Refusal(f"{module}.{e}.{proj}.weight", "missing: TensorRT-LLM's VANILLA expert loading "
+                                                             "reads w1, w2 and w3 of every expert")
+            refusal = format_refusal(projs[proj], method, f"the routed experts {module}", why)
+            if refusal:
+                return refusal
+        if method == NVFP4.engine_method and numerics and layout.read is not None:
+            refusal = equal_scales(layout, [projs[p] for p in gate_up], NVFP4_SCALES,
+                                   "the NVFP4 fused-MoE loader (fused_moe/quantization.py "
+                                   "load_expert_fc31_alpha_nvfp4 / load_expert_fc31_input_scale_nvfp4)")
+            if refusal:
+                return refusal
+    return None
+
+
+def replay_vanilla_experts_model(layout: Layout, result: EngineResult, module_rule: ModuleRule, *, expert_re: str,
+                                 fused: tuple[Fused, ...], gate_up: tuple[str, str], numerics: bool) -> bool:
+    """Add to ``result`` what TensorRT-LLM's loading of ``layout`` refuses or reads differently: ``module_rule``
+    for each engine module (``trt_groups``), ``trt_vanilla_experts`` for each routed experts bank, and an NVFP4
+    bank's one fc31/fc2 input scale per layer (the max over experts, fused_moe/quantization.py). False: the quant
+    config itself is refused (nothing else is looked at)."""
+    try:
+        algo, exclude = trt_quant(layout)
+    except Refuse as r:
+        result.refusals.append(r.refusal)
+        return False
+    modules, experts = trt_groups(layout, expert_re, fused)
+    for name, pieces in modules.items():
+        try:
+            refusal = module_rule(layout, name, pieces, algo, exclude, numerics)
+        except Refuse as r:
+            refusal = r.refusal
+        if refusal:
+            result.refusals.append(refusal)
+    for module, per_expert in experts.items():
+        try:
+            refusal = trt_vanilla_experts(layout, module, per_expert, algo, exclude, numerics, gate_up)
+        except Refuse as r:
+            refusal = r.refusal
+        if refusal:
+            result.refusals.append(refusal)
+        elif numerics and layout.read is not None and \
+                next(iter(per_expert[min(per_expert)].values())).fmt == NVFP4.engine_method:
+            result.deviations += experts_scale_deviations(layout, module, per_expert, gate_up, NVFP4.engine_method)
+    return True

@@ -60,14 +60,21 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, experts_scale_deviations
+from ...check.engines.base import Fused, ModelServing, WeightsMapper
 from ...check.engines.sglang import SGLANG
-from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
+from ...check.engines.trtllm import (
+    NVFP4_SCALES,
+    equal_scales,
+    format_refusal,
+    replay_vanilla_experts_model,
+    trt_excluded,
+    trt_method,
+    trt_why,
+)
 from ...check.engines.vllm import VLLM
 from ...check.layout import Layout, Linear
 from ...check.report import Deviation, EngineResult, Refusal
 from ...quant.schemes import NVFP4, scheme_of_method
-from ..qwen3_moe.serving import _trt_experts  # VANILLA per-expert loading: the same rules for both classes
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")
@@ -226,26 +233,8 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
 
 # ---------------------------------------------------------------------- TensorRT-LLM
 
-TRT_SCALES = ("weight_scale_2", "input_scale")
-
-
-def _trt_groups(layout: Layout):
-    expert_re = re.compile(EXPERT_RE)
-    modules: dict[str, list[Linear]] = {}
-    experts: dict[str, dict[int, dict[str, Linear]]] = {}
-    for name, linear in sorted(layout.linears.items()):
-        m = expert_re.fullmatch(name)
-        if m:
-            experts.setdefault(m["module"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = linear
-            continue
-        parent, _, last = name.rpartition(".")
-        key = (f"{parent}.kv_a_proj_with_mqa" if last in QKV_A else
-               f"{parent}.gate_up_proj" if last in GATE_UP else name)
-        modules.setdefault(key, []).append(linear)
-    order = {p: i for i, p in enumerate((*QKV_A, *GATE_UP))}
-    for pieces in modules.values():
-        pieces.sort(key=lambda lin: order.get(lin.name.rpartition(".")[2], 0))
-    return modules, experts
+# The pieces TensorRT-LLM's DeepseekV3 fuses: q_a_proj into kv_a_proj_with_mqa's module, the dense gate/up.
+TRT_FUSED = (Fused("kv_a_proj_with_mqa", QKV_A), Fused("gate_up_proj", GATE_UP))
 
 
 def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, numerics: bool) -> Refusal | None:
@@ -261,8 +250,7 @@ def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, 
                                            "the quant config was not read; only a BF16 lm_head exclude_modules "
                                            "names is settled")
     method = trt_method(algo, trt_excluded(name, exclude))
-    why = ("hf_quant_config.json declares no quant_algo" if algo is None else
-           f"quant_algo {algo}; exclude_modules {'matches' if method == 'bf16' else 'does not match'} {name}")
+    why = trt_why(algo, method, name)
     last = name.rpartition(".")[2]
     if last == "kv_b_proj" and exclude.fnmatch_any("kv_b_proj", case=True):
         return Refusal(pieces[0].tensor_name(), "an exclude_modules entry matches the bare name kv_b_proj, so "
@@ -282,38 +270,17 @@ def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, 
                                                 "reads its scales from weight_scale_inv, which an NVFP4 export "
                                                 "does not have (KeyError)")
     if method == NVFP4.engine_method and len(pieces) > 1 and numerics and layout.read is not None:
-        return equal_scales(layout, pieces, TRT_SCALES, "NVFP4LinearMethod.load_weight_scales (linear.py)")
+        return equal_scales(layout, pieces, NVFP4_SCALES, "NVFP4LinearMethod.load_weight_scales (linear.py)")
     return None
 
 
 def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """TensorRT-LLM's ``DeepseekV3ForCausalLM.load_weights`` (module docstring)."""
     result = EngineResult("trtllm")
-    try:
-        algo, exclude = trt_quant(layout)
-    except Refuse as r:
-        result.refusals.append(r.refusal)
-        return result
     kept, mtp = _mtp_split(layout)
-    modules, experts = _trt_groups(kept)
-    for name, pieces in modules.items():
-        try:
-            refusal = _trt_module(kept, name, pieces, algo, exclude, numerics)
-        except Refuse as r:
-            refusal = r.refusal
-        if refusal:
-            result.refusals.append(refusal)
-    for module, per_expert in experts.items():
-        try:
-            refusal = _trt_experts(kept, module, per_expert, algo, exclude, numerics)
-        except Refuse as r:
-            refusal = r.refusal
-        if refusal:
-            result.refusals.append(refusal)
-        elif numerics and kept.read is not None and \
-                next(iter(per_expert[min(per_expert)].values())).fmt == NVFP4.engine_method:
-            # One fc31/fc2 input scale per layer, the max over experts (fused_moe/quantization.py).
-            result.deviations += experts_scale_deviations(kept, module, per_expert, GATE_UP, NVFP4.engine_method)
+    if not replay_vanilla_experts_model(kept, result, _trt_module, expert_re=EXPERT_RE, fused=TRT_FUSED,
+                                        gate_up=GATE_UP, numerics=numerics):
+        return result
     if kept.kv_scales:
         result.refusals.append(Refusal(sorted(kept.kv_scales)[0], "KV-cache scales: TensorRT-LLM's DeepSeek-V3 "
                                                                   "MLA KV-cache loading is not replayed by this check"))

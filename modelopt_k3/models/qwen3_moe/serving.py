@@ -44,8 +44,16 @@ from __future__ import annotations
 
 import re
 
-from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, experts_scale_deviations
-from ...check.engines.trtllm import equal_scales, format_refusal, trt_excluded, trt_method, trt_quant
+from ...check.engines.base import Fused, ModelServing, WeightsMapper
+from ...check.engines.trtllm import (
+    NVFP4_SCALES,
+    equal_scales,
+    format_refusal,
+    replay_vanilla_experts_model,
+    trt_excluded,
+    trt_method,
+    trt_why,
+)
 from ...check.layout import Layout, Linear
 from ...check.report import EngineResult, Refusal
 from ...quant.schemes import NVFP4, W4A16_NVFP4
@@ -116,32 +124,6 @@ SGLANG_QWEN3_MOE = ModelServing(
 
 TRT_ROUTER_RE = re.compile(r".+\.mlp\.gate")
 TRT_DENSE_MLP_RE = re.compile(r".+\.mlp\.(gate|up|down)_proj")
-TRT_NVFP4_SCALES = ("weight_scale_2", "input_scale")
-
-
-def _trt_groups(layout: Layout) -> tuple[dict[str, list[Linear]], dict[str, dict[int, dict[str, Linear]]]]:
-    """Engine modules (``qkv_proj`` fused, else one Linear each) and routed experts module -> e -> proj."""
-    expert_re = re.compile(EXPERT_RE)
-    modules: dict[str, list[Linear]] = {}
-    experts: dict[str, dict[int, dict[str, Linear]]] = {}
-    for name, linear in sorted(layout.linears.items()):
-        m = expert_re.fullmatch(name)
-        if m:
-            experts.setdefault(m["module"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = linear
-            continue
-        parent, _, last = name.rpartition(".")
-        key = f"{parent}.{QKV.engine_name}" if last in QKV.pieces else name
-        modules.setdefault(key, []).append(linear)
-    order = {p: i for i, p in enumerate(QKV.pieces)}  # qkv_proj's shard order
-    for pieces in modules.values():
-        pieces.sort(key=lambda lin: order.get(lin.name.rpartition(".")[2], 0))
-    return modules, experts
-
-
-def _trt_why(algo: str | None, method: str, name: str) -> str:
-    if algo is None:
-        return "hf_quant_config.json declares no quant_algo"
-    return f"quant_algo {algo}; exclude_modules {'matches' if method == 'bf16' else 'does not match'} {name}"
 
 
 def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, numerics: bool) -> Refusal | None:
@@ -162,63 +144,22 @@ def _trt_module(layout: Layout, name: str, pieces: list[Linear], algo, exclude, 
                                            "whether TensorRT-LLM's Qwen3-MoE lm_head takes the quant config was "
                                            "not read; only a BF16 lm_head that exclude_modules names is settled")
     method = trt_method(algo, trt_excluded(name, exclude))
-    why = _trt_why(algo, method, name)
+    why = trt_why(algo, method, name)
     for piece in pieces:
         refusal = format_refusal(piece, method, name, why)
         if refusal:
             return refusal
     if method == NVFP4.engine_method and len(pieces) > 1 and numerics and layout.read is not None:
-        return equal_scales(layout, pieces, TRT_NVFP4_SCALES, "NVFP4LinearMethod.load_weight_scales (linear.py)")
-    return None
-
-
-def _trt_experts(layout: Layout, module: str, per_expert: dict[int, dict[str, Linear]], algo, exclude,
-                 numerics: bool) -> Refusal | None:
-    method = trt_method(algo, trt_excluded(module, exclude))
-    why = _trt_why(algo, method, module)
-    for e, projs in sorted(per_expert.items()):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            if proj not in projs:
-                return Refusal(f"{module}.{e}.{proj}.weight", "missing: TensorRT-LLM's VANILLA expert loading "
-                                                             "reads w1, w2 and w3 of every expert")
-            refusal = format_refusal(projs[proj], method, f"the routed experts {module}", why)
-            if refusal:
-                return refusal
-        if method == NVFP4.engine_method and numerics and layout.read is not None:
-            refusal = equal_scales(layout, [projs[p] for p in GATE_UP], TRT_NVFP4_SCALES,
-                                   "the NVFP4 fused-MoE loader (fused_moe/quantization.py "
-                                   "load_expert_fc31_alpha_nvfp4 / load_expert_fc31_input_scale_nvfp4)")
-            if refusal:
-                return refusal
+        return equal_scales(layout, pieces, NVFP4_SCALES, "NVFP4LinearMethod.load_weight_scales (linear.py)")
     return None
 
 
 def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """TensorRT-LLM's ``Qwen3MoeForCausalLM`` loading a ModelOpt export (module docstring)."""
     result = EngineResult("trtllm")
-    try:
-        algo, exclude = trt_quant(layout)
-    except Refuse as r:
-        result.refusals.append(r.refusal)
+    if not replay_vanilla_experts_model(layout, result, _trt_module, expert_re=EXPERT_RE, fused=(QKV,),
+                                        gate_up=GATE_UP, numerics=numerics):
         return result
-    modules, experts = _trt_groups(layout)
-    for name, pieces in modules.items():
-        try:
-            refusal = _trt_module(layout, name, pieces, algo, exclude, numerics)
-        except Refuse as r:
-            refusal = r.refusal
-        if refusal:
-            result.refusals.append(refusal)
-    for module, per_expert in experts.items():
-        try:
-            refusal = _trt_experts(layout, module, per_expert, algo, exclude, numerics)
-        except Refuse as r:
-            refusal = r.refusal
-        if refusal:
-            result.refusals.append(refusal)
-        elif numerics and layout.read is not None and next(iter(per_expert[min(per_expert)].values())).fmt == NVFP4.engine_method:
-            # One fc31/fc2 input scale per layer, the max over experts (fused_moe/quantization.py).
-            result.deviations += experts_scale_deviations(layout, module, per_expert, GATE_UP, NVFP4.engine_method)
     if layout.kv_scales:
         result.refusals.append(Refusal(sorted(layout.kv_scales)[0], "KV-cache scales: TensorRT-LLM's Qwen3-MoE "
                                                                     "KV-cache loading is not replayed by this check"))
