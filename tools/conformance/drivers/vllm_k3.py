@@ -101,25 +101,10 @@ def _free_port() -> int:
 
 
 def pieces_of(ours: dict[str, torch.Tensor]):
-    modules = {k.rpartition(".")[0] for k in ours}
-
-    def pieces(engine_module: str):
-        engine_module = engine_module.removesuffix(".routed_experts")  # LatentMoERunner's RoutedExperts
-        if engine_module in modules:
-            return {"lin": [[engine_module]]}
-        parent, _, last = engine_module.rpartition(".")
-        if last in FUSED:
-            row = [f"{parent}.{p}" for p in FUSED[last] if f"{parent}.{p}" in modules]
-            return {"lin": [[m] for m in row]} if row else None
-        if last == "experts":
-            n = 0
-            while f"{engine_module}.{n}.w1" in modules:
-                n += 1
-            if n:
-                return {p: [[f"{engine_module}.{e}.{p}"] for e in range(n)] for p in ("w1", "w3", "w2")}
-        return None
-
-    return pieces
+    """The export modules behind each vLLM K3 module (``_common.pieces_by_name``); LatentMoERunner's
+    ``RoutedExperts`` is its ``experts`` module."""
+    by_name = C.pieces_by_name(ours, FUSED, {"w1": "w1", "w3": "w3", "w2": "w2"})
+    return lambda engine_module: by_name(engine_module.removesuffix(".routed_experts"))
 
 
 def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES) -> dict:
