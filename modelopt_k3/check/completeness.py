@@ -13,6 +13,7 @@ serves zeros or NaN (a 0 global scale dequantizes the whole weight to 0), so no 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -105,10 +106,7 @@ def degenerate_scales(reader: CheckpointReader) -> list[str]:
     not read."""
     bad = []
     for name, info in sorted(reader.headers().items()):
-        numel = 1
-        for d in info.shape:
-            numel *= d
-        if not info.dtype.is_floating_point or not _is_per_tensor_scale(name, numel):
+        if not info.dtype.is_floating_point or not _is_per_tensor_scale(name, math.prod(info.shape)):
             continue
         values = reader.get(name).float()
         wrong = ~(torch.isfinite(values) & (values > 0))

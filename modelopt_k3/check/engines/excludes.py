@@ -10,6 +10,7 @@ by one (a manifest has few of those).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from fnmatch import fnmatch, fnmatchcase
 from functools import cached_property
@@ -62,6 +63,11 @@ class ExcludeIndex:
     @cached_property
     def _re_wild(self) -> tuple[str, ...]:
         return tuple(e for e in self.entries if _REGEX_SPECIAL & set(e))
+
+    @cached_property
+    def _re_globs(self) -> tuple[re.Pattern, ...]:
+        """The wildcard entries as SGLang turns them into regexes, compiled once (every module asks)."""
+        return tuple(re.compile(e.replace(".", r"\.").replace("*", ".*")) for e in self._re_wild)
 
     @cached_property
     def _re_literal(self) -> frozenset[str]:
@@ -124,13 +130,7 @@ class ExcludeIndex:
 
     def regex_fullmatch_any(self, names: Iterable[str]) -> bool:
         """SGLang's glob (``.`` literal, ``*`` any run) of some entry matches one of ``names`` whole."""
-        import re
-
         names = list(names)
         if any(n in self._re_literal for n in names):  # an entry with no special character matches only itself
             return True
-        for entry in self._re_wild:
-            regex = re.compile(entry.replace(".", r"\.").replace("*", ".*"))
-            if any(regex.fullmatch(n) for n in names):
-                return True
-        return False
+        return any(regex.fullmatch(n) for regex in self._re_globs for n in names)
