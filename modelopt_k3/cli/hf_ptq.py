@@ -297,9 +297,9 @@ def _report_dir(config: PtqConfig, export_path: Path, ckpt: Path) -> Path | None
 def _held_out_count(config: PtqConfig, world_size: int) -> int:
     """Held-out sequences after the calibration ones: ``--report_heldout``/``--eval_kl``'s, else one per
     rank for the report (two forwards of one sequence per rank), none without a report."""
-    if config.report_heldout is not None:
-        return max(config.report_heldout, config.eval_kl)
-    return config.eval_kl or (world_size if config.report != "none" else 0)
+    if config.report_heldout is not None or config.eval_kl:
+        return config.held_out_asked
+    return world_size if config.report != "none" else 0
 
 
 def _coverage_guard(config: PtqConfig, model, say):

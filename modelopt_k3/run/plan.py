@@ -144,6 +144,12 @@ class PtqConfig:
         return overrides or None
 
     @property
+    def held_out_asked(self) -> int:
+        """Held-out sequences the flags ask for: ``max(--report_heldout, --eval_kl)`` (the run adds one per rank
+        for a report when neither is given: ``hf_ptq._held_out_count``)."""
+        return max(self.report_heldout or 0, self.eval_kl)
+
+    @property
     def calibrate_every_expert(self) -> bool:
         """``--calibrate_all_experts``, also asked through ``--uncovered_experts calibrate_all``."""
         return self.calibrate_all_experts or self.uncovered_experts == "calibrate_all"

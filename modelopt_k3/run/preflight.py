@@ -239,7 +239,7 @@ def _calibration_data(ctx: PreflightContext) -> None:
     from ..data import DataError, load_texts, read_budget
 
     cfg = ctx.config
-    tokens = (cfg.calib_size + max(cfg.report_heldout or 0, cfg.eval_kl)) * cfg.calib_seq  # as "calibration size"
+    tokens = (cfg.calib_size + cfg.held_out_asked) * cfg.calib_seq  # as "calibration size" bounds them
     try:
         ctx.texts = load_texts(cfg.dataset, max_chars=read_budget(tokens))  # read no further than the tokens need
     except DataError as e:
@@ -265,8 +265,7 @@ def _calibration_size(ctx: PreflightContext) -> None:
     while they are cut): refused when that passes a quarter of this host's memory, before any is made."""
     args = ctx.config
     _calib_seq_within_positions(ctx)
-    # Every flag that adds sequences: the held-out ones are max(--report_heldout, --eval_kl) (hf_ptq._held_out_count).
-    held_out = max(args.report_heldout or 0, args.eval_kl)
+    held_out = args.held_out_asked  # every flag that adds sequences
     sequences = args.calib_size + held_out
     need = sequences * args.calib_seq * 8 * 2
     try:
