@@ -197,26 +197,36 @@ def check_present(names: Iterable[str], tensors: Mapping[str, TensorMeta]) -> No
            [], [], "")
 
 
+def _stray_dense(tensors: Mapping[str, TensorMeta], declared: set[str], spec: ModelSpec) -> list[str]:
+    """Stored keys neither declared dense nor a routed expert's (an exact ``dense_required``)."""
+    expert_key = re.compile(spec.experts.key_regex)
+    return [f"{key} (config.json implies no such tensor)" for key in tensors
+            if key not in declared and not expert_key.match(key)]
+
+
 def check_dense_against_config(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> None:
     """The dense tensors whose shapes config.json fixes (``spec.source_check.dense_layout``) and those every checkpoint
     of the config stores (``dense_required``), without building the model: the converter's check when it runs no
     remote code (``load_pretrained`` checks against the model itself)."""
     required = spec.source_check.dense_required
-    missing = [key for key in required(config) if key not in tensors] if required is not None else []
+    declared = required(config) if required is not None else ()
+    missing = [key for key in declared if key not in tensors]
+    exact = required is not None and spec.source_check.dense_exact
+    stray = _stray_dense(tensors, set(declared), spec) if exact else []
     if spec.source_check.dense_layout is None:
-        _raise("the checkpoint lacks dense tensors config.json implies", missing, [], [], "")
+        _raise("the checkpoint lacks dense tensors config.json implies", missing, [], stray, "")
         return
     rules = [(re.compile(rx), shape, why) for rx, shape, why in spec.source_check.dense_layout(config)]
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
     layers = text.get("num_hidden_layers")
-    mismatched, unexpected = [], []
+    mismatched, unexpected = [], list(stray)
     for key, meta in tensors.items():
         for rx, shape, why in rules:
             m = rx.fullmatch(key) if shape is not None else rx.match(key)
             if m is None:
                 continue
             if shape is None:
-                if int(m["layer"]) >= layers:
+                if int(m["layer"]) >= layers and not exact:  # an exact declaration has named it already
                     unexpected.append(f"{key} (layer {m['layer']} >= num_hidden_layers={layers})")
             elif tuple(meta.shape) != shape:
                 mismatched.append(f"{key} stored as {list(meta.shape)}, config.json needs {list(shape)} ({why})")

@@ -40,9 +40,9 @@ from .state import (
 
 log = logging.getLogger("modelopt_k3")
 
-_DENSE_UNCHECKED = ("dense tensors were checked against their headers, the shapes config.json fixes (embedding, "
-                    "lm_head, norms, dense MLP, layer count) and the language model's keys it implies only: the "
-                    "model was not built, so the vision tower's were not checked "
+_DENSE_UNCHECKED = ("dense tensors were checked against config.json only (the keys it implies where the model's spec "
+                    "declares them, the shapes it fixes): the model was not built, so their dtypes and the shapes "
+                    "only the model knows were not checked "
                     "(trust_remote_code / --trust_remote_code builds it on meta and checks each one, as hf_ptq does)")
 
 

@@ -286,6 +286,10 @@ class SourceCheckSpec:
     # config.json -> dense keys every checkpoint of that config stores (routers, norms, dense MLPs, ...): a missing
     # one is refused by the converter when it does not build the model, as ``load_pretrained`` refuses it.
     dense_required: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
+    # True: ``dense_required`` is every dense key such a checkpoint stores, so any other key that is not a routed
+    # expert's (``ExpertsSpec.key_regex``) is refused as a tensor the model has no place for, as the model path
+    # refuses it (Kimi-K3: tested equal to the stand-in's and the full-size layout's dense keys).
+    dense_exact: bool = False
     # config.json -> None, or SpecError naming the first field the tools read that is missing or invalid
     # (run before anything reads the config: ``source_check.check_config``).
     check_config: Callable[[Mapping[str, Any]], None] | None = None

@@ -219,23 +219,54 @@ def test_converter_refuses_a_missing_dense_tensor_the_config_implies_without_bui
     assert not (tmp_path / "out").exists()
 
 
-def test_converter_checks_dense_tensors_only_against_a_model_it_may_build(copy_ckpt, tmp_path, run_tool) -> None:
-    """A vision-tower tensor removed (from shard and index; the spec declares the language model's keys only):
-    only the model knows it should be there. The converter says it did not check; with --trust_remote_code it
-    builds the model on meta and refuses, naming it."""
+def test_converter_refuses_a_missing_vision_tensor_with_or_without_building_the_model(
+        copy_ckpt, tmp_path, run_tool) -> None:
+    """A vision-tower tensor removed (from shard and index): the spec declares the tower's keys too
+    (``dense_required`` from vision_config), so the converter refuses it without --trust_remote_code as the
+    model built on meta refuses it with (was: converted, exit 0, an export without it)."""
     key = "vision_tower.encoder.blocks.0.wo.weight"
     src = copy_ckpt(drop=[key])
     before = tree_digest(src)
-    argv = ["--src", src, "--recipe", MIRROR, "--no_progress"]
-    rc, text, err = run_tool("convert", [*argv, "--dst", tmp_path / "unchecked"])
-    assert rc == 0 and "dense tensors were checked against their headers, the shapes config.json fixes" in text, err
-    rc, _, err = run_tool("convert", [*argv, "--dst", tmp_path / "checked", "--trust_remote_code"])
+    for flags in ([], ["--trust_remote_code"]):
+        dst = tmp_path / f"out{len(flags)}"
+        rc, _, err = run_tool("convert", ["--src", src, "--recipe", MIRROR, "--no_progress", "--dst", dst, *flags])
+        line = _one_error_line(err, "modelopt-k3-convert")
+        assert rc == 2 and f"do not match config.json: 1 missing: {key}" in line, err
+        assert not dst.exists()
+    assert tree_digest(src) == before
+
+
+def _add_tensor(ckpt: Path, key: str, tensor: torch.Tensor) -> None:
+    """Store one more tensor in a shard of its own, listed in the index (a key the config implies nothing of)."""
+    from safetensors.torch import save_file
+
+    save_file({key: tensor}, str(ckpt / "extra.safetensors"), metadata={"format": "pt"})
+    index = json.loads((ckpt / INDEX).read_text())
+    index["weight_map"][key] = "extra.safetensors"
+    (ckpt / INDEX).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("key", ["vision_tower.encoder.blocks.0.wqkv.bias", "model.layers.0.mlp.gate_proj.weight",
+                                 f"{LAYERS}.0.self_attn.q_proj.bias"],
+                         ids=["vision-bias-attn_bias-false", "another-architecture", "language-model-bias"])
+def test_converter_refuses_a_stray_dense_tensor_without_building_the_model(key, copy_ckpt, tmp_path, run_tool) -> None:
+    """Kimi-K3's declared dense keys are exact (``dense_exact``): a stored tensor the config implies nothing of
+    is refused without --trust_remote_code, naming it, as the model path refuses it (was: copied into the
+    export)."""
+    src = copy_ckpt()
+    _add_tensor(src, key, torch.zeros(4, dtype=torch.bfloat16))
+    rc, _, err = run_tool("convert", ["--src", src, "--recipe", MIRROR, "--no_progress", "--dst", tmp_path / "out"])
     line = _one_error_line(err, "modelopt-k3-convert")
-    assert rc == 2 and f"does not match the model built from config.json: 1 missing: {key}" in line, err
-    assert not (tmp_path / "checked").exists() and tree_digest(src) == before
-    rc, text, err = run_tool("convert", ["--src", copy_ckpt(), "--recipe", MIRROR, "--no_progress",
-                                         "--dst", tmp_path / "trusted", "--trust_remote_code"])
-    assert rc == 0 and "checked against their headers, the shapes" not in text, err
+    assert rc == 2 and f"1 unexpected: {key} (config.json implies no such tensor)" in line, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_converter_says_what_it_did_not_check_only_when_it_did_not_build_the_model(copy_ckpt, tmp_path, run_tool) -> None:
+    argv = ["--src", copy_ckpt(), "--recipe", MIRROR, "--no_progress"]
+    rc, text, err = run_tool("convert", [*argv, "--dst", tmp_path / "unchecked"])
+    assert rc == 0 and "dense tensors were checked against config.json only" in text, err
+    rc, text, err = run_tool("convert", [*argv, "--dst", tmp_path / "trusted", "--trust_remote_code"])
+    assert rc == 0 and "checked against config.json only" not in text, err
 
 
 # --------------------------------------------------------------------------- a source changed between a run and its resume

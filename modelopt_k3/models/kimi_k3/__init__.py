@@ -89,7 +89,8 @@ KIMI_K3_SPEC = register_spec(
             activation_memory=activation_memory,
         ),
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
-                                     dense_required=dense_required, check_config=check_config_fields),
+                                     dense_required=dense_required, dense_exact=True,
+                                     check_config=check_config_fields),
         # KimiDecoderLayer instances of the language model (the vision tower's are encoder.blocks).
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(converter="models/moonshotai/Kimi-K3/nvfp4_experts"),

@@ -10,6 +10,7 @@ layer ``i`` has a MoE block iff ``num_experts`` is set, ``i >= first_k_dense_rep
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,7 +63,7 @@ def dense_layout(config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...] 
         rules += [(_LAYERS + r"mlp\.(gate|up)_proj\.weight", (inter, d), "intermediate_size x hidden_size"),
                   (_LAYERS + r"mlp\.down_proj\.weight", (d, inter), "hidden_size x intermediate_size")]
     rules.append((_LAYERS, None, f"num_hidden_layers={_field(text, 'num_hidden_layers')}"))
-    return tuple(rules)
+    return tuple(rules) + tuple((re.escape(key), shape, why) for key, (shape, why) in _vision_keys(config).items())
 
 
 def _moe_layers(text: Mapping[str, Any]) -> list[int]:
@@ -100,7 +101,7 @@ def dense_required(config: Mapping[str, Any]) -> tuple[str, ...]:
     1-indexed ``linear_attn_config.kda_layers``, MLA for every other layer), a dense layer's MLP, an MoE layer's
     router, score-correction bias, shared experts (``num_shared_experts``) and latent projections
     (``routed_expert_hidden_size``, its norm with ``latent_moe_use_norm``); AttnRes' norms and projections with
-    ``attn_res_block_size``. The vision tower and projector are left to the model-building check."""
+    ``attn_res_block_size``; the vision tower and projector of ``vision_config`` (``_vision_keys``)."""
     text = _text_config(config)
     base = "language_model.model"
     keys = [f"{base}.embed_tokens.weight", f"{base}.norm.weight"]
@@ -131,7 +132,52 @@ def dense_required(config: Mapping[str, Any]) -> tuple[str, ...]:
                 keys += [f"{moe_block}.routed_expert_norm.weight"] if text.get("latent_moe_use_norm") else []
         else:
             keys += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    return tuple(keys)
+    return (*keys, *_vision_keys(config))
+
+
+def _vision_field(vision: Mapping[str, Any], name: str) -> int:
+    return positive_int(vision, name, label=f"config.json vision_config.{name}")
+
+
+def _vision_keys(config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The MoonViT tower's and PatchMergerMLPV2 projector's tensors with the shapes ``vision_config`` fixes
+    (kimi_k3_reference.md section 5): the patch embedding Conv2d and its position table, per encoder block
+    ``norm0``/``norm1`` (RMSNorm), the fused ``wqkv`` and ``wo``, the two-layer MLP, the final norm; the
+    projector's two Linears over ``merge_kernel_size`` merged patches and its ``post_norm``. A bias is required
+    only where its flag is set true (K3 sets them all false; the remote code's defaults differ between its
+    classes, so an absent flag decides nothing). Empty without a ``vision_config``."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, Mapping):
+        return {}
+    d, qkv, inter = (_vision_field(vision, f) for f in ("vt_hidden_size", "qkv_hidden_size", "vt_intermediate_size"))
+    patch, text_d = _vision_field(vision, "patch_size"), _vision_field(vision, "text_hidden_size")
+    kh, kw = vision.get("merge_kernel_size") or (2, 2)
+    merged = _vision_field(vision, "mm_hidden_size") * int(kh) * int(kw)
+    tower, blocks = "vision_tower", range(_vision_field(vision, "vt_num_hidden_layers"))
+    keys: dict[str, tuple[tuple[int, ...], str]] = {
+        f"{tower}.patch_embed.proj.weight": ((d, 3, patch, patch), "vt_hidden_size x 3 x patch_size x patch_size"),
+        f"{tower}.patch_embed.pos_emb.weight": (
+            (_vision_field(vision, "init_pos_emb_height"), _vision_field(vision, "init_pos_emb_width"), d),
+            "init_pos_emb_height x init_pos_emb_width x vt_hidden_size"),
+        f"{tower}.encoder.final_layernorm.weight": ((d,), "vt_hidden_size"),
+        "mm_projector.proj.0.weight": ((merged, merged), "merged patch width (mm_hidden_size x merge kernel), twice"),
+        "mm_projector.proj.2.weight": ((text_d, merged), "text_hidden_size x merged patch width"),
+        "mm_projector.post_norm.weight": ((text_d,), "text_hidden_size"),
+    }
+    biases = {f"{tower}.patch_embed.proj.bias": ((d,), "patch_embed_proj_bias")} if vision.get(
+        "patch_embed_proj_bias") is True else {}
+    for i in blocks:
+        block = f"{tower}.encoder.blocks.{i}"
+        keys |= {f"{block}.norm0.weight": ((d,), "vt_hidden_size"), f"{block}.norm1.weight": ((d,), "vt_hidden_size"),
+                 f"{block}.wqkv.weight": ((3 * qkv, d), "3 x qkv_hidden_size x vt_hidden_size"),
+                 f"{block}.wo.weight": ((d, qkv), "vt_hidden_size x qkv_hidden_size"),
+                 f"{block}.mlp.fc0.weight": ((inter, d), "vt_intermediate_size x vt_hidden_size"),
+                 f"{block}.mlp.fc1.weight": ((d, inter), "vt_hidden_size x vt_intermediate_size")}
+        if vision.get("attn_bias") is True:
+            biases |= {f"{block}.wqkv.bias": ((3 * qkv,), "attn_bias"), f"{block}.wo.bias": ((d,), "attn_bias")}
+        if vision.get("linear_bias") is True:
+            biases |= {f"{block}.mlp.fc0.bias": ((inter,), "linear_bias"), f"{block}.mlp.fc1.bias": ((d,), "linear_bias")}
+    return keys | biases
 
 
 def expert_layout(config: Mapping[str, Any]) -> tuple[ExpertsLayout, ...]:

@@ -75,3 +75,62 @@ def test_place_keeps_this_ranks_block_of_experts(ep_rank: int) -> None:
     assert experts.down_proj[:, 0, 0].tolist() == [100 + 2.0 * ep_rank, 101 + 2.0 * ep_rank]
     with pytest.raises(ValueError, match="needs a module holding all 8 experts"):
         experts.place(ExpertPlacement(8, ep_size=4, ep_rank=0))
+
+
+def _dense_exactly_as_declared(config: dict, stored: dict[str, tuple[int, ...]]) -> None:
+    """Every stored dense key is one ``dense_required`` declares and vice versa; each declared shape holds."""
+    import re
+
+    from modelopt_k3.models.kimi_k3.source_layout import dense_layout, dense_required
+
+    dense = {k: shape for k, shape in stored.items() if ".block_sparse_moe.experts." not in k}
+    required = dense_required(config)
+    assert len(required) == len(set(required))
+    assert set(required) == set(dense), (sorted(set(required) - set(dense))[:5], sorted(set(dense) - set(required))[:5])
+    rules = [(re.compile(rx), shape) for rx, shape, _ in dense_layout(config) if shape is not None]
+    vision = [k for k in dense if k.startswith(("vision_tower.", "mm_projector."))]
+    assert vision and all(any(rx.fullmatch(k) for rx, _ in rules) for k in vision)
+    for key, shape in dense.items():
+        for rx, want in rules:
+            if rx.fullmatch(key):
+                assert tuple(shape) == want, key
+                break
+
+
+def test_dense_required_is_exactly_the_stand_ins_dense_tensors_vision_tower_included(tiny_ckpt) -> None:
+    """The converter's no-model check (``dense_required``/``dense_layout``) declares every dense tensor of the
+    tiny checkpoint, the vision tower and projector with their shapes included, and nothing it lacks."""
+    import json
+
+    from modelopt_k3.checkpoint import CheckpointReader
+
+    with CheckpointReader(tiny_ckpt) as reader:
+        stored = {k: tuple(shape) for k, (_, shape) in reader.inventory().items()}
+    _dense_exactly_as_declared(json.loads((tiny_ckpt / "config.json").read_text()), stored)
+
+
+def test_dense_required_is_exactly_the_full_size_layouts_dense_tensors() -> None:
+    """The same for the full-size Kimi-K3 layout (kimi_k3_reference.md sizes: 93 layers, 27 vision blocks),
+    built on meta from the stand-in's remote code."""
+    from modelopt_k3.testing.header_only import KIMI_K3_SIZES, layout_tensors
+
+    config, tensors, _ = layout_tensors(KIMI_K3_SIZES)
+    _dense_exactly_as_declared(config, {key: shape for key, _, shape in tensors})
+
+
+def test_vision_biases_are_required_only_where_their_flag_is_set() -> None:
+    from modelopt_k3.models.kimi_k3.source_layout import _vision_keys
+    from modelopt_k3.testing.header_only import KIMI_K3_SIZES, layout_tensors
+
+    config, _, _ = layout_tensors({**KIMI_K3_SIZES, "vt_num_hidden_layers": 1})
+    plain = _vision_keys(config)
+    assert not any(k.endswith(".bias") for k in plain)
+    flagged = _vision_keys({**config, "vision_config": {**config["vision_config"], "attn_bias": True,
+                                                         "linear_bias": True, "patch_embed_proj_bias": True}})
+    assert sorted(set(flagged) - set(plain)) == [
+        "vision_tower.encoder.blocks.0.mlp.fc0.bias", "vision_tower.encoder.blocks.0.mlp.fc1.bias",
+        "vision_tower.encoder.blocks.0.wo.bias", "vision_tower.encoder.blocks.0.wqkv.bias",
+        "vision_tower.patch_embed.proj.bias"]
+    assert flagged["vision_tower.encoder.blocks.0.wqkv.bias"][0] == (3 * KIMI_K3_SIZES["qkv_hidden_size"],)
+    with pytest.raises(SpecError, match="vision_config.vt_hidden_size"):
+        _vision_keys({**config, "vision_config": {**config["vision_config"], "vt_hidden_size": 0}})
