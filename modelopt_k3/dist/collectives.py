@@ -144,13 +144,21 @@ def all_gather_object(obj: Any, group: RunGroup | None = None) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0, group: RunGroup | None = None) -> Any:
-    """``obj`` from rank ``src`` on every rank (other ranks' ``obj`` is ignored)."""
+def broadcast_object(obj: Any, src: int = 0, group: RunGroup | None = None, *, step: str | None = None) -> Any:
+    """``obj`` from rank ``src`` on every rank (other ranks' ``obj`` is ignored). ``step``: a communication
+    failure (a peer died) is that step's ``DistributedStepError``, a one-line refusal, not the backend's."""
     g = _pg(group)
     if g.world_size == 1:
         return obj
     box = [obj if g.rank == src else None]
-    dist.broadcast_object_list(box, src=src, group=g.pg)
+    try:
+        dist.broadcast_object_list(box, src=src, group=g.pg)
+    except Exception as comm_exc:
+        if step is None:
+            raise
+        raise DistributedStepError(step, {}, rank=g.rank, note=(
+            f"rank {src} could not send it, a rank probably died or hung past the process-group timeout: "
+            f"{_describe(comm_exc)}")) from comm_exc
     return box[0]
 
 

@@ -277,10 +277,12 @@ def atomic_output_dir(
     staging = run_together(
         "create export dir", lambda: _make_tmp_dir(export_dir, overwrite) if g.is_main else None, group=g
     )
-    tmp = Path(broadcast_object(None if staging is None else str(staging.path), src=0, group=g))
+    tmp: Path | None = None
     published = False
     interrupted = False
-    try:
+    try:  # from here on rank 0's staging directory is discarded whatever happens (a peer dying included)
+        tmp = Path(broadcast_object(None if staging is None else str(staging.path), src=0, group=g,
+                                    step="share export dir"))
         run_together("check export dir is shared", _check_visible, tmp, group=g)
         try:
             yield tmp
@@ -302,7 +304,7 @@ def atomic_output_dir(
         if not published:
             if staging is not None:
                 staging.discard()
-            elif interrupted:
+            elif interrupted and tmp is not None:
                 remove_tree(tmp)  # rank 0 may be the rank that was killed
 
 

@@ -5,7 +5,8 @@
 ``signal``: ``kill`` (SIGKILL) or ``term`` (SIGTERM) sent to this process by itself, or ``stall``
 (sleep until a signal ends the process; writes ``RC_DIR/stalled`` first); ``where``:
 ``calib`` (after the first calibration batch), ``export`` (when the export writes its first tensor),
-``convert`` (when the converter produces its second module). Only on rank ``r`` when given. The exit
+``convert`` (when the converter produces its second module), ``staging`` (once the ranks agreed that rank 0
+made the export's staging directory, before its path reaches them). Only on rank ``r`` when given. The exit
 code this process returns is written to ``RC_DIR/rank<RANK>.rc`` (a process killed outright writes
 nothing), so a test learns every rank's exit code even under torchrun.
 """
@@ -57,6 +58,18 @@ def _arm(sig: int | None, where: str) -> None:
             return forward_loop
 
         data.make_forward_loop = make_faulty
+    elif where == "staging":
+        from modelopt_k3.export import writer
+
+        together = writer.run_together
+
+        def together_then_fault(what, *args, **kwargs):
+            result = together(what, *args, **kwargs)
+            if what == "create export dir":
+                maybe_fire()
+            return result
+
+        writer.run_together = together_then_fault
     elif where == "convert":
         from modelopt_k3.convert import shard
 

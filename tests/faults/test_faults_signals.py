@@ -95,6 +95,30 @@ def test_torchrun_kill_one_rank_during_export(tiny_ckpt: Path, tmp_path: Path) -
     assert tree_digest(tiny_ckpt) == before
 
 
+def test_torchrun_kill_one_rank_as_the_staging_directory_appears(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Rank 1 is killed right after rank 0 made the staging directory, before its path reached rank 1: rank 0
+    leaves nothing behind, and says "temporary data removed" only if it was (was: said so and left it)."""
+    out = tmp_path / "export"
+    launcher, codes, errs, output = run_driver(
+        tmp_path, "ptq", _ptq_args(tiny_ckpt, out), fault="kill@staging:rank1", nproc=2)
+    assert launcher != 0 and codes[1] is None, output
+    assert codes[0] in (REFUSED, TERMINATED), (codes, errs[0])
+    assert len(_errors(errs[0])) <= 1 and "Traceback" not in errs[0], errs[0]
+    assert not out.exists() and temp_leftovers(out) == [], (temp_leftovers(out), errs[0])
+    said = [line for line in errs[0].splitlines() if line.startswith("modelopt-k3-ptq: ")]
+    assert len(said) == 1 and (said[0].endswith("temporary data removed") or ": error: " in said[0]), errs[0]
+
+
+def test_kill_one_rank_as_the_staging_directory_appears_without_a_launcher(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """The same with no torchrun to SIGTERM rank 0: its broadcast of the staging path fails instead; it refuses in
+    one line and removes the directory it made."""
+    out = tmp_path / "export"
+    codes, errs = _ranks(tmp_path, _ptq_args(tiny_ckpt, out), "kill@staging:rank1")
+    assert codes == {0: REFUSED, 1: None}, (codes, errs)
+    assert len(_errors(errs[0])) == 1 and "Traceback" not in errs[0], errs[0]
+    assert not out.exists() and temp_leftovers(out) == [], (temp_leftovers(out), errs[0])
+
+
 def test_kill_one_rank_during_calibration(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "export"
     codes, errs = _ranks(tmp_path, _ptq_args(tiny_ckpt, out), "kill@calib:rank1")
