@@ -32,3 +32,18 @@ class ActivationModel:
     @property
     def largest_phase(self) -> tuple[str, int]:
         return max(self.phases.items(), key=lambda kv: kv[1]) if self.phases else ("none", 0)
+
+
+F32 = 4
+
+
+def scores_bytes(batch: int, heads: int, seq: int, b: int) -> int:
+    """Attention over ``[B, H, S, S]`` scores as transformers' eager interface computes them: the scores in the
+    weight dtype, their fp32 softmax and the probabilities cast back (an upper bound for SDPA's kernels)."""
+    return batch * heads * seq * seq * (2 * b + F32)
+
+
+def gated_mlp_bytes(tokens: int, width: int, b: int) -> int:
+    """A gated MLP of intermediate ``width`` in the weight dtype (``down(act(gate(x)) * up(x))``): the gate and
+    up outputs, the activation and the product; its output is the caller's."""
+    return tokens * width * 4 * b

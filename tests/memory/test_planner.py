@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from memory._live import LiveTensors
 from modelopt_k3.checkpoint import CheckpointReader, read_header
 from modelopt_k3.memory.inventory import read_layout
 from modelopt_k3.memory.planner import (
@@ -228,43 +229,6 @@ def test_layerwise_plan_fits_calibrated_kimi_k3_on_8_gpus_and_says_the_smallest_
             assert e.peak < twin.peak, e.label()
 
 
-class _LiveTensors:
-    """A dispatch mode that records the peak bytes of the tensors created under it and still alive (each
-    storage counted once, freed when its tensor is): what an experts forward allocates, not its inputs."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                counter._record(out)
-                return out
-
-        self.mode, self.live, self.peak, self._sizes = Mode(), 0, 0, {}
-
-    def _record(self, out) -> None:
-        import weakref
-
-        import torch
-        from torch.utils._pytree import tree_flatten
-
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t._base is None:
-                storage = t.untyped_storage()
-                ptr, size = storage.data_ptr(), storage.nbytes()
-                if size and ptr not in self._sizes:
-                    self._sizes[ptr] = size
-                    self.live += size
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, ptr)
-
-    def _free(self, ptr: int) -> None:
-        self.live -= self._sizes.pop(ptr, 0)
-
-
 @pytest.mark.slow
 def test_the_eager_owners_planned_bytes_bound_its_measured_allocations_closely(tiny_ckpt: Path) -> None:
     """The planner's eager-owner term (``owner_bytes``: gathered inputs, outputs, the fp32 combine, one expert's
@@ -284,7 +248,7 @@ def test_the_eager_owners_planned_bytes_bound_its_measured_allocations_closely(t
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
-    live = _LiveTensors()
+    live = LiveTensors()
     with torch.no_grad(), live.mode:
         experts(x, ids, weights)
     layout = read_layout(tiny_ckpt)

@@ -28,6 +28,7 @@ from ...spec import (
 )
 from .experts import DeepseekV3FusedExperts
 from .kv_cache import kv_cache_sites, kv_scale_names
+from .memory import activation_memory
 from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .source import DENSE_FP8_CONVERTERS
@@ -78,7 +79,7 @@ DEEPSEEK_V3_SPEC = register_spec(
         quant=QuantSpec(shared_scale_groups=(("gate_proj", "up_proj"),), kv_cache_sites=kv_cache_sites,
                         probe_model=probe_model),
         # _no_split_modules: DeepseekV3DecoderLayer.
-        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\."),
+        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\.", activation_memory=activation_memory),
         source_check=SourceCheckSpec(check_config=check_config_fields),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(

@@ -26,6 +26,7 @@ from ...spec import (
 )
 from .config_layout import check_config_fields, dense_layout, expert_layout
 from .experts import GptOssFusedExperts
+from .memory import activation_memory
 from .model import (
     EXPERT_KEY_RE,
     FusedGptOssForCausalLM,
@@ -74,7 +75,7 @@ GPT_OSS_SPEC = register_spec(
             place_experts=place_experts,
         ),
         quant=QuantSpec(probe_model=probe_model),
-        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\."),
+        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\.", activation_memory=activation_memory),
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                      check_config=check_config_fields),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),

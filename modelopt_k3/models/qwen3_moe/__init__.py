@@ -21,6 +21,7 @@ from ...spec import (
     register_spec,
 )
 from .experts import Qwen3MoeFusedExperts
+from .memory import activation_memory
 from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .source_layout import check_config_fields, dense_layout, expert_layout
@@ -63,7 +64,7 @@ QWEN3_MOE_SPEC = register_spec(
         # Both engines fuse gate/up into w13 with one weight_scale_2 and one input_scale (serving.py).
         quant=QuantSpec(shared_scale_groups=(("gate_proj", "up_proj"),), probe_model=probe_model),
         # _no_split_modules: Qwen3MoeDecoderLayer.
-        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\."),
+        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\.", activation_memory=activation_memory),
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                      check_config=check_config_fields),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
