@@ -276,8 +276,8 @@ def _moe_phase(act: ActivationModel, plan: DistributionPlan, impl: str, local_ex
             2 * rows * dl * b + combine,  # per-slot outputs and the fp32 combine
         ]
         detail = f"{impl} on {rows} rows"
-    else:
-        steps = [decoded_owner(rows) + combine]
+    else:  # the experts module gathers, computes and combines (fp32) itself: the owner's own terms
+        steps = [decoded_owner(rows)]
         detail = f"{impl} on {rows} rows"
     peak = max(steps)
     if all_experts_rows:  # calibrate_all_experts: every rank's tokens through every local expert, eager

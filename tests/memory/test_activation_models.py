@@ -1,7 +1,7 @@
 """Each model spec's activation model (``MemorySpec.activation_memory``) against the live tensors its
 stand-in's own forward allocates: the planner's calibration-forward activations (a single process, BF16
 experts: the spec's phases and MoE block with the planner's eager-owner and combine terms) bound the measured
-peak from above, and not by much where attention dominates (the longest shape)."""
+peak from above, and closely, at a MoE-dominated and an attention-dominated shape."""
 
 from __future__ import annotations
 
@@ -52,5 +52,6 @@ def test_the_planned_activations_bound_the_stand_ins_forward(model: str, tmp_pat
         with torch.no_grad(), live.mode:
             net(input_ids=ids)
         ratios.append(_planned_forward(ckpt, batch, seq) / live.peak)
-    assert all(r >= 1.0 for r in ratios), ratios  # an upper bound at every shape
-    assert ratios[-1] <= 1.6, ratios  # attention-dominated: close to the measured peak
+    # An upper bound at every shape, and a close one (measured 1.05-1.36; counting the single-process experts'
+    # fp32 combine twice, as the planner once did, gave 1.47-1.56).
+    assert all(1.0 <= r <= 1.45 for r in ratios), ratios
