@@ -28,6 +28,20 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def record_tensors(export: Path) -> dict[str, dict]:
+    """Every tensor of the export: dtype, shape, sha256 of its bytes, one-element floats also as float.hex()."""
+    tensors: dict[str, dict] = {}
+    for shard in sorted(export.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                t = f.get_tensor(key)
+                row = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": _sha(t)}
+                if t.numel() == 1 and t.is_floating_point():
+                    row["value"] = t.float().item().hex()
+                tensors[key] = row
+    return tensors
+
+
 def main(out: Path) -> None:
     import modelopt
     import modelopt.torch.quantization as mtq
@@ -50,15 +64,7 @@ def main(out: Path) -> None:
     export = out / "export"
     export_hf_checkpoint(model, export_dir=str(export))
 
-    tensors: dict[str, dict] = {}
-    for shard in sorted(export.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                t = f.get_tensor(key)
-                row = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": _sha(t)}
-                if t.numel() == 1 and t.is_floating_point():
-                    row["value"] = t.float().item().hex()
-                tensors[key] = row
+    tensors = record_tensors(export)
     golden = {
         "_about": (
             f"nvidia-modelopt {modelopt.__version__} (PyPI), transformers {transformers.__version__}, torch "
