@@ -253,6 +253,7 @@ def _decode_experts_into(reader: CheckpointReader, conv, by_pattern: dict, local
     except ValueError as e:
         raise LoadError(f"{target}: {e}") from None
     _check_rows(target, shape, param)
+    _check_declared_shapes(reader, op, by_pattern, local, shapes)
     # Expert by expert, as the shards store them (one expert's projections lie together).
     blocks = sorted(blocks, key=lambda b: (b.index, codes_patterns.index(b.pattern)))
     pairs = [(keys[b.pattern][b.index], by_pattern[op.scales_pattern(b.pattern)][local[b.index]]) for b in blocks]
@@ -271,6 +272,22 @@ def _decode_experts_into(reader: CheckpointReader, conv, by_pattern: dict, local
     run_slabs(len(blocks), math.prod(blocks[0].shape) if blocks else 0, param.device, decode_blocks)
     # Every source pattern's keys are consumed, also the ones the decode does not read (e.g. a weight_shape).
     return {by_pattern[p][e] for p in conv.source_patterns for e in local}
+
+
+def _check_declared_shapes(reader: CheckpointReader, op, by_pattern: dict, local: range,
+                           shapes: dict[str, list[tuple[int, ...]]]) -> None:
+    """Each stored declared shape (``DecodeOp.shape_field``, e.g. INT4's ``weight_shape``) equals the shape its
+    codes decode to: a checkpoint whose declaration disagrees is refused, naming the stored tensor."""
+    for pattern, decoded_shapes in shapes.items():
+        shape_pattern = op.shape_pattern(pattern)
+        if shape_pattern is None or shape_pattern not in by_pattern:
+            continue
+        for expert, decoded in zip(local, decoded_shapes, strict=True):
+            shape_key, codes_key = by_pattern[shape_pattern][expert], by_pattern[pattern][expert]
+            declared = reader.get(shape_key)
+            if declared.numel() != len(decoded) or declared.tolist() != list(decoded):
+                raise LoadError(f"{shape_key} declares shape {declared.tolist()}, but {codes_key} "
+                                f"{list(reader.info(codes_key).shape)} decodes to {list(decoded)}")
 
 
 def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:

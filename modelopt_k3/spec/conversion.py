@@ -28,6 +28,9 @@ class DecodeOp(ConversionOps):
 
     codes_field: str
     scales_field: str
+    # A stored tensor beside them that declares the decoded shape (compressed-tensors' ``weight_shape``):
+    # checked against the codes' decoded shape, never trusted in its place; None: the format has none.
+    shape_field: str | None = None
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
         raise NotImplementedError
@@ -39,6 +42,10 @@ class DecodeOp(ConversionOps):
     def scales_pattern(self, codes_pattern: str) -> str:
         """The source pattern of the scales that go with the codes of ``codes_pattern``."""
         return codes_pattern[: -len(self.codes_field)] + self.scales_field
+
+    def shape_pattern(self, codes_pattern: str) -> str | None:
+        """The source pattern of the declared shape that goes with ``codes_pattern`` (None: no such field)."""
+        return None if self.shape_field is None else codes_pattern[: -len(self.codes_field)] + self.shape_field
 
 
 def decodes_after_layout(converter: WeightConverter) -> bool:

@@ -110,7 +110,7 @@ def _is_scale_of(scale_pattern: str, weight_pattern: str) -> bool:
 class Int4PackedDecode(DecodeOp):
     """``weight_packed`` + ``weight_scale`` (+ ``weight_shape``, checked) -> the decoded weight, group 32."""
 
-    codes_field, scales_field = INT4, INT4_SCALE
+    codes_field, scales_field, shape_field = INT4, INT4_SCALE, INT4_SHAPE
 
     def __init__(self, group_size: int = 32, dtype: torch.dtype = torch.bfloat16) -> None:
         self.group_size, self.dtype = group_size, dtype

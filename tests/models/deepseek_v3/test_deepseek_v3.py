@@ -228,3 +228,23 @@ def test_the_planner_counts_block_fp8_weights_at_their_loaded_size(deepseek_fp8_
     group = layout.experts[0]
     assert group.decoded_numel_per_expert * 1 <= group.stored_bytes_per_expert  # stored: 1 byte + scales
     assert group.decoded_numel_per_expert * 2 > group.stored_bytes_per_expert  # loaded BF16: twice the codes
+
+
+def test_int4_load_reads_every_weight_shape_and_refuses_one_that_disagrees(deepseek_int4_ckpt, tmp_path):
+    """compressed-tensors' ``weight_shape`` is a declaration beside the codes: every one is read and compared
+    with the shape the codes decode to, and a disagreeing one is refused naming it (was: consumed unread, so
+    a checkpoint compressed-tensors would unpack to another shape loaded silently)."""
+    import modelopt_k3
+    from modelopt_k3.load import LoadError
+
+    model = modelopt_k3.load_pretrained(deepseek_int4_ckpt, progress=False)
+    assert set(model.modelopt_k3.keys_read) == set(_stored(deepseek_int4_ckpt))
+    broken = tmp_path / "broken"
+    shutil.copytree(deepseek_int4_ckpt, broken)
+    key = "model.layers.2.mlp.experts.5.down_proj.weight_shape"
+    shard = broken / json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = _stored_file(shard)
+    tensors[key] = tensors[key].flip(0).contiguous()  # [in, out]: the transposed declaration
+    save_file(tensors, str(shard))
+    with pytest.raises(LoadError, match=rf"{key} declares shape \[\d+, \d+\], but .*experts\.5\.down_proj\.weight_packed"):
+        modelopt_k3.load_pretrained(broken, progress=False)

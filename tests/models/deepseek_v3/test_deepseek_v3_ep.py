@@ -68,3 +68,35 @@ def test_ep2_reads_only_local_experts_and_export_equals_one_process(deepseek_fp8
                                                           t.reshape(-1).view(torch.uint8)), key
     for name in ("config.json", "hf_quant_config.json"):
         assert json.loads((out / name).read_text()) == json.loads((deepseek_fp8_export / name).read_text()), name
+
+
+def _ep_load(ckpt: str):
+    """Load expert-parallel; the logits on the calibration ids and the keys this rank read."""
+    import modelopt_k3
+    from modelopt_k3.dist.group import run_group
+    from modelopt_k3.testing.deepseek_v3 import calibration_token_ids
+
+    with run_group():
+        model = modelopt_k3.load_pretrained(ckpt, progress=False)
+        with torch.no_grad():
+            logits = model(input_ids=calibration_token_ids()).logits
+        return logits, sorted(model.modelopt_k3.keys_read), model.modelopt_k3.placement.experts.local
+
+
+def test_ep2_int4_experts_read_only_local_codes_scales_and_shapes(deepseek_int4_ckpt):
+    """Kimi-K2.5-style INT4 pack-quantized experts at EP 2: each rank reads only its experts' weight_packed,
+    weight_scale and weight_shape, and its logits equal one process's."""
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.testing.deepseek_v3 import calibration_token_ids
+
+    results = run_ranks(2, _ep_load, str(deepseek_int4_ckpt), timeout=600, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    with torch.no_grad():
+        ref = load_pretrained(deepseek_int4_ckpt, progress=False)(input_ids=calibration_token_ids()).logits
+    for rank, r in enumerate(results):
+        logits, keys, local = r.value
+        assert torch.equal(logits, ref), rank
+        read = {int(m["expert"]) for k in keys if (m := EXPERT_KEY.search(k))}
+        assert read == set(local) and len(local) == 4, (rank, sorted(read))
+        for field in ("weight_packed", "weight_scale", "weight_shape"):
+            assert any(k.endswith(f"experts.{local[-1]}.down_proj.{field}") for k in keys), (rank, field)
