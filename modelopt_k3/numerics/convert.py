@@ -29,6 +29,9 @@ Rules (all vectorized, on the uint8 exponents and bytes directly):
   does). Below-range blocks under a power-of-two global scale (the common case) take a shortcut
   with the same result: their scale clamps to 2**-9 and their E2M1 values scale by exactly 2**-k,
   so new bytes come from a ``[6, 256]`` byte table; only the rest decode and requantize.
+- Zero signs: a carried block keeps its ``-0`` codes (code 8 decodes to ``-0.0``, as ``mxfp4_decode``
+  gives); a requantized or shifted one writes an exact ``-0.0`` as code 0, as ``nvfp4_quantize`` does
+  (ModelOpt's sign rule, numerics/nvfp4.py).
 
 For every carried block ``nvfp4_dequantize(result)`` equals ``mxfp4_decode`` bit for bit (in fp32
 and, as both round the same fp32 value once, in bf16).
@@ -111,7 +114,10 @@ def _shift_table(device: torch.device) -> Tensor:
     if t is None:
         codes = unpack_fp4(torch.arange(256, dtype=torch.uint8))  # [512], low nibble first
         vals = torch.tensor(E2M1_VALUES)[codes.int()]
-        rows = [pack_fp4(e2m1_round(vals * 2.0**-k)) for k in range(_MAX_SHIFT + 1)]
+        # Row 0 carries the bytes as they are (a carried -0 stays -0); a re-rounded -0.0 gets code 0 (+ 0.0), as
+        # nvfp4_quantize writes it (numerics/nvfp4.py), while -0.5 * 2**-k that rounds to zero stays code 8.
+        rows = [torch.arange(256, dtype=torch.uint8)]
+        rows += [pack_fp4(e2m1_round(vals * 2.0**-k + 0.0)) for k in range(1, _MAX_SHIFT + 1)]
         t = torch.cat(rows).to(device)
         _SHIFT_TABLES[device] = t
     return t
@@ -298,7 +304,7 @@ def _requantize_general(out: _CastOut, s: Tensor, gs: Tensor, tables: _CastTable
     codes = unpack_fp4(half_bytes[r, h])  # [n, 16]
     vals = _table("code_value", device).index_select(0, codes.reshape(-1).int()).view(-1, NVFP4_BLOCK)
     vals *= _scale_table(device)[s[r, h // 2].int()].unsqueeze(-1)  # exact decode, as mxfp4_decode
-    keys, bs, _ = _quantize_keys(vals.unsqueeze(1), gs[r] if gs.dim() else gs)
+    keys, bs, _ = _quantize_keys(vals.unsqueeze(1), gs[r] if gs.dim() else gs, unsigned_zero=True)
     new_codes = _table("key_code", device).index_select(0, keys.reshape(-1)).view(-1, NVFP4_BLOCK)
     new_bytes = pack_fp4(new_codes).unsqueeze(1)
     _saturate_nan_blocks(new_bytes, torch.isnan(bs.float()))

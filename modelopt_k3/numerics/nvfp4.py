@@ -5,7 +5,10 @@ Per weight ``W [..., out, in]`` (in % 16 == 0), docs/FORMATS.md:
 - ``global_scale`` (ModelOpt ``weight_scale_2``, a dequant multiplier) = ``amax / (6 * 448)``;
 - ``block_scale`` (``weight_scale``) float8_e4m3fn ``[..., out, in/16]`` = block_amax /
   (6 * global_scale), an all-zero block gets 1.0, clamped to [2**-9, 448], cast (RNE);
-- codes = E2M1_round(W / (float(block_scale) * global_scale)), packed two per byte;
+- codes = E2M1_round(W / (float(block_scale) * global_scale)), packed two per byte, except that
+  ``-0.0`` gets code 0 (+0), not ``e2m1_round``'s 8: ModelOpt's NVFP4 export takes the sign bit from
+  ``x < 0`` (``NVFP4QTensor._cast_fp4``), so exact negative zeros (a block-FP8 source's E4M3 ``0x80``)
+  are written +0 while tiny negatives that round to zero keep code 8 (-0); values are unchanged;
 - value = E2M1(code) * (float(block_scale) * global_scale).
 
 Arithmetic, fixed so that every function here agrees bit for bit: everything is fp32. ``6 *
@@ -142,20 +145,26 @@ def _quantize_keys(
     bs: Tensor | None = None,
     scratch: tuple[Tensor, Tensor] | None = None,
     shift: bool = True,
+    unsigned_zero: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(E2M1 table keys int32 [R, nb, 16], block scales e4m3 [R, nb], eff fp32 [R, nb, 1]).
 
     ``scratch`` = (fp32, int32) buffers of ``xb``'s shape: the keys are written into the first
-    (unshifted with ``shift=False``, see ``_e2m1_keys``).
+    (unshifted with ``shift=False``, see ``_e2m1_keys``). ``unsigned_zero``: ``-0.0`` gets code 0, not 8
+    (the module docstring's sign rule; tiny negatives that round to zero keep code 8).
     """
     if bs is None:
         bs = _scales_from_amax(_block_amax(xb), gs * FP4_MAX)
     eff = (bs.float() * gs).unsqueeze(-1)
     if scratch is None:
         q = torch.div(xb, eff)  # fp32 (bf16/fp16 inputs are promoted exactly)
+    else:
+        q, tmp = scratch
+        torch.div(xb, eff, out=q)
+    if unsigned_zero:
+        q += 0.0  # IEEE: -0.0 + 0.0 = +0.0, every other value (and its sign) unchanged
+    if scratch is None:
         return _e2m1_keys(q, inplace=True), bs, eff
-    q, tmp = scratch
-    torch.div(xb, eff, out=q)
     return _e2m1_keys(q, inplace=True, tmp=tmp, shift=shift), bs, eff
 
 
@@ -258,7 +267,7 @@ def nvfp4_quantize(
         else:
             bs.copy_(given[sl])
         q, tmp = _scratch(xs.shape[0], nb, device)
-        sums, _, _ = _quantize_keys(xs, g, bs, (q, tmp), shift=False)
+        sums, _, _ = _quantize_keys(xs, g, bs, (q, tmp), shift=False, unsigned_zero=True)
         _pack_keys(sums, tmp, packed[sl])
         _saturate_nan_blocks(packed[sl].view(-1, nb, NVFP4_BLOCK // 2), _e4m3_isnan(bs))
 
@@ -358,7 +367,8 @@ def nvfp4_fake_quant(x: Tensor, global_scale: Tensor | float, block_scale: Tenso
     def fake_quant(sl: slice) -> None:
         xs = xb[sl]
         q, tmp = _scratch(xs.shape[0], nb, device)
-        keys, _, eff = _quantize_keys(xs, gs[sl] if gs.dim() else gs, None if given is None else given[sl], (q, tmp))
+        keys, _, eff = _quantize_keys(xs, gs[sl] if gs.dim() else gs, None if given is None else given[sl], (q, tmp),
+                                      unsigned_zero=True)
         vals = tmp.view(torch.float32)
         torch.index_select(key_value, 0, keys.view(-1), out=vals.view(-1))
         if out_dtype == torch.float32:

@@ -242,6 +242,25 @@ def test_nvfp4_hand_computed_example():
     assert nvfp4_global_scale(torch.tensor(0.0)).item() == 1.0  # documented choice for amax == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nvfp4_negative_zero_is_code_plus_zero_as_modelopt_writes_it(dtype):
+    """ModelOpt's NVFP4 export takes the sign bit from ``x < 0``: an exact -0.0 (a block-FP8 source's E4M3 0x80)
+    is code 0, a negative that rounds to zero magnitude stays code 8 (e2m1_round gives 8 to both); fake quant
+    agrees with dequantize(quantize) bit for bit (+0.0 and -0.0)."""
+    w = torch.zeros(2, 32, dtype=dtype)
+    w[0, 0], w[0, 1], w[0, 2] = 6.0, -0.0, -0.01  # eff = 448 * 6 / 2688 = 1
+    w[1, :16] = -0.0  # an all-(-0) block: scale 1.0, codes +0
+    w[1, 16], w[1, 17] = 3.0, -0.0
+    q = nvfp4_quantize(w)
+    codes = unpack_fp4(q.packed)
+    assert codes[0, :3].tolist() == [7, 0, 8] and not codes[0, 3:].any()
+    assert not codes[1, :16].any() and codes[1, 16:18].tolist() == [7, 0]
+    assert e2m1_round(torch.tensor([-0.0, -0.01])).tolist() == [8, 8]
+    fq = nvfp4_fake_quant(w, q.global_scale)
+    assert_bits_equal(fq, nvfp4_dequantize(*q, dtype=dtype), "fake quant")
+    assert [math.copysign(1, v) for v in fq[0, 1:3].float().tolist()] == [1, -1]
+
+
 def test_nvfp4_block_scale_clamps():
     gs = torch.tensor(1.0)
     w = torch.zeros(3, 16)

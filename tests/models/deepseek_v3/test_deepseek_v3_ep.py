@@ -1,6 +1,6 @@
 """DeepSeek-V3 (block-FP8 source) expert-parallel on 2 gloo ranks: each rank reads only its experts' bytes
 (codes and scales), logits equal one process, and the calibrated NVFP4 export equals the one-process export
-tensor for tensor, byte for byte."""
+tensor for tensor, byte for byte, and ModelOpt 0.47's (test_modelopt_golden.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 from _exports import read_export
 from _mp import run_ranks
+
+from models.deepseek_v3.test_modelopt_golden import assert_equals_modelopt_golden
 
 pytestmark = pytest.mark.multiprocess
 
@@ -68,6 +70,7 @@ def test_ep2_reads_only_local_experts_and_export_equals_one_process(deepseek_fp8
                                                           t.reshape(-1).view(torch.uint8)), key
     for name in ("config.json", "hf_quant_config.json"):
         assert json.loads((out / name).read_text()) == json.loads((deepseek_fp8_export / name).read_text()), name
+    assert_equals_modelopt_golden(out)  # and so ModelOpt 0.47's one-process export (routers by value)
 
 
 def _ep_load(ckpt: str):
