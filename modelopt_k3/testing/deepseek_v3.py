@@ -17,8 +17,8 @@ and its ``mlp.gate.e_score_correction_bias`` (F32), the first ``first_k_dense_re
 - ``bf16``: everything BF16 (a dequantized DeepSeek-V3).
 
 Values are deterministic in ``seed`` and each tensor's name (the Kimi-K3 generator's per-tensor seeding).
-``dequantized_state(path)`` gives the checkpoint's tensors decoded by the independent references of the
-tests (what transformers' own model must be given to equal ours).
+The tests decode the checkpoint with independent references (``tests/models/deepseek_v3/test_deepseek_v3.py``
+``_dequantized_copy``) to give transformers' own model what it must be given to equal ours.
 """
 
 from __future__ import annotations
