@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,6 +13,7 @@ from ..checkpoint.source_check import SourceLayout
 from ..export.writer import PlannedTensor
 from ..quant.decisions import DecisionTable
 from ..recipe import QuantFormat
+from ..spec.conversion import DecodeOp, run_converter
 
 
 def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -> tuple[PlannedTensor, ...]:
@@ -22,21 +24,64 @@ def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -
     return tuple(PlannedTensor(f"{name}.{suffix}", dtype, shp) for suffix, dtype, shp in layout)
 
 
+class _ModelConfig:
+    """What a spec's conversion op reads of the model it loads into: its config (``weight_block_size``)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+
+@dataclass(frozen=True)
+class SourceDecode:
+    """How the model path decodes a source format it loads decoded (block-FP8 Linears, INT4 experts): the
+    spec's own converters, run here the same way, so both paths see the same weights.
+
+    ``dense``: dense names a spec dense converter decodes (``load.pretrained.dense_decodes``) -> (converter, {source pattern:
+    key}); ``experts``: the decode steps of the spec's experts chains (``LoadingSpec.converters``) for routed
+    experts stored encoded but not MXFP4-packed (those take the lossless cast); ``config``: the model's config,
+    which the ops read."""
+
+    dense: dict[str, tuple[Any, dict[str, str]]] = field(default_factory=dict)
+    experts: tuple[DecodeOp, ...] = ()
+    config: Any = None
+
+    def expert_op(self, parts: set[str]) -> DecodeOp | None:
+        """The decode step for a routed expert stored as ``parts`` (None: stored plain)."""
+        return next((op for op in self.experts if {op.codes_field, op.scales_field} <= parts), None)
+
+    def dense_weight(self, name: str, read, dtype: torch.dtype) -> torch.Tensor:
+        """Dense ``name`` decoded as the load decodes it (the spec's converter, then the parameter's dtype)."""
+        conv, keys = self.dense[name]
+        value = run_converter(conv, {p: [read(k)] for p, k in keys.items()}, full_layer_name=name,
+                              model=_ModelConfig(self.config))
+        if isinstance(value, list) and len(value) == 1:  # a chain of per-tensor ops keeps the one-element list
+            value = value[0]
+        return value.to(dtype)
+
+
 @dataclass(slots=True)
 class _ModuleJob:
     """One Linear whose weight is converted. ``kind``: nvfp4_cast (MXFP4 source, lossless cast),
-    quant (quantize the plain or decoded weight with ``fmt``), decode (MXFP4 -> plain weight)."""
+    quant (quantize the plain or decoded weight with ``fmt``), decode (an MXFP4, block-FP8 or INT4 routed
+    expert -> its plain weight, bf16), dense_decode (a kept dense Linear stored block-FP8 -> its weight in the
+    model's dtype, as the model path writes the decoded parameter; ``name`` is the weight's own name).
+    ``decode``: how a block-FP8/INT4 source decodes (a ``DecodeOp`` for an expert, the dense name for
+    ``SourceDecode.dense_weight``); None: plain or MXFP4-packed."""
 
     name: str
     kind: str
     fmt: QuantFormat | None
-    sources: tuple[str, ...]  # weight_packed + weight_scale, or weight
+    sources: tuple[str, ...]  # weight_packed + weight_scale, weight (+ weight_scale_inv), or an INT4 triple
     shape: tuple[int, int]  # (out, in) of the logical weight
     group: tuple[str, ...]  # modules sharing weight_scale_2 (itself included)
     input_amax: float | None = None  # constant input amax (its group's max), when inputs are quantized
+    decode: DecodeOp | str | None = None
+    dtype: torch.dtype = torch.bfloat16  # a dense_decode job's output dtype
 
     @property
     def outputs(self) -> tuple[PlannedTensor, ...]:
+        if self.kind == "dense_decode":
+            return (PlannedTensor(self.name, self.dtype, self.shape),)
         return module_outputs(self.name, self.fmt, self.shape)
 
 
@@ -50,6 +95,7 @@ class _Plan:
     dtype: torch.dtype
     fingerprint: str
     source: SourceLayout  # what the shared source check found (load_pretrained runs the same one)
+    decode: SourceDecode = field(default_factory=SourceDecode)  # block-FP8/INT4 sources, decoded as they load
     # file -> its stat identity (size, mtime, ctime, inode) taken before any tensor byte was read: a change
     # during or after the conversion shows in it (``state.check_source``)
     identity: dict[str, list[int] | None] = field(default_factory=dict)

@@ -744,6 +744,11 @@ def decoded_dense(reader: CheckpointReader, converters: tuple, keys=None) -> dic
     """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
     the source keys they consume (among ``keys``, default all): the export writes them from the model, never
     by copying those keys."""
+    return {target: tuple(sorted(k.values())) for target, (_, k) in dense_decodes(reader, converters, keys).items()}
+
+
+def dense_decodes(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[object, dict[str, str]]]:
+    """``decoded_dense`` with the converter of each: target name -> (converter, {source pattern: source key}),
+    as the load runs it (``run_converter``); the streaming converter decodes those tensors the same way."""
     plan = _plan_dense_conversions(reader, converters, keys)
-    return {target: tuple(sorted(k.values())) for target, (conv, k) in plan.items()
-            if decode_op(conv) is not None and len(k) > 1}
+    return {target: (conv, k) for target, (conv, k) in plan.items() if decode_op(conv) is not None and len(k) > 1}
