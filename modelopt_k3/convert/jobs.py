@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..checkpoint.source_check import SourceLayout
+from ..checkpoint.source_decode import SourceDecode
 from ..export.writer import PlannedTensor
 from ..quant.decisions import DecisionTable
 from ..recipe import QuantFormat
-from ..spec.conversion import DecodeOp, run_converter
+from ..spec.conversion import DecodeOp
 
 
 def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -> tuple[PlannedTensor, ...]:
@@ -22,41 +22,6 @@ def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -
         return (PlannedTensor(f"{name}.weight", torch.bfloat16, shape),)
     layout = fmt.scheme.layout(shape)
     return tuple(PlannedTensor(f"{name}.{suffix}", dtype, shp) for suffix, dtype, shp in layout)
-
-
-class _ModelConfig:
-    """What a spec's conversion op reads of the model it loads into: its config (``weight_block_size``)."""
-
-    def __init__(self, config: Any) -> None:
-        self.config = config
-
-
-@dataclass(frozen=True)
-class SourceDecode:
-    """How the model path decodes a source format it loads decoded (block-FP8 Linears, INT4 experts): the
-    spec's own converters, run here the same way, so both paths see the same weights.
-
-    ``dense``: dense names a spec dense converter decodes (``load.pretrained.dense_decodes``) -> (converter, {source pattern:
-    key}); ``experts``: the decode steps of the spec's experts chains (``LoadingSpec.converters``) for routed
-    experts stored encoded but not MXFP4-packed (those take the lossless cast); ``config``: the model's config,
-    which the ops read."""
-
-    dense: dict[str, tuple[Any, dict[str, str]]] = field(default_factory=dict)
-    experts: tuple[DecodeOp, ...] = ()
-    config: Any = None
-
-    def expert_op(self, parts: set[str]) -> DecodeOp | None:
-        """The decode step for a routed expert stored as ``parts`` (None: stored plain)."""
-        return next((op for op in self.experts if {op.codes_field, op.scales_field} <= parts), None)
-
-    def dense_weight(self, name: str, read, dtype: torch.dtype) -> torch.Tensor:
-        """Dense ``name`` decoded as the load decodes it (the spec's converter, then the parameter's dtype)."""
-        conv, keys = self.dense[name]
-        value = run_converter(conv, {p: [read(k)] for p, k in keys.items()}, full_layer_name=name,
-                              model=_ModelConfig(self.config))
-        if isinstance(value, list) and len(value) == 1:  # a chain of per-tensor ops keeps the one-element list
-            value = value[0]
-        return value.to(dtype)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -17,14 +18,15 @@ from transformers.core_model_loading import WeightConverter
 from .. import __version__
 from ..checkpoint import CheckpointError, CheckpointReader, TensorInfo, read_config
 from ..checkpoint.source_check import SourceLayout, check_config, check_dense_against_config, check_experts
+from ..checkpoint.source_decode import SourceDecode
 from ..load.pretrained import dense_decodes
 from ..numerics.constants import MXFP4_BLOCK
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import SharedInputRule, discover_shared_inputs
 from ..recipe import Recipe, RecipeError
-from ..spec import ModelSpec, PrepareContext, SpecError, get_spec
+from ..spec import CarriedModules, ModelSpec, PrepareContext, SpecError, get_spec
 from ..spec.conversion import decode_op
-from .jobs import SourceDecode, _ModuleJob, _Plan
+from .jobs import _ModuleJob, _Plan
 from .state import RECORD_VERSION, stat_identity
 
 _PACKED, _SCALE = "weight_packed", "weight_scale"
@@ -37,14 +39,15 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
     spec = get_spec(raw.get("model_type", ""))
     check_config(raw, spec)  # every field read below, named when missing
     source = check_experts(reader.headers(), raw, spec, reader.stored_name)  # every routed expert the config asks for, as load_pretrained
-    check_dense_against_config(reader.headers(), raw, spec)  # the dense shapes config.json fixes (no model built)
+    # the dense shapes config.json fixes (no model built); carried modules (MTP layers) were checked on their own
+    check_dense_against_config({k: t for k, t in reader.headers().items() if k not in source.carried_keys}, raw, spec)
     dtype = _model_dtype(raw)
     _refuse_kv_cache(recipe)
     # MXFP4-packed codes are uint8 (the lossless cast reads them); INT4 pack-quantized codes (int32) are decoded.
     if any(key.endswith(f".{_PACKED}") and t.dtype == torch.uint8 for key, t in reader.headers().items()):
         _check_source_scheme(raw, spec, src / "config.json")
     decode = _source_decode(src, reader, raw, spec, source, trust_remote_code)
-    table = _decision_table(src, reader, raw, spec, recipe, trust_remote_code)
+    table = _decision_table(src, reader, raw, spec, recipe, trust_remote_code, source.carried)
     modules = _module_jobs(table, spec, reader.headers(), decode, dtype)
     _refuse_calibration(table, recipe)
     table.check_groups_known()
@@ -102,7 +105,8 @@ def _check_source_scheme(raw: dict, spec: ModelSpec, config_path: Path) -> None:
 
 
 def _decision_table(
-    src: Path, reader: CheckpointReader, raw: dict, spec: ModelSpec, recipe: Recipe, trust_remote_code: bool
+    src: Path, reader: CheckpointReader, raw: dict, spec: ModelSpec, recipe: Recipe, trust_remote_code: bool,
+    carried: CarriedModules | None = None,
 ) -> DecisionTable:
     """The decision table the model path's ``quantize`` builds from the same checkpoint. Shared-input rules
     come from a probe of the model's own classes, run only when the recipe needs them and, for checkpoint
@@ -111,7 +115,7 @@ def _decision_table(
     may_probe = trust_remote_code or not spec.loading.model_class.remote_code
     rules = partial(_probe_shared_inputs, src, raw, spec) if may_probe and spec.quant.probe_model is not None else None
     try:
-        return decide(reader.inventory(), spec, recipe, rules)
+        return decide(reader.inventory(), spec, recipe, rules, carried)
     except InventoryError as e:
         raise CheckpointError(f"{src}: {e}") from None
 
@@ -128,7 +132,8 @@ def _source_decode(src: Path, reader: CheckpointReader, raw: dict, spec: ModelSp
     tensor is stored in a format they decode (block-FP8 dense Linears; routed experts stored encoded but not
     MXFP4-packed), so a plain or MXFP4 source resolves no model class."""
     dense = dense_decodes(reader, spec.loading.dense_converters)
-    expert_parts = {k.rpartition(".")[2] for k in source.expert_keys}
+    key_re = re.compile(spec.experts.key_regex)  # the carried modules' experts (MTP layers) decode the same way
+    expert_parts = {k.rpartition(".")[2] for k in source.expert_keys | source.carried_keys if key_re.match(k)}
     if not dense and (source.packed_experts or expert_parts <= {"weight"}):
         return SourceDecode()
     spec.loading.build(src)

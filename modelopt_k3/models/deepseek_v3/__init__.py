@@ -31,7 +31,7 @@ from .kv_cache import kv_cache_sites, kv_scale_names
 from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .source import DENSE_FP8_CONVERTERS
-from .source_layout import check_config_fields
+from .source_layout import carried_modules, check_config_fields
 
 
 def serving_rules() -> Mapping[str, Any]:
@@ -59,7 +59,7 @@ DEEPSEEK_V3_SPEC = register_spec(
             prepare=prepare,
             converters=checkpoint_converters,
             # No MXFP4 (compressed-tensors) format: the converter decodes block-FP8 and INT4 sources through
-            # ``converters`` / ``dense_converters`` as the loader does (``convert.jobs.SourceDecode``).
+            # ``converters`` / ``dense_converters`` as the loader does (``checkpoint.source_decode.SourceDecode``).
             source_formats=frozenset(),
             dense_converters=DENSE_FP8_CONVERTERS,
         ),
@@ -80,7 +80,7 @@ DEEPSEEK_V3_SPEC = register_spec(
                         probe_model=probe_model),
         # _no_split_modules: DeepseekV3DecoderLayer.
         memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\."),
-        source_check=SourceCheckSpec(check_config=check_config_fields),
+        source_check=SourceCheckSpec(check_config=check_config_fields, carried=carried_modules),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         # Without --recipe the converter writes weight-only NVFP4 where the nvfp4 recipe quantizes (W4A4 input
         # scales of BF16/FP8/INT4-sourced experts need calibration; no lossless cast into NVFP4 exists for them).

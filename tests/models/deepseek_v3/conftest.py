@@ -29,6 +29,14 @@ def deepseek_bf16_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3_bf16") / "ckpt", source="bf16")
 
 
+@pytest.fixture(scope="session")
+def deepseek_mtp_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """source -> a stand-in with one MTP layer (``model.layers.3``), for block_fp8, int4 and bf16."""
+    root = tmp_path_factory.mktemp("tiny_deepseek_v3_mtp")
+    return {source: make_tiny_deepseek_v3(root / source, source=source, num_nextn_predict_layers=1)
+            for source in ("block_fp8", "int4", "bf16")}
+
+
 def weight_only_export(ckpt: Path, out: Path, recipe: str = W4A16) -> Path:
     """The model path without calibration data (load, quantize with no forward loop, export), one process."""
     import modelopt_k3
