@@ -27,10 +27,10 @@ from typing import Any, Protocol
 import torch
 
 from ..numerics.constants import MXFP4_BLOCK
-from ..spec import ExpertsLayout, ModelSpec
+from ..spec import CarriedModules, ExpertsLayout, ModelSpec
 from .reader import CheckpointError
 
-__all__ = ["SourceLayout", "SourceMismatchError", "check_dense", "check_experts"]
+__all__ = ["SourceLayout", "SourceMismatchError", "check_carried", "check_dense", "check_experts"]
 
 PACKED, SCALE, PLAIN = "weight_packed", "weight_scale", "weight"
 _SHOWN = 12
@@ -48,7 +48,9 @@ class TensorMeta(Protocol):
 @dataclass(frozen=True)
 class SourceLayout:
     packed_experts: bool  # routed experts stored MXFP4-packed
-    expert_keys: frozenset[str]  # every routed-expert tensor of the checkpoint
+    expert_keys: frozenset[str]  # every routed-expert tensor of the checkpoint (outside carried modules)
+    carried: CarriedModules | None = None  # modules no model builds, carried unquantized (``check_carried``)
+    carried_keys: frozenset[str] = frozenset()  # every stored key under them
 
 
 def _natural(key: str) -> list:
@@ -105,11 +107,13 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
     one is then named once by the stored tensor (what the user can find), not once per derived name.
     """
     key_re = re.compile(spec.experts.key_regex)
-    expert_keys = {key for key in tensors if key_re.match(key)}
+    carried_keys = check_carried(tensors, config, spec)  # checked on their own: no model builds them
+    carried = spec.source_check.carried(config) if carried_keys else None
+    expert_keys = {key for key in tensors if key_re.match(key) and key not in carried_keys}
     if spec.source_check.expert_layout is None:
         # MXFP4-packed: uint8 codes (INT4 pack-quantized codes are int32 and are decoded at load).
         packed = any(key_re.match(k)["tensor"] == PACKED and tensors[k].dtype == torch.uint8 for k in expert_keys)
-        return SourceLayout(packed_experts=packed, expert_keys=frozenset(expert_keys))
+        return SourceLayout(packed, frozenset(expert_keys), carried, carried_keys)
     layouts = {layout.module: layout for layout in spec.source_check.expert_layout(config)}
     unexpected: list[str] = []
     kinds: set[str] = set()
@@ -153,7 +157,7 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
     source = next(iter(layouts.values())).source if layouts else "no MoE layers"
     _raise(f"{_count_hint(layouts, stored)}the checkpoint's routed experts do not match config.json", missing,
            mismatched, unexpected, f" (config.json: {source})")
-    return SourceLayout(packed_experts=packed, expert_keys=frozenset(expert_keys))
+    return SourceLayout(packed, frozenset(expert_keys), carried, carried_keys)
 
 
 def check_dense(
@@ -232,3 +236,57 @@ def check_dense_against_config(tensors: Mapping[str, TensorMeta], config: Mappin
                 mismatched.append(f"{key} stored as {list(meta.shape)}, config.json needs {list(shape)} ({why})")
             break
     _raise("the checkpoint's dense tensors do not match config.json", missing, mismatched, unexpected, "")
+
+
+# A Linear weight stored in a source format a spec decodes, by the parts beside (or instead of) ``weight``:
+# block-FP8 (``weight`` float8 + ``weight_scale_inv``), INT4 pack-quantized (``weight_packed`` int32 ``[out, in/8]``
+# + ``weight_scale`` + ``weight_shape``). -> the logical weight shape it decodes to.
+def _logical_weight(parts: Mapping[str, TensorMeta]) -> tuple[tuple[int, ...] | None, set[str]]:
+    """(the shape the stored weight decodes to, the parts that hold it), or (None, set()) for no stored weight."""
+    weight = parts.get(PLAIN)
+    if weight is not None and weight.dtype == torch.float8_e4m3fn and "weight_scale_inv" in parts:
+        return tuple(weight.shape), {PLAIN, "weight_scale_inv"}
+    packed = parts.get(PACKED)
+    if packed is not None and packed.dtype == torch.int32 and len(packed.shape) == 2 and {SCALE, "weight_shape"} <= set(parts):
+        return (packed.shape[0], packed.shape[1] * 8), {PACKED, SCALE, "weight_shape"}
+    if weight is not None:
+        return tuple(weight.shape), {PLAIN}
+    return None, set()
+
+
+def check_carried(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], spec: ModelSpec) -> frozenset[str]:
+    """Every tensor the carried modules must hold (``CarriedModules.tensors``) is stored with its shape -- a weight
+    plain or in a source format that decodes to it -- and nothing else sits under them; returns their stored keys.
+    The loader and the converter both call it (the model, which does not build them, cannot check them)."""
+    carried = spec.source_check.carried(config) if spec.source_check.carried is not None else None
+    if carried is None:
+        return frozenset()
+    stored = {k: t for k, t in tensors.items() if carried.holds(k)}
+    by_module: dict[str, dict[str, TensorMeta]] = {}
+    for key, meta in stored.items():
+        module, _, part = key.rpartition(".")
+        by_module.setdefault(module, {})[part] = meta
+    missing, mismatched, accounted = [], [], set()
+    for name, shape in carried.tensors.items():
+        module, _, part = name.rpartition(".")
+        parts = by_module.get(module, {})
+        if part == PLAIN and len(shape) == 2:
+            got, holding = _logical_weight(parts)
+            weight = parts.get(PLAIN)
+            if weight is not None and weight.dtype == torch.float8_e4m3fn and "weight_scale_inv" not in parts:
+                missing.append(f"{module}.weight_scale_inv")  # a float8 weight is nothing without its scales
+                accounted.add(name)
+                continue
+        else:
+            meta = parts.get(part)
+            got, holding = (None, set()) if meta is None else (tuple(meta.shape), {part})
+        if got is None:
+            missing.append(name)
+            continue
+        accounted |= {f"{module}.{p}" for p in holding}
+        if got != tuple(shape):
+            mismatched.append(f"{name} stored as {list(got)}, config.json needs {list(shape)}")
+    unexpected = [k for k in stored if k not in accounted]
+    _raise(f"the checkpoint's {carried.reason} tensors ({', '.join(carried.prefixes)}) do not match config.json",
+           missing, mismatched, unexpected, "")
+    return frozenset(stored)

@@ -5,7 +5,9 @@
 Without ``--recipe`` the model's calibration-free recipe (its spec's ``RecipesSpec.converter``) is used: the
 routed experts become NVFP4 by the lossless cast and every other tensor stays as the source stores it
 (Kimi-K3: ``models/moonshotai/Kimi-K3/nvfp4_experts``, GPT-OSS: ``models/openai/gpt-oss/nvfp4_experts``;
-Qwen3-MoE has none, its BF16 experts need calibration for NVFP4, so ``--recipe`` is required).
+DeepSeek-V3: ``models/deepseek-ai/DeepSeek-V3/w4a16_nvfp4``, weight-only NVFP4 of its BF16, block-FP8 or INT4
+source, decoded as the loader decodes it; Qwen3-MoE has none, its BF16 experts need calibration for NVFP4,
+so ``--recipe`` is required).
 
 Ranks split the source shards (shard ``i`` goes to rank ``i % W``); run one process per rank on any
 machines that share ``OUT``. Under ``torchrun`` the rank and world size come from its environment

@@ -17,6 +17,9 @@ streams one source shard at a time into one output shard of the same file name:
   over a shared-input group); ``fp8_pb`` is 128x128 block FP8, weight only. A dimension that is not
   a multiple of 128 (KDA ``b_proj`` ``[num_heads, D]``) gets a partial edge block with its own
   amax-derived scale (``numerics.fp8``); ``weight_scale`` is ``[ceil(out/128), 1, ceil(in/128), 1]``;
+- block-FP8 Linears and INT4 pack-quantized routed experts (the DeepSeek-V3 family) are decoded first,
+  through the spec's own converters as the model path loads them (``checkpoint.source_decode.SourceDecode``); a kept one is
+  written decoded, as the model path writes it;
 - every other tensor is copied byte for byte (same name, dtype and bytes).
 
 The tensors and configs equal, byte for byte, what the model path (``load_pretrained`` ->

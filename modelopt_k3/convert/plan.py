@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import partial
 from pathlib import Path
 
 import torch
+from transformers.core_model_loading import WeightConverter
 
 from .. import __version__
 from ..checkpoint import CheckpointError, CheckpointReader, TensorInfo, read_config
-from ..checkpoint.source_check import check_config, check_dense_against_config, check_experts
+from ..checkpoint.source_check import SourceLayout, check_config, check_dense_against_config, check_experts
+from ..checkpoint.source_decode import SourceDecode
+from ..load.pretrained import dense_decodes
 from ..numerics.constants import MXFP4_BLOCK
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import SharedInputRule, discover_shared_inputs
 from ..recipe import Recipe, RecipeError
-from ..spec import ModelSpec, get_spec
+from ..spec import CarriedModules, ModelSpec, PrepareContext, SpecError, get_spec
+from ..spec.conversion import decode_op
 from .jobs import _ModuleJob, _Plan
 from .state import RECORD_VERSION, stat_identity
 
@@ -34,17 +39,16 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
     spec = get_spec(raw.get("model_type", ""))
     check_config(raw, spec)  # every field read below, named when missing
     source = check_experts(reader.headers(), raw, spec, reader.stored_name)  # every routed expert the config asks for, as load_pretrained
-    check_dense_against_config(reader.headers(), raw, spec)  # the dense shapes config.json fixes (no model built)
+    # the dense shapes config.json fixes (no model built); carried modules (MTP layers) were checked on their own
+    check_dense_against_config({k: t for k, t in reader.headers().items() if k not in source.carried_keys}, raw, spec)
     dtype = _model_dtype(raw)
     _refuse_kv_cache(recipe)
-    fp8 = next((key for key in reader.headers() if key.endswith(".weight_scale_inv")), None)
-    if fp8 is not None:  # decoded only by load_pretrained's converters so far (models/deepseek_v3/source.py)
-        raise CheckpointError(f"{src}: block-FP8 source ({fp8}): the calibration-free converter does not decode "
-                              "block-FP8 weights yet; quantize with modelopt-k3-ptq")
-    if any(key.endswith(f".{_PACKED}") for key in reader.headers()):
+    # MXFP4-packed codes are uint8 (the lossless cast reads them); INT4 pack-quantized codes (int32) are decoded.
+    if any(key.endswith(f".{_PACKED}") and t.dtype == torch.uint8 for key, t in reader.headers().items()):
         _check_source_scheme(raw, spec, src / "config.json")
-    table = _decision_table(src, reader, raw, spec, recipe, trust_remote_code)
-    modules = _module_jobs(table, spec, reader.headers())
+    decode = _source_decode(src, reader, raw, spec, source, trust_remote_code)
+    table = _decision_table(src, reader, raw, spec, recipe, trust_remote_code, source.carried)
+    modules = _module_jobs(table, spec, reader.headers(), decode, dtype)
     _refuse_calibration(table, recipe)
     table.check_groups_known()
     return _Plan(
@@ -56,6 +60,7 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
         dtype=dtype,
         fingerprint=_fingerprint(recipe, reader.header_digest, table),
         source=source,
+        decode=decode,
         identity=identity,
     )
 
@@ -100,7 +105,8 @@ def _check_source_scheme(raw: dict, spec: ModelSpec, config_path: Path) -> None:
 
 
 def _decision_table(
-    src: Path, reader: CheckpointReader, raw: dict, spec: ModelSpec, recipe: Recipe, trust_remote_code: bool
+    src: Path, reader: CheckpointReader, raw: dict, spec: ModelSpec, recipe: Recipe, trust_remote_code: bool,
+    carried: CarriedModules | None = None,
 ) -> DecisionTable:
     """The decision table the model path's ``quantize`` builds from the same checkpoint. Shared-input rules
     come from a probe of the model's own classes, run only when the recipe needs them and, for checkpoint
@@ -109,7 +115,7 @@ def _decision_table(
     may_probe = trust_remote_code or not spec.loading.model_class.remote_code
     rules = partial(_probe_shared_inputs, src, raw, spec) if may_probe and spec.quant.probe_model is not None else None
     try:
-        return decide(reader.inventory(), spec, recipe, rules)
+        return decide(reader.inventory(), spec, recipe, rules, carried)
     except InventoryError as e:
         raise CheckpointError(f"{src}: {e}") from None
 
@@ -120,30 +126,83 @@ def _probe_shared_inputs(src: Path, raw: dict, spec: ModelSpec) -> tuple[SharedI
     return discover_shared_inputs(spec, model_cls, config)
 
 
-def _module_jobs(table: DecisionTable, spec: ModelSpec, tensors: dict[str, TensorInfo]) -> dict[str, _ModuleJob]:
-    """One job per Linear whose weight changes: quantized dense Linears and quantized or packed routed experts."""
+def _source_decode(src: Path, reader: CheckpointReader, raw: dict, spec: ModelSpec, source: SourceLayout,
+                   trust_remote_code: bool) -> SourceDecode:
+    """How the model path decodes this source (``SourceDecode``): asked of the spec's converters only when some
+    tensor is stored in a format they decode (block-FP8 dense Linears; routed experts stored encoded but not
+    MXFP4-packed), so a plain or MXFP4 source resolves no model class."""
+    dense = dense_decodes(reader, spec.loading.dense_converters)
+    key_re = re.compile(spec.experts.key_regex)  # the carried modules' experts (MTP layers) decode the same way
+    expert_parts = {k.rpartition(".")[2] for k in source.expert_keys | source.carried_keys if key_re.match(k)}
+    if not dense and (source.packed_experts or expert_parts <= {"weight"}):
+        return SourceDecode()
+    spec.loading.build(src)
+    model_cls, config = spec.loading.model_class.resolve(src, raw, trust_remote_code=trust_remote_code)
+    try:
+        chains = spec.loading.converters(PrepareContext(model_cls, config, src, packed_experts=source.packed_experts))
+    except SpecError as e:
+        raise CheckpointError(f"{src}: {e}") from None
+    ops = tuple(op for op in (decode_op(c) for c in chains if isinstance(c, WeightConverter)) if op is not None)
+    decode = SourceDecode(dense, () if source.packed_experts else ops, config)
+    if not source.packed_experts and expert_parts - {"weight"} and decode.expert_op(expert_parts) is None:
+        raise CheckpointError(f"{src}: routed experts stored as {sorted(expert_parts)}, which none of the "
+                              f"{spec.model_type} spec's converters decodes")
+    return decode
+
+
+def _module_jobs(table: DecisionTable, spec: ModelSpec, tensors: dict[str, TensorInfo], decode: SourceDecode,
+                 dtype: torch.dtype) -> dict[str, _ModuleJob]:
+    """One job per Linear whose weight changes: quantized dense Linears, quantized, packed or encoded routed
+    experts, and kept dense Linears stored encoded (block-FP8: written decoded, as the model path does)."""
     jobs: dict[str, _ModuleJob] = {}
+    parts: dict[str, set[str]] = {}
+    if decode.experts:  # which encoded form each expert Linear is stored in
+        for key in tensors:
+            module, _, part = key.rpartition(".")
+            parts.setdefault(module, set()).add(part)
     for name, d in table.decisions.items():
-        if d.kind == "experts" and (d.quantized or d.packed):
-            jobs.update((job.name, job) for job in _expert_jobs(d, spec, tensors))
+        if d.kind == "experts" and (d.quantized or d.packed or decode.experts):
+            jobs.update((job.name, job) for job in _expert_jobs(d, spec, tensors, decode, parts))
         elif d.kind == "linear" and d.quantized:
             group = table.groups.get(d.group, (name,))
-            jobs[name] = _ModuleJob(name, "quant", d.format, (f"{name}.weight",), d.shape, group,
-                                    table.group_input_amax(name))
+            weight = f"{name}.weight"
+            coded = weight if weight in decode.dense else None
+            jobs[name] = _ModuleJob(name, "quant", d.format, _dense_sources(weight, decode), d.shape, group,
+                                    table.group_input_amax(name), decode=coded)
+    quantized = {f"{name}.weight" for name, job in jobs.items() if job.kind == "quant"}
+    for target in sorted(set(decode.dense) - quantized):
+        d = table.decisions.get(target.removesuffix(".weight"))
+        if d is None or d.kind != "linear" or not target.endswith(".weight"):
+            raise CheckpointError(f"{target} is stored in a format the converter decodes only for Linear weights")
+        jobs[target] = _ModuleJob(target, "dense_decode", None, _dense_sources(target, decode), d.shape, (target,),
+                                  decode=target, dtype=dtype)
     return jobs
 
 
-def _expert_jobs(d: Decision, spec: ModelSpec, tensors: dict[str, TensorInfo]) -> list[_ModuleJob]:
+def _dense_sources(weight: str, decode: SourceDecode) -> tuple[str, ...]:
+    """The source keys of a dense weight: itself, or (first) the keys its spec converter decodes it from."""
+    if weight not in decode.dense:
+        return (weight,)
+    keys = decode.dense[weight][1].values()
+    return tuple(sorted(keys, key=lambda k: (k != weight, k)))
+
+
+def _expert_jobs(d: Decision, spec: ModelSpec, tensors: dict[str, TensorInfo], decode: SourceDecode,
+                 parts_of: dict[str, set[str]]) -> list[_ModuleJob]:
     module, _, proj = d.name.rpartition(".*.")
     partners = next((g for g in spec.quant.shared_scale_groups if proj in g), (proj,))
     kind = "decode" if d.format is None else "nvfp4_cast" if d.packed and d.format.weights.casts_from_mxfp4 else "quant"
-    parts = (_PACKED, _SCALE) if d.packed else ("weight",)
     amax = d.format.input_amax if d.format is not None else None
     jobs = []
     for e in d.experts:
         name = f"{module}.{e}.{proj}"
+        stored = sorted(parts_of.get(name, ()))
+        op = None if d.packed else decode.expert_op(set(stored))
+        parts = (_PACKED, _SCALE) if d.packed else ("weight",) if op is None else (
+            op.codes_field, op.scales_field, *(p for p in stored if p not in (op.codes_field, op.scales_field)))
         group = tuple(f"{module}.{e}.{p}" for p in partners if f"{module}.{e}.{p}.{parts[0]}" in tensors)
-        jobs.append(_ModuleJob(name, kind, d.format, tuple(f"{name}.{t}" for t in parts), d.shape, group, amax))
+        jobs.append(_ModuleJob(name, kind, d.format, tuple(f"{name}.{t}" for t in parts), d.shape, group, amax,
+                               decode=op))
     return jobs
 
 

@@ -43,7 +43,13 @@ class _ShardConverter:
         return self.plan.reader.pread(key, self.log)
 
     def _weight(self, job: _ModuleJob) -> torch.Tensor:
-        """The logical weight in the model's dtype (MXFP4 decoded exactly, as the model path loads it)."""
+        """The logical weight in the model's dtype (MXFP4, block-FP8 and INT4 decoded exactly, as the model path
+        loads them: a block-FP8 dense Linear through the spec's dense converter, an encoded routed expert
+        through its experts chain's decode step, into the model's dtype)."""
+        if isinstance(job.decode, str):
+            return self.plan.decode.dense_weight(job.decode, self._read, self.plan.dtype)
+        if job.decode is not None:
+            return job.decode.decode(self._read(job.sources[0]), self._read(job.sources[1]), self.plan.dtype)
         if len(job.sources) == 2:
             return mxfp4_decode(self._read(job.sources[0]), self._read(job.sources[1]), dtype=self.plan.dtype)
         return self._read(job.sources[0]).to(self.plan.dtype)
@@ -72,6 +78,9 @@ class _ShardConverter:
         """The job's output tensors (planned names) and its counters."""
         stats = ConvertStats()
         n_src = len(job.sources)
+        if job.kind == "dense_decode":  # a kept Linear stored block-FP8: the model path writes its decoded weight
+            stats.tensors["decoded"] += n_src
+            return {job.name: self._weight(job)}, stats
         if job.kind == "decode":
             stats.tensors["decoded"] += n_src
             # The model path writes a left-BF16 routed expert as bf16 whatever the model dtype.

@@ -13,7 +13,7 @@ at the end.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import CheckpointReader
+from ..checkpoint.source_decode import carried_items, carried_value
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
@@ -53,15 +54,19 @@ def _kv_scales(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_keys,
-                 decoded: dict[str, tuple[str, ...]] | None = None) -> list[tuple[str, str]]:
-    """Sorted work items ("quant", module) / ("copy", source key) / ("kv", key) / ("decoded", name) for all
-    but routed experts. ``decoded``: dense names decoded from a source format at load (a block-FP8 Linear) ->
-    their source keys: written from the model's decoded value (as ModelOpt writes a dequantized FP8 Linear
-    it keeps), their source keys never copied."""
-    decoded = decoded or {}
+                 decoded: dict[str, tuple[str, ...]] | None = None,
+                 carried: Mapping[str, tuple[str, tuple[str, ...]]] | None = None) -> list[tuple[str, str]]:
+    """Sorted work items ("quant", module) / ("copy", source key) / ("kv", key) / ("decoded", name) /
+    ("carried", name) for all but routed experts. ``decoded``: dense names decoded from a source format at load
+    (a block-FP8 Linear) -> their source keys: written from the model's decoded value (as ModelOpt writes a
+    dequantized FP8 Linear it keeps), their source keys never copied. ``carried``: what the tensors of modules
+    the model does not build become (``source_decode.carried_items``), read from the source, routed experts too."""
+    decoded, carried = decoded or {}, carried or {}
     items = [("quant", name) for name in qplan.dense]
     owned = {f"{name}.weight" for name in qplan.dense} | {key for keys in decoded.values() for key in keys}
+    owned |= {key for _, keys in carried.values() for key in keys}
     items += [("decoded", name) for name in decoded if name not in {f"{m}.weight" for m in qplan.dense}]
+    items += [("carried", name) for name in carried]
     items += [("copy", key) for key in reader.names() if key not in owned and not expert_key_re.match(key)]
     items += [("kv", key) for key in kv_keys]
     return sorted(items, key=lambda it: it[1])
@@ -182,6 +187,8 @@ class _ExportJob:
         self.experts_modules = self.spec.experts_modules(model)
         self.kv_scales = _kv_scales(model)
         self.writes_experts = info.placement.experts.writes_experts
+        # the tensors of modules the model does not build (MTP layers): output name -> how, from which keys
+        self.carried = carried_items(info.carried_keys, info.carried_decode, re.compile(self.spec.experts.key_regex))
 
 
 def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress: bool) -> tuple[dict[str, str], int]:
@@ -192,7 +199,7 @@ def _write_rank_share(job: _ExportJob, tmp: Path, max_shard_bytes: int, progress
         tmp, rank=group.rank, max_shard_bytes=max_shard_bytes
     ) as writer:
         items = _dense_items(job.qplan, reader, re.compile(job.spec.experts.key_regex), job.kv_scales,
-                             job.info.decoded_dense)
+                             job.info.decoded_dense, job.carried)
         n_experts = sum(m.num_experts for m in job.experts_modules.values()) if job.writes_experts else 0
         n_mine = len(items[group.rank :: group.world_size])
         bar = tqdm(total=n_mine + n_experts, desc=f"export rank {group.rank}", disable=not progress, leave=False)
@@ -225,6 +232,10 @@ def _write_dense_items(job: _ExportJob, items: list[tuple[int, str, str]], reade
         try:
             if kind == "copy":
                 writer.add(name, reader.get(name))
+            elif kind == "carried":
+                info = job.info
+                writer.add(name, carried_value(name, job.carried[name], info.carried_decode, reader.get,
+                                               info.carried_dtype).contiguous())
             elif kind == "decoded":
                 writer.add(name, weight.detach().contiguous())
             elif kind == "kv":
@@ -282,7 +293,7 @@ class ExportInParts:
         self.max_shard_bytes, self.progress = max_shard_bytes, progress
         with info.source() as reader:
             items = _dense_items(qplan, reader, re.compile(self.job.spec.experts.key_regex), self.job.kv_scales,
-                                 info.decoded_dense)
+                                 info.decoded_dense, self.job.carried)
         self.items = with_owners(items, self.group.world_size)
 
     def write_part(self, prefix: str, out_dir: Path, shard_prefix: str) -> tuple[dict[str, str], int]:

@@ -62,6 +62,9 @@ class LayerwiseLoad:
         if run.distribution.fsdp_sharded:
             raise ValueError("layerwise loading reads whole layers per rank; FSDP2-sharded plans are not supported")
         src = run_together("load: check the checkpoint", _planned_source, run, group=group)
+        if src.layout.carried_keys:
+            raise ValueError(f"layerwise runs do not carry {src.layout.carried.reason} tensors "
+                             f"({', '.join(src.layout.carried.prefixes)}) yet; run without --layerwise")
         plan = run.distribution
         _register_dispatch(plan)
         placement = plan.build_placement()

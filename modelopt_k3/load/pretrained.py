@@ -22,10 +22,12 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.core_model_loading import WeightConverter
 
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.nonfinite import source_refusal, warn_passthrough
 from ..checkpoint.source_check import SourceLayout, check_config, check_dense, check_experts, check_present
+from ..checkpoint.source_decode import SourceDecode
 from ..dist.collectives import run_together
 from ..dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from ..dist.group import current_group
@@ -33,7 +35,7 @@ from ..dist.placement import ExpertPlacement, Placement
 from ..dist.plan import AUTO, DistributionPlan, Residency, decide_plan
 from ..experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from ..numerics._slabs import run_slabs
-from ..spec import ModelSpec, PrepareContext, get_spec
+from ..spec import CarriedModules, ModelSpec, PrepareContext, get_spec
 from ..spec.conversion import (
     decode_op,
     decodes_after_layout,
@@ -67,6 +69,12 @@ class LoadInfo:
     packed_experts: bool = False  # routed experts stored MXFP4-packed in the source
     # Dense names decoded from a source format at load -> the source keys they consumed (``decoded_dense``).
     decoded_dense: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Modules the checkpoint stores but the model does not build (``SourceCheckSpec.carried``: MTP layers), their
+    # stored keys (never loaded) and how an export writes them (``checkpoint.source_decode.carried_items``).
+    carried: CarriedModules | None = None
+    carried_keys: frozenset[str] = frozenset()
+    carried_decode: SourceDecode = field(default_factory=SourceDecode)
+    carried_dtype: torch.dtype = torch.bfloat16  # the load's dtype: a carried dense weight decodes into it
     bytes_read: int = 0
     keys_read: list[str] = field(default_factory=list)
     # Source tensors with NaN/Inf (or NaN E8M0 scales) let through by allow_nonfinite_passthrough.
@@ -400,7 +408,7 @@ def _sharded_expert_params(model: nn.Module, spec: ModelSpec) -> tuple[set[str],
 
 
 def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
-    dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys}
+    dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys and k not in source.carried_keys}
     converted = {name: tuple(keys.values())
                  for name, (_, keys) in _plan_dense_conversions(reader, spec.loading.dense_converters).items()}
     fused, stored_fused = _sharded_expert_params(model, spec)
@@ -589,7 +597,8 @@ def _load_with_plan(path: Path, src: _Source, the_plan: DistributionPlan, dtype:
     converters = _prepare(src, path, the_plan)
     model = _build_placed_model(src, the_plan, placement, dtype, group)
     info = LoadInfo(checkpoint=path, spec=src.spec, plan=the_plan, placement=placement, model_cls=src.model_cls,
-                    packed_experts=src.layout.packed_experts, _source=src.reader)
+                    packed_experts=src.layout.packed_experts, _source=src.reader,
+                    **carried_fields(src.layout, src.reader, src.spec, converters, src.config, dtype))
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.
     run_together("load checkpoint", _read_own_tensors, model, src.reader, converters, info, progress,
@@ -599,6 +608,19 @@ def _load_with_plan(path: Path, src: _Source, the_plan: DistributionPlan, dtype:
     model.eval()
     model.modelopt_k3 = info
     return model
+
+
+def carried_fields(layout: SourceLayout, reader: CheckpointReader, spec: ModelSpec, converters: list,
+                   config: object, dtype: torch.dtype) -> dict:
+    """``LoadInfo``'s carried fields: the carried modules (as the source check found them) and how their stored
+    tensors decode -- the spec's dense converters on their keys and its experts chains' decode steps."""
+    if not layout.carried_keys:
+        return {}
+    ops = tuple(op for op in (decode_op(c) for c in converters if isinstance(c, WeightConverter)) if op is not None)
+    decode = SourceDecode(dense_decodes(reader, spec.loading.dense_converters, sorted(layout.carried_keys)),
+                          () if layout.packed_experts else ops, config)
+    return {"carried": layout.carried, "carried_keys": layout.carried_keys, "carried_decode": decode,
+            "carried_dtype": dtype}
 
 
 @dataclass(frozen=True)
@@ -705,7 +727,7 @@ def _read_own_tensors(model: nn.Module, reader: CheckpointReader, converters: li
         total = len(persistent_tensors(model))
         with tqdm(total=total, desc=f"load rank {info.plan.rank}", disable=not progress, leave=False) as bar:
             consumed = _fill_own(model, reader, converters, info, bar)
-        unexpected = set(reader.names()) - consumed
+        unexpected = set(reader.names()) - consumed - info.carried_keys  # carried: the export writes them
         if unexpected:
             raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
         _record_reads(info, reader, allow_nonfinite_passthrough)
@@ -730,7 +752,8 @@ def _record_reads(info: LoadInfo, reader: CheckpointReader, allow_nonfinite_pass
     """After a read (of ``keys``' part, default all): bytes and keys read, the dense names decoded at load,
     and the non-finite source tensors, refused unless passed through (each warned about once)."""
     info.bytes_read, info.keys_read = reader.log.bytes, list(reader.log.keys)
-    info.decoded_dense.update(decoded_dense(reader, info.spec.loading.dense_converters, keys))
+    decoded = decoded_dense(reader, info.spec.loading.dense_converters, keys)
+    info.decoded_dense.update((k, v) for k, v in decoded.items() if not set(v) & info.carried_keys)
     if reader.log.invalid and not allow_nonfinite_passthrough:
         raise source_refusal(reader.log.invalid)
     new = {k: v for k, v in reader.log.invalid.items() if k not in info.nonfinite}
@@ -761,6 +784,11 @@ def decoded_dense(reader: CheckpointReader, converters: tuple, keys=None) -> dic
     """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
     the source keys they consume (among ``keys``, default all): the export writes them from the model, never
     by copying those keys."""
+    return {target: tuple(sorted(k.values())) for target, (_, k) in dense_decodes(reader, converters, keys).items()}
+
+
+def dense_decodes(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[object, dict[str, str]]]:
+    """``decoded_dense`` with the converter of each: target name -> (converter, {source pattern: source key}),
+    as the load runs it (``run_converter``); the streaming converter decodes those tensors the same way."""
     plan = _plan_dense_conversions(reader, converters, keys)
-    return {target: tuple(sorted(k.values())) for target, (conv, k) in plan.items()
-            if decode_op(conv) is not None and len(k) > 1}
+    return {target: (conv, k) for target, (conv, k) in plan.items() if decode_op(conv) is not None and len(k) > 1}

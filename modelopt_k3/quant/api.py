@@ -69,10 +69,12 @@ class QuantPlan:
 
 def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec) -> None:
     """The table classifies the checkpoint's tensors; the model's own Linears must be the same set."""
+    carried = model.modelopt_k3.carried  # modules the model does not build (MTP layers): kept, never matched
+    held = (lambda name: False) if carried is None else carried.holds
     linears = {name for name, m in model.named_modules() if type(m) is nn.Linear}
-    table_linears = set(table.of_kind("linear"))
+    table_linears = {name for name in table.of_kind("linear") if not held(name)}
     experts = set(spec.experts_modules(model))
-    table_experts = {name.rpartition(".*.")[0] for name in table.of_kind("experts")}
+    table_experts = {name.rpartition(".*.")[0] for name in table.of_kind("experts") if not held(name)}
     if linears != table_linears or experts != table_experts:
         diff = sorted((linears ^ table_linears) | (experts ^ table_experts))
         raise RuntimeError(f"the checkpoint's Linears and the model's disagree on {len(diff)} module(s), e.g. {diff[:5]}")
@@ -86,7 +88,7 @@ def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec,
     # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
     rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.quant.probe_model else None
     if table is None:
-        table = decide(info.source().inventory(), spec, recipe, rules)
+        table = decide(info.source().inventory(), spec, recipe, rules, info.carried)
     elif table.recipe is not recipe:
         raise ValueError(f"the decision table is for recipe {table.recipe.name}, not {recipe.name}")
     else:

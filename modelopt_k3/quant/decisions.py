@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
 from ..numerics.constants import MXFP4_BLOCK
 from ..recipe import QuantFormat, Recipe, RecipeEntry, RecipeError
-from ..spec import ManifestNaming, ModelSpec
+from ..spec import CarriedModules, ManifestNaming, ModelSpec
 from .shared_inputs import SharedInputRule, apply_rules
 
 Kind = Literal["linear", "experts", "embedding", "router", "conv"]
@@ -273,11 +273,13 @@ def decide(
     spec: ModelSpec,
     recipe: Recipe,
     rules: tuple[SharedInputRule, ...] | Callable[[], tuple[SharedInputRule, ...] | None] | None,
+    carried: CarriedModules | None = None,
 ) -> DecisionTable:
     """The decision table of a checkpoint for ``recipe``. ``rules``: its shared-input rules, a callable
     giving them (called only when a dense Linear gets NVFP4, the only format whose groups share scales,
     so recipes without one never run the probe), or None when they are unknown
-    (``check_groups_known`` then refuses dense NVFP4 Linears)."""
+    (``check_groups_known`` then refuses dense NVFP4 Linears). ``carried``: modules the model does not build
+    (``SourceCheckSpec.carried``), kept whatever the recipe says, for the carried reason."""
     dense_parts, expert_parts = _modules(inventory, spec)
     decisions = _expert_decisions(recipe, spec, expert_parts)
     experts_modules = {name.rpartition(".*.")[0] for name in decisions}
@@ -297,6 +299,10 @@ def decide(
             decisions[name] = Decision(name, "conv", parts["weight"][1], None, "convolution")
     for name in routers:
         decisions[name] = Decision(name, "router", dense_parts[name]["weight"][1], None, "router")
+    if carried is not None:
+        for name, d in list(decisions.items()):
+            if d.kind in ("linear", "experts") and carried.holds(name):
+                decisions[name] = replace(d, format=None, reason=carried.reason, group=None)
     recipe.check_against({m: d.shape for d in decisions.values() if d.kind in ("linear", "experts")
                           for m in d.module_names()}, dense_parts)
     return with_shared_groups(DecisionTable(recipe, dict(sorted(decisions.items())), naming=spec.export.manifest_naming),

@@ -207,7 +207,7 @@ def _export_format(ctx: PreflightContext) -> None:
     from ..quant.decisions import decide
 
     # Shared-input groups need the model's code: quantize adds them to this table (``with_shared_groups``).
-    ctx.table = decide(ctx.reader.inventory(), ctx.spec, ctx.recipe, None)
+    ctx.table = decide(ctx.reader.inventory(), ctx.spec, ctx.recipe, None, ctx.source.carried)
     fmt = ctx.export_format  # the ExportFormat the caller resolved from the flag, once
     why = fmt.unexpressible(set(ctx.table.layer_algos().values()), ctx.recipe.kv_cache)
     if why is not None:

@@ -7,6 +7,7 @@ model's converters declare); ``registry``: ``model_type`` -> spec, builtin model
 """
 
 from .contract import (
+    CarriedModules,
     ExpertProjection,
     ExpertsLayout,
     ExpertsSpec,
@@ -48,6 +49,7 @@ __all__ = [
     "ReportSpec",
     "ServingSpec",
     "SourceCheckSpec",
+    "CarriedModules",
     "SpecError",
     "TransformersClass",
     "builtin_model_packages",

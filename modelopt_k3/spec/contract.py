@@ -293,6 +293,27 @@ class SourceCheckSpec:
     # config.json -> None, or SpecError naming the first field the tools read that is missing or invalid
     # (run before anything reads the config: ``source_check.check_config``).
     check_config: Callable[[Mapping[str, Any]], None] | None = None
+    # config.json -> the modules the checkpoint stores but the model class does not build (DeepSeek-V3's MTP
+    # layers), or None: carried into an export unquantized (``CarriedModules``).
+    carried: Callable[[Mapping[str, Any]], CarriedModules | None] | None = None
+
+
+@dataclass(frozen=True)
+class CarriedModules:
+    """Checkpoint modules no model class builds, carried into every export unquantized (DeepSeek-V3's MTP layers,
+    ``model.layers.{num_hidden_layers + j}``): never loaded, calibrated or quantized (the decision table keeps
+    them, so an export lists them in its exclusions); both paths write their tensors as stored, a weight stored
+    in a source format the spec decodes (block-FP8, INT4) written decoded as a kept Linear is. The source check
+    (``source_check.check_carried``) refuses a missing, stray or mis-shaped tensor under them."""
+
+    prefixes: tuple[str, ...]  # module names; every key under one (``prefix.``) is carried
+    # every logical tensor they hold -> shape; a Linear's ``weight`` (routed experts per expert, as stored) may be
+    # stored in a source format that decodes to that shape
+    tensors: Mapping[str, tuple[int, ...]]
+    reason: str  # why they are kept, as the decision table and the report give it
+
+    def holds(self, key: str) -> bool:
+        return any(key.startswith(f"{p}.") for p in self.prefixes)
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,22 @@ def _checkpoint_tensors(model: Any, seed: int, source: str) -> Iterator[tuple[st
                                    expert=True)
 
 
+def _mtp_tensors(config: dict[str, Any], seed: int, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of every MTP layer (the spec's ``mtp_layer_shapes``): the decoder layer stored as
+    ``source`` stores the others, the MTP modules BF16 (as DeepSeek-V3's hub checkpoint)."""
+    from ..models.deepseek_v3.source_layout import mtp_layer_shapes
+
+    first = config["num_hidden_layers"]
+    for layer in range(first, first + config["num_nextn_predict_layers"]):
+        for name, shape in mtp_layer_shapes(config, layer).items():
+            value = _value(name, shape, _tensor_generator(seed, name))
+            if name.endswith("e_score_correction_bias"):
+                yield name, value.float()
+            else:
+                expert = ".mlp.experts." in name
+                yield from _stored(name, value, source, expert=expert)
+
+
 def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
     unknown = set(sizes) - set(DEEPSEEK_V3_TINY_DEFAULTS)
     if unknown:
@@ -188,22 +204,31 @@ def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
 
 def make_tiny_deepseek_v3(
     path: str | Path, *, source: str = "block_fp8", seed: int = 0, overwrite: bool = False,
-    max_shard_size: int | None = None, **sizes: Any,
+    max_shard_size: int | None = None, num_nextn_predict_layers: int = 0, **sizes: Any,
 ) -> Path:
     """Write a tiny DeepSeek-V3 checkpoint stored as ``source`` (``block_fp8``, ``int4`` or ``bf16``) into ``path``
-    and return it (``sizes`` override ``DEEPSEEK_V3_TINY_DEFAULTS``). Same arguments, byte-identical files."""
+    and return it (``sizes`` override ``DEEPSEEK_V3_TINY_DEFAULTS``). Same arguments, byte-identical files.
+
+    ``num_nextn_predict_layers``: MTP layers stored after the decoder layers as ``model.layers.{num_hidden_layers +
+    j}`` (``models.deepseek_v3.source_layout.mtp_layer_shapes``), their tensors last; 0 (the default) writes exactly the files it always wrote."""
     if source not in SOURCES:
         raise ValueError(f"source={source!r}; one of {SOURCES}")
+    if not isinstance(num_nextn_predict_layers, int) or num_nextn_predict_layers < 0:
+        raise ValueError(f"num_nextn_predict_layers={num_nextn_predict_layers!r}; a non-negative integer")
     path = fresh_dir(path, overwrite)
     s = _resolve_sizes(sizes)
     config = checkpoint_config(s)
     model = _meta_model(config)
     tensors = list(_checkpoint_tensors(model, seed, source))
+    if num_nextn_predict_layers:
+        config["num_nextn_predict_layers"] = num_nextn_predict_layers
+        tensors += list(_mtp_tensors(config, seed, source))
     if source == SOURCES[0]:
         config["quantization_config"] = fp8_quantization_config()
     elif source == "int4":
         ignore = sorted({k.removesuffix(".weight") for k, _ in tensors if k.endswith(".weight")
-                         and (_LINEAR_RE.search(k) or k == "lm_head.weight")})
+                         and (_LINEAR_RE.search(k) or k == "lm_head.weight"
+                              or k.endswith((".eh_proj.weight", ".shared_head.head.weight")))})
         config["quantization_config"] = int4_quantization_config(ignore)
     return write_stand_in(path, tensors, config, vocab_size=s["vocab_size"], max_shard_size=max_shard_size)
 

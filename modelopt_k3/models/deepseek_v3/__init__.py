@@ -32,7 +32,7 @@ from .memory import activation_memory
 from .prepare import checkpoint_converters, place_experts, prepare
 from .probe import probe_model
 from .source import DENSE_FP8_CONVERTERS
-from .source_layout import check_config_fields
+from .source_layout import carried_modules, check_config_fields
 
 
 def serving_rules() -> Mapping[str, Any]:
@@ -59,7 +59,8 @@ DEEPSEEK_V3_SPEC = register_spec(
             model_class=TransformersClass("DeepseekV3ForCausalLM"),
             prepare=prepare,
             converters=checkpoint_converters,
-            # None the calibration-free converter decodes (it refuses block-FP8 and INT4 sources, naming them).
+            # No MXFP4 (compressed-tensors) format: the converter decodes block-FP8 and INT4 sources through
+            # ``converters`` / ``dense_converters`` as the loader does (``checkpoint.source_decode.SourceDecode``).
             source_formats=frozenset(),
             dense_converters=DENSE_FP8_CONVERTERS,
         ),
@@ -80,12 +81,14 @@ DEEPSEEK_V3_SPEC = register_spec(
                         probe_model=probe_model),
         # _no_split_modules: DeepseekV3DecoderLayer.
         memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\.", activation_memory=activation_memory),
-        source_check=SourceCheckSpec(check_config=check_config_fields),
+        source_check=SourceCheckSpec(check_config=check_config_fields, carried=carried_modules),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
+        # Without --recipe the converter writes weight-only NVFP4 where the nvfp4 recipe quantizes (W4A4 input
+        # scales of BF16/FP8/INT4-sourced experts need calibration; no lossless cast into NVFP4 exists for them).
         recipes=RecipesSpec(
-            qformat={"nvfp4": "models/deepseek-ai/DeepSeek-V3/nvfp4"},
-            converter=None,
-            no_converter_reason="its experts' NVFP4 input scales need calibration",
+            qformat={"nvfp4": "models/deepseek-ai/DeepSeek-V3/nvfp4",
+                     "w4a16_nvfp4": "models/deepseek-ai/DeepSeek-V3/w4a16_nvfp4"},
+            converter="models/deepseek-ai/DeepSeek-V3/w4a16_nvfp4",
         ),
         # vLLM's, SGLang's and TensorRT-LLM's DeepSeek-V3 loaders (serving.py; docs "DeepSeek-V3").
         serving=ServingSpec(rules=serving_rules, kv_scale_names=kv_scale_names),

@@ -167,18 +167,6 @@ def test_hf_ptq_qformat_nvfp4_exports(deepseek_fp8_ckpt, tmp_path):
     assert not any(k.endswith("weight_scale_inv") for k in weight_map)
 
 
-@pytest.mark.parametrize("source", ["fp8", "int4"])
-def test_converter_refuses_block_fp8_and_int4_sources(source, deepseek_fp8_ckpt, deepseek_int4_ckpt, tmp_path):
-    """The calibration-free converter does not decode these sources yet: refused naming the format, nothing written
-    (it would otherwise quantize the raw FP8 codes or the INT4 words)."""
-    from modelopt_k3.convert.api import convert_checkpoint
-
-    ckpt = deepseek_fp8_ckpt if source == "fp8" else deepseek_int4_ckpt
-    with pytest.raises(ValueError, match="block-FP8" if source == "fp8" else "pack-quantized"):
-        convert_checkpoint(ckpt, tmp_path / "out", "w4a16_nvfp4")
-    assert not (tmp_path / "out").exists()
-
-
 def test_mla_kv_cache_scale_is_the_latent_and_rope_key_amax(deepseek_fp8_ckpt, tmp_path):
     """kv_cache fp8: one scale per MLA layer = amax over kv_a_layernorm's output and the rope columns of
     kv_a_proj_with_mqa's output, / 448, exported as self_attn.k_proj.k_scale == self_attn.v_proj.v_scale."""

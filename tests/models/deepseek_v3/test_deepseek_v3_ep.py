@@ -103,3 +103,34 @@ def test_ep2_int4_experts_read_only_local_codes_scales_and_shapes(deepseek_int4_
         assert read == set(local) and len(local) == 4, (rank, sorted(read))
         for field in ("weight_packed", "weight_scale", "weight_shape"):
             assert any(k.endswith(f"experts.{local[-1]}.down_proj.{field}") for k in keys), (rank, field)
+
+
+def _ep_weight_only(ckpt: str, out: str):
+    import modelopt_k3
+    from modelopt_k3.dist.group import run_group
+
+    with run_group():
+        model = modelopt_k3.load_pretrained(ckpt, progress=False)
+        modelopt_k3.quantize(model, "models/deepseek-ai/DeepSeek-V3/w4a16_nvfp4", None, verbose=False)
+        modelopt_k3.export_checkpoint(model, out, progress=False)
+        return model.modelopt_k3.plan.kind
+
+
+def test_ep2_carries_the_mtp_layer_as_one_process(deepseek_mtp_ckpts, tmp_path):
+    """EP 2 on the stand-in with an MTP layer (weight-only, no calibration): the carried layer's items are split
+    over the ranks like dense items; the export equals one process's byte for byte."""
+    from .conftest import weight_only_export
+
+    ckpt = deepseek_mtp_ckpts["block_fp8"]
+    out = tmp_path / "ep2"
+    results = run_ranks(2, _ep_weight_only, str(ckpt), str(out), timeout=600, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    assert [r.value for r in results] == ["expert_parallel"] * 2
+    one = weight_only_export(ckpt, tmp_path / "one")
+    ours, theirs = read_export(out), read_export(one)
+    assert set(ours) == set(theirs) and any(k.startswith("model.layers.3.mlp.experts.") for k in ours)
+    for key, t in theirs.items():
+        assert ours[key].dtype == t.dtype and torch.equal(ours[key].reshape(-1).view(torch.uint8),
+                                                          t.reshape(-1).view(torch.uint8)), key
+    for name in ("config.json", "hf_quant_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads((one / name).read_text()), name

@@ -1,0 +1,88 @@
+"""Decoding a source format without the model, as the loader decodes it (block-FP8 Linears, INT4 routed experts):
+the spec's own converters, run on tensors read by name. The streaming converter decodes what it converts this
+way, and both paths decode the tensors of carried modules (``spec.CarriedModules``: DeepSeek-V3's MTP layers,
+which no model builds) this way, so both write the same bytes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..spec.conversion import DecodeOp, run_converter
+
+
+class _ModelConfig:
+    """What a spec's conversion op reads of the model it loads into: its config (``weight_block_size``)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+
+@dataclass(frozen=True)
+class SourceDecode:
+    """How the model path decodes a source format it loads decoded (block-FP8 Linears, INT4 experts): the
+    spec's own converters, run here the same way, so both paths see the same weights.
+
+    ``dense``: dense names a spec dense converter decodes (``load.pretrained.dense_decodes``) -> (converter, {source pattern:
+    key}); ``experts``: the decode steps of the spec's experts chains (``LoadingSpec.converters``) for routed
+    experts stored encoded but not MXFP4-packed (those take the lossless cast); ``config``: the model's config,
+    which the ops read."""
+
+    dense: dict[str, tuple[Any, dict[str, str]]] = field(default_factory=dict)
+    experts: tuple[DecodeOp, ...] = ()
+    config: Any = None
+
+    def expert_op(self, parts: set[str]) -> DecodeOp | None:
+        """The decode step for a routed expert stored as ``parts`` (None: stored plain)."""
+        return next((op for op in self.experts if {op.codes_field, op.scales_field} <= parts), None)
+
+    def dense_weight(self, name: str, read, dtype: torch.dtype) -> torch.Tensor:
+        """Dense ``name`` decoded as the load decodes it (the spec's converter, then the parameter's dtype)."""
+        conv, keys = self.dense[name]
+        value = run_converter(conv, {p: [read(k)] for p, k in keys.items()}, full_layer_name=name,
+                              model=_ModelConfig(self.config))
+        if isinstance(value, list) and len(value) == 1:  # a chain of per-tensor ops keeps the one-element list
+            value = value[0]
+        return value.to(dtype)
+
+
+def carried_items(keys: Iterable[str], decode: SourceDecode, expert_re: re.Pattern) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """What an export writes for the stored ``keys`` of carried modules: output name -> (how, source keys).
+    ``"dense"``: a weight the spec's dense converter decodes (``SourceDecode.dense_weight``, the model's dtype, as a
+    kept dense Linear); ``"expert"``: a routed expert Linear stored encoded (its decode step, then BF16, as a
+    routed expert left unquantized); ``"copy"``: every other tensor, as stored. Every key is a source of one item."""
+    keys = set(keys)
+    items: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for name in sorted(decode.dense):
+        sources = tuple(sorted(decode.dense[name][1].values()))
+        if set(sources) <= keys:
+            items[name] = ("dense", sources)
+    parts: dict[str, set[str]] = {}
+    for key in keys:
+        if expert_re.match(key):
+            module, _, part = key.rpartition(".")
+            parts.setdefault(module, set()).add(part)
+    for module, stored in sorted(parts.items()):
+        op = decode.expert_op(stored)
+        if op is not None:
+            rest = sorted(stored - {op.codes_field, op.scales_field})
+            items[f"{module}.weight"] = ("expert", tuple(f"{module}.{p}" for p in (op.codes_field, op.scales_field, *rest)))
+    used = {k for _, sources in items.values() for k in sources}
+    items.update((key, ("copy", (key,))) for key in sorted(keys - used))
+    return dict(sorted(items.items()))
+
+
+def carried_value(name: str, item: tuple[str, tuple[str, ...]], decode: SourceDecode,
+                  read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor an export writes for carried item ``name`` (``carried_items``); ``dtype``: the model's."""
+    how, sources = item
+    if how == "dense":
+        return decode.dense_weight(name, read, dtype)
+    if how == "expert":
+        op = decode.expert_op({k.rpartition(".")[2] for k in sources})
+        return op.decode(read(sources[0]), read(sources[1]), dtype).to(torch.bfloat16)
+    return read(sources[0])
