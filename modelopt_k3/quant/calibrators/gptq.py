@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ...dist.collectives import run_together
 from ...dist.fsdp import is_sharded
@@ -337,6 +338,8 @@ class GptqCalibrator(MaxCalibrator):
                 modes = [q.mode for q in inside]
                 for q in inside:
                     q.mode = "off"
+                leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+                versions = [x._version for x in leaves]
                 rerunning[0] = True
                 try:
                     mod(*args, **kwargs)
@@ -344,6 +347,10 @@ class GptqCalibrator(MaxCalibrator):
                     rerunning[0] = False
                     for q, m in zip(inside, modes):
                         q.mode = m
+                if [x._version for x in leaves] != versions:  # the real forward would see what the rerun wrote
+                    raise RuntimeError(f"gptq asymmetric: decoder layer {type(mod).__name__} changed one of its "
+                                       "arguments in place, so it cannot be rerun for its reference inputs; "
+                                       "use asymmetric: false (or --layerwise)")
                 return None
 
             handles.append(layer.register_forward_pre_hook(rerun, with_kwargs=True))
