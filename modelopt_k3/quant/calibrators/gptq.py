@@ -201,7 +201,10 @@ class GptqCalibrator(MaxCalibrator):
         super().__init__(algorithm)
         if algorithm.get("block_size") <= 0 or algorithm.get("block_size") % 16:
             raise ValueError(f"algorithm gptq: block_size must be a positive multiple of 16, got {algorithm.get('block_size')}")
-        self.passes = 0  # Hessian forwards run (after max's), for tests and the summary
+        if algorithm.get("asymmetric") and not algorithm.get("true_sequential"):
+            raise ValueError("algorithm gptq: asymmetric needs true_sequential (its reference is the earlier stages "
+                             "unquantized)")
+        self.passes = 0  # Hessian forwards run (after max's)
 
     # ------------------------------------------------------------------ what gets updated
 

@@ -1,9 +1,9 @@
 """The outlier-channel stand-in (``make_tiny_qwen3_moe(..., outliers=True)``) and the weight algorithms on it.
 
 On heavy-tailed inputs and weights, as a trained LLM's are: ``nvfp4_mse`` errs no more than max on every NVFP4
-weight (strictly less in total on each), and ``nvfp4_gptq`` gives every quantized decoder layer a lower output
-error than max on HELD-OUT tokens (not the calibration tokens), with no dense Linear it updates materially worse
-than max there. A random model: this proves the mechanics generalise off the calibration set, not quality.
+weight (strictly less in total on each), and ``nvfp4_gptq`` gives every decoder layer, and layer 1's dense MLP
+block, a lower output error than max on HELD-OUT tokens (not the calibration tokens). A random model: this
+proves the mechanics generalise off the calibration set, not quality.
 """
 
 from __future__ import annotations
