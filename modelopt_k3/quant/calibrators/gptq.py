@@ -222,6 +222,8 @@ class GptqCalibrator(MaxCalibrator):
                 self.labels[site.name] = "max (not NVFP4)"
             elif is_packed(m) or site.param not in EXPERT_PARAMS or not hasattr(m, "activation"):
                 self.labels[site.name] = "max (gptq of these routed experts not built: packed or unknown layout)"
+            elif is_sharded(getattr(m, site.param)):
+                self.labels[site.name] = "max (gptq of FSDP2-sharded routed experts not built: it needs whole experts)"
             elif m.placement.ep_size < replicated:
                 self.labels[site.name] = ("max (gptq of routed experts under replicated expert groups not built: "
                                           "an expert's tokens are split over its replicas)")
