@@ -170,3 +170,26 @@ def test_gptq_lowers_every_routed_experts_output_error_on_its_own_tokens(qwen3_m
                 assert err_gptq < err_max, (name, e, param, float(err_gptq), float(err_max))
                 checked += 1
     assert checked >= 24  # most of the 2 x 8 experts got tokens
+
+
+def test_gptq_asymmetric_refuses_a_layer_that_changes_its_arguments_in_place(qwen3_moe_ckpt):
+    """The resident reference rerun calls a decoder layer twice on the same arguments: a layer writing into one
+    of them would feed the real call what the rerun wrote, so it is refused, naming the way out."""
+    import modelopt_k3
+
+    model = modelopt_k3.load_pretrained(qwen3_moe_ckpt, progress=False)
+    layer = model.model.layers[1]
+    forward = layer.forward
+
+    def writes_its_input(hidden_states, *args, **kwargs):
+        hidden_states.mul_(1.0)
+        return forward(hidden_states, *args, **kwargs)
+
+    layer.forward = writes_its_input
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=calibration_token_ids())
+
+    with pytest.raises(RuntimeError, match="changed one of its arguments in place.*asymmetric: false"):
+        modelopt_k3.quantize(model, "presets/nvfp4_default_gptq", loop, verbose=False)
