@@ -193,3 +193,24 @@ def test_gptq_asymmetric_refuses_a_layer_that_changes_its_arguments_in_place(qwe
 
     with pytest.raises(RuntimeError, match="changed one of its arguments in place.*asymmetric: false"):
         modelopt_k3.quantize(model, "presets/nvfp4_default_gptq", loop, verbose=False)
+
+
+def test_gptq_forwards_modelopt_one_pass_and_ours_one_per_stage(qwen3_moe_ckpt):
+    """ModelOpt's gptq (``true_sequential: false``): max's forward, then ONE Hessian forward for every weight.
+    The preset's ``true_sequential``: one forward per stage of a layer (q/k/v; o; gate/up and the experts'
+    gate/up; down and the experts' down: 4 on Qwen3-MoE), the asymmetric reference reruns inside them."""
+    import modelopt_k3
+    from modelopt_k3.recipe import load_recipe
+
+    one_pass = load_recipe("presets/nvfp4_default_gptq",
+                           overrides={"algorithm": {"method": "gptq", "perc_damp": 0.01, "block_size": 128}})
+    for recipe, forwards in ((one_pass, 1 + 1), ("presets/nvfp4_default_gptq", 1 + 4)):
+        calls = []
+
+        def loop(m, calls=calls):
+            calls.append(1)
+            with torch.no_grad():
+                m(input_ids=calibration_token_ids())
+
+        modelopt_k3.quantize(modelopt_k3.load_pretrained(qwen3_moe_ckpt, progress=False), recipe, loop, verbose=False)
+        assert len(calls) == forwards, (recipe, len(calls))
