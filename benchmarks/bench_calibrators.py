@@ -17,7 +17,9 @@ cost at full size, where the forwards dominate less and the searches scale with 
   the same layer with unquantized weights, same inputs), algorithm / max: in the markdown table.
 
 Correctness checks (fail the run): mse's weight error <= max's on every NVFP4 weight; gptq's held-out
-output error < max's on every dense Linear it updates.
+decoder-layer output error < max's on every layer (issue 29's acceptance; its per-Linear figures on the
+weights-unquantized inputs may exceed 1: the asymmetric target compensates the quantized inputs' error,
+which those inputs do not have).
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def run(ctx):
     checks = {
         ("mse", "weight"): {"mse weight error <= max on every NVFP4 weight":
                             all(weight["mse"][k] <= weight["max"][k] * (1 + 1e-9) for k in weight["max"])},
-        ("gptq", "output"): {"gptq held-out output error < max on every dense Linear":
-                             all(output["gptq"][k] < output["max"][k] for k in output["max"])},
+        ("gptq", "output"): {"gptq held-out decoder-layer output error < max on every layer":
+                             all(a < b for a, b in zip(layers["gptq"], layers["max"]))},
     }
     tmax = statistics.median(times["max"])
     figures = []

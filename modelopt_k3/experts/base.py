@@ -12,7 +12,8 @@ its own math:
 
 Everything else is here, once: the placement (``placement``, ``place``, ``num_global_experts``,
 ``expert_offset``, ``extra_repr``), the ``down_input_hook`` convention (``_apply_gate``: the model's
-activation, then the hook, the one point where a quantization layer quantizes the down input) and the
+activation, then the hook, the one point where a quantization layer quantizes the down input), the
+``owner_input_hook`` (what the local experts receive, on their owner) and the
 eager implementation (sort the (token, slot) pairs by expert, one matmul pair per expert that received
 tokens, scatter back, ``combine``). The same ``combine`` closes the other runs of a layer: ``torch_a2a``
 (``experts/dispatch.py``) and chunked packed decode (``experts/packed.py``).
@@ -53,6 +54,10 @@ class FusedExperts(nn.Module):
     # Applied to the down projection's input (after the activation) by every implementation, through
     # _apply_gate: the declared point where a quantization layer quantizes that input (quant/modules.py).
     down_input_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Called on the rank that runs the local experts with what they receive, ``(module, hidden [M, H], local
+    # ids [M, k])``, before they run: the owner-side point where a calibrator reads each expert's routed
+    # tokens (``experts.dispatch.owner_inputs`` sets it; ``torch_a2a`` calls it on the owner).
+    owner_input_hook: Callable[[nn.Module, torch.Tensor, torch.Tensor], None] | None = None
     placement: ExpertPlacement
     num_experts: int  # local experts (the experts interface reads it)
     hidden_dim: int

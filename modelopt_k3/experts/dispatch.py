@@ -16,6 +16,9 @@ calibration loop equalises batch counts).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -43,7 +46,9 @@ def torch_a2a_experts_forward(
 ) -> torch.Tensor:
     placement: ExpertPlacement = self.placement
     if not dist.is_initialized() or placement.ep_size == 1:
-        return _local_forward(self)(self, hidden_states, top_k_index - placement.local.start, top_k_weights)
+        local_ids = top_k_index - placement.local.start
+        _observe_owner(self, hidden_states, local_ids)
+        return _local_forward(self)(self, hidden_states, local_ids, top_k_weights)
     group = placement.group
     num_tokens, top_k = top_k_index.shape
     layout = dispatch_layout(top_k_index, placement)
@@ -54,6 +59,7 @@ def torch_a2a_experts_forward(
     recv_ids = exchange(layout.owner_local_ids, send_counts, recv_counts, group)
     del send_x  # free each buffer once exchanged: the memory planner counts this sequence
 
+    _observe_owner(self, recv_x, recv_ids.unsqueeze(1))
     ones = torch.ones(recv_ids.numel(), 1, dtype=torch.float32, device=recv_x.device)
     expert_out = _local_forward(self)(self, recv_x, recv_ids.unsqueeze(1), ones)
     del recv_x, recv_ids, ones
@@ -64,6 +70,36 @@ def torch_a2a_experts_forward(
     del back
     combine = getattr(self, "combine", None) or combine_fp32  # the module's own eager combine
     return combine(per_slot, top_k_index, top_k_weights, hidden_states.dtype)
+
+
+def _observe_owner(module: torch.nn.Module, hidden: torch.Tensor, local_ids: torch.Tensor) -> None:
+    hook = getattr(module, "owner_input_hook", None)
+    if hook is not None:
+        hook(module, hidden, local_ids)
+
+
+@contextmanager
+def owner_inputs(module: torch.nn.Module, hook: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], None],
+                 ) -> Iterator[None]:
+    """``hook(module, hidden [M, H], local ids [M, k])`` on the rank that runs ``module``'s local experts, with
+    what they receive, for the block. Under ``torch_a2a`` the owner calls it after the exchange (the origin's
+    forward pre-hooks, e.g. the input quantizer, already ran); under a local implementation (one process:
+    every expert is local) a forward pre-hook registered after the module's others calls it."""
+    module.owner_input_hook = hook
+    handle = None
+    if getattr(module.config, "_experts_implementation", None) != A2A_NAME:
+        def pre_hook(mod, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            hook(mod, hidden, ids - mod.placement.local.start)
+
+        handle = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        module.owner_input_hook = None
+        if handle is not None:
+            handle.remove()
 
 
 # Packed experts decode only on the owner, inside _local_forward, not before the exchange.

@@ -124,7 +124,10 @@ def _expert_tensors(name: str, experts: nn.Module, spec, projs: dict) -> Iterato
                 tensors = wq.fmt.cast_tensors(c.packed[in_part], c.block_scale[in_part], scale_of(wq)[idx])
             else:
                 if proj.fused_param not in weights:
-                    weights[proj.fused_param] = expert_weight_rows(experts, proj.fused_param, part)
+                    w = expert_weight_rows(experts, proj.fused_param, part)
+                    # A weight-updating calibrator's values (GPTQ), indexed by the quantizer's expert dim.
+                    weights[proj.fused_param] = w if wq is None else wq.weight_to_quantize(
+                        w, experts=slice(rows.start + part.start, rows.start + part.stop))
                 weight = weights[proj.fused_param][in_part].chunk(proj.n_chunks, dim=0)[proj.chunk]
                 if wq is None:
                     yield prefix, {"weight": weight.to(torch.bfloat16).contiguous()}, False

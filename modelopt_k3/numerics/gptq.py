@@ -11,6 +11,11 @@ upper Cholesky factor of the damped inverse Hessian, in column blocks of ``block
 row/column first (dead inputs); a Hessian that is still not positive definite falls back to the
 identity (plain rounding), as ModelOpt does. Everything runs in fp32 (ModelOpt's dtype); the
 result is the dequantized weight, whose export with the same scales gives its codes exactly.
+
+``asymmetric_target`` (ours, not ModelOpt's): when a Linear's inputs ``X̃`` differ from the unquantized
+model's ``X`` (earlier Linears quantized), ``||W X - Ŵ X̃||²`` equals ``(ŵ - w')ᵀ H̃ (ŵ - w')`` plus a constant
+for each row, with ``w' = w + H̃⁻¹ X̃ᵀ (X - X̃) w``: GPTQ on the target ``W'`` with ``X̃``'s Hessian aims at the
+unquantized output (the asymmetric objective of GPTAQ, Li et al. 2025), compensating the inputs' error too.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import Tensor
 from .constants import NVFP4_BLOCK
 from .e2m1 import _e2m1_keys, _table
 
-__all__ = ["gptq_hessian_inverse", "nvfp4_gptq"]
+__all__ = ["asymmetric_target", "gptq_hessian_inverse", "nvfp4_gptq"]
 
 
 def gptq_hessian_inverse(hessian: Tensor, weight: Tensor, perc_damp: float) -> Tensor:
@@ -78,3 +83,28 @@ def nvfp4_gptq(
             errs[:, i] = err
         w[:, stop:] -= errs @ h_inv[start:stop, stop:]
     return w
+
+
+def asymmetric_target(weight: Tensor, sum_yy: Tensor, sum_xy: Tensor, perc_damp: float = 0.01) -> Tensor:
+    """``W + W D (H̃ + damp I)⁻¹`` ``[out, in]`` fp32: the weight whose GPTQ under ``H̃`` minimises ``||W X - Ŵ Y||``.
+
+    ``sum_yy = Σ y yᵀ`` over the Linear's own inputs ``y``, ``sum_xy = Σ x yᵀ`` with ``x`` the reference
+    (unquantized model's) input of the same call, ``D = sum_xy - sum_yy`` (``[in, in]``, unscaled: the token
+    count cancels). The damping is GPTQ's (``perc_damp * mean(diag)``), so the objectives agree. float64 solve;
+    ``weight`` unchanged where the system is singular or ``x == y`` everywhere."""
+    in_f = weight.shape[-1]
+    if tuple(sum_yy.shape) != (in_f, in_f) or tuple(sum_xy.shape) != (in_f, in_f):
+        raise ValueError(f"sums must be [{in_f}, {in_f}], got {tuple(sum_yy.shape)} and {tuple(sum_xy.shape)}")
+    h = sum_yy.double()
+    d = sum_xy.double() - h
+    if not bool(d.any()):
+        return weight.detach().float().clone()
+    h = h + perc_damp * torch.diag(h).mean() * torch.eye(in_f, dtype=h.dtype, device=h.device)
+    w = weight.detach().double().to(h.device)
+    try:
+        shift = torch.linalg.solve(h, (w @ d).T).T  # (W D) H⁻¹, H symmetric
+    except (RuntimeError, torch.linalg.LinAlgError):
+        return weight.detach().float().clone()
+    if not bool(torch.isfinite(shift).all()):
+        return weight.detach().float().clone()
+    return (w + shift).float().to(weight.device)

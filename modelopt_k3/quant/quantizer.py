@@ -51,8 +51,9 @@ class TensorQuantizer(nn.Module):
         # NVFP4 weights only: e4m3 block scales a weight calibrator chose (quant/calibrators), used by
         # fake quant and export instead of the amax-derived ones; None under max.
         self.register_buffer("block_scale", None)
-        # Dense weights only: the weight a weight-updating calibrator (GPTQ) wrote, quantized and exported
-        # in place of the module's own (which stays the original, for the report and the KL reference).
+        # The weight a weight-updating calibrator (GPTQ) wrote, quantized and exported in place of the module's
+        # own (which stays the original, for the report and the KL reference): ``[out, in]`` for a dense
+        # Linear, ``[E, out, in]`` over the module's expert dim for fused experts.
         self.register_buffer("updated_weight", None)
         self._fake_cache: torch.Tensor | None = None
         # Activation counters of the quantization report (quant/activation_stats.py), for input roles.
@@ -120,18 +121,22 @@ class TensorQuantizer(nn.Module):
             return source.full(self._fake_cache)  # this rank's rows, gathered when the weight is sharded
         if not self.fmt.per_tensor_scale:  # block scales: nothing observed, each block its own scale
             return self.fmt.fake_quant(x, None)
-        if not expert_dim:
-            x = self.weight_to_quantize(x)
+        x = self.weight_to_quantize(x, experts=(rows if rows is not None else slice(None)) if expert_dim else None)
         scale = self.scale()
         if expert_dim:
             scale = (scale if rows is None else scale[rows]).view(-1, 1, 1)
         return self.fmt.fake_quant(x, scale.to(x.device), **self.searched_scales(rows if expert_dim else None))
 
-    def weight_to_quantize(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight``, or the calibrator's updated weight (same shape and dtype) when there is one."""
+    def weight_to_quantize(self, weight: torch.Tensor, experts: slice | None = None) -> torch.Tensor:
+        """``weight``, or the calibrator's updated weight (same shape and dtype) when there is one.
+        ``experts``: ``weight`` holds those experts (an index range into the module's expert dim)."""
         if self.updated_weight is None:
             return weight
-        return self.updated_weight.to(device=weight.device, dtype=weight.dtype)
+        updated = self.updated_weight if experts is None else self.updated_weight[experts]
+        if updated.shape != weight.shape:
+            raise QuantizerError(f"the updated weight {tuple(updated.shape)} does not match the weight "
+                                 f"{tuple(weight.shape)} it replaces")
+        return updated.to(device=weight.device, dtype=weight.dtype)
 
     def searched_scales(self, experts: slice | int | None = None, chunk: tuple[int, int] | None = None) -> dict:
         """``{"block_scale": ...}`` for the format's ``fake_quant``/``weight_tensors`` when a calibrator

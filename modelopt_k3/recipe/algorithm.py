@@ -37,6 +37,12 @@ METHODS: dict[str, dict[str, tuple[type, Any]]] = {
     "gptq": {
         "perc_damp": (float, 0.01),
         "block_size": (int, 128),
+        # Ours, not ModelOpt's (default False: its one Hessian forward): update each layer's weights in
+        # stages, later stages' Hessians from the earlier stages' quantized outputs (quant/calibrators/gptq.py).
+        "true_sequential": (bool, False),
+        # Ours too (needs true_sequential): a later stage's GPTQ aims at the unquantized model's output of the
+        # Linear, ||W X - Ŵ X̃||, not at ||W X̃ - Ŵ X̃|| (X̃: its inputs with the earlier stages quantized).
+        "asymmetric": (bool, False),
     },
 }
 # ``layerwise: {...}``, any method (ModelOpt 0.47's ``LayerwiseConfig``): option -> type. ``save_every`` and

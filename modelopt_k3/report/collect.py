@@ -102,7 +102,8 @@ def expert_rows(name: str, experts: nn.Module, spec, projs: dict) -> list[dict[s
                 dq, requantized = _source_dequant(wq, proj.name, rows.start, part)
                 out[proj.name]["requantized"] += requantized
             else:
-                dq = wq.fmt.fake_quant(src, None if scale is None else scale.view(-1, 1, 1).to(src.device),
+                moved = wq.weight_to_quantize(decoded[proj.fused_param], experts=idx).chunk(proj.n_chunks, dim=1)[proj.chunk]
+                dq = wq.fmt.fake_quant(moved, None if scale is None else scale.view(-1, 1, 1).to(src.device),
                                        **wq.searched_scales(idx, (proj.chunk, proj.n_chunks)))
             stats = weight_rows(src, dq.to(src.device), block=_block(wq.fmt), scale=scale)
             out[proj.name]["stats"] += stats.tolist()

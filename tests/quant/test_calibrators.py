@@ -157,6 +157,40 @@ def test_gptq_lowers_the_output_error_of_max_under_the_same_scales():
     assert err_gptq < 0.9 * err_max, (err_gptq, err_max)
 
 
+def test_gptq_asymmetric_target_aims_at_the_unquantized_output():
+    """When the inputs ``y`` a Linear gets differ from the unquantized model's ``x`` (earlier Linears quantized),
+    GPTQ on ``asymmetric_target``'s weight errs less in ``||W x - Ŵ y||`` than GPTQ of the weight itself, and the
+    target is the weight where ``x == y``."""
+    from modelopt_k3.numerics import nvfp4_block_scales
+    from modelopt_k3.numerics.gptq import asymmetric_target, nvfp4_gptq
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 64, generator=g)
+    x = torch.randn(512, 64, generator=g)
+    x[:, 3] *= 12
+    # The inputs' error as an earlier quantized Linear leaves it: mostly a fixed distortion, some noise.
+    y = x @ (torch.eye(64) + 0.1 * torch.randn(64, 64, generator=g)) + 0.02 * torch.randn(512, 64, generator=g)
+    gs = nvfp4_global_scale(w.abs().amax())
+    bs = nvfp4_block_scales(w, gs)
+    h = 2 * y.T @ y / y.shape[0]
+    target = asymmetric_target(w, y.T.double() @ y.double(), x.T.double() @ y.double(), 0.01)
+    plain, aimed = (nvfp4_gptq(t, h, gs, bs, perc_damp=0.01, block_size=32) for t in (w, target))
+    err = {name: float(((x @ w.T - y @ v.T) ** 2).sum()) for name, v in
+           (("max", nvfp4_fake_quant(w, gs)), ("plain", plain), ("aimed", aimed))}
+    assert err["aimed"] < 0.5 * min(err["plain"], err["max"]), err
+    assert torch.equal(asymmetric_target(w, x.T.double() @ x.double(), x.T.double() @ x.double()), w)
+    with pytest.raises(ValueError, match="sums must be"):
+        asymmetric_target(w, h[:8, :8], h)
+
+
+def test_gptq_asymmetric_needs_true_sequential():
+    from modelopt_k3.quant.calibrators import calibrator_for
+
+    with pytest.raises(ValueError, match="asymmetric needs true_sequential"):
+        calibrator_for({"method": "gptq", "asymmetric": True})
+    assert calibrator_for({"method": "gptq", "true_sequential": True, "asymmetric": True}).algorithm.get("asymmetric")
+
+
 # --------------------------------------------------------------------------- issue 33: what tells a wrong answer
 
 

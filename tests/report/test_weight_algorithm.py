@@ -39,14 +39,14 @@ def _algorithms(data) -> dict[str, str]:
     return {m["name"]: m["weight_algorithm"] for m in data["modules"] + data["experts"]}
 
 
-# recipe -> (dense Linears, routed experts): gptq and local_hessian have no per-expert input hook, so routed
-# experts keep max's scales (gptq) or get the plain-error search (local_hessian: mse's).
+# recipe -> (dense Linears, routed experts): local_hessian has no per-expert Hessian, so routed experts get the
+# plain-error search (mse's); gptq updates every expert from its own routed tokens (its owner's Hessian).
 CASES = {
     "presets/nvfp4_default": ("max", "max"),
     "presets/nvfp4_default_mse": ("mse", "mse"),
     "presets/nvfp4_default_four_over_six": ("four_over_six", "four_over_six"),
     "presets/nvfp4_default_local_hessian": ("local_hessian", "mse"),
-    "presets/nvfp4_default_gptq": ("gptq", "max"),
+    "presets/nvfp4_default_gptq": ("gptq", "gptq"),
 }
 
 

@@ -1,6 +1,7 @@
 """Weight algorithms under expert parallelism: on 2 gloo ranks each owner searches its own experts' block
-scales (nothing per expert travels) and dense Hessians are summed over ranks; the export equals the
-one-process export of the same algorithm byte for byte."""
+scales, or (gptq) accumulates each own expert's Hessian from the tokens torch_a2a brings it (nothing per
+expert travels), and dense Hessians are summed over ranks; the export equals the one-process export of the
+same algorithm byte for byte."""
 
 from __future__ import annotations
 
@@ -47,3 +48,8 @@ def test_ep2_weight_algorithms_equal_one_process(qwen3_moe_ckpt, tmp_path):
         assert set(ours) == set(theirs), recipe
         for key, t in theirs.items():
             assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (recipe, key)
+        if recipe.endswith("gptq"):  # routed experts too were updated (by their owners), not left at max
+            maxed = read_export(quantize_and_export(qwen3_moe_ckpt, tmp_path / "one_max", "presets/nvfp4_default"))
+            moved = [k for k in theirs if ".experts." in k and k.endswith(".weight")
+                     and not torch.equal(theirs[k].view(torch.uint8), maxed[k].view(torch.uint8))]
+            assert len(moved) > 24, moved

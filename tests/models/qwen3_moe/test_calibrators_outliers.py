@@ -1,9 +1,9 @@
 """The outlier-channel stand-in (``make_tiny_qwen3_moe(..., outliers=True)``) and the weight algorithms on it.
 
 On heavy-tailed inputs and weights, as a trained LLM's are: ``nvfp4_mse`` errs no more than max on every NVFP4
-weight (strictly less in total on each), and ``nvfp4_gptq`` gives every quantized decoder layer a lower output
-error than max on HELD-OUT tokens (not the calibration tokens), with no dense Linear it updates materially worse
-than max there. A random model: this proves the mechanics generalise off the calibration set, not quality.
+weight (strictly less in total on each), and ``nvfp4_gptq`` gives every decoder layer, and layer 1's dense MLP
+block, a lower output error than max on HELD-OUT tokens (not the calibration tokens). A random model: this
+proves the mechanics generalise off the calibration set, not quality.
 """
 
 from __future__ import annotations
@@ -119,52 +119,74 @@ def test_nvfp4_mse_weight_error_at_most_max_on_the_outlier_stand_in(qwen3_moe_ou
         assert per_block[0].sum() < per_block[1].sum(), site.name
 
 
-def _held_out_inputs(model, linears: dict) -> dict:
-    """Each Linear's input (after its input quantizer) on the held-out tokens, activations fake-quantized and
-    weights not: the same inputs for the GPTQ and the max model (their activation scales are equal)."""
+def _held_out_layer_calls(model) -> list:
+    """Each decoder layer's (args, kwargs) on the held-out tokens, weights unquantized, activations fake-quantized:
+    the same inputs for the GPTQ and the max model (their activation scales are equal)."""
     from modelopt_k3.quant.modules import set_mode
 
-    seen: dict[str, list] = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(args[0].detach()))
-             for n, m in linears.items()]
+    calls: list = []
+    hooks = [layer.register_forward_pre_hook(lambda mod, args, kwargs: calls.append((args, dict(kwargs))),
+                                             with_kwargs=True) for layer in model.model.layers]
     set_mode(model, "off", role="weight")
     try:
         with torch.no_grad():
-            model(input_ids=calibration_token_ids(**HELD_OUT))
+            model(input_ids=calibration_token_ids(**HELD_OUT), use_cache=False)
     finally:
         set_mode(model, "quant")
         for h in hooks:
             h.remove()
-    return {n: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]).float() for n, v in seen.items()}
+    return calls
+
+
+def _block_errors(model, calls: list) -> tuple[list[float], float]:
+    """Per decoder layer, and for layer 1's dense MLP block, ``||block_q(x) - block(x)||²`` on the same inputs
+    (weights quantized against unquantized; activations fake-quantized in both)."""
+    from modelopt_k3.quant.modules import set_mode
+
+    def run(module, *args, **kwargs):
+        y = module(*args, **kwargs)
+        return (y[0] if isinstance(y, tuple) else y).float()
+
+    def error(module, *args, **kwargs):
+        set_mode(model, "off", role="weight")
+        try:
+            ref = run(module, *args, **kwargs)
+        finally:
+            set_mode(model, "quant")
+        return float(((run(module, *args, **kwargs) - ref) ** 2).double().sum())
+
+    mlp_in: list = []
+    hook = model.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: mlp_in.append(args[0]))
+    with torch.no_grad():
+        layers = [error(layer, *args, **kwargs) for layer, (args, kwargs) in zip(model.model.layers, calls)]
+        hook.remove()
+        mlp = error(model.model.layers[1].mlp, mlp_in[0])
+    return layers, mlp
 
 
 @pytest.mark.slow
 def test_nvfp4_gptq_beats_max_on_held_out_tokens_on_the_outlier_stand_in(qwen3_moe_outlier_ckpt):
+    """The issue's acceptance: every decoder layer's output, and layer 1's dense MLP block output, err less
+    under nvfp4_gptq than under max on tokens calibration never saw. One-pass GPTQ (ModelOpt's) and
+    sequential GPTQ without the asymmetric target both made the dense MLP block 1.6-1.7x max's (recorded in
+    DESIGN_NOTES); the asymmetric target brings it to ~0.13x."""
     from modelopt_k3.quant.schemes import NVFP4_TENSOR
 
     gptq = _quantized(qwen3_moe_outlier_ckpt, "presets/nvfp4_default_gptq")
     mx = _quantized(qwen3_moe_outlier_ckpt, "nvfp4_default")
-
-    def nvfp4_linears(model):
-        return {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear
-                and getattr(m, "weight_quantizer", None) is not None and m.weight_quantizer.fmt is NVFP4_TENSOR}
-
-    linears, max_linears = nvfp4_linears(gptq), nvfp4_linears(mx)
-    assert len(linears) == 15 and set(linears) == set(max_linears)
+    linears = {n: m for n, m in gptq.named_modules() if type(m) is torch.nn.Linear
+               and getattr(m, "weight_quantizer", None) is not None and m.weight_quantizer.fmt is NVFP4_TENSOR}
+    assert len(linears) == 15
+    max_modules = dict(mx.named_modules())
     for name, m in linears.items():  # the same activation scales: only the weights differ between the two runs
-        assert torch.equal(m.input_quantizer.amax, max_linears[name].input_quantizer.amax), name
+        assert torch.equal(m.input_quantizer.amax, max_modules[name].input_quantizer.amax), name
         assert m.weight_quantizer.updated_weight is not None, name
         assert gptq.modelopt_k3_quant.calibration[name].startswith("gptq"), name
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+        assert gptq.modelopt_k3_quant.weight_algorithms[name] == "gptq", name
 
-    inputs = _held_out_inputs(gptq, linears)
-    ratios = {}
-    for name, m in linears.items():
-        w, x, m_max = m.weight.detach().float(), inputs[name], max_linears[name]
-        err_gptq = ((x @ (w - m.weight_quantizer.fake_quant(m.weight).float()).T) ** 2).sum()
-        err_max = ((x @ (w - m_max.weight_quantizer.fake_quant(m_max.weight).float()).T) ** 2).sum()
-        ratios[name] = float(err_gptq / err_max)
-    # Every dense Linear GPTQ updated: its output on tokens it never saw errs less than under max's weights.
-    # The margins differ: layer 0's q/k/v ~0.97-1.0 (their error is the outlier input channels' own rounding,
-    # which fixed scales and in-order columns leave little room to move), o_proj/down_proj 0.02-0.4.
-    assert all(r < 1 for r in ratios.values()), ratios
-    assert sum(ratios.values()) / len(ratios) < 0.8, ratios
+    calls = _held_out_layer_calls(mx)
+    (layers, mlp), (layers_max, mlp_max) = _block_errors(gptq, calls), _block_errors(mx, calls)
+    ratios = [a / b for a, b in zip(layers, layers_max)]
+    assert all(r < 1 for r in ratios), ratios
+    assert mlp < 0.5 * mlp_max, (mlp, mlp_max)

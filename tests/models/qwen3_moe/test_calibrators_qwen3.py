@@ -82,9 +82,14 @@ def _layer_inputs(model, linears: dict) -> dict:
 
 
 def test_gptq_output_error_below_max_for_every_dense_layer(qwen3_moe_ckpt):
+    """ModelOpt's semantics (``true_sequential: false``): one Hessian forward, every weight unquantized; each
+    Linear's GPTQ weight errs less than max's on those inputs."""
     from modelopt_k3.quant.schemes import NVFP4_TENSOR
+    from modelopt_k3.recipe import load_recipe
 
-    model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_gptq")
+    recipe = load_recipe("presets/nvfp4_default_gptq",
+                         overrides={"algorithm": {"method": "gptq", "perc_damp": 0.01, "block_size": 128}})
+    model = _quantized(qwen3_moe_ckpt, recipe)
     linears = {n: m for n, m in model.named_modules()
                if type(m) is torch.nn.Linear and getattr(m, "weight_quantizer", None) is not None
                and m.weight_quantizer.fmt is NVFP4_TENSOR}
@@ -116,3 +121,96 @@ def test_local_hessian_weights_by_the_input_as_it_arrives(qwen3_moe_ckpt, monkey
     model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_local_hessian")
     assert asked == [{"blocks": True, "raw_input": True}]
     assert any(v.startswith("local_hessian") for v in model.modelopt_k3_quant.calibration.values())
+
+
+def test_gptq_lowers_every_routed_experts_output_error_on_its_own_tokens(qwen3_moe_ckpt):
+    """Routed experts (BF16) get GPTQ from their owner's Hessian of the tokens routed to them: for every expert
+    and both projections, ``||(W - Ŵ) X||²`` on its calibration inputs (ModelOpt's one-pass semantics: weights
+    unquantized, activations fake-quantized; gate/up reads the routed tokens, down the input-quantized gate of
+    gate/up's output) is below max's."""
+    from modelopt_k3.quant.modules import set_mode
+    from modelopt_k3.recipe import load_recipe
+
+    recipe = load_recipe("presets/nvfp4_default_gptq",
+                         overrides={"algorithm": {"method": "gptq", "perc_damp": 0.01, "block_size": 128}})
+    model = _quantized(qwen3_moe_ckpt, recipe)
+    experts = {n: m for n, m in model.named_modules() if n.endswith("mlp.experts")}
+    assert len(experts) == 2
+    routed: dict[str, list] = {n: [] for n in experts}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: routed[n].append((args[0], args[1])))
+             for n, m in experts.items()]
+    set_mode(model, "off", role="weight")
+    try:
+        with torch.no_grad():
+            model(input_ids=calibration_token_ids())
+    finally:
+        set_mode(model, "quant")
+        for h in hooks:
+            h.remove()
+    checked = 0
+    for name, m in experts.items():
+        assert model.modelopt_k3_quant.weight_algorithms[f"{name}.gate_up_proj"] == "gptq"
+        hidden = torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in routed[name]])
+        ids = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in routed[name]])
+        down_q = m.quant.input["down_proj"]
+        for e in range(m.num_experts):
+            x = hidden[(ids == e).any(-1)].float()
+            if not len(x):
+                continue
+            for param in ("gate_up_proj", "down_proj"):
+                q = m.quant.weight[param]
+                w = getattr(m, param)[e].detach().float()
+                if param == "down_proj":
+                    x_in = down_q.fake_quant(m.activation(x.to(m.gate_up_proj.dtype) @ m.gate_up_proj[e].T)).float()
+                else:
+                    x_in = x
+                w_gptq = q.fake_quant(getattr(m, param).detach(), expert_dim=True)[e].float()  # what the export holds
+                w_max = nvfp4_fake_quant(w, q.scale()[e])
+                err_gptq, err_max = ((x_in @ (w - w_gptq).T) ** 2).sum(), ((x_in @ (w - w_max).T) ** 2).sum()
+                assert err_gptq < err_max, (name, e, param, float(err_gptq), float(err_max))
+                checked += 1
+    assert checked >= 24  # most of the 2 x 8 experts got tokens
+
+
+def test_gptq_asymmetric_refuses_a_layer_that_changes_its_arguments_in_place(qwen3_moe_ckpt):
+    """The resident reference rerun calls a decoder layer twice on the same arguments: a layer writing into one
+    of them would feed the real call what the rerun wrote, so it is refused, naming the way out."""
+    import modelopt_k3
+
+    model = modelopt_k3.load_pretrained(qwen3_moe_ckpt, progress=False)
+    layer = model.model.layers[1]
+    forward = layer.forward
+
+    def writes_its_input(hidden_states, *args, **kwargs):
+        hidden_states.mul_(1.0)
+        return forward(hidden_states, *args, **kwargs)
+
+    layer.forward = writes_its_input
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=calibration_token_ids())
+
+    with pytest.raises(RuntimeError, match="changed one of its arguments in place.*asymmetric: false"):
+        modelopt_k3.quantize(model, "presets/nvfp4_default_gptq", loop, verbose=False)
+
+
+def test_gptq_forwards_modelopt_one_pass_and_ours_one_per_stage(qwen3_moe_ckpt):
+    """ModelOpt's gptq (``true_sequential: false``): max's forward, then ONE Hessian forward for every weight.
+    The preset's ``true_sequential``: one forward per stage of a layer (q/k/v; o; gate/up and the experts'
+    gate/up; down and the experts' down: 4 on Qwen3-MoE), the asymmetric reference reruns inside them."""
+    import modelopt_k3
+    from modelopt_k3.recipe import load_recipe
+
+    one_pass = load_recipe("presets/nvfp4_default_gptq",
+                           overrides={"algorithm": {"method": "gptq", "perc_damp": 0.01, "block_size": 128}})
+    for recipe, forwards in ((one_pass, 1 + 1), ("presets/nvfp4_default_gptq", 1 + 4)):
+        calls = []
+
+        def loop(m, calls=calls):
+            calls.append(1)
+            with torch.no_grad():
+                m(input_ids=calibration_token_ids())
+
+        modelopt_k3.quantize(modelopt_k3.load_pretrained(qwen3_moe_ckpt, progress=False), recipe, loop, verbose=False)
+        assert len(calls) == forwards, (recipe, len(calls))
