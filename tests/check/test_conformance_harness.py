@@ -148,13 +148,15 @@ def test_broken_copies_leave_their_source_unchanged(tmp_path: Path, tiny_ckpt: P
 
 
 def test_each_export_gets_the_driver_of_its_model(tmp_path):
-    """``run.driver_of``: the Qwen3-MoE cells run ``drivers/<engine>_qwen3.py``, the Kimi-K3 ones ``<engine>_k3.py``."""
+    """``run.driver_of``: the Qwen3-MoE cells run ``drivers/<engine>_qwen3.py``, the Kimi-K3 ones ``<engine>_k3.py``,
+    the GPT-OSS and DeepSeek-V3 ones ``<engine>_gpt_oss.py`` / ``<engine>_deepseek_v3.py``."""
     import json
 
     from tools.conformance.run import DRIVERS, driver_of
     from tools.conformance.venv import EngineSpec
 
-    for model_type, suffix in (("kimi_k3", "k3"), ("qwen3_moe", "qwen3")):
+    for model_type, suffix in (("kimi_k3", "k3"), ("qwen3_moe", "qwen3"), ("gpt_oss", "gpt_oss"),
+                               ("deepseek_v3", "deepseek_v3")):
         export = tmp_path / model_type
         export.mkdir()
         (export / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -162,8 +164,8 @@ def test_each_export_gets_the_driver_of_its_model(tmp_path):
             driver = driver_of(EngineSpec(engine, "0"), export)
             assert driver == DRIVERS / f"{engine}_{suffix}.py" and driver.is_file()
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    with pytest.raises(ValueError, match="no conformance driver for model_type 'gpt_oss'"):
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="no conformance driver for model_type 'llama'"):
         driver_of(EngineSpec("vllm", "0"), tmp_path / "other")
 
 
@@ -173,7 +175,7 @@ def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_reci
 
     assert set(matrix.TINY_MODELS) == set(matrix.TINY_VARIANTS)
     qformat_cells = [c for c in matrix.CELLS if c.qformat]
-    assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide"}
+    assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3"}
     for cell in qformat_cells:
         assert cell.how == "hf_ptq"
         spec = get_spec(matrix.TINY_MODELS[cell.tiny])

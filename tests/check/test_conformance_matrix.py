@@ -52,6 +52,10 @@ def test_the_matrix_covers_what_the_issue_asks():
     # Issue 30: Qwen3-MoE's exports on its stand-in (mlp_only_layers, hidden 64) and on the all-MoE 128-wide one.
     assert {f"{t}-{k}" for t in ("qwen3", "qwen3-wide")
             for k in ("qformat-nvfp4", "recipe-nvfp4", "qformat-w4a16_nvfp4")} <= ids
+    # Issue 30 / 32: GPT-OSS's calibrated and converter exports; DeepSeek-V3's block-FP8 stand-in, with and without
+    # FP8 KV-cache scales.
+    assert {"gpt_oss-qformat-nvfp4", "gpt_oss-convert-default", "deepseek_v3-qformat-nvfp4",
+            "deepseek_v3-qformat-nvfp4-kv_fp8"} <= ids
     assert set(ENGINES) == {"vllm", "sglang"} and all(DOC["stubs"][e] for e in ENGINES)
     for row in DOC["cells"]:
         for engine in ENGINES:
