@@ -204,3 +204,25 @@ def test_sglang_s_shared_expert_fusion_is_unsettled_for_deepseek_v3_sized_config
     layout = _changed(export_layout, config={"n_routed_experts": 256})
     layout.hf_quant["quantization"]["exclude_modules"].append("model.layers.9.mlp.shared_experts")
     assert replay("sglang", layout, numerics=False).verdict == LOADS
+
+
+def test_the_up_front_check_reads_a_block_fp8_source_and_plans_the_written_layout(deepseek_fp8_ckpt,
+                                                                                   deepseek_fp8_export):
+    """``--target_engines``' planned layout of the block-FP8 stand-in (``weight`` + ``weight_scale_inv``): every
+    Linear is planned (the kept MLA projections as the BF16 weights the export writes), the same tensors as the
+    written export, and the same verdicts (it raised KeyError before ``weight_scale_inv`` was a Linear part)."""
+    from modelopt_k3.check import check_layout, check_recipe_for_engines, planned_layout
+    from modelopt_k3.recipe import load_recipe
+
+    from .conftest import RECIPE
+
+    recipe = load_recipe(RECIPE)
+    planned = planned_layout(deepseek_fp8_ckpt, recipe)
+    written, reader = scan_export(deepseek_fp8_export)
+    with reader:
+        assert {n: lin.tensors for n, lin in planned.linears.items()} == \
+               {n: lin.tensors for n, lin in written.linears.items()}
+    assert planned.linears[f"{ATTN}.kv_a_proj_with_mqa"].fmt == "bf16"
+    verdicts = {e: r.verdict for e, r in check_layout(planned, ENGINES, numerics=False).results.items()}
+    assert verdicts == {"vllm": LOADS, "sglang": LOADS, "trtllm": LOADS}
+    check_recipe_for_engines(deepseek_fp8_ckpt, recipe, ENGINES)  # no refusal
