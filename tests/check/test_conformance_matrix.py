@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_k3.check import check_export, check_layout, planned_layout
+from modelopt_k3.check import check_export, check_layout, kv_scale_names, planned_layout
 from tools.conformance import matrix
 
 MATRIX = Path(__file__).parents[1] / "data" / "engine_conformance.json"
@@ -74,7 +74,9 @@ def test_the_up_front_check_of_each_recipe_cell_agrees_with_the_engines_as_recor
     rows = [r for r in DOC["cells"] if r["how"] != "broken"]
     verdicts = {}
     for row in rows:
-        layout = planned_layout(tiny_sources[row["tiny"]], matrix.recipe_of(row["recipe"]))
+        src = tiny_sources[row["tiny"]]
+        layout = planned_layout(src, matrix.cell_recipe(matrix.CELL_BY_ID[row["id"]]),  # as check_recipe_for_engines
+                                kv_scale_names=kv_scale_names(json.loads((src / "config.json").read_text())))
         verdicts[row["id"]] = {e: r.verdict for e, r in check_layout(layout, ENGINES, numerics=False).results.items()}
     found, lines = _disagreements(rows, lambda row, e: verdicts[row["id"]][e])
     print("\n".join(["check vs engine disagreements (up front):", *lines]))

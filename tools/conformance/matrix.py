@@ -62,8 +62,8 @@ class Cell:
     qformat: str | None = None
     edit: str | None = None
     about: str = ""
-    # hf_ptq cells: further command-line flags (``--kv_cache_qformat fp8``).
-    flags: tuple[str, ...] = ()
+    # hf_ptq cells: ``--kv_cache_qformat`` (the recipe's ``kv_cache`` override: ``cell_recipe``).
+    kv_cache_qformat: str | None = None
     tags: tuple[str, ...] = field(default=())
 
 
@@ -111,15 +111,15 @@ CELLS: tuple[Cell, ...] = (
          qformat="nvfp4", about="DeepSeek-V3: hf_ptq --qformat nvfp4 on the block-FP8 stand-in (MLA kept BF16, o_proj "
                                 "and MLPs NVFP4)"),
     Cell("deepseek_v3-qformat-nvfp4-kv_fp8", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
-         qformat="nvfp4", flags=("--kv_cache_qformat", "fp8"),
+         qformat="nvfp4", kv_cache_qformat="fp8",
          about="DeepSeek-V3: hf_ptq --qformat nvfp4 --kv_cache_qformat fp8 (one MLA KV scale per layer)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 
 
 def tiny_checkpoint(root: Path, tiny: str) -> Path:
-    """The tiny source of a cell, Kimi-K3 or Qwen3-MoE (``TINY_MODELS``; generated once under ``root``; same
-    seed, same bytes)."""
+    """The tiny source of a cell, Kimi-K3, Qwen3-MoE, GPT-OSS or DeepSeek-V3 (``TINY_MODELS``; generated once under
+    ``root``; same seed, same bytes)."""
     from modelopt_k3.testing import make_tiny_kimi_k3
     from modelopt_k3.testing.deepseek_v3 import make_tiny_deepseek_v3
     from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
@@ -140,6 +140,16 @@ def recipe_of(name: str):
     if name == "inline:mlp0_fp8_pb":
         return recipe_from_dict(MLP0_FP8_PB, name="mlp0_fp8_pb")
     return load_recipe(name)
+
+
+def cell_recipe(cell: Cell):
+    """The recipe a cell's export is made with: ``recipe_of(cell.recipe)`` with what its flags change
+    (``--kv_cache_qformat``: the ``kv_cache`` override, as ``PtqConfig.recipe_overrides``)."""
+    from modelopt_k3.recipe import load_recipe
+
+    if cell.kv_cache_qformat:
+        return load_recipe(cell.recipe, overrides={"kv_cache": cell.kv_cache_qformat})
+    return recipe_of(cell.recipe)
 
 
 def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool = False) -> Path:
@@ -166,7 +176,8 @@ def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool 
 
         which = ["--qformat", cell.qformat] if cell.qformat else ["--recipe", cell.recipe]
         rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_checkpoint(root, cell.tiny)), "--trust_remote_code",
-                          *which, *cell.flags, "--calib_size", "4", "--calib_seq", "32", "--no_progress",
+                          *which, *(["--kv_cache_qformat", cell.kv_cache_qformat] if cell.kv_cache_qformat else []),
+                          "--calib_size", "4", "--calib_seq", "32", "--no_progress",
                           "--export_path", str(dst)])
         if rc != 0:
             raise RuntimeError(f"hf_ptq exited {rc} for {cell.id}")
