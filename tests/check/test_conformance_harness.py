@@ -208,3 +208,30 @@ def test_an_expert_tensor_read_into_a_zero_padded_wider_parameter_is_landed_loss
     with torch.no_grad():  # non-zero padding is no lossless landing
         model.w2_weight[1, 0, 7] = 3
     assert C.landings(ours, dict(model.named_parameters()))["e.1.down_proj.weight"] is None
+
+
+def test_kv_scales_are_compared_on_every_attention_module_of_their_layer():
+    """``_common.compare_kv_scales`` (the DeepSeek-V3 drivers' KV check): each module under a layer that holds a KV
+    attribute (a one-element tensor or a float) is compared with that layer's export scale -- a second attention
+    module left at 1.0 (SGLang's attn_mha) is a mismatch, one matching is not; ``merge_post`` adds the counts."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self, k: float, v: float):
+            super().__init__()
+            self.register_buffer("_k_scale", torch.tensor(k))
+            self.v_scale_float = v
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mqa, self.mha = Attn(0.25, 0.5), Attn(1.0, 1.0)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer()])
+    ours = {"layers.0.self_attn.k_proj.k_scale": torch.tensor(0.25), "layers.0.self_attn.v_proj.v_scale": torch.tensor(0.5)}
+    got = C.compare_kv_scales(model, ours, {"_k_scale": "k", "v_scale_float": "v"})
+    assert got["compared"] == 4 and got["max_rel"] == pytest.approx(3.0)
+    assert sorted(m["param"] for m in got["mismatches"]) == ["layers.0.mha._k_scale", "layers.0.mha.v_scale_float"]
+    post = C.merge_post({"compared": 2, "max_rel": 0.0, "mismatches": [], "mismatch_count": 0}, got)
+    assert post["compared"] == 6 and post["mismatch_count"] == 2 and observed_verdict(
+        {"outcome": "ran", "load": {"not_landed": [], "params_never_written": {}}, "post_load": post}) == DIFFERENT
