@@ -27,7 +27,8 @@ from ..spec import get_spec
 HF_QUANT_CONFIG = "hf_quant_config.json"
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 # Suffixes a quantized Linear may carry besides ``weight`` (ModelOpt and compressed-tensors MXFP4 names).
-_LINEAR_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_2", "input_scale", "bias")
+# weight_scale_inv: a block-FP8 source Linear (DeepSeek-V3's hub checkpoints): planned layouts read such sources.
+_LINEAR_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_2", "input_scale", "bias", "weight_scale_inv")
 _EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings)$")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -197,6 +198,9 @@ def _planned_tensors(linear: Linear, fmt) -> dict[str, TensorMeta]:
     if fmt is None:
         if linear.fmt == "mxfp4":  # a routed expert left unquantized is decoded and written as BF16
             return {"weight": TensorMeta(torch.bfloat16, linear.shape)}
+        if "weight_scale_inv" in linear.tensors:  # a kept block-FP8 source Linear is written decoded, BF16
+            kept = {"weight": TensorMeta(torch.bfloat16, linear.tensors["weight"].shape)}
+            return {**kept, **({"bias": linear.tensors["bias"]} if "bias" in linear.tensors else {})}
         return dict(linear.tensors)
     layout = fmt.scheme.layout(linear.shape)
     return {suffix: TensorMeta(dtype, shape) for suffix, dtype, shape in layout}

@@ -148,13 +148,15 @@ def test_broken_copies_leave_their_source_unchanged(tmp_path: Path, tiny_ckpt: P
 
 
 def test_each_export_gets_the_driver_of_its_model(tmp_path):
-    """``run.driver_of``: the Qwen3-MoE cells run ``drivers/<engine>_qwen3.py``, the Kimi-K3 ones ``<engine>_k3.py``."""
+    """``run.driver_of``: the Qwen3-MoE cells run ``drivers/<engine>_qwen3.py``, the Kimi-K3 ones ``<engine>_k3.py``,
+    the GPT-OSS and DeepSeek-V3 ones ``<engine>_gpt_oss.py`` / ``<engine>_deepseek_v3.py``."""
     import json
 
     from tools.conformance.run import DRIVERS, driver_of
     from tools.conformance.venv import EngineSpec
 
-    for model_type, suffix in (("kimi_k3", "k3"), ("qwen3_moe", "qwen3")):
+    for model_type, suffix in (("kimi_k3", "k3"), ("qwen3_moe", "qwen3"), ("gpt_oss", "gpt_oss"),
+                               ("deepseek_v3", "deepseek_v3")):
         export = tmp_path / model_type
         export.mkdir()
         (export / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -162,8 +164,8 @@ def test_each_export_gets_the_driver_of_its_model(tmp_path):
             driver = driver_of(EngineSpec(engine, "0"), export)
             assert driver == DRIVERS / f"{engine}_{suffix}.py" and driver.is_file()
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    with pytest.raises(ValueError, match="no conformance driver for model_type 'gpt_oss'"):
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="no conformance driver for model_type 'llama'"):
         driver_of(EngineSpec("vllm", "0"), tmp_path / "other")
 
 
@@ -173,7 +175,7 @@ def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_reci
 
     assert set(matrix.TINY_MODELS) == set(matrix.TINY_VARIANTS)
     qformat_cells = [c for c in matrix.CELLS if c.qformat]
-    assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide"}
+    assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3"}
     for cell in qformat_cells:
         assert cell.how == "hf_ptq"
         spec = get_spec(matrix.TINY_MODELS[cell.tiny])
@@ -206,3 +208,30 @@ def test_an_expert_tensor_read_into_a_zero_padded_wider_parameter_is_landed_loss
     with torch.no_grad():  # non-zero padding is no lossless landing
         model.w2_weight[1, 0, 7] = 3
     assert C.landings(ours, dict(model.named_parameters()))["e.1.down_proj.weight"] is None
+
+
+def test_kv_scales_are_compared_on_every_attention_module_of_their_layer():
+    """``_common.compare_kv_scales`` (the DeepSeek-V3 drivers' KV check): each module under a layer that holds a KV
+    attribute (a one-element tensor or a float) is compared with that layer's export scale -- a second attention
+    module left at 1.0 (SGLang's attn_mha) is a mismatch, one matching is not; ``merge_post`` adds the counts."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self, k: float, v: float):
+            super().__init__()
+            self.register_buffer("_k_scale", torch.tensor(k))
+            self.v_scale_float = v
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mqa, self.mha = Attn(0.25, 0.5), Attn(1.0, 1.0)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer()])
+    ours = {"layers.0.self_attn.k_proj.k_scale": torch.tensor(0.25), "layers.0.self_attn.v_proj.v_scale": torch.tensor(0.5)}
+    got = C.compare_kv_scales(model, ours, {"_k_scale": "k", "v_scale_float": "v"})
+    assert got["compared"] == 4 and got["max_rel"] == pytest.approx(3.0)
+    assert sorted(m["param"] for m in got["mismatches"]) == ["layers.0.mha._k_scale", "layers.0.mha.v_scale_float"]
+    post = C.merge_post({"compared": 2, "max_rel": 0.0, "mismatches": [], "mismatch_count": 0}, got)
+    assert post["compared"] == 6 and post["mismatch_count"] == 2 and observed_verdict(
+        {"outcome": "ran", "load": {"not_landed": [], "params_never_written": {}}, "post_load": post}) == DIFFERENT

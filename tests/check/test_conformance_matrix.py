@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_k3.check import check_export, check_layout, planned_layout
+from modelopt_k3.check import check_export, check_layout, kv_scale_names, planned_layout
 from tools.conformance import matrix
 
 MATRIX = Path(__file__).parents[1] / "data" / "engine_conformance.json"
@@ -52,6 +52,10 @@ def test_the_matrix_covers_what_the_issue_asks():
     # Issue 30: Qwen3-MoE's exports on its stand-in (mlp_only_layers, hidden 64) and on the all-MoE 128-wide one.
     assert {f"{t}-{k}" for t in ("qwen3", "qwen3-wide")
             for k in ("qformat-nvfp4", "recipe-nvfp4", "qformat-w4a16_nvfp4")} <= ids
+    # Issue 30 / 32: GPT-OSS's calibrated and converter exports; DeepSeek-V3's block-FP8 stand-in, with and without
+    # FP8 KV-cache scales.
+    assert {"gpt_oss-qformat-nvfp4", "gpt_oss-convert-default", "deepseek_v3-qformat-nvfp4",
+            "deepseek_v3-qformat-nvfp4-kv_fp8"} <= ids
     assert set(ENGINES) == {"vllm", "sglang"} and all(DOC["stubs"][e] for e in ENGINES)
     for row in DOC["cells"]:
         for engine in ENGINES:
@@ -70,7 +74,9 @@ def test_the_up_front_check_of_each_recipe_cell_agrees_with_the_engines_as_recor
     rows = [r for r in DOC["cells"] if r["how"] != "broken"]
     verdicts = {}
     for row in rows:
-        layout = planned_layout(tiny_sources[row["tiny"]], matrix.recipe_of(row["recipe"]))
+        src = tiny_sources[row["tiny"]]
+        layout = planned_layout(src, matrix.cell_recipe(matrix.CELL_BY_ID[row["id"]]),  # as check_recipe_for_engines
+                                kv_scale_names=kv_scale_names(json.loads((src / "config.json").read_text())))
         verdicts[row["id"]] = {e: r.verdict for e, r in check_layout(layout, ENGINES, numerics=False).results.items()}
     found, lines = _disagreements(rows, lambda row, e: verdicts[row["id"]][e])
     print("\n".join(["check vs engine disagreements (up front):", *lines]))

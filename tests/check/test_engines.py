@@ -261,7 +261,10 @@ def test_kv_scales_are_dropped_by_both_kimi_k3_classes(good: Path, tmp_path, nam
     export = edit_export(good, tmp_path / "kv", add=add, quant=kv)
     report = check_export(export, ("vllm", "sglang"))
     assert verdicts(report) == {"vllm": DIFFERENT, "sglang": DIFFERENT}
-    for engine, attn in (("vllm", f"{MLA3}.attn.k_scale"), ("sglang", "model.layers.3.self_attn.attn.k_scale")):
+    # vLLM: AutoWeightsLoader's cache-scale mapper first, then the model's maybe_remap_kv_scale_name on that name.
+    vllm_attn = (f"{MLA3}.attn.k_scale (AutoWeightsLoader's cache-scale mapper) and then {MLA3}.attn.attn.k_scale "
+                 "(maybe_remap_kv_scale_name)")
+    for engine, attn in (("vllm", vllm_attn), ("sglang", "model.layers.3.self_attn.attn.k_scale")):
         dev = next(d for d in report.results[engine].deviations if d.module == f"{MLA3}.{name}")
         assert f"remaps it to {attn}, which is no parameter" in dev.what and "dropped" in dev.what
         assert "scale 1.0, not 0.25" in dev.what and dev.error == pytest.approx(3.0)

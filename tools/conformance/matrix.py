@@ -1,6 +1,8 @@
 """The conformance matrix: which exports the engines' own loaders are run on, and how each is built.
 
-Every cell is an export of a tiny Kimi-K3 stand-in (``make_tiny_kimi_k3``), or of the tiny Qwen3-MoE one (``make_tiny_qwen3_moe``, the ``qwen3*`` cells), written under a scratch
+Every cell is an export of a tiny Kimi-K3 stand-in (``make_tiny_kimi_k3``), or of the tiny Qwen3-MoE, GPT-OSS or
+DeepSeek-V3 one (``make_tiny_qwen3_moe``, ``make_tiny_gpt_oss``, ``make_tiny_deepseek_v3``: the ``qwen3*``,
+``gpt_oss*`` and ``deepseek_v3*`` cells), written under a scratch
 work directory, never inside an existing export: the presets through ``hf_ptq`` (calibrated), the
 converter's default and the mirror recipe through ``convert_checkpoint`` (calibration-free), the same
 on a 128-wide variant (flashinfer's weight shuffle, which SGLang's NVFP4 MoE post-processing runs, needs
@@ -32,10 +34,16 @@ WIDE_SIZES = {"moe_intermediate_size": 128, "routed_expert_hidden_size": 128}
 # The tiny Qwen3-MoE stand-in as generated (one mlp_only_layers layer, hidden 64: w2 rows 64) and an all-MoE
 # variant with hidden 128 (w2 rows 128; w13 rows are 2 x 32 padded to 64 = 128 either way).
 QWEN3_WIDE_SIZES = {"mlp_only_layers": [], "hidden_size": 128}
+# The DeepSeek-V3 stand-in (block FP8, hub layout) with the real model's MLA head sizes (vLLM's MLA backends, as
+# for Kimi-K3 above); its other widths are the generator's (kv_a_proj_with_mqa 128 + 64 = 192 rows: a partial
+# 128-row FP8 block, as DeepSeek-V3's 576).
+DEEPSEEK_V3_SIZES = {"source": "block_fp8", **MLA_SIZES}
 TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
-                 "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES}
+                 "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
-TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe"}
+TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
+               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"}
+GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
 
@@ -54,6 +62,8 @@ class Cell:
     qformat: str | None = None
     edit: str | None = None
     about: str = ""
+    # hf_ptq cells: ``--kv_cache_qformat`` (the recipe's ``kv_cache`` override: ``cell_recipe``).
+    kv_cache_qformat: str | None = None
     tags: tuple[str, ...] = field(default=())
 
 
@@ -90,19 +100,35 @@ CELLS: tuple[Cell, ...] = (
           ("qformat-nvfp4", "presets/nvfp4_default", "nvfp4", "hf_ptq --qformat nvfp4 (attention NVFP4)"),
           ("recipe-nvfp4", "presets/nvfp4", None, "hf_ptq --recipe presets/nvfp4 (attention BF16)"),
           ("qformat-w4a16_nvfp4", "presets/w4a16_nvfp4", "w4a16_nvfp4", "hf_ptq --qformat w4a16_nvfp4"))),
+    # GPT-OSS (issue 30): the calibrated NVFP4 export (attention and experts) and the converter's default (experts
+    # only, everything else as the MXFP4 source stores it), both per-expert.
+    Cell("gpt_oss-qformat-nvfp4", "hf_ptq", "models/openai/gpt-oss/nvfp4", tiny="gpt_oss", qformat="nvfp4",
+         about="GPT-OSS: hf_ptq --qformat nvfp4 (attention and routed experts NVFP4, per-expert)"),
+    Cell("gpt_oss-convert-default", "convert", GPT_OSS_CONVERTER_DEFAULT, tiny="gpt_oss",
+         about="GPT-OSS: modelopt-k3-convert's default (routed experts NVFP4 per expert by the lossless MXFP4 cast)"),
+    # DeepSeek-V3 (issue 32): the block-FP8 stand-in through its --qformat nvfp4 recipe, without and with FP8 KV scales.
+    Cell("deepseek_v3-qformat-nvfp4", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
+         qformat="nvfp4", about="DeepSeek-V3: hf_ptq --qformat nvfp4 on the block-FP8 stand-in (MLA kept BF16, o_proj "
+                                "and MLPs NVFP4)"),
+    Cell("deepseek_v3-qformat-nvfp4-kv_fp8", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
+         qformat="nvfp4", kv_cache_qformat="fp8",
+         about="DeepSeek-V3: hf_ptq --qformat nvfp4 --kv_cache_qformat fp8 (one MLA KV scale per layer)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 
 
 def tiny_checkpoint(root: Path, tiny: str) -> Path:
-    """The tiny source of a cell, Kimi-K3 or Qwen3-MoE (``TINY_MODELS``; generated once under ``root``; same
-    seed, same bytes)."""
+    """The tiny source of a cell, Kimi-K3, Qwen3-MoE, GPT-OSS or DeepSeek-V3 (``TINY_MODELS``; generated once under
+    ``root``; same seed, same bytes)."""
     from modelopt_k3.testing import make_tiny_kimi_k3
+    from modelopt_k3.testing.deepseek_v3 import make_tiny_deepseek_v3
     from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
+    from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
 
     path = root / f"tiny-{tiny}"
     if not (path / INDEX).exists():
-        make = {"kimi_k3": make_tiny_kimi_k3, "qwen3_moe": make_tiny_qwen3_moe}[TINY_MODELS[tiny]]
+        make = {"kimi_k3": make_tiny_kimi_k3, "qwen3_moe": make_tiny_qwen3_moe, "gpt_oss": make_tiny_gpt_oss,
+                "deepseek_v3": make_tiny_deepseek_v3}[TINY_MODELS[tiny]]
         make(path, overwrite=True, **TINY_VARIANTS[tiny])
     return path
 
@@ -114,6 +140,16 @@ def recipe_of(name: str):
     if name == "inline:mlp0_fp8_pb":
         return recipe_from_dict(MLP0_FP8_PB, name="mlp0_fp8_pb")
     return load_recipe(name)
+
+
+def cell_recipe(cell: Cell):
+    """The recipe a cell's export is made with: ``recipe_of(cell.recipe)`` with what its flags change
+    (``--kv_cache_qformat``: the ``kv_cache`` override, as ``PtqConfig.recipe_overrides``)."""
+    from modelopt_k3.recipe import load_recipe
+
+    if cell.kv_cache_qformat:
+        return load_recipe(cell.recipe, overrides={"kv_cache": cell.kv_cache_qformat})
+    return recipe_of(cell.recipe)
 
 
 def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool = False) -> Path:
@@ -140,7 +176,8 @@ def build_export(cell: Cell, root: Path, built: dict[str, Path], *, reuse: bool 
 
         which = ["--qformat", cell.qformat] if cell.qformat else ["--recipe", cell.recipe]
         rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_checkpoint(root, cell.tiny)), "--trust_remote_code",
-                          *which, "--calib_size", "4", "--calib_seq", "32", "--no_progress",
+                          *which, *(["--kv_cache_qformat", cell.kv_cache_qformat] if cell.kv_cache_qformat else []),
+                          "--calib_size", "4", "--calib_seq", "32", "--no_progress",
                           "--export_path", str(dst)])
         if rc != 0:
             raise RuntimeError(f"hf_ptq exited {rc} for {cell.id}")

@@ -24,7 +24,7 @@ from .verdict import observed_verdict
 
 DRIVERS = Path(__file__).parent / "drivers"
 # config.json model_type -> the drivers' model suffix (drivers/<engine>_<suffix>.py builds the engine's own class).
-DRIVER_MODELS = {"kimi_k3": "k3", "qwen3_moe": "qwen3"}
+DRIVER_MODELS = {"kimi_k3": "k3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"}
 CHECK_ENGINES = ("vllm", "sglang", "trtllm")
 NOT_OBSERVABLE = {  # what no CPU run of these drivers sees, whatever the cell
     "vllm": ("any forward (every GEMM, attention and MoE kernel is CUDA)",),
@@ -170,7 +170,8 @@ def parse_args(argv: list[str] | None = None):
     from .matrix import CELLS
 
     p = argparse.ArgumentParser(prog="python -m tools.conformance",
-                                description="Run vLLM's and SGLang's own Kimi-K3 / Qwen3-MoE loaders on CPU over the "
+                                description="Run vLLM's and SGLang's own Kimi-K3 / Qwen3-MoE / GPT-OSS / DeepSeek-V3 loaders on CPU "
+                                            "over the "
                                             "conformance matrix and compare with modelopt-k3-check; exits 1 on "
                                             "any disagreement.")
     p.add_argument("--engine", action="append", default=None, metavar="NAME==VERSION",

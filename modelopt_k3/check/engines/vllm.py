@@ -51,6 +51,15 @@ KV_SCALE_PATTERNS = (
     (r"\.self_attn\.qkv_proj\.([kv])_scale$", r".self_attn.attn.\1_scale"),
     (r"\.([qkv])_scale$", r".attn.\1_scale"),
 )
+# vLLM 0.33.0 models/utils.py AutoWeightsLoader.load_weights applies the quant config's get_cache_scale_mapper
+# (layers/quantization/base_config.py QuantizationConfig.get_cache_scale_mapper; ModelOpt's configs keep the base
+# one) to the weight stream *before* the model's own load_weights sees a name, so maybe_remap_kv_scale_name only
+# ever gets the mapped name. The mapper's rules for the names a ModelOpt export has, in order (first match):
+CACHE_SCALE_MAPPER = (
+    (r"\.self_attn\.[kv]_proj\.([kv])_scale$", r".self_attn.attn.\1_scale"),
+    (r"\.self_attn\.qk(?:qk)?v_proj\.([kv])_scale$", r".self_attn.attn.\1_scale"),
+    (r"(?<!\.attn)\.([qkv])_scale$", r".attn.\1_scale"),
+)
 
 
 def _modelopt_method_named(cfg: dict, quant: dict, source: str) -> None:
@@ -150,6 +159,27 @@ class VllmEngine(ModelOptEngine):
     def remap_kv_scale(self, name: str, params: set[str]) -> tuple[str, bool]:
         if name in params:
             return name, True
+        mapped = name
+        for pattern, repl in CACHE_SCALE_MAPPER:  # AutoWeightsLoader's rename first (CACHE_SCALE_MAPPER)
+            if re.search(pattern, name):
+                mapped = re.sub(pattern, repl, name)
+                break
+        if mapped in params:
+            return mapped, True
+        target, exists = self._model_remap(mapped, params)
+        if mapped != name and target != mapped:
+            target = f"{mapped} (AutoWeightsLoader's cache-scale mapper) and then {target} (maybe_remap_kv_scale_name)"
+        return target, exists
+
+    @staticmethod
+    def _model_remap(name: str, params: set[str]) -> tuple[str, bool]:
+        """``weight_utils.maybe_remap_kv_scale_name`` (``KV_SCALE_PATTERNS``)."""
+        if name in params:
+            return name, True
+        # Then the model's maybe_remap_kv_scale_name on the mapped name: a ModelOpt {k,v}_proj name no longer matches
+        # its ModelOpt pattern, so an MLA model (DeepSeek-V3: scales on self_attn.mla_attn.mla_attn) gets the default
+        # rule's self_attn.attn.attn.k_scale, no parameter: dropped (observed, tools/conformance cell
+        # deepseek_v3-qformat-nvfp4-kv_fp8).
         attn = "mla_attn.mla_attn" if any("mla_attn" in p for p in params) else "attn"
         for pattern, repl in KV_SCALE_PATTERNS:
             if re.search(pattern, name):

@@ -16,9 +16,13 @@ One snapshot per engine (the project's pins; facts and functions, not their code
   ``utils.get_spec_layer_idx_from_weight_name`` gives an MTP index (``model.layers.{num_hidden_layers + j}``,
   only when ``num_nextn_predict_layers`` > 0; otherwise such a name has no parameter: ``KeyError``).
   ``layers/mla.py`` ``MultiHeadLatentAttentionWrapper`` holds the ``MLAAttention`` as ``mla_attn``, which the
-  ModelOpt config gives its KV-cache method (``modelopt.py get_quant_method``), so ModelOpt's
-  ``self_attn.{k,v}_proj.{k,v}_scale`` land at ``self_attn.mla_attn.mla_attn.{k,v}_scale``
-  (``weight_utils.maybe_remap_kv_scale_name``). ``attention/mla_attention.py split_kv_b_proj`` reads
+  ModelOpt config gives its KV-cache method (``modelopt.py get_quant_method``), but ModelOpt's
+  ``self_attn.{k,v}_proj.{k,v}_scale`` never land there: ``models/utils.py AutoWeightsLoader.load_weights`` first
+  applies the quant config's cache-scale mapper (``base_config.py get_cache_scale_mapper``: ->
+  ``self_attn.attn.{k,v}_scale``), and ``load_weights``' ``weight_utils.maybe_remap_kv_scale_name`` then maps that
+  name to ``self_attn.attn.attn.{k,v}_scale``, no parameter: dropped with a warning, the FP8 KV cache (what
+  ``--kv-cache-dtype auto`` resolves to for the export) served with 1.0 (observed by vLLM's own loader,
+  ``tools/conformance``; the generic rule is ``check/engines/vllm.py CACHE_SCALE_MAPPER``). ``attention/mla_attention.py split_kv_b_proj`` reads
   ``kv_b_proj`` through ``quant_utils.get_and_maybe_dequant_weights``: plain weights and FP8 are read directly,
   any other method by running the quantized layer on an identity matrix (NVFP4 W4A4 quantizes that identity
   too) -- not replayed, so a quantized ``kv_b_proj`` is refused as unsettled. (The AITER fused shared expert
@@ -35,7 +39,9 @@ One snapshot per engine (the project's pins; facts and functions, not their code
   (``model.layers.{>= num_hidden_layers}``) are skipped (``NextNDisabledConfig`` and the ``end_layer`` test).
   KV scales: the loader itself renames ``k_proj``/``v_proj`` to ``attn_mqa`` (the ``RadixAttention`` that gets
   ``ModelOptFp8KVCacheMethod`` when the config names a ``kv_cache_quant_algo``), no
-  ``maybe_remap_kv_scale_name``. ``post_load_weights`` reads ``kv_b_proj.weight`` itself to build
+  ``maybe_remap_kv_scale_name``; the MHA prefill's ``attn_mha`` gets the same method and keeps 1.0 (its scales are
+  never loaded), which the SM100 ``trtllm_mla`` prefill quantizes K/V with: a deviation (``_sglang_mha_kv_scales``;
+  observed by SGLang's own loader, ``tools/conformance``). ``post_load_weights`` reads ``kv_b_proj.weight`` itself to build
   ``w_kc``/``w_vc``, dequantizing only float8 weights (and AWQ): an NVFP4 ``kv_b_proj`` is refused.
   ``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`` fuses the shared expert into the routed
   experts (expert ``n_routed_experts``) for a ``DeepseekV3ForCausalLM`` config with 256 routed experts and 1
@@ -60,7 +66,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from ...check.engines.base import Fused, ModelServing, WeightsMapper
+from ...check.engines.base import Fused, ModelServing, WeightsMapper, kv_deviations
 from ...check.engines.sglang import SGLANG
 from ...check.engines.trtllm import (
     NVFP4_SCALES,
@@ -100,8 +106,10 @@ VLLM_DEEPSEEK_V3 = ModelServing(
     expert_re=EXPERT_RE,
     gate_up=GATE_UP,
     kv_scale_params=("mla_attn.mla_attn.k_scale", "mla_attn.mla_attn.v_scale"),
-    kv_note="vLLM's DeepSeek-V3 MLA holds its KV-cache scales on self_attn.mla_attn.mla_attn (an MLAAttention, "
-            "given the ModelOpt KV-cache method only when the config names a kv_cache_quant_algo)",
+    kv_note="vLLM's DeepSeek-V3 MLA holds its KV-cache scales on self_attn.mla_attn.mla_attn, but AutoWeightsLoader's "
+            "cache-scale mapper (base_config.py QuantizationConfig.get_cache_scale_mapper) has renamed ModelOpt's "
+            "self_attn.{k,v}_proj.{k,v}_scale to self_attn.attn.{k,v}_scale before deepseek_v2.py load_weights' "
+            "maybe_remap_kv_scale_name sees it",
 )
 
 SGLANG_DEEPSEEK_V3 = ModelServing(
@@ -224,11 +232,37 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
                 module = f"{parent}.{fused}"
                 result.deviations = [d for d in result.deviations if d.module != module]
                 result.deviations += _sglang_qkv_a_scales(kept, module, pieces)
+    result.deviations += _sglang_mha_kv_scales(kept, q, {d.module for d in result.deviations}, numerics)
     if mtp:
         result.warnings.append(f"{_mtp_layers(mtp)}: past num_hidden_layers, skipped by the main model's "
                                "do_load_weights; SGLang's NextN drafter (deepseek_nextn.py) is not replayed")
     result.refusals.sort(key=lambda r: r.tensor)
     return result
+
+
+# SGLang 0.5.23, observed by its own loader (tools/conformance, cell deepseek_v3-qformat-nvfp4-kv_fp8) and read in the
+# wheel: DeepseekV2AttentionMLA.__init__ (models/deepseek_v2.py) builds two RadixAttentions with the quant config,
+# attn_mqa and attn_mha, so both get the ModelOpt KV-cache method and k_scale/v_scale parameters; do_load_weights
+# (models/deepseek_common/deepseek_weight_loader.py) renames a ModelOpt {k,v}_proj.{k,v}_scale to attn_mqa only, so
+# attn_mha's stay unloaded and kv_cache.py BaseKVCacheMethod.process_weights_after_loading sets them to 1.0. The MHA
+# prefill (deepseek_common/attention_forward_methods/forward_mha.py) runs attn_mha, and on SM100 (the DeepSeek
+# override's default attention backend there is trtllm_mla: arg_groups/model_overrides/deepseek_v2.py) with an FP8
+# KV cache (what --kv-cache-dtype auto resolves to for a kv_cache_quant_algo FP8 config: mem_cache/kv_cache_dtype.py)
+# the ragged prefill quantizes K and V with attn_mha's scales (trtllm_mla_backend.py _quantize_fp8_qkv).
+SGLANG_MHA_KV = ("SGLang's DeepSeek-V3 loads it into attn_mqa only (deepseek_weight_loader.py do_load_weights); the "
+                 "MHA prefill's attn_mha, built with the KV-cache method too (deepseek_v2.py DeepseekV2AttentionMLA), "
+                 "keeps 1.0, and with the FP8 KV cache --kv-cache-dtype auto resolves to for this export "
+                 "(mem_cache/kv_cache_dtype.py) the SM100 default trtllm_mla prefill quantizes K/V with attn_mha's "
+                 "scales (trtllm_mla_backend.py _quantize_fp8_qkv)")
+
+
+def _sglang_mha_kv_scales(layout: Layout, q: dict, already: set[str], numerics: bool) -> list[Deviation]:
+    """The KV scales SGLang loads for decode (attn_mqa) but not for the MHA prefill (attn_mha): served with 1.0."""
+    if not q.get("kv_cache_quant_algo") and not layout.config.get("quantization_config", {}).get("kv_cache_scheme"):
+        return []
+    reasons = {name: SGLANG_MHA_KV for name in sorted(layout.kv_scales)
+               if name not in already and name.endswith((".k_proj.k_scale", ".v_proj.v_scale"))}
+    return kv_deviations(layout, reasons, numerics)
 
 
 # ---------------------------------------------------------------------- TensorRT-LLM

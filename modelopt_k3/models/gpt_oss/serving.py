@@ -1,7 +1,8 @@
 """What each serving engine's GPT-OSS class does with our export (per-expert NVFP4 experts): the check's rules.
 
-Read from the engines' sources as users install them (the conformance harness has no GPT-OSS driver yet; the
-SGLang outcomes are those issue 30's independent engine run observed):
+Read from the engines' sources as users install them, and observed by their own loaders on the tiny GPT-OSS
+exports (``tools/conformance/drivers/{vllm,sglang}_gpt_oss.py``; cells ``gpt_oss-qformat-nvfp4``,
+``gpt_oss-convert-default`` in docs/ENGINE_CONFORMANCE.md):
 
 * vLLM 0.33.0 (PyPI wheel), ``model_executor/models/gpt_oss.py``: a ``quant_method: modelopt`` config takes
   ``GptOssModel._load_weights_other``. ``GptOssForCausalLM.hf_to_vllm_mapper`` renames
@@ -10,8 +11,10 @@ SGLang outcomes are those issue 30's independent engine run observed):
   parameter and is skipped. The per-expert names go to ``_try_load_streamed_expert`` ->
   ``GptOssRoutedExperts.weight_loader``, which takes the packed path (``_load_packed_expert``) only for the
   MXFP4 and compressed-tensors NVFP4 methods; the ModelOpt NVFP4 method falls to ``_load_unquantized_expert``,
-  which narrows and transposes the tensor as a BF16 ``[in, out]`` weight: packed codes and block scales land
-  transposed (or the copy fails on the shapes). ModelOpt's own fused layout fares no better there:
+  which narrows and transposes the tensor as a BF16 ``[in, out]`` weight; ``_copy_to_expert`` then copies the
+  transposed packed codes into the ``[out, in/2]`` parameter and raises on the shapes (observed on both GPT-OSS
+  conformance cells: ``RuntimeError`` in ``load_weights``; only an ``out == in/2`` projection would land silently
+  transposed, which no GPT-OSS has). ModelOpt's own fused layout fares no better there:
   ``gate_up_proj`` loads, ``gate_up_proj_weight_scale*`` match no mapping and are skipped.
 * SGLang 0.5.23 (PyPI wheel), ``srt/models/gpt_oss.py``: ``GptOssDecoderLayer.__init__`` builds
   ``GptOssAttention`` without passing its ``quant_config`` (so ``qkv_proj``/``o_proj`` are BF16
@@ -22,7 +25,14 @@ SGLang outcomes are those issue 30's independent engine run observed):
   and our fused ``experts.gate_up_proj_bias`` match no parameter and are skipped without an error, so every
   routed-expert parameter keeps its initial value: the engine loads and **serves different numbers**.
   (ModelOpt's fused layout: the mapping's substring replace turns ``experts.gate_up_proj_weight_scale`` into
-  ``experts.w13_weight_weight_scale``, no parameter, skipped.)
+  ``experts.w13_weight_weight_scale``, no parameter, skipped.) Observed by SGLang's own loader: the calibrated
+  export stops in ``load_weights`` at ``linear.py weight_loader``'s shape assert (a BF16 ``qkv_proj`` row of 64
+  against 32 packed bytes); the converter's export loads with all 64 per-expert tensors and both fused bias tensors
+  of each layer landing nowhere and every ``w13_*``/``w2_*`` parameter never written. Also observed: with
+  ``--moe-runner-backend auto`` SGLang's ``arg_groups/model_overrides/gpt_oss.py _gpt_oss_overrides`` picks
+  ``triton_kernel`` for a non-MXFP4 GPT-OSS config (``--quantization`` unset, triton_kernels installed), and
+  ``ModelOptNvFp4FusedMoEMethod.apply`` (``modelopt_quant.py``) raises ``NotImplementedError`` for it at the first
+  forward, naming ``flashinfer_cutlass``: a warning (``SGLANG_RUNNER``).
 * TensorRT-LLM (PyTorch backend), NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_gpt_oss.py`` @
   050b6cb9 (``GptOssForCausalLM.load_weights`` -> ``load_hf_weights`` for HF names, i.e. any ``q_proj`` key;
   ``MLPBlock`` builds the experts with ``MoEWeightLoadingMode.FUSED_GATE_UP_PROJ``) and
@@ -50,7 +60,9 @@ ATTENTION_RE = re.compile(r".+\.self_attn\.(q|k|v|o)_proj")
 REASONS = {
     "vllm": ("vLLM 0.33.0's GPT-OSS loads ModelOpt per-expert tensors through GptOssRoutedExperts."
              "_load_unquantized_expert (a BF16 [in, out] transpose; the packed path is only for MXFP4 and "
-             "compressed-tensors NVFP4) and hf_to_vllm_mapper drops weight_scale_2 (gpt_oss.py "
+             "compressed-tensors NVFP4), whose _copy_to_expert then raises copying the transposed packed codes / "
+             "block scales into the [out, in/2] / [out, in/16] expert parameter (RuntimeError, observed by vLLM's "
+             "own loader: tools/conformance); hf_to_vllm_mapper has no weight_scale_2 entry either (gpt_oss.py "
              "GptOssModel._load_weights_other)"),
 }
 SGLANG_ATTENTION = ("SGLang 0.5.23's GptOssDecoderLayer builds GptOssAttention without a quant config, so its "
@@ -75,6 +87,12 @@ def _replay(engine: str):
     return replay
 
 
+SGLANG_RUNNER = ("NVFP4 routed experts: with --moe-runner-backend auto SGLang 0.5.23 picks triton_kernel for GPT-OSS "
+                 "(arg_groups/model_overrides/gpt_oss.py _gpt_oss_overrides), which ModelOptNvFp4FusedMoEMethod.apply "
+                 "refuses at the first forward (NotImplementedError naming --moe-runner-backend flashinfer_cutlass; "
+                 "observed by the conformance driver)")
+
+
 def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """SGLang's GPT-OSS: quantized attention refused; per-expert experts skipped (served numbers differ)."""
     result = EngineResult("sglang")
@@ -87,6 +105,8 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
             modules.setdefault(m["module"], linear.fmt)
     result.deviations += [Deviation(module, f"per-expert {fmt} experts land in no parameter: {SGLANG_EXPERTS}",
                                     math.inf) for module, fmt in modules.items()]
+    if "nvfp4" in modules.values():
+        result.warnings.append(SGLANG_RUNNER)
     if not result.refusals and not result.deviations:
         result.refusals.append(Refusal("config.json", "modelopt-k3-check knows SGLang's GPT-OSS rules only for "
                                                       "per-expert routed experts (fused exports are not replayed)"))

@@ -141,11 +141,35 @@ def test_tensorrt_llm_dequantizes_kv_b_proj_when_its_bare_name_is_excluded(expor
     assert result.verdict == REFUSES and "bare name kv_b_proj" in result.refusals[0].reason
 
 
-def test_kv_cache_scales_land_on_each_engine_s_mla_attention(export_layout):
-    results = _verdicts(_changed(export_layout, kv=True))
-    assert results["vllm"].verdict == LOADS, results["vllm"].details()
-    assert results["sglang"].verdict == LOADS, results["sglang"].details()
+def test_vllm_drops_modelopt_kv_cache_scales_of_its_mla_attention(export_layout):
+    """vLLM 0.33.0 (observed by its own loader: the conformance cell ``deepseek_v3-qformat-nvfp4-kv_fp8``):
+    AutoWeightsLoader's cache-scale mapper renames ``self_attn.k_proj.k_scale`` to ``self_attn.attn.k_scale``,
+    which DeepSeek's ``maybe_remap_kv_scale_name`` then maps to ``self_attn.attn.attn.k_scale`` -- no parameter (the
+    MLA's are on ``self_attn.mla_attn.mla_attn``): every scale dropped, the FP8 cache served with 1.0."""
+    layout = _changed(export_layout, kv=True)
+    results = _verdicts(layout)
+    vllm = results["vllm"]
+    assert vllm.verdict == DIFFERENT and not vllm.refusals, vllm.details()
+    assert sorted(d.module for d in vllm.deviations) == sorted(layout.kv_scales)
+    assert "self_attn.attn.attn.k_scale" in vllm.deviations[0].what and "get_cache_scale_mapper" in vllm.deviations[0].what
     assert results["trtllm"].verdict == REFUSES and "not replayed" in results["trtllm"].refusals[0].reason
+
+
+def test_sglang_serves_the_mha_prefill_with_kv_scales_of_one(export_layout):
+    """SGLang 0.5.23 (observed by its own loader: the conformance cell ``deepseek_v3-qformat-nvfp4-kv_fp8``): the
+    scales land on ``attn_mqa`` only; ``attn_mha`` (the MHA prefill's RadixAttention, whose K/V the SM100 trtllm_mla
+    prefill quantizes with its scales) keeps 1.0 -- every layer's k and v scale is a deviation, never "loads"."""
+    layout = _changed(export_layout, kv=True)
+    planned = replay("sglang", layout, numerics=False)
+    assert planned.verdict == DIFFERENT and not planned.refusals, planned.details()
+    assert sorted(d.module for d in planned.deviations) == sorted(layout.kv_scales)
+    assert all("attn_mha" in d.what and "_quantize_fp8_qkv" in d.what for d in planned.deviations)
+    values = {name: torch.tensor(0.25) for name in layout.kv_scales}
+    layout.read = lambda name: values[name] if name in values else export_layout.read(name)
+    measured = replay("sglang", layout, numerics=True)
+    assert {d.module: d.error for d in measured.deviations if d.module in values} == {n: 3.0 for n in values}
+    # Without a KV-cache quantization the scales are not served (no deviation, the export loads).
+    assert replay("sglang", export_layout, numerics=False).verdict == LOADS
 
 
 def test_sglang_s_own_kv_scale_rename_is_what_loads_them(export_layout):
@@ -157,6 +181,8 @@ def test_sglang_s_own_kv_scale_rename_is_what_loads_them(export_layout):
     layout = _changed(export_layout, kv=True)
     without = SGLANG.replay(layout, replace(SGLANG_DEEPSEEK_V3, kv_scale_rename=None), numerics=False)
     assert without.verdict == DIFFERENT and "self_attn.attn.k_scale" in without.deviations[0].what
+    with_rename = SGLANG.replay(layout, SGLANG_DEEPSEEK_V3, numerics=False)
+    assert with_rename.verdict == LOADS, with_rename.details()
 
 
 def test_mtp_layers_are_skipped_only_where_the_config_declares_them(export_layout):
@@ -178,3 +204,25 @@ def test_sglang_s_shared_expert_fusion_is_unsettled_for_deepseek_v3_sized_config
     layout = _changed(export_layout, config={"n_routed_experts": 256})
     layout.hf_quant["quantization"]["exclude_modules"].append("model.layers.9.mlp.shared_experts")
     assert replay("sglang", layout, numerics=False).verdict == LOADS
+
+
+def test_the_up_front_check_reads_a_block_fp8_source_and_plans_the_written_layout(deepseek_fp8_ckpt,
+                                                                                   deepseek_fp8_export):
+    """``--target_engines``' planned layout of the block-FP8 stand-in (``weight`` + ``weight_scale_inv``): every
+    Linear is planned (the kept MLA projections as the BF16 weights the export writes), the same tensors as the
+    written export, and the same verdicts (it raised KeyError before ``weight_scale_inv`` was a Linear part)."""
+    from modelopt_k3.check import check_layout, check_recipe_for_engines, planned_layout
+    from modelopt_k3.recipe import load_recipe
+
+    from .conftest import RECIPE
+
+    recipe = load_recipe(RECIPE)
+    planned = planned_layout(deepseek_fp8_ckpt, recipe)
+    written, reader = scan_export(deepseek_fp8_export)
+    with reader:
+        assert {n: lin.tensors for n, lin in planned.linears.items()} == \
+               {n: lin.tensors for n, lin in written.linears.items()}
+    assert planned.linears[f"{ATTN}.kv_a_proj_with_mqa"].fmt == "bf16"
+    verdicts = {e: r.verdict for e, r in check_layout(planned, ENGINES, numerics=False).results.items()}
+    assert verdicts == {"vllm": LOADS, "sglang": LOADS, "trtllm": LOADS}
+    check_recipe_for_engines(deepseek_fp8_ckpt, recipe, ENGINES)  # no refusal

@@ -353,6 +353,57 @@ def compare_scales(scales: dict[str, dict[str, torch.Tensor]], ours: dict[str, t
             "mismatch_count": len(mismatches), "unruled": sorted(unknown)}
 
 
+def merge_post(post: dict, more: dict) -> dict:
+    """``post`` (``compare_scales``' answer) with another comparison's counts and mismatches added."""
+    post["compared"] += more.get("compared", 0)
+    post["max_rel"] = max(post["max_rel"], more.get("max_rel", 0.0))
+    post["mismatches"] = (post["mismatches"] + more.get("mismatches", []))[:50]
+    post["mismatch_count"] += len(more.get("mismatches", []))
+    for key, value in more.items():
+        if key not in ("compared", "max_rel", "mismatches"):
+            post[key] = value
+    return post
+
+
+def _value(v) -> float | None:
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().double().reshape(-1)[0]) if v.numel() == 1 else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def compare_kv_scales(model: torch.nn.Module, ours: dict[str, torch.Tensor], attrs: dict[str, str]) -> dict:
+    """The KV-cache scales an engine computes with after post-processing, against the export's.
+
+    The export holds one ``<layer>.self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` per layer; every module under
+    ``<layer>.`` (engine names keep the layer prefix) holding an attribute of ``attrs`` (engine attribute ->
+    ``"k"``/``"v"``: a tensor of one element or a float) is compared with that layer's scale. Engine modules that
+    hold such an attribute in a layer whose export has no scale are listed (``kv_unmatched``), not judged."""
+    want: dict[str, dict[str, float]] = {}
+    for key, t in ours.items():
+        for kind in ("k", "v"):
+            if key.endswith(f".self_attn.{kind}_proj.{kind}_scale") and t.numel() == 1:
+                want.setdefault(key.split(".self_attn.")[0], {})[kind] = float(t.double())
+    compared, worst, mismatches, unmatched = 0, 0.0, [], []
+    for mname, module in model.named_modules():
+        for attr, kind in attrs.items():
+            got = _value(getattr(module, attr, None))
+            if got is None:
+                continue
+            layer = next((p for p in want if mname.startswith(p + ".")), None)
+            if layer is None or kind not in want[layer]:
+                unmatched.append(f"{mname}.{attr}")
+                continue
+            e = want[layer][kind]
+            err = abs(got - e) / max(abs(e), 1e-30)
+            compared += 1
+            worst = max(worst, err)
+            if err > TOLERANCE:
+                mismatches.append({"param": f"{mname}.{attr}", "index": 0, "half": kind, "engine": got,
+                                   "export_says": e, "rel": err,
+                                   "export": [f"{layer}.self_attn.{kind}_proj.{kind}_scale"]})
+    return {"compared": compared, "max_rel": worst, "mismatches": mismatches, "kv_unmatched": unmatched[:20]}
+
+
 def pieces_by_name(ours: dict[str, torch.Tensor], fused: dict[str, tuple[str, ...]],
                    expert_projs: dict[str, str]) -> Callable[[str], dict[str, list[list[str]]] | None]:
     """``compare_scales``' ``pieces`` for an engine that keeps the checkpoint's module names: an engine module

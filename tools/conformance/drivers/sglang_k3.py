@@ -132,7 +132,10 @@ def experts_forward(model) -> dict:
     except BaseException as exc:  # noqa: BLE001 - the observation
         # A missing layer attribute or key is the layer's own state (what a GPU run would hit too);
         # anything else is where the CPU run meets a kernel (absent entry point, CUDA error).
-        observable = isinstance(exc, (AttributeError, KeyError))
+        # A NotImplementedError the engine raises itself (not a missing CPU kernel: "... from the 'CPU' backend")
+        # is its own answer too: e.g. a quantization method refusing the MoE runner backend it was given.
+        observable = isinstance(exc, (AttributeError, KeyError)) or (
+            isinstance(exc, NotImplementedError) and "from the 'CPU' backend" not in str(exc))
         return {"layer": name, "outcome": "raised" if observable else "reached a GPU kernel (not observable on CPU)",
                 "error": C.error_record("first_forward", exc)}
     return {"layer": name, "outcome": "ran on CPU"}
@@ -148,8 +151,10 @@ def _resolved_backend() -> str | None:
         return f"unknown ({type(exc).__name__}: {exc})"[:200]
 
 
-def run(export: Path, options: dict, pieces_of=pieces_of) -> dict:
-    """One export's load (``pieces_of``: the export modules behind each engine module, for the scales)."""
+def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=kv_defaults, post_checks=None) -> dict:
+    """One export's load (``pieces_of``: the export modules behind each engine module, for the scales;
+    ``owned_of(model, export)``: engine-owned parameters besides the non-persistent buffers (``kv_defaults`` or a
+    model's own); ``post_checks(model, ours)``: further post-load comparisons, ``_common.merge_post``'d)."""
     backend = options.get("moe_runner_backend", "flashinfer_trtllm")
     result: dict = {"engine": "sglang", "export": str(export), "moe_runner_backend": backend}
     stage = "import"
@@ -186,7 +191,7 @@ def run(export: Path, options: dict, pieces_of=pieces_of) -> dict:
                 probe["stage"] = "load_weights"
                 probe["masks"], probe["landed"] = C.load_with_sentinel(
                     model, lambda: DefaultModelLoader.load_weights_only(model, iter(weights), target_device), ours)
-                probe["owned"] = {**C.non_persistent(model), **kv_defaults(model, export)}
+                probe["owned"] = {**C.non_persistent(model), **owned_of(model, export)}
                 probe["stage"] = "post_process"
                 DefaultModelLoader.postprocess_weights(model, target_device)
                 probe["stage"] = "report"
@@ -219,6 +224,8 @@ def run(export: Path, options: dict, pieces_of=pieces_of) -> dict:
         result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
         scales = C.post_load_scales(model, SGLANG_RULES)
         result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours), SGLANG_RULES)
+        if post_checks:
+            C.merge_post(result["post_load"], post_checks(model, ours))
         result["outcome"] = "ran"
         result["first_forward"] = experts_forward(model)
     except BaseException as exc:  # noqa: BLE001 - every failure is the observation
@@ -233,7 +240,8 @@ def run(export: Path, options: dict, pieces_of=pieces_of) -> dict:
     return result
 
 
-def main(defaults: dict | None = None, pieces_of=pieces_of, stubs=apply_stubs) -> int:
+def main(defaults: dict | None = None, pieces_of=pieces_of, stubs=apply_stubs, owned_of=kv_defaults,
+         post_checks=None) -> int:
     """``--exports A B ...``: each export's result goes to ``--out_dir``/<index>.json as soon as it is
     known (one process loads them in turn: importing the engine is most of the time). ``defaults``: options
     a model's driver sets unless ``--options`` gives them (``sglang_qwen3.py``); ``stubs``: ``apply_stubs`` or
@@ -246,12 +254,12 @@ def main(defaults: dict | None = None, pieces_of=pieces_of, stubs=apply_stubs) -
     stubs()
     options = {**(defaults or {}), **json.loads(args.options)}
     for i, export in enumerate(args.exports):
-        result = run(export, options, pieces_of)
+        result = run(export, options, pieces_of, owned_of, post_checks)
         # The same export under the other runner backends: what their first forward does (the routed
         # experts' kernel arguments are assembled from post-processed layer state).
         result["other_backends"] = {}
         for backend in options.get("other_backends", ("auto",)) if result.get("outcome") == "ran" else ():
-            other = run(export, {**options, "moe_runner_backend": backend}, pieces_of)
+            other = run(export, {**options, "moe_runner_backend": backend}, pieces_of, owned_of, post_checks)
             result["other_backends"][backend] = {"outcome": other.get("outcome"),
                                                  "error": other.get("error"),
                                                  "first_forward": other.get("first_forward")}

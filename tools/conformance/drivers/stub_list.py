@@ -38,5 +38,12 @@ STUBS: dict[str, list[tuple[str, str]]] = {
         ("Qwen3-MoE driver: layers/rotary_embedding/base.py module-level _is_cuda -> True",
          "it is torch.cuda.is_available() at import; on CUDA RotaryEmbedding takes its rope kernel from sglang.kernels, "
          "on CPU it imports vLLM's (absent from an SGLang venv); only the rope kernel and the cos/sin cache dtype depend on it"),
+        ("GPT-OSS and DeepSeek-V3 drivers: the Qwen3-MoE driver's rope stub (above)",
+         "the same RotaryEmbedding module; GPT-OSS's and DeepSeek-V3's ropes hold no checkpoint tensor"),
+        ("DeepSeek-V3 driver: models/deepseek_v2.py get_rope_wrapper called with device 'cuda' where the runtime device "
+         "'cpu' is passed",
+         "DeepseekV2AttentionMLA passes the runtime device; 'cpu' selects SGLang's CPU-backend rope factory "
+         "(get_rope_cpu, which asserts a rope_scaling the tiny config lacks), 'cuda' the get_rope a GPU serve builds; "
+         "a rope holds no checkpoint tensor (its cos/sin cache is a non-persistent buffer)"),
     ],
 }

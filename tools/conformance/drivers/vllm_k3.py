@@ -107,10 +107,13 @@ def pieces_of(ours: dict[str, torch.Tensor]):
     return lambda engine_module: by_name(engine_module.removesuffix(".routed_experts"))
 
 
-def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES) -> dict:
+def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES, serve_config=None,
+        post_checks=None) -> dict:
     """One export's load (``pieces_of``: the export modules behind each engine module, for the scales;
     ``owned_of(model, export)``: a model's engine-owned parameters besides the non-persistent buffers;
-    ``rules``: what each post-load scale attribute holds, ``VLLM_RULES`` or a model's own)."""
+    ``rules``: what each post-load scale attribute holds, ``VLLM_RULES`` or a model's own;
+    ``serve_config(export, model_config)``: ``VllmConfig`` keyword arguments a serve of this export gets (recorded
+    as ``serve_config``); ``post_checks(model, ours)``: further post-load comparisons, ``_common.merge_post``'d)."""
     result: dict = {"engine": "vllm", "export": str(export), "stubs": "stub_list.STUBS['vllm']"}
     stage = "import"
     try:
@@ -148,9 +151,12 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=V
 
         stage = "config"
         model_config = ModelConfig(model=str(export), tokenizer=str(export), trust_remote_code=True, dtype="bfloat16",
-                                   max_model_len=4096, enforce_eager=True, **options.get("model_config", {}))
+                                   **{"max_model_len": 4096, "enforce_eager": True, **options.get("model_config", {})})
+        extra = serve_config(export, model_config) if serve_config else {}
+        if extra:
+            result["serve_config"] = {k: repr(v) for k, v in extra.items()}
         vllm_config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="safetensors"),
-                                 device_config=DeviceConfig(device="cpu"), parallel_config=ParallelConfig())
+                                 device_config=DeviceConfig(device="cpu"), parallel_config=ParallelConfig(), **extra)
         result["quant_method"] = type(vllm_config.quant_config).__name__ if vllm_config.quant_config else None
         with set_current_vllm_config(vllm_config):
             stage = "distributed"
@@ -173,6 +179,8 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=V
         result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
         scales = C.post_load_scales(model, rules)
         result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours), rules)
+        if post_checks:
+            C.merge_post(result["post_load"], post_checks(model, ours))
         result["outcome"] = "ran"
     except BaseException as exc:  # noqa: BLE001 - every failure is the observation
         if isinstance(exc, KeyboardInterrupt):
@@ -184,7 +192,8 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=V
     return result
 
 
-def main(pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES) -> int:
+def main(pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES, serve_config=None, post_checks=None,
+         defaults: dict | None = None) -> int:
     """``--exports A B ...``: each export's result goes to ``--out_dir``/<index>.json as soon as it is
     known (one process loads them in turn: importing the engine is most of the time)."""
     p = argparse.ArgumentParser()
@@ -195,7 +204,8 @@ def main(pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     stubbed = apply_stubs()
     for i, export in enumerate(args.exports):
-        result = run(export, json.loads(args.options), pieces_of, owned_of, rules)
+        options = {**(defaults or {}), **json.loads(args.options)}
+        result = run(export, options, pieces_of, owned_of, rules, serve_config, post_checks)
         result["extensions_without_driver"] = stubbed
         (args.out_dir / f"{i}.json").write_text(json.dumps(result, indent=1, default=str))
     return 0
