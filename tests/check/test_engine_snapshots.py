@@ -187,3 +187,9 @@ def test_trtllm_newest_k3_loader_refuses_the_three_manifest_edits(tiny128: Path)
     refused = _trt(banked)
     assert [r.tensor for r in refused] == [f"{LM}.layers.2.block_sparse_moe.experts.0.w1.weight"]
     assert "NotImplementedError" in refused[0].reason and "before quantized_layers" in refused[0].reason
+    # The same bank as a subtree, ``<bank>.*``: TensorRT-LLM's QuantConfig matches the bank itself too (the
+    # replay's manifest-bank-excluded-subtree cell; the check had said "loads").
+    subtree = copy.deepcopy(mirror)
+    subtree.hf_quant["quantization"]["exclude_modules"].append(f"{LM}.layers.2.block_sparse_moe.experts.*")
+    refused = _trt(subtree)
+    assert [r.tensor for r in refused] == [f"{LM}.layers.2.block_sparse_moe.experts.0.w1.weight"]

@@ -124,3 +124,20 @@ def test_a_manifest_with_a_million_exclude_entries_is_checked_in_seconds(tiny_ck
     seconds = time.perf_counter() - t0
     assert {e: r.verdict for e, r in report.results.items()} == {e: r.verdict for e, r in base.results.items()}
     assert seconds < 60, f"the check of a 10^6-entry manifest took {seconds:.1f} s"
+
+
+def test_trtllm_exclusion_matches_a_subtree_root_and_re_entries_as_its_quant_config_does() -> None:
+    """TensorRT-LLM's ``QuantConfig.is_module_excluded_from_quantization`` (replayed by tools/conformance/trtllm.py):
+    the name or an ancestor by ``fnmatchcase``; ``re:`` entries by ``re.fullmatch``; ``x.*`` also matches ``x``
+    itself. The replay's cell ``manifest-bank-excluded-subtree`` (``<bank>.*``) raised where the check had said
+    "loads correctly" (it matched ``x.*`` by fnmatch only)."""
+    from modelopt_k3.check.engines.trtllm import trt_excluded_or_ancestor
+
+    bank = "language_model.model.layers.1.block_sparse_moe.experts"
+    assert trt_excluded_or_ancestor(bank, ExcludeIndex([f"{bank}.*"]))
+    assert trt_excluded_or_ancestor(f"{bank}.3.w1", ExcludeIndex([f"{bank}.*"]))
+    assert trt_excluded_or_ancestor(bank, ExcludeIndex(["language_model.model.layers.1"]))  # an ancestor, no glob
+    assert trt_excluded_or_ancestor(bank, ExcludeIndex([r"re:.*\.layers\.1\.block_sparse_moe\.experts"]))
+    assert trt_excluded_or_ancestor(f"{bank}.0.w1", ExcludeIndex([r"re:.*\.experts"]))  # via an ancestor
+    assert not trt_excluded_or_ancestor(bank, ExcludeIndex([r"re:.*\.layers\.2\..*", "re:(unclosed", f"{bank}.0.*"]))
+    assert not trt_excluded_or_ancestor("language_model.model.layers.1.mlp", ExcludeIndex(["*.layers.1.mlp.*x"]))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 
 from ...quant.schemes import FP8, FP8_PB_WO, NVFP4
 from ..layout import Layout, Linear
@@ -76,9 +77,16 @@ def trt_excluded(name: str, exclude: ExcludeIndex) -> bool:
 
 
 def trt_excluded_or_ancestor(name: str, exclude: ExcludeIndex) -> bool:
-    """``is_module_excluded_from_quantization`` as the newer builds run it: the name or any ancestor matches."""
+    """``QuantConfig.is_module_excluded_from_quantization`` as the newest builds run it (replayed by
+    ``tools/conformance/trtllm.py``): the name or any ancestor matches an entry by ``fnmatchcase``, a ``re:``
+    entry by ``re.fullmatch``, or an ``x.*`` entry by being ``x`` itself (the subtree's root)."""
     parts = name.split(".")
-    return any(exclude.fnmatch_any(".".join(parts[:i]), case=True) for i in range(len(parts), 0, -1))
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        if (exclude.fnmatch_any(candidate, case=True) or any(r.fullmatch(candidate) for r in exclude.full_regexes)
+                or any(fnmatchcase(candidate, root) for root in exclude.subtree_parents)):
+            return True
+    return False
 
 
 def trt_algo(algo: str | None) -> str | None:
