@@ -111,7 +111,7 @@ def test_update_committed_merges_a_subset_in_order_and_keeps_the_reports_own_sec
     assert doc["cells"][1]["check"]["sglang"]["verdict"] == REFUSES
     text = md.read_text()
     headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings == [*report.GENERATED_SECTIONS, "## What the engines did (findings)", "## Running it"]
+    assert headings == [*report.ENGINE_SECTIONS, "## What the engines did (findings)", "## Running it"]
     assert "hand-written" in text and text.count("## Cells") == 1
     # Regenerating again changes nothing (stable output).
     before = text
