@@ -269,6 +269,13 @@ def _bank_excluded(q: dict, flat: bool) -> None:
     q[key] = [*(q.get(key) or []), f"{LM}.layers.1.block_sparse_moe.experts"]
 
 
+def _attn_fp8_group64(q: dict, flat: bool) -> None:
+    """Layer 0's FP8_PB_WO attention entries (every spelling) given ``group_size`` 64 (not 128x128 blocks)."""
+    layers = q.get("quantized_layers") or {}
+    for name in [n for n in layers if ".layers.0.self_attn." in f".{n}"]:
+        layers[name] = {**layers[name], "group_size": 64}
+
+
 def _bank_excluded_subtree(q: dict, flat: bool) -> None:
     """Layer 1's routed-expert bank excluded as a subtree, ``<bank>.*`` (one of the forms ModelOpt writes)."""
     key = "ignore" if flat else "exclude_modules"
@@ -277,6 +284,7 @@ def _bank_excluded_subtree(q: dict, flat: bool) -> None:
 
 EDITS: dict[str, Callable[[Path, Path], Path]] = {
     "bank_excluded_subtree": _manifest_edit(_bank_excluded_subtree),
+    "attn_fp8_group64": _manifest_edit(_attn_fp8_group64),
     "attn_alias_conflict": _manifest_edit(_attn_alias_conflict),
     "kda_fp8_partial": _manifest_edit(_kda_fp8_partial),
     "bank_excluded": _manifest_edit(_bank_excluded),

@@ -100,6 +100,8 @@ MANIFEST_CELLS: tuple[Cell, ...] = (
     Cell("manifest-attn-alias-conflict", "broken", MIRROR, tiny="wide", base="wide-convert-mirror",
          edit="attn_alias_conflict",
          about="the mirror's layer-0 KDA q_proj declared NVFP4 under its model. alias, FP8_PB_WO under the others"),
+    Cell("manifest-attn-fp8-group64", "broken", MIRROR, tiny="wide", base="wide-convert-mirror",
+         edit="attn_fp8_group64", about="the mirror's layer-0 FP8_PB_WO attention entries with group_size 64"),
     Cell("manifest-kda-fp8-partial", "broken", MIRROR, tiny="wide", base="wide-convert-mirror", edit="kda_fp8_partial",
          about="the mirror with layer 0's KDA o_proj undeclared: q/k/v/g FP8_PB_WO, o_proj unquantized"),
     Cell("manifest-bank-excluded", "broken", CONVERTER_DEFAULT, tiny="wide", base="wide-convert-default",

@@ -47,7 +47,7 @@ The engines' generic ModelOpt rules (config parsing, exclusions, scale use) are 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, kv_deviations
 from ...check.engines.excludes import ExcludeIndex
@@ -235,12 +235,19 @@ class TrtQuant:
     algo: str | None
     exclude: ExcludeIndex
     per_layer: dict[str, str | None]
+    # _build_modelopt_quant_config: each quantized_layers entry's own group_size (None when it has none), and the
+    # top-level one (None defaulting to 128 for a single-format FP8_BLOCK_SCALES manifest).
+    group_size: int | None = None
+    per_layer_group: dict[str, int | None] = field(default_factory=dict)
 
 
 def trt_quant_of(layout: Layout) -> TrtQuant:
     q = (layout.hf_quant or {}).get("quantization") or {}
+    layers = next((cfg["quantized_layers"] for cfg in (q, layout.quant)
+                   if isinstance(cfg, dict) and isinstance(cfg.get("quantized_layers"), dict)), {})
     return TrtQuant(trt_algo(q.get("quant_algo")), ExcludeIndex(q.get("exclude_modules") or ()),
-                    {k: trt_algo(v) for k, v in _trt_per_layer_algos(layout).items()})
+                    {k: trt_algo(v) for k, v in _trt_per_layer_algos(layout).items()}, q.get("group_size"),
+                    {k: v.get("group_size") for k, v in layers.items() if isinstance(v, dict)})
 
 
 def trt_attention_algo(q: TrtQuant, layer: int, proj: str) -> str | None:
@@ -257,6 +264,13 @@ def trt_attention_algo(q: TrtQuant, layer: int, proj: str) -> str | None:
     if algo not in (None, FP8_BLOCK_SCALES):
         raise Refuse(names[0], f"attention projection declared {algo}: TensorRT-LLM's K3 resolve_attention_quant_"
                                "config accepts only unquantized or FP8_BLOCK_SCALES (ValueError)")
+    if algo == FP8_BLOCK_SCALES:
+        group = (q.per_layer_group.get(next(n for n in names if n in q.per_layer)) if declared
+                 else TRT_FP8_BLOCK if q.group_size is None else q.group_size)
+        if group not in (None, TRT_FP8_BLOCK):
+            raise Refuse(names[0], f"attention projection declared FP8_BLOCK_SCALES with group_size {group}: "
+                                   "TensorRT-LLM's K3 resolve_attention_quant_config requires 128x128 FP8 blocks "
+                                   "(ValueError)")
     return algo
 
 
