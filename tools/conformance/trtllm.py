@@ -500,7 +500,7 @@ def run_cell(r: Replayed, cell: Cell, export: Path) -> dict:
     differ = compare(replayed["calls"], checked)
     if replayed["outcome"] == "raises" and full.verdict != "refuses":
         differ.append(f"TensorRT-LLM raises ({replayed['first_raised'][:120]}), the check says {full.verdict!r}")
-    replay_keys = {"outcome", "first_raised", "quant_source", "quant_algo", "log"}
+    replay_keys = ("outcome", "first_raised", "quant_source", "quant_algo", "log")
     return {"id": cell.id, "how": cell.how, "recipe": cell.recipe, "tiny": cell.tiny, "about": cell.about,
             "replay": {k: replayed[k] for k in replay_keys if k in replayed},
             "calls": {call_key(a): answer(a) for a in replayed["calls"]},

@@ -27,11 +27,14 @@ One snapshot per engine, as users install it:
   (``validate_block_quant_shapes``: each output partition of a merged block-FP8 Linear divisible by 128).
 * TensorRT-LLM: NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_kimi_linear.py`` @ cf328e85
   (``KimiK3MoERuntime._resolve_routed_quant_config``, ``_K3_EXPERT_CKPT_SPECS``, ``load_weights``), and a newer
-  snapshot of the same file (a fork in the code index, 145,529 characters, no commit id recorded; issue 30 ran
-  its functions from verbatim excerpts): ``resolve_attention_quant_config`` (each attention projection looked
+  snapshot of the same file (a fork in the code index, 145,529 characters, no commit id recorded; its resolution
+  functions are replayed, unmodified, by ``tools/conformance/trtllm.py`` over the conformance exports and agree
+  with the rules below call for call): ``resolve_attention_quant_config`` (each attention projection looked
   up as ``<prefix>layers.{i}.self_attn.<proj>``: excluded -> unquantized; aliases in ``quantized_layers`` must
   agree, else ``ValueError``; MIXED_PRECISION without an entry -> unquantized; anything but unquantized or
-  ``FP8_BLOCK_SCALES`` -> ``ValueError``), called for KDA q/k/v/g/o (``KimiLinearDecoderLayer.__init__``) and
+  ``FP8_BLOCK_SCALES`` -> ``ValueError``, and ``FP8_BLOCK_SCALES`` with a ``group_size`` other than 128 too;
+  exclusion is ``QuantConfig.is_module_excluded_from_quantization``: the name or an ancestor, ``x.*`` matching
+  ``x`` itself, ``re:`` entries as regexes), called for KDA q/k/v/g/o (``KimiLinearDecoderLayer.__init__``) and
   MLA q_a/kv_a/q_b/kv_b/g/o (``KimiMLARuntime.__init__``); FP8 attention is read as FP8 codes with 128x128
   scales (``_Fp8BlockScaleWeightReadLinear``), no longer dequantized; ``KimiKDALinearAttention`` takes its
   five FP8 projections together or not at all and, like MLA ``kv_b_proj``, only 128-multiple dims (issue 30's
