@@ -26,8 +26,8 @@ def _tree(root: Path, source: str = "def f(x):\n    return x + 1\n") -> dict[str
 def test_the_pins_accept_the_pinned_code_and_refuse_anything_else(tmp_path: Path):
     pinned = _tree(tmp_path / "a")
     assert list(trtllm.load_tree(tmp_path / "a", pinned)["pkg/mod.py"]) == ["f"]
-    # Formatting and comments are not the code: the same definition, reformatted, is accepted.
-    _tree(tmp_path / "b", "# a comment\ndef f(x):  # another\n    return (x + 1)\n")
+    # Formatting, comments and docstrings are not the code: the same definition, reformatted, is accepted.
+    _tree(tmp_path / "b", '# a comment\ndef f(x):  # another\n    """Doc."""\n    return (x + 1)\n')
     assert trtllm.load_tree(tmp_path / "b", pinned)
     _tree(tmp_path / "c", "def f(x):\n    return x + 2\n")
     with pytest.raises(trtllm.TreeError, match=r"pkg/mod.py f is not the pinned code") as e:

@@ -3,7 +3,7 @@
 No TensorRT-LLM wheel with Kimi-K3 can be installed here (PyPI has a stub), so this takes a TensorRT-LLM source
 tree the user provides (``--trtllm_src DIR``) and never imports it as a package: from each pinned file it parses
 exactly the definitions ``PINNED`` names (``ast``), checks each one's fingerprint (sha256 of ``ast.unparse`` of
-the definition: the code that runs, not its comments or formatting) and executes them unmodified in a namespace
+the definition without docstrings: the code that runs, not its comments, docstrings or formatting) and executes them unmodified in a namespace
 whose other names are either definitions from the same tree or the stubs of ``drivers/stub_list.STUBS["trtllm"]``
 (one line of why each). Nothing of TensorRT-LLM is in this repository: the pins are hashes.
 
@@ -45,28 +45,29 @@ from typing import Any
 
 from .matrix import CELLS, CONVERTER_DEFAULT, MIRROR, Cell
 
-# The definitions replayed, per file of the TensorRT-LLM tree: qualified name -> sha256 of ast.unparse(node).
+# The definitions replayed, per file of the TensorRT-LLM tree: qualified name -> its fingerprint (sha256 of its
+# ast.unparse without docstrings).
 # Read from the code index (no single commit of NVIDIA/TensorRT-LLM in it holds them all; see SOURCES).
 PINNED: dict[str, dict[str, str]] = {
     "tensorrt_llm/quantization/modelopt_config.py": {
-        "is_modelopt_quant_config": "d83053061286d5567b4346133351c81f44a37626b6ce96ec31d590199f1666d1",
+        "is_modelopt_quant_config": "ee38de93efc47bb0fd3970bdccd5927f62c5c4e8eb9d3f0d94d939966071de7a",
         "_KV_SCHEME_DICT_MAP": "9633ceb4c372ff8ac924f15b858544616ca4a201d8e3ee9add9414fb44c79237",
         "_KV_SCHEME_STRING_ALGOS": "762df0ca3a89f0f41578d31fb33cf19d61b893247b7f936934f3c7e8d446de78",
         "_QUANT_ALGO_ALIASES": "5b0e4963641bad53acceb6a02a50c5d0e138b8290d71aed454feb8c32ba254f5",
-        "canonicalize_quant_algo": "e9bb444e3c30dea6234dbcc8ad07a28e3e3bd9cab61799717000a302dfba2ed8",
-        "_canonicalize_algos": "b100192ff00f59d8d201b9dc09879c8b3ae52337f24adfb18fb35d734aec04cb",
-        "_kv_cache_scheme_to_algo": "2bfa652a434c1e8e2401ffc1ba3932add5a83b180a72eed99ff74002fff7a561",
-        "read_modelopt_quant_config": "90c4f66a8891c7776b48b7d84b84fbbbab8c4c3764620203f847ea81cf3f404e",
+        "canonicalize_quant_algo": "aa216eee109e4ad9baa68cbc14e62fb16a63e6e4a53fc55f48f44841ba18fc54",
+        "_canonicalize_algos": "6a8beb2ffb983125448f3af8693cc6c8ddf93179afaaeee96541b882326b8b55",
+        "_kv_cache_scheme_to_algo": "ce940d452e4c2324c3a83a74aa30f7c0606f10c4499f5a72069b9dc3469bf922",
+        "read_modelopt_quant_config": "231492e8fe4fdb07231199e4d1cb222ac2add92543ca23bd26a18f899fbdabd1",
     },
     "tensorrt_llm/models/modeling_utils.py": {
-        "QuantConfig.is_module_excluded_from_quantization": "1e47b87eaed570b3f69abd419dcc4d4d8a20808f15ecfbb909e8d7b9a1920836",
+        "QuantConfig.is_module_excluded_from_quantization": "fb85ea0fcecf421f8aee41ad6a6f4c9316776ad7c7904ebad75f97b1ade98d1e",
     },
     "tensorrt_llm/_torch/model_config.py": {
         "ModelConfig.load_modelopt_quant_config": "e5be4d3879def611a2bb8b99bca3ba1c675b8f7fba9fdc40c5e0a4e235be1e26",
-        "ModelConfig._build_modelopt_quant_config": "063e1b2f6e24b42e7f261aac1f80ae1ecf0dee563ef9749a1fc9ed1bd379788a",
+        "ModelConfig._build_modelopt_quant_config": "5bc4abc864c6eeba89e9079e40005faf44122b16f7b43f84fab3ce92bc9b5897",
     },
     "tensorrt_llm/_torch/models/modeling_kimi_linear.py": {
-        "_get_text_config": "86a8bf76896b34b20d697428157718908c5ff780496591cdd92c01cdf9d2da87",
+        "_get_text_config": "65888a1fa8e865a3fe21b983e7c2f0e4c523fc354aecc0853fb92cfd9a53928c",
         "_is_kda_layer": "6e6050ff467bd5b0c75157f74218e7ae1699d4ed27fbef2d4f41c77f4e36cdda",
         "_is_mla_layer": "4b16b0f246f3bb2076170e15a4e84b8bc23ccc5c7fcd87f24dbbd4ecdc467af1",
         "_K3_ROUTED_EXPERT_KEY_PREFIXES": "a170ca8eaf976e78fe6a70023731df8410750b6c7ee92268dfeba9c2fd96243e",
@@ -75,11 +76,11 @@ PINNED: dict[str, dict[str, str]] = {
         "_K3_DEFAULT_ROUTED_QUANT_ALGO": "672827a6cc5afbcc47666d7bd6124a7e9ab69ffbfe1ee05c034cb5d5b217d0d8",
         "_load_packed_mxfp4_expert": "b04565dab52a48e392700f1c3fab2ba81f63a7fa419ad9b6eaefea15c5ccf5a0",
         "_load_nvfp4_expert": "fc99fdf0a51483095773c57df7d475d677bf5681111e7a76bcc74ddf8fe73633",
-        "_K3ExpertCkptSpec": "860de974ab5d5418d03bb716833c1bfab7e5ad6bcd568d594785c92e4e7d038c",
+        "_K3ExpertCkptSpec": "477099dae425fdff7a24f8b7dbaf7344f6be689a3d9aa1c723dc1dec65adfb05",
         "_K3_EXPERT_CKPT_SPECS": "c4c5426e462bc18efe3139860d149130754ca4352e8a999076df4e02b7f61960",
         "_k3_expert_ckpt_spec": "2834dde7d14b99684c9fc9fb290455397bfdde81c9c876f0ecbccd477251030e",
-        "KimiK3MoERuntime._resolve_routed_quant_config": "40b58677874fe354ee62ffdde18e6a76f5a20fa432134eb91940e311f28fb308",
-        "resolve_attention_quant_config": "7f22b4b296a25fa8d417aa2a92983ad640c8ebc12f10c1f156c0ce6e1bb53b01",
+        "KimiK3MoERuntime._resolve_routed_quant_config": "d0601d7b48708202418189bee791f8edafcf75ceaad476b6f9be04dcf2cb3967",
+        "resolve_attention_quant_config": "7163427d7bcdfd5fc3dffb70dba3930392d3d7613227d7364508e9658ca17fee",
     },
 }
 # Where each file's definitions were read (the code index; file-version ids where it names no commit).
@@ -124,8 +125,20 @@ class TreeError(ValueError):
 # ----------------------------------------------------------------------------------------- the tree
 
 
+def _without_docstrings(node: ast.AST) -> ast.AST:
+    """A copy of ``node`` whose functions and classes have no docstring (what runs is the same)."""
+    node = copy.deepcopy(node)
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and sub.body:
+            first = sub.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                sub.body = sub.body[1:] or [ast.Pass()]
+    return node
+
+
 def fingerprint(node: ast.AST) -> str:
-    return hashlib.sha256(ast.unparse(node).encode()).hexdigest()
+    """sha256 of the definition's code: ``ast.unparse`` without docstrings (comments and formatting never count)."""
+    return hashlib.sha256(ast.unparse(_without_docstrings(node)).encode()).hexdigest()
 
 
 def _definitions(tree: ast.Module) -> dict[str, ast.stmt]:
@@ -557,7 +570,7 @@ def markdown(replay: dict) -> str:
             lines += [f"  - headers: {h}" for h in row["headers"][:4]]
             if row["check"].get("first"):
                 lines.append(f"  - check: {row['check']['first'][:220]}")
-    lines += ["", "Replayed definitions (pinned by the sha256 of their `ast.unparse`, `tools/conformance/trtllm.py` "
+    lines += ["", "Replayed definitions (pinned by the sha256 of their `ast.unparse` without docstrings, `tools/conformance/trtllm.py` "
                   "`PINNED`):", ""]
     for src in replay["sources"]:
         lines.append(f"- `{src['file']}` ({src['read']}): " + ", ".join(f"`{d}`" for d in src["definitions"]))
