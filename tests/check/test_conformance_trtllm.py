@@ -78,7 +78,9 @@ def _fake(calls: list) -> trtllm.Replayed:
         calls.append(("experts", layer))
         return SimpleNamespace(quant_algo="NVFP4")
 
-    fn = {"load_modelopt_quant_config": lambda path, ckpt, backend: (qc, {"x": 1}),
+    fn = {"read_modelopt_quant_config": lambda raw: dict(raw), "is_modelopt_quant_config": lambda raw: False,
+          "warn_if_inline_diverges": lambda file_quant, inline, source_file: calls.append(("warn", source_file)),
+          "_build_modelopt_quant_config": lambda normalized, ckpt, backend: (qc, {"x": 1}),
           "_get_text_config": lambda c: c.text_config,
           "_is_kda_layer": lambda cfg, i: (i + 1) in cfg.linear_attn_config["kda_layers"],
           "_is_mla_layer": lambda cfg, i: (i + 1) in cfg.linear_attn_config["full_attn_layers"],
@@ -95,7 +97,7 @@ def test_the_replay_calls_each_layers_resolvers_as_the_k3_constructors_do(tmp_pa
     calls: list = []
     out = trtllm.replay_export(_fake(calls), tmp_path)
     kda = [("attn", i, p) for i in range(3) for p in trtllm.KDA]
-    assert calls == [*kda[:5], *kda[5:10], ("experts", 1), *kda[10:], ("experts", 2),
+    assert calls == [("warn", "hf_quant_config.json"), *kda[:5], *kda[5:10], ("experts", 1), *kda[10:], ("experts", 2),
                      *[("attn", 3, p) for p in trtllm.MLA], ("experts", 3)]
     assert out["outcome"] == "raises" and out["first_raised"] == "ValueError: refused"
     answers = {trtllm.call_key(c): trtllm.answer(c) for c in out["calls"]}

@@ -8,9 +8,9 @@ whose other names are either definitions from the same tree or the stubs of ``dr
 (one line of why each). Nothing of TensorRT-LLM is in this repository: the pins are hashes.
 
 Per export it then does what TensorRT-LLM's loader does with the export's configs (``replay_export``):
-``ModelConfig.load_modelopt_quant_config`` on hf_quant_config.json (``read_modelopt_quant_config``,
-``_build_modelopt_quant_config``: algos canonicalized, ``FP8_PB_WO`` -> ``FP8_BLOCK_SCALES``, per-layer
-``QuantConfig``s), then per decoder layer, as ``KimiLinearDecoderLayer.__init__`` / ``KimiMLARuntime.__init__`` /
+``ModelConfig.from_pretrained``'s quant-config steps on hf_quant_config.json (``read_modelopt_quant_config``,
+``warn_if_inline_diverges`` against config.json's ``quantization_config``, ``_build_modelopt_quant_config``: algos
+canonicalized, ``FP8_PB_WO`` -> ``FP8_BLOCK_SCALES``, per-layer ``QuantConfig``s), then per decoder layer, as ``KimiLinearDecoderLayer.__init__`` / ``KimiMLARuntime.__init__`` /
 ``KimiK3MoERuntime.__init__`` call them: ``resolve_attention_quant_config`` for KDA q/k/v/g/o or MLA
 q_a/kv_a/q_b/kv_b/g/o, ``KimiK3MoERuntime._resolve_routed_quant_config`` and ``_k3_expert_ckpt_spec`` for the
 routed experts. Each call's answer (the quant algo, or the exception with TensorRT-LLM's own message) is compared
@@ -57,13 +57,13 @@ PINNED: dict[str, dict[str, str]] = {
         "canonicalize_quant_algo": "aa216eee109e4ad9baa68cbc14e62fb16a63e6e4a53fc55f48f44841ba18fc54",
         "_canonicalize_algos": "6a8beb2ffb983125448f3af8693cc6c8ddf93179afaaeee96541b882326b8b55",
         "_kv_cache_scheme_to_algo": "ce940d452e4c2324c3a83a74aa30f7c0606f10c4499f5a72069b9dc3469bf922",
+        "warn_if_inline_diverges": "6d118b2a902bdb7981aa8ec8b56122a710485e7f46013958b0a4c61e11cecb8b",
         "read_modelopt_quant_config": "231492e8fe4fdb07231199e4d1cb222ac2add92543ca23bd26a18f899fbdabd1",
     },
     "tensorrt_llm/models/modeling_utils.py": {
         "QuantConfig.is_module_excluded_from_quantization": "fb85ea0fcecf421f8aee41ad6a6f4c9316776ad7c7904ebad75f97b1ade98d1e",
     },
     "tensorrt_llm/_torch/model_config.py": {
-        "ModelConfig.load_modelopt_quant_config": "e5be4d3879def611a2bb8b99bca3ba1c675b8f7fba9fdc40c5e0a4e235be1e26",
         "ModelConfig._build_modelopt_quant_config": "5bc4abc864c6eeba89e9079e40005faf44122b16f7b43f84fab3ce92bc9b5897",
     },
     "tensorrt_llm/_torch/models/modeling_kimi_linear.py": {
@@ -89,7 +89,9 @@ SOURCES = {
         "code index file version 57422422330 (7,542 characters; NVIDIA/TensorRT-LLM holds the path at 2edf354d)",
     "tensorrt_llm/models/modeling_utils.py":
         "code index file version 57035009897 (the QuantConfig with the ancestor walk and the '.*' parent rule)",
-    "tensorrt_llm/_torch/model_config.py": "JunyiXu-nv/TensorRT-LLM @ 10d0af85c38509b15e3ce9985824d53e13155d8c",
+    "tensorrt_llm/_torch/model_config.py":
+        "JunyiXu-nv/TensorRT-LLM @ 10d0af85c38509b15e3ce9985824d53e13155d8c (also ModelConfig.from_pretrained, whose "
+        "quant-config steps _quant_configs follows)",
     "tensorrt_llm/_torch/models/modeling_kimi_linear.py":
         "code index file version 68334583009 (145,529 characters: the newest K3 loader the index holds, the one "
         "models/kimi_k3/serving.py cites; its repository and commit are not recorded there)",
@@ -298,8 +300,7 @@ def build_namespace(defs: dict[str, dict[str, ast.stmt]]) -> Replayed:
                           "read_modelopt_quant_config": mo["read_modelopt_quant_config"],
                           "transformers": transformers, "logger": log}
     _run(list(defs[mc_path].values()), mc, mc_path, future_annotations=False)
-    model_config = type("ModelConfig", (), {"load_modelopt_quant_config": mc["load_modelopt_quant_config"],
-                                            "_build_modelopt_quant_config": mc["_build_modelopt_quant_config"]})
+    model_config = type("ModelConfig", (), {"_build_modelopt_quant_config": mc["_build_modelopt_quant_config"]})
     mc["ModelConfig"] = model_config
 
     mk: dict[str, Any] = {"__name__": "tensorrt_llm._torch.models.modeling_kimi_linear", "copy": copy,
@@ -307,10 +308,8 @@ def build_namespace(defs: dict[str, dict[str, ast.stmt]]) -> Replayed:
                           "NamedTuple": typing.NamedTuple, "Tuple": tuple, "Callable": typing.Callable,
                           "Optional": typing.Optional}
     _run(list(defs[mk_path].values()), mk, mk_path, future_annotations=True)
-    fn = {"load_modelopt_quant_config": model_config.load_modelopt_quant_config,
-          "_build_modelopt_quant_config": model_config._build_modelopt_quant_config,
-          "read_modelopt_quant_config": mo["read_modelopt_quant_config"],
-          "is_modelopt_quant_config": mo["is_modelopt_quant_config"],
+    fn = {"_build_modelopt_quant_config": model_config._build_modelopt_quant_config,
+          **{k: mo[k] for k in ("read_modelopt_quant_config", "is_modelopt_quant_config", "warn_if_inline_diverges")},
           **{k: mk[k] for k in ("_get_text_config", "_is_kda_layer", "_is_mla_layer", "_k3_expert_ckpt_spec",
                                 "resolve_attention_quant_config")},
           "_resolve_routed_quant_config": mk["_resolve_routed_quant_config"]}
@@ -333,18 +332,9 @@ def replay_export(r: Replayed, export: Path) -> dict:
     r.log.lines.clear()
     config = json.loads((export / "config.json").read_text())
     out: dict[str, Any] = {"calls": []}
-    hf = export / "hf_quant_config.json"
+    hf, inline = export / "hf_quant_config.json", config.get("quantization_config")
     try:
-        if hf.is_file():  # ModelConfig.from_pretrained: hf_quant_config.json first
-            out["quant_source"] = "hf_quant_config.json (ModelConfig.load_modelopt_quant_config)"
-            qc, per_layer = r.fn["load_modelopt_quant_config"](str(hf), str(export), MOE_BACKEND)
-        elif r.fn["is_modelopt_quant_config"](config.get("quantization_config")):
-            out["quant_source"] = "config.json quantization_config (load_hf_quant_config's ModelOpt branch)"
-            qc, per_layer = r.fn["_build_modelopt_quant_config"](
-                r.fn["read_modelopt_quant_config"](config["quantization_config"]), str(export), MOE_BACKEND)
-        else:
-            out["quant_source"] = "none (unquantized)"
-            qc, per_layer = r.QuantConfig(), None
+        qc, per_layer = _quant_configs(r, export, hf, inline, out)
     except Exception as e:  # TensorRT-LLM refused the configs themselves
         out["calls"].append({"call": CONFIGS, "raised": _raised(e)})
         return _finish(out, r)
@@ -376,12 +366,46 @@ def replay_export(r: Replayed, export: Path) -> dict:
     return _finish(out, r)
 
 
+def _quant_configs(r: Replayed, export: Path, hf: Path, inline: Any, out: dict) -> tuple[Any, Any]:
+    """``ModelConfig.from_pretrained``'s quant-config steps (JunyiXu-nv/TensorRT-LLM @ 10d0af85): hf_quant_config.json
+    normalized by ``read_modelopt_quant_config``, ``warn_if_inline_diverges`` against config.json's
+    ``quantization_config``, ``_build_modelopt_quant_config``; config.json's own config (``load_hf_quant_config``,
+    whose ModelOpt branch is those same two functions) when there is no file, or when the file sets no global
+    quant_algo. Other formats than ModelOpt's are not replayed (no matrix export has one)."""
+    build, read = r.fn["_build_modelopt_quant_config"], r.fn["read_modelopt_quant_config"]
+
+    def inline_configs() -> tuple[Any, Any]:
+        if not r.fn["is_modelopt_quant_config"](inline):
+            raise NotImplementedError(f"config.json quantization_config {str(inline)[:80]!r}: not a ModelOpt config "
+                                      "(load_hf_quant_config's other branches are not replayed)")
+        return build(read(inline), str(export), MOE_BACKEND)
+
+    if hf.is_file():
+        out["quant_source"] = "hf_quant_config.json"
+        normalized = read(json.loads(hf.read_text()))
+        r.fn["warn_if_inline_diverges"](normalized, inline, source_file="hf_quant_config.json")
+        qc, per_layer = build(normalized, str(export), MOE_BACKEND)
+        if qc.quant_algo is None and inline is not None:
+            inline_qc, inline_layers = inline_configs()
+            if inline_qc.quant_algo is not None:
+                out["quant_source"] = "config.json (hf_quant_config.json sets no global quant_algo)"
+                qc = inline_qc
+                if inline_layers is not None:
+                    per_layer = inline_layers if per_layer is None else {**inline_layers, **per_layer}
+        return qc, per_layer
+    if inline is not None:
+        out["quant_source"] = "config.json quantization_config"
+        return inline_configs()
+    out["quant_source"] = "none (unquantized)"
+    return r.QuantConfig(), None
+
+
 def _finish(out: dict, r: Replayed) -> dict:
     raised = [c for c in out["calls"] if "raised" in c]
     out["outcome"] = "raises" if raised else "resolves"
     if raised:
         out["first_raised"] = raised[0]["raised"]
-    out["log"] = [line for line in r.log.lines if not line.startswith("debug")][:5]
+    out["log"] = [line for line in r.log.lines if not line.startswith("debug")][:10]
     return out
 
 
@@ -421,7 +445,7 @@ def trt_algo_routed(s, q, per_layer: dict[str, str], layer: int) -> str | None:
 
 
 ATTN, EXPERTS, CONFIGS = "resolve_attention_quant_config", "_k3_expert_ckpt_spec(_resolve_routed_quant_config)", \
-    "load_modelopt_quant_config"
+    "ModelConfig.from_pretrained's quant configs"
 KEY_OF = {ATTN: "attn", EXPERTS: "experts", CONFIGS: "configs"}
 
 
@@ -511,6 +535,11 @@ def run_cell(r: Replayed, cell: Cell, export: Path) -> dict:
         notes = header_notes(layout, replayed["calls"])
     full = check_export(export, ("trtllm",)).results["trtllm"]
     differ = compare(replayed["calls"], checked)
+    trt_warns = any("group_size:" in line for line in replayed["log"] if line.startswith("warning"))
+    check_warns = any("group_size" in w for w in full.warnings)
+    if trt_warns != check_warns:
+        differ.append(f"group_size warning: TensorRT-LLM {'warns' if trt_warns else 'does not warn'} "
+                      f"(warn_if_inline_diverges), the check {'warns' if check_warns else 'does not'}")
     if replayed["outcome"] == "raises" and full.verdict != "refuses":
         differ.append(f"TensorRT-LLM raises ({replayed['first_raised'][:120]}), the check says {full.verdict!r}")
     replay_keys = ("outcome", "first_raised", "quant_source", "quant_algo", "log")

@@ -96,12 +96,23 @@ def trt_algo(algo: str | None) -> str | None:
 
 
 def config_json_group_size_warning(layout: Layout) -> list[str]:
-    """TensorRT-LLM warns when config.json's ``quantization_config`` carries no top-level ``group_size``
-    (issue 30's replay of the newest loader; the hf_quant_config.json value is used)."""
-    if isinstance(layout.quant, dict) and "group_size" not in layout.quant:
-        return ["config.json: quantization_config has no group_size (TensorRT-LLM warns and reads "
-                "hf_quant_config.json's)"]
-    return []
+    """TensorRT-LLM's ``warn_if_inline_diverges`` (``tensorrt_llm/quantization/modelopt_config.py``, replayed by
+    ``tools/conformance/trtllm.py``): with hf_quant_config.json present, a ModelOpt ``quantization_config`` in
+    config.json whose ``group_size`` differs from the file's is warned about, and the file's is used. Equal (both
+    absent included): no warning."""
+    inline = layout.quant
+    if not isinstance(inline, dict) or layout.hf_quant is None or not (
+            str(inline.get("quant_method", "")).lower().startswith("modelopt")
+            or (inline.get("producer") or {}).get("name") == "modelopt"):
+        return []
+    inline = inline["quantization"] if isinstance(inline.get("quantization"), dict) else inline
+    file_group = (layout.hf_quant.get("quantization") or {}).get("group_size")
+    group = inline.get("group_size")
+    if group == file_group:
+        return []
+    said = "has no group_size" if group is None else f"has group_size {group}"
+    return [f"config.json: quantization_config {said}, hf_quant_config.json {file_group} (TensorRT-LLM warns and "
+            "reads hf_quant_config.json's)"]
 
 
 def trt_method(algo: str | None, excluded: bool) -> str:
