@@ -3,15 +3,15 @@
 No TensorRT-LLM wheel with Kimi-K3 can be installed here (PyPI has a stub), so this takes a TensorRT-LLM source
 tree the user provides (``--trtllm_src DIR``) and never imports it as a package: from each pinned file it parses
 exactly the definitions ``PINNED`` names (``ast``), checks each one's fingerprint (sha256 of ``ast.unparse`` of
-the definition without docstrings: the code that runs, not its comments, docstrings or formatting) and executes them unmodified in a namespace
-whose other names are either definitions from the same tree or the stubs of ``drivers/stub_list.STUBS["trtllm"]``
+the definition without docstrings: the code that runs, not its comments, docstrings or formatting) and executes
+them unmodified in a namespace whose other names are either definitions from the same tree or the stubs of ``drivers/stub_list.STUBS["trtllm"]``
 (one line of why each). Nothing of TensorRT-LLM is in this repository: the pins are hashes.
 
 Per export it then does what TensorRT-LLM's loader does with the export's configs (``replay_export``):
 ``ModelConfig.from_pretrained``'s quant-config steps on hf_quant_config.json (``read_modelopt_quant_config``,
 ``warn_if_inline_diverges`` against config.json's ``quantization_config``, ``_build_modelopt_quant_config``: algos
-canonicalized, ``FP8_PB_WO`` -> ``FP8_BLOCK_SCALES``, per-layer ``QuantConfig``s), then per decoder layer, as ``KimiLinearDecoderLayer.__init__`` / ``KimiMLARuntime.__init__`` /
-``KimiK3MoERuntime.__init__`` call them: ``resolve_attention_quant_config`` for KDA q/k/v/g/o or MLA
+canonicalized, ``FP8_PB_WO`` -> ``FP8_BLOCK_SCALES``, per-layer ``QuantConfig``s), then per decoder layer, as
+``KimiLinearDecoderLayer.__init__`` / ``KimiMLARuntime.__init__`` / ``KimiK3MoERuntime.__init__`` call them: ``resolve_attention_quant_config`` for KDA q/k/v/g/o or MLA
 q_a/kv_a/q_b/kv_b/g/o, ``KimiK3MoERuntime._resolve_routed_quant_config`` and ``_k3_expert_ckpt_spec`` for the
 routed experts. Each call's answer (the quant algo, or the exception with TensorRT-LLM's own message) is compared
 with what ``modelopt-k3-check --engine trtllm`` resolves for the same call (``models/kimi_k3/serving.py``:
@@ -20,7 +20,7 @@ config then meets (the stored format of each resolved projection, the expert ten
 
 What this does not replay: the layers' weight loading (``_Fp8BlockScaleWeightReadLinear``, the KDA module's FP8
 all-or-none and 128-alignment checks, ``load_weights``): those classes need CUDA and were not in the pinned
-files. The check's refusals from those rules are listed per cell as "beyond the replayed functions".
+files. The check's refusals from those rules show in each cell's check column, not as disagreements.
 
 ``python -m tools.conformance.trtllm --trtllm_src DIR [--work W] [--out O] [--cells a,b] [--update_committed]``;
 exits 1 on any disagreement, 2 on a bad argument (one line, before anything is built).
@@ -118,6 +118,10 @@ REPLAY_CELL_BY_ID = {c.id: c for c in REPLAY_CELLS}
 JSON_NAME, DOC_NAME = "trtllm_replay.json", "TRTLLM_REPLAY.md"
 KDA = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")  # KimiLinearDecoderLayer.__init__ projection_names
 MLA = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "g_proj", "o_proj")  # KimiMLARuntime.__init__
+# The calls a replay records, and their keys in the committed rows (``call_key``).
+ATTN, EXPERTS = "resolve_attention_quant_config", "_k3_expert_ckpt_spec(_resolve_routed_quant_config)"
+CONFIGS = "ModelConfig.from_pretrained's quant configs"
+KEY_OF = {ATTN: "attn", EXPERTS: "experts", CONFIGS: "configs"}
 
 
 class TreeError(ValueError):
@@ -443,10 +447,6 @@ def trt_algo_routed(s, q, per_layer: dict[str, str], layer: int) -> str | None:
     """The check's routed-expert resolution: None for an excluded bank (``replay_trtllm``'s order)."""
     return None if s._trt_bank_excluded(q, layer) else s.trt_routed_algo(per_layer, layer)
 
-
-ATTN, EXPERTS, CONFIGS = "resolve_attention_quant_config", "_k3_expert_ckpt_spec(_resolve_routed_quant_config)", \
-    "ModelConfig.from_pretrained's quant configs"
-KEY_OF = {ATTN: "attn", EXPERTS: "experts", CONFIGS: "configs"}
 
 
 def call_key(call: dict) -> str:
