@@ -494,9 +494,10 @@ def compare(replayed: list[dict], checked: list[dict]) -> list[str]:
     return out
 
 
-def header_notes(layout, calls: list[dict]) -> list[str]:
-    """What the resolved configs meet in the export's headers: a projection stored in another format than the
-    one it resolved to, and expert tensors that TensorRT-LLM's spec names but the export lacks."""
+def header_notes(layout, calls: list[dict]) -> list[tuple[str, str]]:
+    """What the resolved configs meet in the export's headers, as (module scope, note): a projection stored in
+    another format than the one it resolved to, expert tensors that TensorRT-LLM's spec names but the export lacks.
+    Either makes TensorRT-LLM's weight loading fail there, so the check must refuse something in that scope."""
     from modelopt_k3.quant.schemes import FP8_PB_WO
 
     notes = []
@@ -513,14 +514,16 @@ def header_notes(layout, calls: list[dict]) -> list[str]:
             linear = by_suffix.get(f"{call['layer']}.{call['proj']}")
             want = FP8_PB_WO.engine_method if call["value"] else "bf16"
             if linear is not None and linear.fmt != want:
-                notes.append(f"layer {call['layer']} {call['proj']}: resolves {call['value'] or 'unquantized'}, "
-                             f"stored {linear.fmt}")
+                notes.append((f"layers.{call['layer']}.self_attn.",
+                              f"layer {call['layer']} {call['proj']}: resolves {call['value'] or 'unquantized'}, "
+                              f"stored {linear.fmt}"))
         elif call.get("kinds") and names:
             missing = [k for k in call["kinds"]
                        if not any(n.endswith(f"layers.{call['layer']}.block_sparse_moe.experts.0.w1.{k}") for n in names)]
             if missing:
-                notes.append(f"layer {call['layer']} experts: TensorRT-LLM's {call['value']} spec reads "
-                             f"{', '.join(missing)}; the export has none")
+                notes.append((f"layers.{call['layer']}.block_sparse_moe.experts.",
+                              f"layer {call['layer']} experts: TensorRT-LLM's {call['value']} spec reads "
+                              f"{', '.join(missing)}; the export has none"))
     return notes
 
 
@@ -535,6 +538,8 @@ def run_cell(r: Replayed, cell: Cell, export: Path) -> dict:
         notes = header_notes(layout, replayed["calls"])
     full = check_export(export, ("trtllm",)).results["trtllm"]
     differ = compare(replayed["calls"], checked)
+    differ += [f"headers: {note}, but the check refuses nothing under {scope}" for scope, note in notes
+               if not any(scope in refusal.tensor for refusal in full.refusals)]
     trt_warns = any("group_size:" in line for line in replayed["log"] if line.startswith("warning"))
     check_warns = any("group_size" in w for w in full.warnings)
     if trt_warns != check_warns:
@@ -546,7 +551,7 @@ def run_cell(r: Replayed, cell: Cell, export: Path) -> dict:
     return {"id": cell.id, "how": cell.how, "recipe": cell.recipe, "tiny": cell.tiny, "about": cell.about,
             "replay": {k: replayed[k] for k in replay_keys if k in replayed},
             "calls": {call_key(a): answer(a) for a in replayed["calls"]},
-            "headers": notes,
+            "headers": [note for _, note in notes],
             "check": {"verdict": full.verdict,
                       **({"first": f"{full.refusals[0].tensor}: {full.refusals[0].reason}"[:400]}
                          if full.refusals else {})},
