@@ -111,13 +111,33 @@ def test_update_committed_merges_a_subset_in_order_and_keeps_the_reports_own_sec
     assert doc["cells"][1]["check"]["sglang"]["verdict"] == REFUSES
     text = md.read_text()
     headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings == [*report.GENERATED_SECTIONS, "## What the engines did (findings)", "## Running it"]
+    assert headings == [*report.ENGINE_SECTIONS, "## What the engines did (findings)", "## Running it"]
     assert "hand-written" in text and text.count("## Cells") == 1
     # Regenerating again changes nothing (stable output).
     before = text
     assert run.main(["--out", str(tmp_path / "out"), "--cells", ids[1], "--engine", "sglang==0.5.23",
                      "--update_committed"]) == 0
     assert md.read_text() == before
+
+
+def test_a_full_update_of_the_engines_rows_keeps_the_committed_trtllm_replay(monkeypatch, tmp_path):
+    """``python -m tools.conformance --update_committed`` rewrites vLLM's and SGLang's rows; the TensorRT-LLM rows
+    (``trtllm_replay``, written by ``python -m tools.conformance.trtllm``) and their report section stay."""
+    js, md = _committed(monkeypatch, tmp_path)
+    ids = [c.id for c in CELLS]
+    replay = {"sources": [], "stubs": [{"name": "s", "why": "w"}],
+              "cells": [{"id": ids[0], "about": "a", "replay": {"outcome": "resolves"}, "calls": {"configs": "x"},
+                         "headers": [], "check": {"verdict": LOADS}, "disagreements": []}]}
+    report.write_report({"engines": {"vllm": "0.33.0"}, "trtllm_replay": replay,
+                         "cells": [_row(ids[0], LOADS, {"vllm": LOADS})]}, js, md, order=ids)
+    assert report.REPLAY_SECTION in md.read_text()
+    fresh = {"engines": {"vllm": "0.33.0", "sglang": "0.5.23"},
+             "cells": [_row(i, LOADS, {"vllm": LOADS, "sglang": LOADS}) for i in ids[:2]]}
+    monkeypatch.setattr(run, "run_matrix", _fake_run(fresh))
+    assert run.main(["--out", str(tmp_path / "out"), "--update_committed"]) == 0
+    doc = json.loads(js.read_text())
+    assert doc["trtllm_replay"] == replay and [r["id"] for r in doc["cells"]] == ids[:2]
+    assert md.read_text().count(report.REPLAY_SECTION) == 1
 
 
 def test_install_progress_lines_and_the_full_log(tmp_path):

@@ -1,4 +1,6 @@
-"""``modelopt-k3-check`` against what vLLM's and SGLang's own loaders did with the same exports.
+"""``modelopt-k3-check`` against what vLLM's and SGLang's own loaders did with the same exports, and against what
+TensorRT-LLM's own Kimi-K3 resolution functions answered for them (``trtllm_replay``, written by
+``python -m tools.conformance.trtllm``, which runs those functions from a TensorRT-LLM source tree).
 
 ``tests/data/engine_conformance.json`` is written by ``python -m tools.conformance`` (opt-in:
 it installs the engines; see docs/ENGINE_CONFORMANCE.md). These tests need no engine: they recompute
@@ -15,11 +17,13 @@ from pathlib import Path
 import pytest
 
 from modelopt_k3.check import check_export, check_layout, kv_scale_names, planned_layout
-from tools.conformance import matrix
+from modelopt_k3.check.layout import scan_export
+from tools.conformance import matrix, trtllm
 
 MATRIX = Path(__file__).parents[1] / "data" / "engine_conformance.json"
 DOC = json.loads(MATRIX.read_text())
 ENGINES = tuple(DOC["engines"])
+REPLAY = DOC.get("trtllm_replay") or {"cells": [], "sources": [], "stubs": []}
 
 
 def _observed(row: dict, engine: str) -> str | None:
@@ -100,3 +104,57 @@ def test_the_check_of_each_cell_export_agrees_with_the_engines_as_recorded(tmp_p
     print("\n".join(["check vs engine disagreements:", *lines]))
     assert found == _recorded(rows), "\n".join(lines)
     assert not stale, "the check changed since the matrix was run; re-run it:\n" + "\n".join(stale)
+
+
+# --------------------------------------------------------------------------- TensorRT-LLM's functions, replayed
+
+
+def _replay_disagreements(rows: list[dict], layout_of) -> list[str]:
+    """Calls where the check's TensorRT-LLM rules now answer otherwise than TensorRT-LLM's functions did."""
+    lines = []
+    for row in rows:
+        keys = list(row["calls"])
+        layout = layout_of(row)
+        for key, mine in zip(keys, trtllm.check_calls(layout, trtllm.calls_of(keys))):
+            if not trtllm.agree(row["calls"][key], trtllm.answer(mine)):
+                lines.append(f"{row['id']} / {key}: TensorRT-LLM {row['calls'][key][:120]!r}, "
+                             f"check {trtllm.answer(mine)[:120]!r}")
+    return lines
+
+
+def test_the_trtllm_replay_covers_the_kimi_k3_cells_and_the_manifest_edits():
+    ids = [r["id"] for r in REPLAY["cells"]]
+    assert ids == [c.id for c in trtllm.REPLAY_CELLS], "re-run python -m tools.conformance.trtllm --update_committed"
+    assert {"manifest-attn-alias-conflict", "manifest-kda-fp8-partial", "manifest-bank-excluded"} <= set(ids)
+    assert [s["file"] for s in REPLAY["sources"]] == list(trtllm.PINNED)
+    assert REPLAY["stubs"] and all(s["name"] and s["why"] for s in REPLAY["stubs"])
+    assert not [d for r in REPLAY["cells"] for d in r["disagreements"]], "the committed replay records disagreements"
+    for row in REPLAY["cells"]:
+        assert row["calls"] and row["replay"]["outcome"] in ("raises", "resolves"), row["id"]
+        if row["replay"]["outcome"] == "raises":  # TensorRT-LLM raised building the model: the check refuses
+            assert row["check"]["verdict"] == "refuses", row["id"]
+
+
+def test_the_up_front_check_resolves_each_recipe_cell_as_trtllm_did(tiny_sources):
+    """Names and headers only: each resolution call of each recipe cell, as TensorRT-LLM's functions answered."""
+    rows = [r for r in REPLAY["cells"] if r["how"] != "broken"]
+    lines = _replay_disagreements(
+        rows, lambda row: planned_layout(tiny_sources[row["tiny"]], matrix.recipe_of(row["recipe"])))
+    assert not lines, "\n".join(lines)
+
+
+@pytest.mark.slow  # builds every replayed cell's export (five calibrated hf_ptq runs)
+def test_the_check_of_each_replayed_export_resolves_as_trtllm_did(tmp_path: Path, restore_remote_code):
+    built: dict[str, Path] = {}
+    rows = {r["id"]: r for r in REPLAY["cells"]}
+    lines, stale = [], []
+    for cell in trtllm.REPLAY_CELLS:
+        export = matrix.build_export(cell, tmp_path, built)
+        layout, reader = scan_export(export)
+        with reader:
+            lines += _replay_disagreements([rows[cell.id]], lambda row, layout=layout: layout)
+        now = check_export(export, ("trtllm",)).results["trtllm"].verdict
+        if now != rows[cell.id]["check"]["verdict"]:
+            stale.append(f"{cell.id}: recorded check {rows[cell.id]['check']['verdict']!r}, now {now!r}")
+    assert not lines, "\n".join(lines)
+    assert not stale, "the check changed since the replay was run; re-run it:\n" + "\n".join(stale)

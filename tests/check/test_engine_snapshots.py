@@ -179,6 +179,11 @@ def test_trtllm_newest_k3_loader_refuses_the_three_manifest_edits(tiny128: Path)
     assert [r.tensor for r in refused] == [f"{mla}.q_b_proj.weight"] and "declared FP8" in refused[0].reason
     refused = _trt(_with_layers(mirror, declare("NVFP4", ["model.layers.3.self_attn.q_b_proj"])))  # one alias only
     assert [r.tensor for r in refused] == [f"{mla}.q_b_proj.weight"] and "Conflicting" in refused[0].reason
+    # FP8_BLOCK_SCALES entries with another group_size than 128 (the replay's manifest-attn-fp8-group64 cell).
+    group64 = _with_layers(mirror, lambda layers: {k: {**v, "group_size": 64} if "layers.2.self_attn." in k else v
+                                                   for k, v in layers.items()})
+    refused = _trt(group64)
+    assert [r.tensor for r in refused] == [f"{kda}.q_proj.weight"] and "128x128 FP8 blocks" in refused[0].reason
     without_g = _with_layers(mirror, lambda layers: {k: v for k, v in layers.items() if not k.endswith("2.self_attn.g_proj")})
     refused = _trt(without_g)
     assert [r.tensor for r in refused] == [f"{kda}.q_proj.weight"] and "all together or none" in refused[0].reason
@@ -187,3 +192,9 @@ def test_trtllm_newest_k3_loader_refuses_the_three_manifest_edits(tiny128: Path)
     refused = _trt(banked)
     assert [r.tensor for r in refused] == [f"{LM}.layers.2.block_sparse_moe.experts.0.w1.weight"]
     assert "NotImplementedError" in refused[0].reason and "before quantized_layers" in refused[0].reason
+    # The same bank as a subtree, ``<bank>.*``: TensorRT-LLM's QuantConfig matches the bank itself too (the
+    # replay's manifest-bank-excluded-subtree cell; the check had said "loads").
+    subtree = copy.deepcopy(mirror)
+    subtree.hf_quant["quantization"]["exclude_modules"].append(f"{LM}.layers.2.block_sparse_moe.experts.*")
+    refused = _trt(subtree)
+    assert [r.tensor for r in refused] == [f"{LM}.layers.2.block_sparse_moe.experts.0.w1.weight"]

@@ -124,3 +124,42 @@ def test_a_manifest_with_a_million_exclude_entries_is_checked_in_seconds(tiny_ck
     seconds = time.perf_counter() - t0
     assert {e: r.verdict for e, r in report.results.items()} == {e: r.verdict for e, r in base.results.items()}
     assert seconds < 60, f"the check of a 10^6-entry manifest took {seconds:.1f} s"
+
+
+def test_trtllm_exclusion_matches_a_subtree_root_and_re_entries_as_its_quant_config_does() -> None:
+    """TensorRT-LLM's ``QuantConfig.is_module_excluded_from_quantization`` (replayed by tools/conformance/trtllm.py):
+    the name or an ancestor by ``fnmatchcase``; ``re:`` entries by ``re.fullmatch``; ``x.*`` also matches ``x``
+    itself. The replay's cell ``manifest-bank-excluded-subtree`` (``<bank>.*``) raised where the check had said
+    "loads correctly" (it matched ``x.*`` by fnmatch only)."""
+    from modelopt_k3.check.engines.trtllm import trt_excluded_or_ancestor
+
+    bank = "language_model.model.layers.1.block_sparse_moe.experts"
+    assert trt_excluded_or_ancestor(bank, ExcludeIndex([f"{bank}.*"]))
+    assert trt_excluded_or_ancestor(f"{bank}.3.w1", ExcludeIndex([f"{bank}.*"]))
+    assert trt_excluded_or_ancestor(bank, ExcludeIndex(["language_model.model.layers.1"]))  # an ancestor, no glob
+    assert trt_excluded_or_ancestor(bank, ExcludeIndex([r"re:.*\.layers\.1\.block_sparse_moe\.experts"]))
+    assert trt_excluded_or_ancestor(f"{bank}.0.w1", ExcludeIndex([r"re:.*\.experts"]))  # via an ancestor
+    assert not trt_excluded_or_ancestor(bank, ExcludeIndex([r"re:.*\.layers\.2\..*", "re:(unclosed", f"{bank}.0.*"]))
+    assert not trt_excluded_or_ancestor("language_model.model.layers.1.mlp", ExcludeIndex(["*.layers.1.mlp.*x"]))
+
+
+def test_trtllm_warns_about_config_json_group_size_only_where_it_differs_from_the_file() -> None:
+    """TensorRT-LLM's ``warn_if_inline_diverges`` (replayed): the inline ModelOpt config's group_size against
+    hf_quant_config.json's. Both absent (the FP8 presets) is no warning; the replay's preset-fp8 and mlp0-fp8_pb
+    cells showed the check warning there."""
+    from types import SimpleNamespace
+
+    from modelopt_k3.check.engines.trtllm import config_json_group_size_warning
+
+    def layout(inline, file_group):
+        quant = {"quant_algo": "FP8"} if file_group is None else {"quant_algo": "NVFP4", "group_size": file_group}
+        return SimpleNamespace(quant=inline, hf_quant={"quantization": quant})
+
+    modelopt = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (warning,) = config_json_group_size_warning(layout(modelopt, 16))
+    assert "has no group_size, hf_quant_config.json 16" in warning
+    assert config_json_group_size_warning(layout({**modelopt, "group_size": 16}, 16)) == []
+    assert config_json_group_size_warning(layout(modelopt, None)) == []  # both absent
+    assert "has group_size 32" in config_json_group_size_warning(layout({**modelopt, "group_size": 32}, 16))[0]
+    assert config_json_group_size_warning(layout({"quant_method": "fp8"}, 16)) == []  # not a ModelOpt config
+    assert config_json_group_size_warning(SimpleNamespace(quant=modelopt, hf_quant=None)) == []  # no file

@@ -10,6 +10,10 @@ and drives its public model config, model loader and model class; the GPU-only p
 ``--update_committed`` it also regenerates ``tests/data/engine_conformance.json`` and
 ``docs/ENGINE_CONFORMANCE.md``, which ``tests/check/test_conformance_matrix.py`` compares the check with, without
 any engine installed. A new engine release is one edit of ``PINNED`` and one run.
+
+TensorRT-LLM (no installable release has Kimi-K3) is replayed instead: ``python -m tools.conformance.trtllm
+--trtllm_src DIR`` runs its own Kimi-K3 quantization/name-resolution functions from a TensorRT-LLM source tree
+(``trtllm.py``; pinned per definition) over the same exports, and writes its rows beside the engines'.
 """
 
 PINNED = ("sglang==0.5.23", "vllm==0.33.0")

@@ -276,7 +276,55 @@ def _fp8_pb_2d(src: Path, dst: Path) -> Path:
     return copy_with(src, dst, tensors=flat)
 
 
+def _manifest_edit(edit: Callable[[dict, bool], None]) -> Callable[[Path, Path], Path]:
+    """A broken copy whose only change is ``edit(quantization, flat)`` applied to both manifests (hf_quant_config.json's
+    ``quantization``, ``flat`` False; config.json's ``quantization_config``, ``flat`` True: ``ignore``, not
+    ``exclude_modules``)."""
+    def apply(src: Path, dst: Path) -> Path:
+        return copy_with(src, dst, quant=lambda hf, cfg: (edit(hf, False), edit(cfg, True)))
+    return apply
+
+
+def _attn_alias_conflict(q: dict, flat: bool) -> None:
+    """The ``model.`` alias of layer 0's KDA q_proj declared NVFP4, its other spellings kept FP8_PB_WO."""
+    layers = q.get("quantized_layers") or {}
+    name = "model.layers.0.self_attn.q_proj"
+    if name in layers:
+        layers[name] = {"quant_algo": "NVFP4", "group_size": 16}
+
+
+def _kda_fp8_partial(q: dict, flat: bool) -> None:
+    """Layer 0's KDA o_proj no longer declared (every spelling): q/k/v/g FP8_PB_WO, o_proj unquantized."""
+    layers = q.get("quantized_layers") or {}
+    for name in [n for n in layers if n.endswith("layers.0.self_attn.o_proj")]:
+        del layers[name]
+
+
+def _bank_excluded(q: dict, flat: bool) -> None:
+    """Layer 1's routed-expert bank named in the exclusions (its quantized_layers entries kept)."""
+    key = "ignore" if flat else "exclude_modules"
+    q[key] = [*(q.get(key) or []), f"{LM}.layers.1.block_sparse_moe.experts"]
+
+
+def _attn_fp8_group64(q: dict, flat: bool) -> None:
+    """Layer 0's FP8_PB_WO attention entries (every spelling) given ``group_size`` 64 (not 128x128 blocks)."""
+    layers = q.get("quantized_layers") or {}
+    for name in [n for n in layers if ".layers.0.self_attn." in f".{n}"]:
+        layers[name] = {**layers[name], "group_size": 64}
+
+
+def _bank_excluded_subtree(q: dict, flat: bool) -> None:
+    """Layer 1's routed-expert bank excluded as a subtree, ``<bank>.*`` (one of the forms ModelOpt writes)."""
+    key = "ignore" if flat else "exclude_modules"
+    q[key] = [*(q.get(key) or []), f"{LM}.layers.1.block_sparse_moe.experts.*"]
+
+
 EDITS: dict[str, Callable[[Path, Path], Path]] = {
+    "bank_excluded_subtree": _manifest_edit(_bank_excluded_subtree),
+    "attn_fp8_group64": _manifest_edit(_attn_fp8_group64),
+    "attn_alias_conflict": _manifest_edit(_attn_alias_conflict),
+    "kda_fp8_partial": _manifest_edit(_kda_fp8_partial),
+    "bank_excluded": _manifest_edit(_bank_excluded),
     "w3_scale": _w3_scale,
     "latent_nvfp4": _latent_nvfp4,
     "kv_scales": _kv_scales,

@@ -47,7 +47,9 @@ def _strip_tracebacks(value):
     return value
 
 
-GENERATED_SECTIONS = ("## Verdicts: check vs engine", "## Cells", "## Stubs (the GPU-only pieces replaced on CPU)")
+ENGINE_SECTIONS = ("## Verdicts: check vs engine", "## Cells", "## Stubs (the GPU-only pieces replaced on CPU)")
+REPLAY_SECTION = "## TensorRT-LLM replay (its own resolution functions)"  # only with a trtllm_replay (trtllm.py)
+GENERATED_SECTIONS = (*ENGINE_SECTIONS, REPLAY_SECTION)
 
 
 def _sorted_cells(cells: list[dict], order: list[str]) -> list[dict]:
@@ -60,7 +62,10 @@ def merge_rows(old: dict, fresh: dict, order: list[str]) -> dict:
     """``old`` (a written matrix) with ``fresh``'s cells and engine versions replacing its own."""
     rows = {r["id"]: r for r in old["cells"]}
     rows.update({r["id"]: r for r in fresh["cells"]})
-    return {"engines": {**old["engines"], **fresh["engines"]}, "cells": _sorted_cells(list(rows.values()), order)}
+    merged = {"engines": {**old["engines"], **fresh["engines"]}, "cells": _sorted_cells(list(rows.values()), order)}
+    if "trtllm_replay" in old or "trtllm_replay" in fresh:  # written by tools.conformance.trtllm, carried over
+        merged["trtllm_replay"] = fresh.get("trtllm_replay", old.get("trtllm_replay"))
+    return merged
 
 
 def write_report(result: dict, json_path: Path, md_path: Path, *, order: list[str],
@@ -86,6 +91,8 @@ def write_report(result: dict, json_path: Path, md_path: Path, *, order: list[st
     doc = {"schema": SCHEMA, "generated": generated or datetime.date.today().isoformat(), "engines": engines,
            "stubs": {e: [{"name": n, "why": w} for n, w in STUBS[e]] for e in engines},
            "cells": cells}
+    if result.get("trtllm_replay"):  # tools.conformance.trtllm's rows: carried as written
+        doc["trtllm_replay"] = result["trtllm_replay"]
     kept = kept_sections(keep_sections_of.read_text()) if keep_sections_of and keep_sections_of.exists() else []
     files = {json_path: (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode(),
              md_path: (markdown(doc).rstrip("\n") + "".join(f"\n\n{section}" for section in kept) + "\n").encode()}
@@ -207,4 +214,8 @@ def markdown(doc: dict) -> str:
         lines.append("")
         lines += [f"- `{s['name']}`: {s['why']}" for s in doc["stubs"][e]]
         lines.append("")
+    if doc.get("trtllm_replay"):
+        from .trtllm import markdown as trtllm_markdown
+
+        lines += [trtllm_markdown(doc["trtllm_replay"]), ""]
     return "\n".join(lines)

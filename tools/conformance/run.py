@@ -262,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out / JSON_NAME} and {args.out / DOC_NAME}")
     if args.update_committed:
         committed = result
-        if args.cell_ids and COMMITTED_JSON.exists():  # a subset updates its rows of the committed matrix
-            committed = merge_rows(json.loads(COMMITTED_JSON.read_text()), result, order)
+        if COMMITTED_JSON.exists():
+            old = json.loads(COMMITTED_JSON.read_text())
+            if args.cell_ids:  # a subset updates its rows of the committed matrix
+                committed = merge_rows(old, result, order)
+            elif old.get("trtllm_replay"):  # the TensorRT-LLM replay's rows (tools.conformance.trtllm) stay
+                committed = {**result, "trtllm_replay": old["trtllm_replay"]}
         write_report(committed, COMMITTED_JSON, COMMITTED_DOC, order=order, keep_sections_of=COMMITTED_DOC)
         print(f"updated {COMMITTED_JSON} and {COMMITTED_DOC}")
     return _exit(disagreements(written))

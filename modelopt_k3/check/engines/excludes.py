@@ -114,6 +114,24 @@ class ExcludeIndex:
         match = fnmatchcase if case else fnmatch
         return any(match(name, e) for e in self._fn_wild)
 
+    @cached_property
+    def full_regexes(self) -> tuple[re.Pattern, ...]:
+        """The ``re:`` entries as compiled regexes (TensorRT-LLM's ``QuantConfig`` ``re.fullmatch``es them); an
+        entry that does not compile is left out."""
+        out = []
+        for e in self.entries:
+            if e.startswith("re:"):
+                try:
+                    out.append(re.compile(e[3:]))
+                except re.error:
+                    continue
+        return tuple(out)
+
+    @cached_property
+    def subtree_parents(self) -> tuple[str, ...]:
+        """``x`` of every ``x.*`` entry (TensorRT-LLM's ``QuantConfig``: a subtree wildcard also matches its root)."""
+        return tuple(e[:-2] for e in self.entries if e.endswith(".*"))
+
     def first_fnmatchcase(self, name: str) -> str | None:
         """The first entry, in list order, that ``fnmatchcase`` matches ``name`` against."""
         hits = [e for e in self._fn_wild if fnmatchcase(name, e)]

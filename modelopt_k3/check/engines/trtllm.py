@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 
 from ...quant.schemes import FP8, FP8_PB_WO, NVFP4
 from ..layout import Layout, Linear
@@ -76,9 +77,16 @@ def trt_excluded(name: str, exclude: ExcludeIndex) -> bool:
 
 
 def trt_excluded_or_ancestor(name: str, exclude: ExcludeIndex) -> bool:
-    """``is_module_excluded_from_quantization`` as the newer builds run it: the name or any ancestor matches."""
+    """``QuantConfig.is_module_excluded_from_quantization`` as the newest builds run it (replayed by
+    ``tools/conformance/trtllm.py``): the name or any ancestor matches an entry by ``fnmatchcase``, a ``re:``
+    entry by ``re.fullmatch``, or an ``x.*`` entry by being ``x`` itself (the subtree's root)."""
     parts = name.split(".")
-    return any(exclude.fnmatch_any(".".join(parts[:i]), case=True) for i in range(len(parts), 0, -1))
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        if (exclude.fnmatch_any(candidate, case=True) or any(r.fullmatch(candidate) for r in exclude.full_regexes)
+                or any(fnmatchcase(candidate, root) for root in exclude.subtree_parents)):
+            return True
+    return False
 
 
 def trt_algo(algo: str | None) -> str | None:
@@ -88,12 +96,23 @@ def trt_algo(algo: str | None) -> str | None:
 
 
 def config_json_group_size_warning(layout: Layout) -> list[str]:
-    """TensorRT-LLM warns when config.json's ``quantization_config`` carries no top-level ``group_size``
-    (issue 30's replay of the newest loader; the hf_quant_config.json value is used)."""
-    if isinstance(layout.quant, dict) and "group_size" not in layout.quant:
-        return ["config.json: quantization_config has no group_size (TensorRT-LLM warns and reads "
-                "hf_quant_config.json's)"]
-    return []
+    """TensorRT-LLM's ``warn_if_inline_diverges`` (``tensorrt_llm/quantization/modelopt_config.py``, replayed by
+    ``tools/conformance/trtllm.py``): with hf_quant_config.json present, a ModelOpt ``quantization_config`` in
+    config.json whose ``group_size`` differs from the file's is warned about, and the file's is used. Equal (both
+    absent included): no warning."""
+    inline = layout.quant
+    if not isinstance(inline, dict) or layout.hf_quant is None or not (
+            str(inline.get("quant_method", "")).lower().startswith("modelopt")
+            or (inline.get("producer") or {}).get("name") == "modelopt"):
+        return []
+    inline = inline["quantization"] if isinstance(inline.get("quantization"), dict) else inline
+    file_group = (layout.hf_quant.get("quantization") or {}).get("group_size")
+    group = inline.get("group_size")
+    if group == file_group:
+        return []
+    said = "has no group_size" if group is None else f"has group_size {group}"
+    return [f"config.json: quantization_config {said}, hf_quant_config.json {file_group} (TensorRT-LLM warns and "
+            "reads hf_quant_config.json's)"]
 
 
 def trt_method(algo: str | None, excluded: bool) -> str:

@@ -27,11 +27,14 @@ One snapshot per engine, as users install it:
   (``validate_block_quant_shapes``: each output partition of a merged block-FP8 Linear divisible by 128).
 * TensorRT-LLM: NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_kimi_linear.py`` @ cf328e85
   (``KimiK3MoERuntime._resolve_routed_quant_config``, ``_K3_EXPERT_CKPT_SPECS``, ``load_weights``), and a newer
-  snapshot of the same file (a fork in the code index, 145,529 characters, no commit id recorded; issue 30 ran
-  its functions from verbatim excerpts): ``resolve_attention_quant_config`` (each attention projection looked
+  snapshot of the same file (a fork in the code index, 145,529 characters, no commit id recorded; its resolution
+  functions are replayed, unmodified, by ``tools/conformance/trtllm.py`` over the conformance exports and agree
+  with the rules below call for call): ``resolve_attention_quant_config`` (each attention projection looked
   up as ``<prefix>layers.{i}.self_attn.<proj>``: excluded -> unquantized; aliases in ``quantized_layers`` must
   agree, else ``ValueError``; MIXED_PRECISION without an entry -> unquantized; anything but unquantized or
-  ``FP8_BLOCK_SCALES`` -> ``ValueError``), called for KDA q/k/v/g/o (``KimiLinearDecoderLayer.__init__``) and
+  ``FP8_BLOCK_SCALES`` -> ``ValueError``, and ``FP8_BLOCK_SCALES`` with a ``group_size`` other than 128 too;
+  exclusion is ``QuantConfig.is_module_excluded_from_quantization``: the name or an ancestor, ``x.*`` matching
+  ``x`` itself, ``re:`` entries as regexes), called for KDA q/k/v/g/o (``KimiLinearDecoderLayer.__init__``) and
   MLA q_a/kv_a/q_b/kv_b/g/o (``KimiMLARuntime.__init__``); FP8 attention is read as FP8 codes with 128x128
   scales (``_Fp8BlockScaleWeightReadLinear``), no longer dequantized; ``KimiKDALinearAttention`` takes its
   five FP8 projections together or not at all and, like MLA ``kv_b_proj``, only 128-multiple dims (issue 30's
@@ -47,7 +50,7 @@ The engines' generic ModelOpt rules (config parsing, exclusions, scale use) are 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...check.engines.base import Fused, ModelServing, Refuse, WeightsMapper, kv_deviations
 from ...check.engines.excludes import ExcludeIndex
@@ -235,12 +238,19 @@ class TrtQuant:
     algo: str | None
     exclude: ExcludeIndex
     per_layer: dict[str, str | None]
+    # _build_modelopt_quant_config: each quantized_layers entry's own group_size (None when it has none), and the
+    # top-level one (None defaulting to 128 for a single-format FP8_BLOCK_SCALES manifest).
+    group_size: int | None = None
+    per_layer_group: dict[str, int | None] = field(default_factory=dict)
 
 
 def trt_quant_of(layout: Layout) -> TrtQuant:
     q = (layout.hf_quant or {}).get("quantization") or {}
+    layers = next((cfg["quantized_layers"] for cfg in (q, layout.quant)
+                   if isinstance(cfg, dict) and isinstance(cfg.get("quantized_layers"), dict)), {})
     return TrtQuant(trt_algo(q.get("quant_algo")), ExcludeIndex(q.get("exclude_modules") or ()),
-                    {k: trt_algo(v) for k, v in _trt_per_layer_algos(layout).items()})
+                    {k: trt_algo(v) for k, v in _trt_per_layer_algos(layout).items()}, q.get("group_size"),
+                    {k: v.get("group_size") for k, v in layers.items() if isinstance(v, dict)})
 
 
 def trt_attention_algo(q: TrtQuant, layer: int, proj: str) -> str | None:
@@ -257,6 +267,13 @@ def trt_attention_algo(q: TrtQuant, layer: int, proj: str) -> str | None:
     if algo not in (None, FP8_BLOCK_SCALES):
         raise Refuse(names[0], f"attention projection declared {algo}: TensorRT-LLM's K3 resolve_attention_quant_"
                                "config accepts only unquantized or FP8_BLOCK_SCALES (ValueError)")
+    if algo == FP8_BLOCK_SCALES:
+        group = (q.per_layer_group.get(next(n for n in names if n in q.per_layer)) if declared
+                 else TRT_FP8_BLOCK if q.group_size is None else q.group_size)
+        if group not in (None, TRT_FP8_BLOCK):
+            raise Refuse(names[0], f"attention projection declared FP8_BLOCK_SCALES with group_size {group}: "
+                                   "TensorRT-LLM's K3 resolve_attention_quant_config requires 128x128 FP8 blocks "
+                                   "(ValueError)")
     return algo
 
 

@@ -46,4 +46,23 @@ STUBS: dict[str, list[tuple[str, str]]] = {
          "(get_rope_cpu, which asserts a rope_scaling the tiny config lacks), 'cuda' the get_rope a GPU serve builds; "
          "a rope holds no checkpoint tensor (its cos/sin cache is a non-persistent buffer)"),
     ],
+    # tools/conformance/trtllm.py: not a GPU stand-in but the names TensorRT-LLM's replayed resolution functions
+    # use that are not themselves replayed from the tree (the TensorRT-LLM package is never imported).
+    "trtllm": [
+        ("QuantAlgo -> a str Enum of TensorRT-LLM's algo names (value = name)",
+         "tensorrt_llm/quantization/mode.py was not read at the pinned snapshot; its QuantAlgo is a StrEnum whose "
+         "values are its names, so QuantAlgo('X') of a name outside the list raises ValueError as the real one does"),
+        ("QuantConfig -> an attribute holder with TensorRT-LLM's field defaults (group_size 128, the rest None/False) "
+         "+ TensorRT-LLM's own is_module_excluded_from_quantization",
+         "the real class is a pydantic StrictBaseModel (llmapi); the replayed code only sets and reads these fields, "
+         "and the exclusion matching, which decides, is the pinned method itself"),
+        ("ModelConfig -> a namespace with quant_config and quant_config_dict",
+         "the replayed resolvers read only those two attributes, which ModelConfig.from_pretrained fills from "
+         "load_modelopt_quant_config's (quant_config, layer_quant_config)"),
+        ("transformers.utils.hub.cached_file -> the file in the local checkpoint directory, else OSError",
+         "what it does for a local directory; _build_modelopt_quant_config only asks it for quant_cfg.json"),
+        ("tensorrt_llm.logger.logger -> records the lines", "logging only; the report shows the non-debug lines"),
+        ("moe_backend -> 'TRTLLM'",
+         "ModelConfig.resolve_moe_backend returns TRTLLM for the Kimi-K3 architectures (AUTO, the default)"),
+    ],
 }
