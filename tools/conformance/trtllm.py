@@ -43,7 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .matrix import CELLS, CONVERTER_DEFAULT, MIRROR, Cell
+from .matrix import CELLS, CONVERTER_DEFAULT, MIRROR, TINY_MODELS, Cell
 
 # The definitions replayed, per file of the TensorRT-LLM tree: qualified name -> its fingerprint (sha256 of its
 # ast.unparse without docstrings).
@@ -113,7 +113,8 @@ MANIFEST_CELLS: tuple[Cell, ...] = (
          edit="bank_excluded_subtree",
          about="the same bank excluded as a subtree, `<bank>.*` (TensorRT-LLM's '.*' rule matches the bank itself)"),
 )
-REPLAY_CELLS: tuple[Cell, ...] = (*(c for c in CELLS if not c.tiny.startswith("qwen3")), *MANIFEST_CELLS)
+# The Kimi-K3 cells only: the replayed functions are TensorRT-LLM's Kimi-K3 loader's.
+REPLAY_CELLS: tuple[Cell, ...] = (*(c for c in CELLS if TINY_MODELS[c.tiny] == "kimi_k3"), *MANIFEST_CELLS)
 REPLAY_CELL_BY_ID = {c.id: c for c in REPLAY_CELLS}
 JSON_NAME, DOC_NAME = "trtllm_replay.json", "TRTLLM_REPLAY.md"
 KDA = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")  # KimiLinearDecoderLayer.__init__ projection_names
