@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from _exports import read_export
 
 from modelopt_k3.check import check_export
 from modelopt_k3.check.report import LOADS, REFUSES
@@ -22,17 +22,6 @@ from .conftest import W4A16, weight_only_export
 SOURCES = ("block_fp8", "int4", "bf16")
 INDEX = "model.safetensors.index.json"
 MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-
-
-def _read_all(d: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    wmap = json.loads((d / INDEX).read_text())["weight_map"]
-    for fname in sorted(set(wmap.values())):
-        with safe_open(d / fname, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                out[key] = f.get_tensor(key)
-    assert set(out) == set(wmap)
-    return out
 
 
 def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -65,7 +54,7 @@ def both_paths(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 def test_converter_equals_the_model_path(source: str, both_paths) -> None:
     """Same names, dtypes and bytes, same config.json and hf_quant_config.json, for every source format."""
     converted, model_path = both_paths[source]
-    mine, theirs = _read_all(converted), _read_all(model_path)
+    mine, theirs = read_export(converted), read_export(model_path)
     assert _differing(mine, theirs) == []
     for name in ("config.json", "hf_quant_config.json"):
         assert _json(converted / name) == _json(model_path / name), name
@@ -84,8 +73,8 @@ def test_converter_equals_the_model_path(source: str, both_paths) -> None:
 def test_kept_block_fp8_linears_are_written_decoded(sources, both_paths) -> None:
     """The MLA projections a block-FP8 source stores FP8 are written as the declared-block decode of the source
     in the model's dtype (bf16), as the model path writes them; the 160-row kv_a_proj_with_mqa has a partial block."""
-    src = _read_all(sources["block_fp8"])
-    mine = _read_all(both_paths["block_fp8"][0])
+    src = read_export(sources["block_fp8"])
+    mine = read_export(both_paths["block_fp8"][0])
     for layer in range(3):
         for proj in MLA:
             key = f"model.layers.{layer}.self_attn.{proj}"
@@ -111,7 +100,7 @@ def test_the_default_recipe_is_weight_only_nvfp4(deepseek_fp8_ckpt: Path, both_p
     out = tmp_path / "default"
     assert main(["--src", str(deepseek_fp8_ckpt), "--dst", str(out), "--no_progress"]) in (0, None)
     assert _json(out / "hf_quant_config.json")["modelopt_k3"]["recipe"] == W4A16
-    assert _differing(_read_all(out), _read_all(both_paths["block_fp8"][0])) == []
+    assert _differing(read_export(out), read_export(both_paths["block_fp8"][0])) == []
 
 
 def _partner(module: str) -> str:
@@ -145,4 +134,4 @@ def test_each_rank_reads_only_its_shards_and_scale_partners(source: str, tmp_pat
         read_somewhere |= set(record["source"]["read"])
     weight_shapes = {k for k in wmap if k.endswith(".weight_shape")}  # INT4's, consumed unread (as the model path)
     assert read_somewhere == set(wmap) - weight_shapes
-    assert _differing(_read_all(out), _read_all(convert_checkpoint(ckpt, tmp_path / "one", W4A16).dst)) == []
+    assert _differing(read_export(out), read_export(convert_checkpoint(ckpt, tmp_path / "one", W4A16).dst)) == []

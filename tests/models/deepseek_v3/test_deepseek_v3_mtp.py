@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _exports import read_export
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -27,16 +28,6 @@ from .conftest import W4A16, quantize_and_export, weight_only_export
 INDEX = "model.safetensors.index.json"
 MTP = "model.layers.3"
 ENGINES = ("vllm", "sglang", "trtllm")
-
-
-def _read_all(d: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    wmap = json.loads((d / INDEX).read_text())["weight_map"]
-    for fname in sorted(set(wmap.values())):
-        with safe_open(d / fname, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                out[key] = f.get_tensor(key)
-    return out
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -85,11 +76,11 @@ def test_mtp_layer_is_carried_unquantized_on_both_paths(source: str, deepseek_mt
     it, as stored otherwise) and nothing quantized under it; the other layers are what the source without MTP
     layers exports; exclude_modules names the layer."""
     converted, model_path = mtp_exports[source]
-    mine = _read_all(converted)
-    assert _differing(mine, _read_all(model_path)) == []
+    mine = read_export(converted)
+    assert _differing(mine, read_export(model_path)) == []
     for name in ("config.json", "hf_quant_config.json"):
         assert json.loads((converted / name).read_text()) == json.loads((model_path / name).read_text())
-    src = _read_all(deepseek_mtp_ckpts[source])
+    src = read_export(deepseek_mtp_ckpts[source])
     want = _expected_mtp(src)
     got = {k: t for k, t in mine.items() if k.startswith(f"{MTP}.")}
     assert set(got) == set(want)
@@ -101,7 +92,7 @@ def test_mtp_layer_is_carried_unquantized_on_both_paths(source: str, deepseek_mt
     # The decoder layers are untouched by the MTP layer: the stand-in without one converts to the same bytes.
     plain = convert_checkpoint(make_tiny_deepseek_v3(tmp_path / "plain", source=source), tmp_path / "out", W4A16).dst
     rest = {k: t for k, t in mine.items() if not k.startswith(f"{MTP}.")}
-    assert _differing(rest, _read_all(plain)) == []
+    assert _differing(rest, read_export(plain)) == []
 
 
 def test_the_engines_skip_the_carried_mtp_layer(deepseek_mtp_ckpts, mtp_exports, tmp_path: Path) -> None:
@@ -115,8 +106,8 @@ def test_the_engines_skip_the_carried_mtp_layer(deepseek_mtp_ckpts, mtp_exports,
     calibrated = quantize_and_export(deepseek_mtp_ckpts["block_fp8"], tmp_path / "nvfp4")
     report = check_export(calibrated, ENGINES)
     assert {e: r.verdict for e, r in report.results.items()} == dict.fromkeys(ENGINES, LOADS), report.table()
-    exported = _read_all(calibrated)
-    want = _expected_mtp(_read_all(deepseek_mtp_ckpts["block_fp8"]))
+    exported = read_export(calibrated)
+    want = _expected_mtp(read_export(deepseek_mtp_ckpts["block_fp8"]))
     assert [k for k in want if not _same(exported[k], want[k])] == []
 
 
