@@ -54,6 +54,7 @@ import re
 
 from ...check.layout import Layout
 from ...check.report import Deviation, EngineResult, Refusal
+from ...quant.schemes import NVFP4_TENSOR
 
 EXPERT_RE = re.compile(r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_up_proj|down_proj)")
 ATTENTION_RE = re.compile(r".+\.self_attn\.(q|k|v|o)_proj")
@@ -105,7 +106,7 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
             modules.setdefault(m["module"], linear.fmt)
     result.deviations += [Deviation(module, f"per-expert {fmt} experts land in no parameter: {SGLANG_EXPERTS}",
                                     math.inf) for module, fmt in modules.items()]
-    if "nvfp4" in modules.values():
+    if NVFP4_TENSOR.name in modules.values():
         result.warnings.append(SGLANG_RUNNER)
     if not result.refusals and not result.deviations:
         result.refusals.append(Refusal("config.json", "modelopt-k3-check knows SGLang's GPT-OSS rules only for "
