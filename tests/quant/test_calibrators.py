@@ -287,16 +287,16 @@ def test_the_hessian_grid_of_a_weight_only_linear_comes_from_its_weight():
     """A weight-only Linear (w4a16) has no input quantizer: the split grid takes the weight's amax."""
     from types import SimpleNamespace
 
-    from modelopt_k3.quant.calibrators.local_hessian import _input_amax
+    from modelopt_k3.quant.calibrators.moments import input_amax
 
     linear = torch.nn.Linear(16, 4)
     linear.input_quantizer = None
     linear.weight_quantizer = SimpleNamespace(amax=torch.tensor([0.5, 3.0]))
-    assert _input_amax(linear) == 3.0
+    assert input_amax(linear) == 3.0
     linear.input_quantizer = SimpleNamespace(calibrated=False, amax=None)
-    assert _input_amax(linear) == 3.0
+    assert input_amax(linear) == 3.0
     linear.input_quantizer = SimpleNamespace(calibrated=True, amax=torch.tensor(7.0))
-    assert _input_amax(linear) == 7.0
+    assert input_amax(linear) == 7.0
 
 
 def _one_linear(seed: int, in_f: int = 32, out_f: int = 8, inputs: bool = True):

@@ -39,13 +39,13 @@ def _algorithms(data) -> dict[str, str]:
     return {m["name"]: m["weight_algorithm"] for m in data["modules"] + data["experts"]}
 
 
-# recipe -> (dense Linears, routed experts): local_hessian has no per-expert Hessian, so routed experts get the
-# plain-error search (mse's); gptq updates every expert from its own routed tokens (its owner's Hessian).
+# recipe -> (dense Linears, routed experts): local_hessian and gptq weight every expert by its own routed tokens
+# (its owner's Hessian).
 CASES = {
     "presets/nvfp4_default": ("max", "max"),
     "presets/nvfp4_default_mse": ("mse", "mse"),
     "presets/nvfp4_default_four_over_six": ("four_over_six", "four_over_six"),
-    "presets/nvfp4_default_local_hessian": ("local_hessian", "mse"),
+    "presets/nvfp4_default_local_hessian": ("local_hessian", "local_hessian"),
     "presets/nvfp4_default_gptq": ("gptq", "gptq"),
 }
 
@@ -80,7 +80,7 @@ def test_the_report_reads_the_record_not_the_recipe(qwen3_ckpt):
 
 
 def test_a_linear_without_a_hessian_is_recorded_as_the_plain_search():
-    """local_hessian where a Linear has no Hessian (no calibration token reached it; routed experts likewise) runs
+    """local_hessian where a Linear has no Hessian (no calibration token reached it) runs
     mse's plain-error search there, and records that, not the recipe's method."""
     from modelopt_k3.quant.calibrators import calibrator_for
     from modelopt_k3.quant.modules import attach_linear

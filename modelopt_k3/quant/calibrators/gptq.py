@@ -17,7 +17,7 @@ Linear's input after its own input quantizer, as ModelOpt's ``GPTQHelper`` takes
   layers before it. Stages are found in the first pass: the order of first calls and the identity of the
   tensor each Linear receives (model-agnostic).
 
-Dense Hessians are summed over ranks (``local_hessian._reduce``: exact integer-valued float64 sums). Routed
+Dense Hessians are summed over ranks (``moments.reduce_moments``: exact integer-valued float64 sums). Routed
 experts: each expert's Hessian is accumulated by its owner from the (token, slot) pairs routed to it, as they
 reach it (``experts.dispatch.owner_inputs``: after ``torch_a2a``'s exchange), nothing per expert travels; the
 down projection's input is recomputed there from those tokens (gate/up in effect, the model's activation, the
@@ -44,20 +44,26 @@ from ...experts.dispatch import owner_inputs
 from ...experts.packed import is_packed
 from ...numerics.gptq import asymmetric_target, nvfp4_gptq
 from ...numerics.nvfp4 import nvfp4_block_scales
-from ..modules import ExpertsQuantState, set_mode
+from ..modules import set_mode
 from ..quantizer import TensorQuantizer
 from ..schemes import NVFP4_TENSOR
 from .base import ForwardLoop, register_calibrator
-from .local_hessian import MAX_EXACT_TOKENS, _Accumulator, _input_amax, _reduce, nvfp4_linears
 from .max import MaxCalibrator
+from .moments import (
+    EXPERT_PARAMS,
+    Accumulator,
+    ExpertSums,
+    expert_observer,
+    input_amax,
+    nvfp4_linears,
+    reduce_moments,
+)
 from .weights import SKIPPED_MXFP4, weight_sites
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the fused experts' projections, in the order they run
 
-
-class _Cross(_Accumulator):
+class _Cross(Accumulator):
     """``sum x yᵀ`` of paired inputs (``x`` the reference, ``y`` the Linear's own), rank-independent as
-    ``_Accumulator`` is: both split on the Linear's input-amax grid, the integer-valued products summed in float64."""
+    ``Accumulator`` is: both split on the Linear's input-amax grid, the integer-valued products summed in float64."""
 
     def __init__(self, amax: float) -> None:
         super().__init__(False, amax)
@@ -87,8 +93,8 @@ class _Target:
     param: str | None
     quantizer: TensorQuantizer
     stage: int | None = None
-    dense: _Accumulator | None = None
-    experts: dict[int, _Accumulator] = field(default_factory=dict)  # local expert -> its Hessian sums
+    dense: Accumulator | None = None
+    experts: ExpertSums | None = None  # routed experts: each local expert's Hessian sums, on its owner
     reduced: tuple[torch.Tensor, int] | None = None  # dense: the sums over every rank, and the token count
     stash: list[torch.Tensor] = field(default_factory=list)  # asymmetric: the reference inputs, call by call
     cross: _Cross | None = None  # asymmetric: sum of (reference input) x (input)ᵀ
@@ -143,56 +149,6 @@ class _Stages:
         return most
 
 
-def _expert_input_amax(state: ExpertsQuantState, param: str, expert: int) -> float:
-    q = state.input[param] if param in state.input else None
-    if q is not None and q.calibrated:
-        return float(q.amax.max())
-    return float(state.weight[param].amax[expert])
-
-
-def _expert_observer(targets: dict[str, _Target], collecting):
-    """The owner hook of one experts module: each routed expert's gate/up input and, recomputed from it with
-    the weights in effect, its down input, added to the targets' per-expert sums (only where ``collecting``)."""
-
-    def hook(module: nn.Module, hidden: torch.Tensor, local_ids: torch.Tensor) -> None:
-        want = [p for p, t in targets.items() if collecting(t)]
-        if not want or hidden.shape[0] == 0:
-            return
-        state: ExpertsQuantState = module.quant
-        k = local_ids.shape[-1]
-        flat = local_ids.reshape(-1)
-        rows = torch.arange(local_ids.shape[0], device=flat.device).repeat_interleave(k)
-        present = flat[(flat >= 0) & (flat < module.num_experts)]
-        for e in torch.unique(present).tolist():
-            x = hidden[rows[flat == e]]
-            if "gate_up_proj" in want:
-                _add(targets["gate_up_proj"], e, x, state)
-            if "down_proj" in want:
-                w = module.gate_up_proj[e]
-                bias = module.gate_up_proj_bias[e] if getattr(module, "has_bias", False) else None
-                h = module.activation(nn.functional.linear(x.to(w.dtype), w, bias))
-                dq = state.input["down_proj"] if "down_proj" in state.input else None
-                if dq is not None and dq.mode == "quant":
-                    h = dq.fake_quant(h)  # what down_input_hook applies (without counting the tokens again)
-                _add(targets["down_proj"], e, h, state)
-
-    return hook
-
-
-def _add(target: _Target, expert: int, x: torch.Tensor, state: ExpertsQuantState) -> None:
-    acc = target.experts.get(expert)
-    if acc is None:
-        acc = target.experts[expert] = _Accumulator(False, _expert_input_amax(state, target.param, expert))
-    acc.add(x)
-
-
-def _expert_hessian(acc: _Accumulator) -> tuple[torch.Tensor, int]:
-    if acc.tokens > MAX_EXACT_TOKENS:
-        raise ValueError(f"{acc.tokens} calibration tokens reached one expert; rank-independent Hessian sums are "
-                         f"exact up to {MAX_EXACT_TOKENS}: calibrate on fewer tokens")
-    return acc.combine(acc.hh, acc.hl), acc.tokens
-
-
 @register_calibrator
 class GptqCalibrator(MaxCalibrator):
     method = "gptq"
@@ -228,7 +184,7 @@ class GptqCalibrator(MaxCalibrator):
                 self.labels[site.name] = ("max (gptq of routed experts under replicated expert groups not built: "
                                           "an expert's tokens are split over its replicas)")
             else:
-                targets.append(_Target(site.name, m, site.param, q))
+                targets.append(_Target(site.name, m, site.param, q, experts=ExpertSums(m.quant, site.param, False)))
         return targets
 
     # ------------------------------------------------------------------ the Hessian forwards
@@ -268,13 +224,13 @@ class GptqCalibrator(MaxCalibrator):
                     t.stash.append(args[0].detach().to("cpu", copy=True))
                     return
                 if t.dense is None:
-                    t.dense = _Accumulator(False, _input_amax(mod))
+                    t.dense = Accumulator(False, input_amax(mod))
                 t.dense.add(args[0])
                 if paired:
                     if not t.stash:
                         raise RuntimeError(f"gptq: {t.name} was called more often than in the reference forward")
                     if t.cross is None:
-                        t.cross = _Cross(_input_amax(mod))
+                        t.cross = _Cross(input_amax(mod))
                     t.cross.add_pair(t.stash.pop(0).to(args[0].device), args[0])
 
             handles.append(t.module.register_forward_pre_hook(add))  # after the Linear's input quantizer
@@ -300,7 +256,9 @@ class GptqCalibrator(MaxCalibrator):
         try:
             with ExitStack() as observing:
                 for key, m in modules.items():
-                    observing.enter_context(owner_inputs(m, _expert_observer(experts[key], collecting)))
+                    group = experts[key]
+                    observing.enter_context(owner_inputs(m, expert_observer(
+                        lambda group=group: {p: t.experts for p, t in group.items() if collecting(t)})))
                 run_together("gptq Hessian forward", forward_loop, model)
         finally:
             for h in handles:
@@ -313,17 +271,17 @@ class GptqCalibrator(MaxCalibrator):
         wanted = [t for t in dense if collecting(t)]
         for t in wanted:
             if t.dense is None:
-                t.dense = _Accumulator(False, _input_amax(t.module))
+                t.dense = Accumulator(False, input_amax(t.module))
             if t.stash:
                 raise RuntimeError(f"gptq: {t.name} was called less often than in the reference forward")
-        reduced = _reduce({id(t): t.dense for t in wanted}, {id(t): t.module for t in wanted}, blocks=False)
+        reduced = reduce_moments({id(t): t.dense for t in wanted}, {id(t): t.module for t in wanted}, blocks=False)
         for t in wanted:
             t.reduced = reduced[id(t)]
         if paired:
             for t in wanted:
                 if t.cross is None:
-                    t.cross = _Cross(_input_amax(t.module))
-            cross = _reduce({id(t): t.cross for t in wanted}, {id(t): t.module for t in wanted}, blocks=False)
+                    t.cross = _Cross(input_amax(t.module))
+            cross = reduce_moments({id(t): t.cross for t in wanted}, {id(t): t.module for t in wanted}, blocks=False)
             for t in wanted:
                 t.cross_reduced = cross[id(t)][0]
                 t.cross = None
@@ -395,11 +353,11 @@ class GptqCalibrator(MaxCalibrator):
             scales, updated, idle = [], weight.clone(), 0
             for e in range(weight.shape[0]):
                 scales.append(nvfp4_block_scales(weight[e], gs[e]))
-                acc = t.experts.pop(e, None)
-                if acc is None or acc.tokens == 0:
+                moments = t.experts.pop(e)
+                if moments is None:
                     idle += 1
                     continue
-                sums, tokens = _expert_hessian(acc)
+                sums, tokens = moments
                 h = (2.0 * sums / tokens).to(torch.float32).to(weight.device)
                 updated[e] = nvfp4_gptq(weight[e], h, gs[e], scales[e], damp, block).to(weight.dtype)
             t.experts.clear()

@@ -39,12 +39,21 @@ class MseCalibrator(MaxCalibrator):
         self.multipliers = linspace_multipliers(
             algorithm.get("start_multiplier"), algorithm.get("stop_multiplier"), algorithm.get("step_size"))
 
-    def hessian(self, module: nn.Module, param: str) -> torch.Tensor | None:
-        """The error weighting of one weight's blocks (None: plain squared error)."""
+    def hessian(self, module: nn.Module, param: str, expert: int | None = None) -> torch.Tensor | None:
+        """The error weighting of one weight's blocks (``expert``: that local expert's); None: plain squared error."""
         return None
 
-    def search(self, w: torch.Tensor, gs: torch.Tensor, module: nn.Module, param: str) -> torch.Tensor:
-        h = self.hessian(module, param)
+    def search(self, w: torch.Tensor, gs: torch.Tensor, module: nn.Module, param: str,
+               experts: range | None = None) -> torch.Tensor:
+        if experts is None:
+            return self._search(w, gs, self.hessian(module, param))
+        hs = [self.hessian(module, param, e) for e in experts]
+        if all(h is None for h in hs):
+            return self._search(w, gs, None)
+        # Each expert under its own weighting (the rows are independent: batching changes no block's choice).
+        return torch.stack([self._search(w[j], gs[j], h) for j, h in enumerate(hs)])
+
+    def _search(self, w: torch.Tensor, gs: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
         if self.algorithm.get("fp8_scale_sweep"):
             return nvfp4_sweep_block_scales(w, gs, hessian=h)
         return nvfp4_multiplier_block_scales(w, gs, self.multipliers, hessian=h)

@@ -29,8 +29,9 @@ SKIPPED_MXFP4 = "max (lossless MXFP4 cast: weight algorithms skip it)"
 LOSSLESS_CAST = "lossless_cast"  # MXFP4-sourced experts: the source's own scales, carried by the exact cast
 WEIGHT_ALGORITHMS = ("max", "mse", "four_over_six", "local_hessian", "gptq", LOSSLESS_CAST)
 
-# (weight [..., out, in], global scale (0-d, or [E] for experts), owner module, param) -> e4m3 block scales
-Search = Callable[[torch.Tensor, torch.Tensor, nn.Module, str], torch.Tensor]
+# (weight [..., out, in], global scale (0-d, or [e] for experts), owner module, param, the local experts its
+# rows are (None: a dense weight)) -> e4m3 block scales
+Search = Callable[[torch.Tensor, torch.Tensor, nn.Module, str, "range | None"], torch.Tensor]
 
 
 @dataclass
@@ -88,7 +89,8 @@ def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str
         if site.experts:
             q.block_scale = _search_experts(site, gs, search)
         else:
-            q.block_scale = search(site.module.weight.detach(), gs.to(site.module.weight.device), site.module, "weight")
+            weight = site.module.weight.detach()
+            q.block_scale = search(weight, gs.to(weight.device), site.module, "weight", None)
         algorithms[site.name], labels[site.name] = choice(site)
 
 
@@ -98,5 +100,5 @@ def _search_experts(site: WeightSite, gs: torch.Tensor, search: Search) -> torch
     for start in range(0, n, EXPERTS_PER_SEARCH):
         part = slice(start, min(start + EXPERTS_PER_SEARCH, n))
         w = expert_weight_rows(site.module, site.param, part)
-        parts.append(search(w, gs[part].to(w.device), site.module, site.param))
+        parts.append(search(w, gs[part].to(w.device), site.module, site.param, range(part.start, part.stop)))
     return torch.cat(parts)

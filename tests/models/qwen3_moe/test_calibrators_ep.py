@@ -1,5 +1,5 @@
 """Weight algorithms under expert parallelism: on 2 gloo ranks each owner searches its own experts' block
-scales, or (gptq) accumulates each own expert's Hessian from the tokens torch_a2a brings it (nothing per
+scales, or (local_hessian, gptq) accumulates each own expert's Hessian from the tokens torch_a2a brings it (nothing per
 expert travels), and dense Hessians are summed over ranks; the export equals the one-process export of the
 same algorithm byte for byte."""
 
@@ -53,3 +53,8 @@ def test_ep2_weight_algorithms_equal_one_process(qwen3_moe_ckpt, tmp_path):
             moved = [k for k in theirs if ".experts." in k and k.endswith(".weight")
                      and not torch.equal(theirs[k].view(torch.uint8), maxed[k].view(torch.uint8))]
             assert len(moved) > 24, moved
+        if recipe.endswith("local_hessian"):  # routed experts weighted by their owners' Hessians, not mse's plain search
+            plain = read_export(tmp_path / "one_nvfp4_default_mse")
+            weighted = [k for k in theirs if ".experts." in k and k.endswith(".weight_scale")
+                        and not torch.equal(theirs[k].view(torch.uint8), plain[k].view(torch.uint8))]
+            assert len(weighted) > 24, weighted

@@ -62,14 +62,13 @@ def test_export_writes_the_searched_block_scales(qwen3_moe_ckpt, tmp_path):
     assert float(tensors[f"{name}.weight_scale_2"]) == float(q.amax) / (6 * 256)
 
 
-def _layer_inputs(model, linears: dict) -> dict:
-    """Each Linear's input after its input quantizer, activations fake-quantized and weights not (what
-    GPTQ's Hessian was taken from), on ``ids``."""
+def _pre_inputs(model, modules: dict, keep) -> dict[str, list]:
+    """``keep(args)`` of every call of each module's forward (pre-hooks registered last: after its input
+    quantizer), in one forward on the calibration tokens with activations fake-quantized and weights not."""
     from modelopt_k3.quant.modules import set_mode
 
-    seen = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(args[0].detach()))
-             for n, m in linears.items()]
+    seen: dict[str, list] = {n: [] for n in modules}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen[n].append(keep(args))) for n, m in modules.items()]
     set_mode(model, "off", role="weight")
     try:
         with torch.no_grad():
@@ -78,7 +77,56 @@ def _layer_inputs(model, linears: dict) -> dict:
         set_mode(model, "quant")
         for h in hooks:
             h.remove()
+    return seen
+
+
+def _layer_inputs(model, linears: dict) -> dict:
+    """Each Linear's input after its input quantizer, activations fake-quantized and weights not (what
+    GPTQ's Hessian was taken from), on ``ids``."""
+    seen = _pre_inputs(model, linears, lambda args: args[0].detach())
     return {n: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]).float() for n, v in seen.items()}
+
+
+def _expert_inputs(model, experts: dict):
+    """(module name, module, expert, param, its inputs) for every routed expert a calibration token reached, in one
+    forward with weights unquantized and activations fake-quantized: gate/up reads the routed tokens as the
+    experts module receives them (after its input quantizer), down the input-quantized activation of gate/up's
+    output. Written here from the module's own routing arguments, independently of the calibrators' hooks."""
+    routed = _pre_inputs(model, experts, lambda args: (args[0], args[1]))
+    for name, m in experts.items():
+        hidden = torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in routed[name]])
+        ids = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in routed[name]])
+        down_q = m.quant.input["down_proj"]
+        for e in range(m.num_experts):
+            x = hidden[(ids == e).any(-1)].float()
+            if not len(x):
+                continue
+            with torch.no_grad():
+                down_in = down_q.fake_quant(m.activation(x.to(m.gate_up_proj.dtype) @ m.gate_up_proj[e].T)).float()
+            yield name, m, e, "gate_up_proj", x
+            yield name, m, e, "down_proj", down_in
+
+
+def test_local_hessian_searches_each_routed_expert_under_its_own_tokens_hessian(qwen3_moe_ckpt):
+    """Routed experts (BF16) under local_hessian: every block scale of every expert a token reached is the
+    brute-force E4M3 sweep's optimum under that expert's block Hessian ``E[x_b x_bᵀ]`` of its own routed
+    inputs (computed here directly in float64); the report records local_hessian for them."""
+    from modelopt_k3.numerics.nvfp4_search import nvfp4_sweep_block_scales as sweep
+
+    model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_local_hessian")
+    experts = {n: m for n, m in model.named_modules() if n.endswith("mlp.experts")}
+    checked, differs = 0, 0
+    for name, m, e, param, x in _expert_inputs(model, experts):
+        assert model.modelopt_k3_quant.weight_algorithms[f"{name}.{param}"] == "local_hessian"
+        q = m.quant.weight[param]
+        w = getattr(m, param)[e].detach()
+        xb = x.double().reshape(x.shape[0], -1, 16)
+        h = (torch.einsum("tnb,tnd->nbd", xb, xb) / x.shape[0]).float()
+        want = sweep(w, q.scale()[e], hessian=h)
+        assert torch.equal(q.block_scale[e].view(torch.uint8), want.view(torch.uint8)), (name, e, param)
+        differs += not torch.equal(want.view(torch.uint8), sweep(w, q.scale()[e]).view(torch.uint8))
+        checked += 1
+    assert checked >= 24 and differs >= checked // 2  # the weighting changes most experts' choices
 
 
 def test_gptq_output_error_below_max_for_every_dense_layer(qwen3_moe_ckpt):
@@ -119,7 +167,8 @@ def test_local_hessian_weights_by_the_input_as_it_arrives(qwen3_moe_ckpt, monkey
 
     monkeypatch.setattr(local_hessian, "input_moments", input_moments)
     model = _quantized(qwen3_moe_ckpt, "presets/nvfp4_default_local_hessian")
-    assert asked == [{"blocks": True, "raw_input": True}]
+    assert [(a["blocks"], a["raw_input"]) for a in asked] == [(True, True)]
+    assert len(asked[0]["experts"]) == 2  # both experts modules' owners take their experts' block Hessians
     assert any(v.startswith("local_hessian") for v in model.modelopt_k3_quant.calibration.values())
 
 
@@ -128,7 +177,6 @@ def test_gptq_lowers_every_routed_experts_output_error_on_its_own_tokens(qwen3_m
     and both projections, ``||(W - Ŵ) X||²`` on its calibration inputs (ModelOpt's one-pass semantics: weights
     unquantized, activations fake-quantized; gate/up reads the routed tokens, down the input-quantized gate of
     gate/up's output) is below max's."""
-    from modelopt_k3.quant.modules import set_mode
     from modelopt_k3.recipe import load_recipe
 
     recipe = load_recipe("presets/nvfp4_default_gptq",
@@ -136,39 +184,16 @@ def test_gptq_lowers_every_routed_experts_output_error_on_its_own_tokens(qwen3_m
     model = _quantized(qwen3_moe_ckpt, recipe)
     experts = {n: m for n, m in model.named_modules() if n.endswith("mlp.experts")}
     assert len(experts) == 2
-    routed: dict[str, list] = {n: [] for n in experts}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: routed[n].append((args[0], args[1])))
-             for n, m in experts.items()]
-    set_mode(model, "off", role="weight")
-    try:
-        with torch.no_grad():
-            model(input_ids=calibration_token_ids())
-    finally:
-        set_mode(model, "quant")
-        for h in hooks:
-            h.remove()
     checked = 0
-    for name, m in experts.items():
-        assert model.modelopt_k3_quant.weight_algorithms[f"{name}.gate_up_proj"] == "gptq"
-        hidden = torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in routed[name]])
-        ids = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in routed[name]])
-        down_q = m.quant.input["down_proj"]
-        for e in range(m.num_experts):
-            x = hidden[(ids == e).any(-1)].float()
-            if not len(x):
-                continue
-            for param in ("gate_up_proj", "down_proj"):
-                q = m.quant.weight[param]
-                w = getattr(m, param)[e].detach().float()
-                if param == "down_proj":
-                    x_in = down_q.fake_quant(m.activation(x.to(m.gate_up_proj.dtype) @ m.gate_up_proj[e].T)).float()
-                else:
-                    x_in = x
-                w_gptq = q.fake_quant(getattr(m, param).detach(), expert_dim=True)[e].float()  # what the export holds
-                w_max = nvfp4_fake_quant(w, q.scale()[e])
-                err_gptq, err_max = ((x_in @ (w - w_gptq).T) ** 2).sum(), ((x_in @ (w - w_max).T) ** 2).sum()
-                assert err_gptq < err_max, (name, e, param, float(err_gptq), float(err_max))
-                checked += 1
+    for name, m, e, param, x_in in _expert_inputs(model, experts):
+        assert model.modelopt_k3_quant.weight_algorithms[f"{name}.{param}"] == "gptq"
+        q = m.quant.weight[param]
+        w = getattr(m, param)[e].detach().float()
+        w_gptq = q.fake_quant(getattr(m, param).detach(), expert_dim=True)[e].float()  # what the export holds
+        w_max = nvfp4_fake_quant(w, q.scale()[e])
+        err_gptq, err_max = ((x_in @ (w - w_gptq).T) ** 2).sum(), ((x_in @ (w - w_max).T) ** 2).sum()
+        assert err_gptq < err_max, (name, e, param, float(err_gptq), float(err_max))
+        checked += 1
     assert checked >= 24  # most of the 2 x 8 experts got tokens
 
 
