@@ -14,10 +14,13 @@ FSDP2-sharded, ``fsdp2``) and experts residency (``bf16``, ``packed``) estimates
 * **activations**: the rest of one calibration forward (the model spec's ``activation_memory``);
 * **export**: the writer's in-memory shard (up to its spill limit, plus one tensor), the lossless
   cast of 16 experts and the largest dense quantization;
+* **weight algorithm**: what the recipe's algorithm holds (``_algorithm_state``): input sums through its
+  forwards (local_hessian's block sums, GPTQ's full ``[in, in]`` ones), and until the export GPTQ's updated
+  weight copies and the searched block scales;
 * **runtime**: the framework itself (host: measured; accelerator: CUDA context, NCCL, allocator slack).
 
 Peak = the largest of the stages load, quantize setup (weight amax), calibration and export, each
-resident + runtime + what that stage adds. It is a model of this code's allocations, not a trace:
+resident + runtime + what that stage adds (calibration and export include the weight algorithm's state). It is a model of this code's allocations, not a trace:
 routing is assumed balanced across owners (the all-to-all receive is larger under skew), and
 eager MLA attention (what the vendored remote code falls back to) is counted.
 """
@@ -142,6 +145,8 @@ class Estimate:
     load_transient: int = 0
     amax_transient: int = 0
     export: int = 0
+    algorithm_sums: int = 0  # the weight algorithm's input sums, held through its forwards
+    algorithm_weights: int = 0  # what it keeps per weight until the export (GPTQ's updated copies, block scales)
     runtime: int = 0
     stages: dict[str, int] = field(default_factory=dict)
 
@@ -161,6 +166,7 @@ class Estimate:
             f"MoE all-to-all + experts ({self.moe_detail})": self.moe,
             f"activations ({self.activation_phase})": self.activations,
             "export buffers": self.export,
+            "weight algorithm (input sums + updated weights)": self.algorithm_sums + self.algorithm_weights,
         }
         return max(terms.items(), key=lambda kv: kv[1])
 
@@ -333,7 +339,10 @@ def estimate(
     base = est.resident + est.runtime
     est.stages = {"load": base + est.load_transient, "quantize setup": base + est.amax_transient}
     _calibration(est, run, act, base, budget, decode_chunk)
-    est.stages["export"] = base + est.export  # export releases the decode workspace first
+    est.algorithm_sums, est.algorithm_weights = _algorithm_state(run, shape.layerwise)
+    if "calibration" in est.stages:
+        est.stages["calibration"] += est.algorithm_sums + est.algorithm_weights
+    est.stages["export"] = base + est.algorithm_weights + est.export  # export releases the decode workspace first
     return est
 
 
@@ -495,6 +504,51 @@ def _calibration(est: Estimate, run: _Run, act, base: int, budget: int | None, d
     est.decode_chunk = chunk if (chunk is not None and chunk < e_local) else None
     if act:
         est.stages["calibration"] = forward
+
+
+def _algorithm_state(run: _Run, layerwise: bool) -> tuple[int, int]:
+    """(input sums, per-weight state) the recipe's weight algorithm holds (``quant/calibrators``), over every
+    NVFP4 weight it visits: dense NVFP4 Linears and this rank's routed experts that are not the lossless
+    MXFP4 cast (``ExpertGroup.packed``). A layerwise run holds one decoder layer's (the largest).
+
+    - ``local_hessian``: float64 hi/lo block sums ``2 x [in/16, 16, 16]`` and the fp32 Hessian, per weight
+      (per local expert for experts): ``in * 320`` bytes.
+    - ``gptq``: float64 hi/lo sums ``2 x [in, in]`` per weight (every weight at once: exact for ModelOpt's one
+      pass; ``true_sequential`` holds one stage at a time, so this overcounts it), and the updated weight
+      (``TensorQuantizer.updated_weight``: a copy in the run's dtype) kept until the export.
+    - ``mse``/``local_hessian``: the searched E4M3 block scales, one byte per 16 weights, kept until the export.
+    """
+    from ..quant.schemes import NVFP4_TENSOR
+
+    method = run.recipe.algorithm.method
+    if method not in ("mse", "local_hessian", "gptq"):
+        return 0, 0
+    weights: list[tuple[str, int, int, int]] = []  # (module, copies, out, in)
+    for t in run.prep.quantized:
+        fmt = run.recipe.resolve(t.module)[0]
+        if fmt is not None and fmt.weights is NVFP4_TENSOR:
+            weights.append((t.module, 1, *t.shape))
+    for g in run.layout.experts:
+        fmt = run.recipe.resolve(g.module)[0]
+        if g.packed or fmt is None or fmt.weights is not NVFP4_TENSOR:
+            continue
+        weights += [(g.module, run.local_e[g.module], o, i) for o, i in g.fused_shapes(run.layout.spec).values()]
+    by_layer: dict[str | None, list[int]] = {}
+    regex = run.layout.spec.report.decoder_layer_regex
+    for module, n, out, inp in weights:
+        if method == "gptq":
+            sums, kept = 16 * inp * inp, out * inp * run.b + out * inp // 16
+        else:
+            sums, kept = (320 * inp if method == "local_hessian" else 0), out * inp // 16
+        layer = _layer_of(module, regex) if (layerwise and regex) else None
+        totals = by_layer.setdefault(layer, [0, 0])
+        totals[0] += n * sums
+        totals[1] += n * kept
+    if not by_layer:
+        return 0, 0
+    outside = by_layer.pop(None, [0, 0]) if layerwise else [0, 0]
+    biggest = max(by_layer.values(), key=sum, default=[0, 0])
+    return outside[0] + biggest[0], outside[1] + biggest[1]
 
 
 # ------------------------------------------------------------------------------ the report
