@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import sys
+
+# Tests never reach the network. Set before anything imports huggingface_hub (it reads this at import):
+# transformers >= 5.25 falls back to downloading Hub kernels where flash-attn is missing, and a test that
+# shows the remote code's forced flash_attention_2 failing must fail offline, not by trying the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path

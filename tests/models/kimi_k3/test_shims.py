@@ -145,7 +145,8 @@ def test_create_causal_mask_break_and_shim(hub) -> None:
     assert applied == ["create_causal_mask(cache_position, input_embeds)"]
     # Next break: the hub's KimiLinearModel forced flash_attention_2 at construction.
     assert model.config.text_config._attn_implementation == "flash_attention_2"
-    with pytest.raises(ImportError):
+    # Without flash-attn: ImportError (transformers < 5.25), or the Hub-kernel fallback refused offline (>= 5.25).
+    with pytest.raises((ImportError, ValueError), match="flash_attn|flash-attn|[Kk]ernel"):
         model(input_ids=IDS, use_cache=False)
 
 
