@@ -75,7 +75,7 @@ def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str
         q = site.quantizer
         if q.fmt is not NVFP4_TENSOR:
             labels[site.name] = "max (not NVFP4)"
-            algorithms[site.name] = "max"
+            algorithms[site.name] = LOSSLESS_CAST if q.passes_through else "max"  # as max_algorithms records it
             continue
         if q.source is not None:
             labels[site.name] = SKIPPED_MXFP4

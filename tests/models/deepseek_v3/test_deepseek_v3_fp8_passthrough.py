@@ -218,6 +218,22 @@ def test_refused_passthrough_names_why(fp8_ckpt: Path) -> None:
     assert where is None
 
 
+def test_a_weight_algorithm_keeps_the_passthrough(fp8_ckpt: Path, model_path, tmp_path: Path) -> None:
+    """Under mse (a weight algorithm, NVFP4 weights only) the fp8_pb Linears are still the source's bytes and
+    recorded as the lossless cast."""
+    import modelopt_k3
+
+    _, one, _ = model_path
+    recipe = tmp_path / "mse.yaml"
+    recipe.write_text(RECIPE.replace("algorithm: max", "algorithm: {method: mse}"))
+    model = modelopt_k3.load_pretrained(fp8_ckpt, progress=False)
+    modelopt_k3.quantize(model, str(recipe), None, verbose=False)
+    assert {model.modelopt_k3_quant.weight_algorithms[n] for n in KEPT} == {"lossless_cast"}
+    mine = read_export(modelopt_k3.export_checkpoint(model, tmp_path / "export", progress=False))
+    theirs = read_export(one)
+    assert all(_same(mine[f"{n}.{t}"], theirs[f"{n}.{t}"]) for n in KEPT for t in ("weight", "weight_scale"))
+
+
 def _ep_export(ckpt: str, recipe: str, out: str) -> list[str]:
     """EP 2, weight-only: quantize with ``recipe``, export; the source keys this rank's export read."""
     import modelopt_k3
