@@ -27,7 +27,8 @@ def module_outputs(name: str, fmt: QuantFormat | None, shape: tuple[int, int]) -
 @dataclass(slots=True)
 class _ModuleJob:
     """One Linear whose weight is converted. ``kind``: nvfp4_cast (MXFP4 source, lossless cast),
-    quant (quantize the plain or decoded weight with ``fmt``), decode (an MXFP4, block-FP8 or INT4 routed
+    block_fp8_copy (a block-FP8 dense Linear whose ``fmt`` holds the source's block: its codes and scales
+    written as stored, ``sources`` = (codes, scales)), quant (quantize the plain or decoded weight with ``fmt``), decode (an MXFP4, block-FP8 or INT4 routed
     expert -> its plain weight, bf16), dense_decode (a kept dense Linear stored block-FP8 -> its weight in the
     model's dtype, as the model path writes the decoded parameter; ``name`` is the weight's own name).
     ``decode``: how a block-FP8/INT4 source decodes (a ``DecodeOp`` for an expert, the dense name for

@@ -21,6 +21,7 @@ from ..checkpoint.source_check import SourceLayout, check_config, check_dense_ag
 from ..checkpoint.source_decode import SourceDecode
 from ..load.pretrained import dense_decodes
 from ..numerics.constants import MXFP4_BLOCK
+from ..quant.block_fp8_source import block_fp8_passthrough
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import SharedInputRule, discover_shared_inputs
 from ..recipe import Recipe, RecipeError
@@ -152,7 +153,8 @@ def _source_decode(src: Path, reader: CheckpointReader, raw: dict, spec: ModelSp
 
 def _module_jobs(table: DecisionTable, spec: ModelSpec, tensors: dict[str, TensorInfo], decode: SourceDecode,
                  dtype: torch.dtype) -> dict[str, _ModuleJob]:
-    """One job per Linear whose weight changes: quantized dense Linears, quantized, packed or encoded routed
+    """One job per Linear whose weight changes: quantized dense Linears (block-FP8 ones whose format holds the
+    source's block copied as stored, as the model path writes them), quantized, packed or encoded routed
     experts, and kept dense Linears stored encoded (block-FP8: written decoded, as the model path does)."""
     jobs: dict[str, _ModuleJob] = {}
     parts: dict[str, set[str]] = {}
@@ -164,12 +166,18 @@ def _module_jobs(table: DecisionTable, spec: ModelSpec, tensors: dict[str, Tenso
         if d.kind == "experts" and (d.quantized or d.packed or decode.experts):
             jobs.update((job.name, job) for job in _expert_jobs(d, spec, tensors, decode, parts))
         elif d.kind == "linear" and d.quantized:
+            if d.format.weights.holds_block_fp8 is not None:  # the model path's decision (quant/block_fp8_source.py)
+                where, _ = block_fp8_passthrough(name, d.format.weights, d.shape, decode.dense, tensors, decode.config)
+                if where is not None:  # written as the source's codes and scales: a copy, no decode
+                    jobs[name] = _ModuleJob(name, "block_fp8_copy", d.format, (where.codes, where.scales), d.shape,
+                                            (name,))
+                    continue
             group = table.groups.get(d.group, (name,))
             weight = f"{name}.weight"
             coded = weight if weight in decode.dense else None
             jobs[name] = _ModuleJob(name, "quant", d.format, _dense_sources(weight, decode), d.shape, group,
                                     table.group_input_amax(name), decode=coded)
-    quantized = {f"{name}.weight" for name, job in jobs.items() if job.kind == "quant"}
+    quantized = {f"{name}.weight" for name, job in jobs.items() if job.kind in ("quant", "block_fp8_copy")}
     for target in sorted(set(decode.dense) - quantized):
         d = table.decisions.get(target.removesuffix(".weight"))
         if d is None or d.kind != "linear" or not target.endswith(".weight"):

@@ -86,6 +86,14 @@ class _ShardConverter:
             # The model path writes a left-BF16 routed expert as bf16 whatever the model dtype.
             return {f"{job.name}.weight": self._weight(job).to(torch.bfloat16)}, stats
         fmt = job.fmt
+        if job.kind == "block_fp8_copy":  # the source's codes and scales as stored (quant/block_fp8_source.py)
+            stats.tensors["passthrough"] += n_src
+            stats.modules[fmt.algo] += 1
+            codes = self._read(job.sources[0])
+            out = {f"{job.name}.{k}": v for k, v in fmt.weights.block_fp8_tensors(codes, self._read(job.sources[1])).items()}
+            if out[f"{job.name}.weight"] is codes:  # the source buffer itself: its read-time sha256 is its digest
+                self.known_digests[f"{job.name}.weight"] = self.log.hashes[job.sources[0]]
+            return out, stats
         stats.tensors[fmt.algo] += n_src
         stats.modules[fmt.algo] += 1
         if job.kind == "nvfp4_cast":

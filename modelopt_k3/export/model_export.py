@@ -74,8 +74,11 @@ def _dense_items(qplan, reader: CheckpointReader, expert_key_re: re.Pattern, kv_
 
 def _quant_linear_tensors(module: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     wq = module.weight_quantizer
-    out = wq.fmt.weight_tensors(wq.weight_to_quantize(weight), wq.scale() if wq.fmt.per_tensor_scale else None,
-                                **wq.searched_scales())
+    if wq.passes_through:  # the block-FP8 source's own codes and scales, read now by the rank writing them
+        out = wq.block_source.tensors(wq.fmt)
+    else:
+        out = wq.fmt.weight_tensors(wq.weight_to_quantize(weight), wq.scale() if wq.fmt.per_tensor_scale else None,
+                                    **wq.searched_scales())
     if module.input_quantizer is not None:
         out["input_scale"] = input_scale_tensor(module.input_quantizer.scale())
     return out

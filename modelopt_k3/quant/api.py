@@ -18,9 +18,11 @@ from torch import nn
 from ..checkpoint.nonfinite import PASSTHROUGH_FLAG, NonFiniteError
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
 from ..experts.packed import is_packed
+from ..load.pretrained import dense_decodes
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from ..spec import ModelSpec
 from .activation_stats import attach_activation_stats
+from .block_fp8_source import BlockFp8Source, block_fp8_passthrough
 from .calibrate import enable_calibrate_all_experts
 from .calibrators import calibrator_for
 from .coverage import attach_token_counter
@@ -50,6 +52,10 @@ class QuantPlan:
     # weight quantizer name -> which algorithm produced its scales (calibrators/weights.WEIGHT_ALGORITHMS);
     # the calibrator's own record, the report's ``weight_algorithm``
     weight_algorithms: dict[str, str] = field(default_factory=dict)
+    # dense Linear -> whether its weight is written as its block-FP8 source bytes, or why it is requantized
+    # (quant/block_fp8_source.py); the report's ``calibration`` for those Linears
+    source_labels: dict[str, str] = field(default_factory=dict)
+    _dense_decodes: dict | None = field(default=None, repr=False)
 
     def summary(self) -> str:
         counts: Counter[str] = Counter(f.algo for f in self.dense.values())
@@ -64,6 +70,7 @@ class QuantPlan:
         if self.table.groups:
             lines.append(f"  {len(self.table.groups)} shared-input groups share weight_scale_2/input_scale")
         lines += [f"  weight scales: {n:>6} by {how}" for how, n in sorted(Counter(self.calibration.values()).items())]
+        lines += [f"  source bytes:  {n:>6} {how}" for how, n in sorted(Counter(self.source_labels.values()).items())]
         return "\n".join(lines)
 
 
@@ -168,6 +175,8 @@ def attach_quantizers(model: nn.Module, qplan: QuantPlan, within: Callable[[str]
     for name, fmt in qplan.dense.items():
         if holds(name):
             attach_linear(modules[name], fmt.weights, fmt.inputs, fmt.input_amax)
+            if fmt.weights.holds_block_fp8 is not None:
+                _use_block_fp8_source(model, qplan, name, modules[name])
     for name, projs in qplan.experts.items():
         if not holds(name):
             continue
@@ -191,6 +200,20 @@ def attach_quantizers(model: nn.Module, qplan: QuantPlan, within: Callable[[str]
     if recipe.calibrate_all_experts:
         enable_calibrate_all_experts(model)  # experts not yet so (idempotent)
     attach_activation_stats(model)  # input quantizers without a counter (idempotent)
+
+
+def _use_block_fp8_source(model: nn.Module, qplan: QuantPlan, name: str, module: nn.Linear) -> None:
+    """Write ``name``'s weight as its block-FP8 source bytes where its format holds them (the converter's
+    decision, ``block_fp8_passthrough``), recording the label either way."""
+    info = model.modelopt_k3
+    reader = info.source()
+    if qplan._dense_decodes is None:  # once per run: a layerwise run attaches layer by layer
+        qplan._dense_decodes = dense_decodes(reader, info.spec.loading.dense_converters)
+    where, label = block_fp8_passthrough(name, qplan.dense[name].weights, qplan.table.decisions[name].shape,
+                                         qplan._dense_decodes, reader.headers(), model.config)
+    if where is not None:
+        module.weight_quantizer.block_source = BlockFp8Source(reader, where, module.weight.dtype)
+    qplan.source_labels[name] = label
 
 
 def quantize(

@@ -47,6 +47,9 @@ class TensorQuantizer(nn.Module):
         # the source's power of two, not amax-derived, and fake quant is the cast, dequantized.
         # ``fixed_scale`` alone: a per-tensor scale a calibrator chose (four-over-six's amax / (6*256)).
         self.source = None
+        # Set for a dense weight written as its block-FP8 source bytes (quant/block_fp8_source.py): the export
+        # copies them and fake quant is their decode. An updated weight (below) is quantized instead.
+        self.block_source = None
         self.register_buffer("fixed_scale", None)
         # NVFP4 weights only: e4m3 block scales a weight calibrator chose (quant/calibrators), used by
         # fake quant and export instead of the amax-derived ones; None under max.
@@ -119,6 +122,8 @@ class TensorQuantizer(nn.Module):
             if self._fake_cache is None or self._fake_cache.dtype != x.dtype:
                 self._fake_cache = source.fake_quant(param, self.scale(), dtype=x.dtype).to(x.device)
             return source.full(self._fake_cache)  # this rank's rows, gathered when the weight is sharded
+        if self.passes_through:
+            return self.block_source.fake_quant(x)
         if not self.fmt.per_tensor_scale:  # block scales: nothing observed, each block its own scale
             return self.fmt.fake_quant(x, None)
         x = self.weight_to_quantize(x, experts=(rows if rows is not None else slice(None)) if expert_dim else None)
@@ -126,6 +131,11 @@ class TensorQuantizer(nn.Module):
         if expert_dim:
             scale = (scale if rows is None else scale[rows]).view(-1, 1, 1)
         return self.fmt.fake_quant(x, scale.to(x.device), **self.searched_scales(rows if expert_dim else None))
+
+    @property
+    def passes_through(self) -> bool:
+        """Whether this weight is written as its block-FP8 source bytes (no weight update replaced it)."""
+        return self.block_source is not None and self.updated_weight is None
 
     def weight_to_quantize(self, weight: torch.Tensor, experts: slice | None = None) -> torch.Tensor:
         """``weight``, or the calibrator's updated weight (same shape and dtype) when there is one.

@@ -50,6 +50,9 @@ class TensorFormat:
     shares_group_scales: bool = False
     # Whether a weight can be the lossless cast of MXFP4 source bytes (numerics/convert.py).
     casts_from_mxfp4: bool = False
+    # The (rows, cols) block of a block-FP8 source (E4M3 codes, one multiplying scale per block) this format
+    # holds byte for byte (``block_fp8_tensors``); None: it cannot.
+    holds_block_fp8: tuple[int, int] | None = None
     quantizes_inputs: bool = True  # usable for a Linear's inputs
     group_size: int | None = None  # the ``group_size`` hf_quant_config writes for it
     # The exported tensor holding the per-tensor weight scale engines take the max of (None: block scales).
@@ -85,6 +88,11 @@ class TensorFormat:
         """The exported tensors of a weight given as its codes and scales (the lossless MXFP4 cast);
         only formats with ``casts_from_mxfp4``."""
         raise NotImplementedError(f"{self.name} weights are not cast from MXFP4")
+
+    def block_fp8_tensors(self, codes: torch.Tensor, scale_inv: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The exported tensors of a weight stored block-FP8 (``weight`` + ``weight_scale_inv`` under the block
+        ``holds_block_fp8``), written as stored; only formats with ``holds_block_fp8``."""
+        raise NotImplementedError(f"{self.name} weights do not hold block-FP8 source bytes")
 
     def matches_ct_args(self, args, role: str) -> bool:
         """Whether compressed-tensors ``QuantizationArgs`` (of a preset scheme's ``role``) mean this format."""
@@ -166,7 +174,12 @@ class _Fp8Block(TensorFormat):
 
     def weight_tensors(self, weight: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
         w, s = fp8n.fp8_quantize_blockwise(weight, block=FP8_BLOCK)
-        return {"weight": w, "weight_scale": s.to(torch.float32)[:, None, :, None].contiguous()}
+        return self.block_fp8_tensors(w, s)
+
+    def block_fp8_tensors(self, codes: torch.Tensor, scale_inv: torch.Tensor) -> dict[str, torch.Tensor]:
+        # The same numerics both ways (code * block scale in fp32), so a source's bytes are written unchanged:
+        # its scales as fp32 (exact from bf16/fp16) in ModelOpt's [R, 1, C, 1] layout.
+        return {"weight": codes, "weight_scale": scale_inv.to(torch.float32)[:, None, :, None].contiguous()}
 
     def weight_layout(self, shape: tuple[int, int]) -> TensorLayout:
         out_f, in_f = shape
@@ -187,7 +200,8 @@ NVFP4_TENSOR = _Nvfp4(
     group_size=NVFP4_BLOCK, global_scale_key="weight_scale_2",
 )
 FP8_TENSOR = _Fp8PerTensor("fp8", global_scale_key="weight_scale", fused_requantized=True)
-FP8_BLOCK_TENSOR = _Fp8Block("fp8_pb", per_tensor_scale=False, quantizes_inputs=False)
+FP8_BLOCK_TENSOR = _Fp8Block("fp8_pb", per_tensor_scale=False, quantizes_inputs=False,
+                             holds_block_fp8=(FP8_BLOCK, FP8_BLOCK))
 
 TENSOR_FORMATS: dict[str, TensorFormat] = {f.name: f for f in (NVFP4_TENSOR, FP8_TENSOR, FP8_BLOCK_TENSOR)}
 WEIGHT_FORMAT_NAMES = tuple(TENSOR_FORMATS)

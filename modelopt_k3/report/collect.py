@@ -37,7 +37,10 @@ def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[
     scale = wq.scale() if wq.fmt.per_tensor_scale else None
     # In fp32: the export's values exactly (fake quant returns its input's dtype, which may round them).
     source = weight.float()
-    dq = wq.fmt.fake_quant(wq.weight_to_quantize(source), scale, **wq.searched_scales())
+    if wq.passes_through:  # the source's codes and scales, as written
+        dq = wq.block_source.dequantize(torch.float32).to(source.device)
+    else:
+        dq = wq.fmt.fake_quant(wq.weight_to_quantize(source), scale, **wq.searched_scales())
     stats = weight_rows(source.unsqueeze(0), dq.unsqueeze(0), block=_block(wq.fmt), scale=scale)
     return {"name": name, "algo": fmt.algo, "weight_format": str(wq.fmt), "stats": stats[0].tolist(),
             "weight_scale": None if scale is None else float(scale)}
@@ -130,7 +133,10 @@ def input_settings(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def calibration_label(qplan, quantizer_name: str) -> str:
-    """What chose a weight's scales (quant/calibrators' labels; the recipe's algorithm where none is set)."""
+    """What chose a weight's scales: a block-FP8 source's own (passed through, or why not: ``QuantPlan.source_labels``),
+    quant/calibrators' labels, or the recipe's algorithm where none is set."""
+    if quantizer_name in qplan.source_labels:
+        return qplan.source_labels[quantizer_name]
     return qplan.calibration.get(quantizer_name, str(qplan.recipe.algorithm))
 
 

@@ -39,6 +39,12 @@ class DecodeOp(ConversionOps):
         """The decoded values' shape for codes of ``codes_shape``: two 4-bit codes a byte along the last dim."""
         return (*codes_shape[:-1], codes_shape[-1] * 2)
 
+    def block_fp8_block(self, config: Any) -> tuple[int, int] | None:
+        """The (rows, cols) block when this format is block FP8 (E4M3 codes times one scale per block, the
+        block ``config`` declares), so a format holding that block can take the stored bytes as they are;
+        None for any other encoding."""
+        return None
+
     def scales_pattern(self, codes_pattern: str) -> str:
         """The source pattern of the scales that go with the codes of ``codes_pattern``."""
         return codes_pattern[: -len(self.codes_field)] + self.scales_field

@@ -71,6 +71,9 @@ class BlockFp8Decode(DecodeOp):
             raise SpecError("BlockFp8Decode has no weight_block_size (prepare sets it from config.json)")
         return block_fp8_decode(codes, scales, self.block_size, dtype, out=out)
 
+    def block_fp8_block(self, config: Any) -> tuple[int, int]:
+        return self.block_size or weight_block_size(config)  # the dense converter's: read from config.json
+
     @torch.no_grad()
     def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
                 **kwargs) -> dict[str, Any]:

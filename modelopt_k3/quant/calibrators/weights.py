@@ -26,7 +26,9 @@ EXPERTS_PER_SEARCH = 16  # experts searched at a time (bounds the temporaries)
 SKIPPED_MXFP4 = "max (lossless MXFP4 cast: weight algorithms skip it)"
 # What produced a weight's scales, as the report's ``weight_algorithm`` names it: one of these per weight
 # quantizer, recorded by the calibrator that set them (``Calibrator.weight_algorithms``).
-LOSSLESS_CAST = "lossless_cast"  # MXFP4-sourced experts: the source's own scales, carried by the exact cast
+# MXFP4-sourced experts (the source's own scales, carried by the exact cast) and block-FP8 Linears written as
+# their source bytes (quant/block_fp8_source.py)
+LOSSLESS_CAST = "lossless_cast"
 WEIGHT_ALGORITHMS = ("max", "mse", "four_over_six", "local_hessian", "gptq", LOSSLESS_CAST)
 
 # (weight [..., out, in], global scale (0-d, or [e] for experts), owner module, param, the local experts its
@@ -57,10 +59,11 @@ def weight_sites(model: nn.Module) -> Iterator[WeightSite]:
 
 
 def max_algorithms(model: nn.Module, algorithms: dict[str, str]) -> None:
-    """Max's decision for every weight quantizer: ``max``, or ``lossless_cast`` for MXFP4-sourced experts (whose
-    scales are the source's, whatever the algorithm). A weight algorithm overwrites the sites it searches."""
+    """Max's decision for every weight quantizer: ``max``, or ``lossless_cast`` for MXFP4-sourced experts and
+    passed-through block-FP8 Linears (whose scales are the source's, whatever the algorithm). A weight algorithm overwrites the sites it searches."""
     for site in weight_sites(model):
-        algorithms[site.name] = LOSSLESS_CAST if site.quantizer.source is not None else "max"
+        q = site.quantizer
+        algorithms[site.name] = LOSSLESS_CAST if q.source is not None or q.passes_through else "max"
 
 
 def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str, str],
@@ -73,7 +76,7 @@ def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str
         q = site.quantizer
         if q.fmt is not NVFP4_TENSOR:
             labels[site.name] = "max (not NVFP4)"
-            algorithms[site.name] = "max"
+            algorithms[site.name] = LOSSLESS_CAST if q.passes_through else "max"  # as max_algorithms records it
             continue
         if q.source is not None:
             labels[site.name] = SKIPPED_MXFP4
