@@ -38,7 +38,9 @@ COMPLETE_MARKER = ".modelopt_k3_complete"
 JOB_FILE = "job.json"
 # 2: the output digest is computed from the bytes as they are written (``ShardDigest``), not read back.
 # 3: the source's identity (``source.read``: sha256 of every source tensor read; ``source.identity``).
-RECORD_VERSION = 3
+# 4: fp8_pb Linears of a block-FP8 source are the source's bytes (``block_fp8_copy``), no longer requantized:
+#    a shard written before is redone, not resumed.
+RECORD_VERSION = 4
 
 
 class ConvertError(ValueError):

@@ -26,6 +26,8 @@ from .pretrained import (
     _prepare,
     _record_reads,
     _register_dispatch,
+    carried_fields,
+    decoded_dense,
     materialize,
     persistent_tensors,
     tie_as_stored,
@@ -62,9 +64,6 @@ class LayerwiseLoad:
         if run.distribution.fsdp_sharded:
             raise ValueError("layerwise loading reads whole layers per rank; FSDP2-sharded plans are not supported")
         src = run_together("load: check the checkpoint", _planned_source, run, group=group)
-        if src.layout.carried_keys:
-            raise ValueError(f"layerwise runs do not carry {src.layout.carried.reason} tensors "
-                             f"({', '.join(src.layout.carried.prefixes)}) yet; run without --layerwise")
         plan = run.distribution
         _register_dispatch(plan)
         placement = plan.build_placement()
@@ -74,11 +73,18 @@ class LayerwiseLoad:
         self.layers = list(src.spec.decoder_layers(model))
         if not self.layers:
             raise ValueError(f"model_type {src.spec.model_type} names no decoder layers (ReportSpec.decoder_layer_regex)")
-        self._keys = keys_by_layer(src.reader.names(), self.layers)
-        self._consumed: set[str] = set()
+        carried = src.layout.carried_keys  # modules the model does not build (MTP layers): the export writes them
+        read = [k for k in src.reader.names() if k not in carried]
+        self._keys = keys_by_layer(read, self.layers)
+        self._consumed: set[str] = set(carried)
         self._allow_nonfinite = run.config.allow_nonfinite_passthrough
         self.info = LoadInfo(checkpoint=run.checkpoint, spec=src.spec, plan=plan, placement=placement,
-                             model_cls=src.model_cls, packed_experts=src.layout.packed_experts, _source=src.reader)
+                             model_cls=src.model_cls, packed_experts=src.layout.packed_experts, _source=src.reader,
+                             **carried_fields(src.layout, src.reader, src.spec, self._converters, src.config,
+                                              run.dtype))
+        # Every dense name a source format decodes, from the headers, before any layer is read: the export's
+        # items (``ExportInParts``) are listed up front and must write those from the model, not copy the keys.
+        self.info.decoded_dense.update(decoded_dense(src.reader, src.spec.loading.dense_converters, read))
         outside = LoadScope(("",), tuple(self.layers), self._keys[None])
         materialize(model, plan.device, outside)
         tie_as_stored(model, src.reader)

@@ -89,6 +89,9 @@ MODELS = {
     "kimi_k3": lambda p: __import__("modelopt_k3.testing", fromlist=["x"]).make_tiny_kimi_k3(p),
     "qwen3_moe": lambda p: __import__("modelopt_k3.testing.qwen3_moe", fromlist=["x"]).make_tiny_qwen3_moe(p),
     "gpt_oss": lambda p: __import__("modelopt_k3.testing.tiny_gpt_oss", fromlist=["x"]).make_tiny_gpt_oss(p),
+    # block-FP8 (kept MLA projections are decoded at load: the export writes them BF16) with an MTP layer (carried)
+    "deepseek_v3": lambda p: __import__("modelopt_k3.testing.deepseek_v3", fromlist=["x"]).make_tiny_deepseek_v3(
+        p, num_nextn_predict_layers=1),
 }
 
 

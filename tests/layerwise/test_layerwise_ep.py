@@ -60,7 +60,7 @@ def test_ep2_layerwise_equals_the_single_process_resident_export(tmp_path: Path)
         assert ids == [set(range(8)), set(range(8, 16))]  # each rank its own EP block, every expert once
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_ep2_layerwise_equals_single_process_for_the_other_models(model, tmp_path: Path):
     from layerwise.test_layerwise import MODELS
 

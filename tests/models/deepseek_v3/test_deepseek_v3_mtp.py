@@ -156,15 +156,3 @@ def test_a_negative_mtp_count_is_refused(tmp_path: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": -1}))
     with pytest.raises(SpecError, match="num_nextn_predict_layers"):
         convert_checkpoint(ckpt, tmp_path / "out", W4A16)
-
-
-def test_layerwise_refuses_mtp_layers(deepseek_mtp_ckpts, tmp_path: Path, capsys) -> None:
-    """--layerwise does not carry MTP layers yet: refused by name (exit 2), nothing exported."""
-    from modelopt_k3.cli.hf_ptq import main
-
-    out = tmp_path / "export"
-    code = main(["--pyt_ckpt_path", str(deepseek_mtp_ckpts["bf16"]), "--qformat", "w4a16_nvfp4", "--export_path",
-                 str(out), "--layerwise", "--calib_size", "2", "--calib_seq", "16", "--no_progress", "--report", "none"])
-    assert code == 2
-    assert "MTP layer" in capsys.readouterr().err
-    assert not out.exists()
