@@ -122,7 +122,7 @@ AREAS: dict[str, Area] = {
         ("tests/spec/test_contract.py", "tests/spec/test_registry.py")),
     "planner": Area(
         ("modelopt_k3/memory/planner.py",),
-        ("tests/memory/test_planner.py",)),
+        ("tests/memory/test_planner.py", "tests/memory/test_algorithm_state.py")),
     # Issue 33, second part: the run's settings and preflight, layerwise calibration and its resume, the
     # calibrators with their numerics (gptq.py and nvfp4_search.py are theirs, not the numerics area's: a
     # module named exactly wins over a glob). A few to forty seconds a mutant; no multiprocess test.
@@ -142,8 +142,14 @@ AREAS: dict[str, Area] = {
         ("modelopt_k3/quant/calibrators/*.py", "modelopt_k3/numerics/nvfp4_search.py", "modelopt_k3/numerics/gptq.py",
          "modelopt_k3/recipe/algorithm.py"),
         ("tests/quant/test_calibrators.py", "tests/recipe/test_recipe.py",
-         "tests/models/qwen3_moe/test_calibrators_qwen3.py",
+         "tests/models/qwen3_moe/test_calibrators_qwen3.py", "tests/report/test_weight_algorithm.py",
          "tests/layerwise/test_layerwise.py::test_gptq_layerwise_feeds_each_layer_the_quantized_outputs_before_it")),
+    # Issue 32 (the code of the turn before): DeepSeek-V3's source layout and block-FP8 passthrough.
+    "deepseek_v3": Area(
+        ("modelopt_k3/quant/block_fp8_source.py", "modelopt_k3/models/deepseek_v3/source_layout.py",
+         "modelopt_k3/models/deepseek_v3/experts.py"),
+        ("tests/models/deepseek_v3/test_deepseek_v3_fp8_passthrough.py", "tests/models/deepseek_v3/test_deepseek_v3.py",
+         "tests/models/deepseek_v3/test_deepseek_v3_mtp.py")),
 }
 FAST = "not slow and not multiprocess"  # the fast set's marker filter (``--fast``)
 # Modules whose tests are not their area's: these run instead (the staging sweep is tested with the faults).
