@@ -2,7 +2,8 @@
 
     python -m benchmarks                 # everything (< ~10 min on a 2-core CPU machine)
     python -m benchmarks --quick         # smoke run: small shapes, tiny checkpoints, no convert
-    python -m benchmarks --only numerics # one area (numerics, io, ep, memory, layerwise, calibrators, convert); repeat or comma-join
+    python -m benchmarks --only numerics # one area (numerics, io, ep, memory, layerwise, calibrators, convert); repeat or
+                                         # comma-join; writes results/<areas>.json and .md, not the full run's files
     python -m benchmarks --out DIR       # write results.json / RESULTS.md into DIR
     python -m benchmarks --only convert --convert_size multi-gb   # converter vs ModelOpt's on ~2.2 GB
 
@@ -49,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke run: small sizes, 1 repeat, EP 1 and 2 only, convert skipped")
     p.add_argument("--only", action="append", default=None, metavar="NAME",
                    help=f"run only these areas ({', '.join(AREAS)}); repeat or comma-join")
-    p.add_argument("--out", type=Path, default=HERE, help="directory for results.json and RESULTS.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for results.json and RESULTS.md (default: benchmarks/ for a full run; a run of "
+                        "some areas writes benchmarks/results/<areas>.json and .md, leaving the full run's files)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per figure (default 5, quick 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads in this process (default: all cores; EP ranks share them)")
@@ -142,6 +145,17 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _result_paths(out: Path | None, only: list[str], quick: bool) -> tuple[Path, Path]:
+    """Where a run writes: ``--out`` (results.json, RESULTS.md); else the committed full run's files for a full
+    run, and ``results/<areas>[-quick].json``/``.md`` for a partial one (it must not replace the full run's)."""
+    if out is not None:
+        return out / "results.json", out / "RESULTS.md"
+    if not only and not quick:
+        return HERE / "results.json", HERE / "RESULTS.md"
+    stem = "-".join(only or ["all"]) + ("-quick" if quick else "")
+    return HERE / "results" / f"{stem}.json", HERE / "results" / f"{stem}.md"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     only = [a for item in (args.only or []) for a in item.split(",") if a]
@@ -151,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workdir = args.workdir or Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "modelopt_k3_benchmarks"
     workdir.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = _result_paths(args.out, only, args.quick)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     repeats = args.repeats or (1 if args.quick else 5)
 
     def log(msg: str) -> None:
@@ -163,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for the subprocesses (EP ranks divide it)
     t0 = time.perf_counter()
-    ctx = Context(quick=args.quick, repeats=repeats, workdir=workdir, out_dir=args.out, log=log, threads=threads,
+    ctx = Context(quick=args.quick, repeats=repeats, workdir=workdir, out_dir=json_path.parent, log=log, threads=threads,
                   convert_size=args.convert_size, peer_python=args.peer_python, peer_script=args.peer_script)
     busy = os.getloadavg()[0]
     if busy > 0.5 * (os.cpu_count() or 1):
@@ -206,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     results["correct"] = not results["errors"] and not any(f["failed_checks"] for f in results["figures"])
     results["targets_met"] = all(f["verdict"] != "missed" for f in results["figures"])
 
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (args.out / "RESULTS.md").write_text(render_markdown(results))
-    log(f"wrote {args.out / 'results.json'} and {args.out / 'RESULTS.md'} "
+    json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    md_path.write_text(render_markdown(results))
+    log(f"wrote {json_path} and {md_path} "
         f"({'correct' if results['correct'] else 'ERRORS or failed correctness checks'}; "
         f"{'all targets met' if results['targets_met'] else 'targets missed: see what bounds them'})")
     return 0 if results["correct"] else 1
