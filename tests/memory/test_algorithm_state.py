@@ -85,3 +85,19 @@ def test_the_planner_counts_the_weight_algorithms_state(ckpt, name, monkeypatch)
     layerwise = estimate_asked(read_layout(ckpt), Asked("whole", "replicated", "bf16", 1),
                                RunShape(device="cpu", layerwise=True), recipe=recipe)
     assert layerwise.algorithm_weights == max(by_layer.values())  # one decoder layer at a time (the largest)
+
+
+def test_a_layerwise_plan_counts_what_lies_outside_the_layers_once(ckpt):
+    """Only ``lm_head`` quantized (outside every decoder layer): a layerwise run holds its state alone."""
+    from modelopt_k3.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"algorithm": {"method": "mse", "fp8_scale_sweep": True},
+                               "quant_cfg": [{"pattern": "*", "enable": False},
+                                             {"pattern": "lm_head", "weights": "nvfp4", "inputs": None}]},
+                              name="lm_head-mse")
+    layout = read_layout(ckpt)
+    head = next(t for t in layout.dense if t.name == "lm_head.weight")
+    for layerwise in (False, True):
+        est = estimate_asked(layout, Asked("whole", "replicated", "bf16", 1),
+                             RunShape(device="cpu", layerwise=layerwise), recipe=recipe)
+        assert (est.algorithm_sums, est.algorithm_weights) == (0, head.numel // 16), layerwise

@@ -346,3 +346,28 @@ def test_local_hessian_weights_by_the_linears_input_before_its_own_quantizer():
     xq = model[0].input_quantizer(x).double().reshape(-1, 2, 16)  # what a hook after the input quantizer sees
     hq = torch.einsum("tnb,tnd->nbd", xq, xq) / x.shape[0]
     assert not torch.equal(sweep(w, q.scale(), hessian=hq.float()).view(torch.uint8), want.view(torch.uint8))
+
+
+def test_moment_sums_take_a_zero_or_non_finite_amax_and_refuse_past_the_exact_token_count():
+    """The split grid of an input whose amax is 0 (never reached) or not finite falls back to 2**-14 and still
+    sums exactly; an expert's sums are refused past 2**21 tokens (where float64 stops holding them exactly)."""
+    from modelopt_k3.quant.calibrators.moments import Accumulator, ExpertSums
+
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0] * 4, [3.0, 0.25, -1.0, 2.0] * 4])
+    xb = x.double().reshape(2, 1, 16)
+    for amax in (0.0, float("inf"), float("nan")):
+        acc = Accumulator(True, amax)
+        assert (acc.g1, acc.g2) == (2.0**-14, 2.0**-28)
+        acc.add(x)
+        assert torch.equal(acc.combine(acc.hh, acc.hl), torch.einsum("tnb,tnd->nbd", xb, xb))
+    sums = ExpertSums(None, "down_proj", True)
+    for tokens in (2**21, 2**21 + 1):
+        acc = Accumulator(True, 1.0)
+        acc.add(x)
+        acc.tokens = tokens
+        sums.by_expert[0] = acc
+        if tokens > 2**21:
+            with pytest.raises(ValueError, match=r"exact up to 2097152"):
+                sums.pop(0)
+        else:
+            assert sums.pop(0)[1] == tokens and sums.pop(0) is None
