@@ -585,7 +585,9 @@ class MemoryReport:
             fits = e.fits(self.budget)
             out.append({"plan": e.label(), "experts": str(e.asked.residency), "layerwise": self.shape.layerwise,
                         "world_size": e.asked.world_size, "peak_gib": None if e.refused else round(e.peak / GiB, 3),
-                        "fits": fits, "refused": e.refused, "smallest_world": self.smallest.get(e.asked[:3])})
+                        "fits": fits, "refused": e.refused, "smallest_world": self.smallest.get(e.asked[:3]),
+                        "weight_algorithm_gib": None if e.refused else
+                        round((e.algorithm_sums + e.algorithm_weights) / GiB, 3)})
         return out
 
     def find(self, kind: str, dense: str, residency: str) -> Estimate:
@@ -614,21 +616,22 @@ class MemoryReport:
             + (f"{self.budget / GiB:.1f} GiB per rank" if self.budget else "unknown") + f"; figures in {unit} per rank",
             "",
             "| plan | experts | ranks | resident | workspace | FSDP gathered | MoE a2a+experts | activations | "
-            "export | peak (stage) | fits | smallest world that fits | largest resident module |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "weight algorithm | export | peak (stage) | fits | smallest world that fits | largest resident module |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in self.estimates:
             c = e.asked
             smallest = self.smallest.get(c[:3])
             if e.refused:
-                lines.append(f"| {e.label()} | {c.residency} | {c.world_size} | refused: {e.refused} |||||||| "
+                lines.append(f"| {e.label()} | {c.residency} | {c.world_size} | refused: {e.refused} ||||||||| "
                              f"{smallest or '-'} | |")
                 continue
             fits = {True: "yes", False: "**no**", None: "?"}[e.fits(self.budget)]
             ws = fmt(e.workspace) + (f" ({e.decode_chunk} experts)" if e.decode_chunk else "")
             lines.append(
                 f"| {e.label()} | {c.residency} | {c.world_size} | {fmt(e.resident)} | {ws} | {fmt(e.fsdp_gathered)} "
-                f"| {fmt(e.moe)} | {fmt(e.activations)} | {fmt(e.export)} | {fmt(e.peak)} ({e.peak_stage}) "
+                f"| {fmt(e.moe)} | {fmt(e.activations)} | {fmt(e.algorithm_sums + e.algorithm_weights)} "
+                f"| {fmt(e.export)} | {fmt(e.peak)} ({e.peak_stage}) "
                 f"| {fits} | {smallest or '-'} | {e.largest_module[0]} ({fmt(e.largest_module[1])}) |"
             )
         return "\n".join(lines)

@@ -214,7 +214,7 @@ def test_layerwise_plan_fits_calibrated_kimi_k3_on_8_gpus_and_says_the_smallest_
                           "--layerwise", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {tuple(r) for r in rows} == {("plan", "experts", "layerwise", "world_size", "peak_gib", "fits", "refused",
-                                         "smallest_world")}
+                                         "smallest_world", "weight_algorithm_gib")}
     by = {(r["plan"], r["experts"]): r for r in rows}
     ep = by[("expert_parallel, dense replicated", "bf16")]
     assert ep["layerwise"] and ep["world_size"] == 8 and ep["fits"] is True and ep["peak_gib"] < 141
