@@ -371,3 +371,32 @@ def test_moment_sums_take_a_zero_or_non_finite_amax_and_refuse_past_the_exact_to
                 sums.pop(0)
         else:
             assert sums.pop(0)[1] == tokens and sums.pop(0) is None
+
+
+def test_local_hessian_weights_only_the_experts_that_have_a_hessian():
+    """A chunk of local experts where only expert 0 got tokens: expert 0's blocks by its Hessian, expert 1's by
+    the plain-error search (the same scales a chunk without any Hessian gets)."""
+    from modelopt_k3.numerics.nvfp4_search import nvfp4_sweep_block_scales as sweep
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(2, 8, 32, generator=g) * torch.logspace(-1, 1, 32)
+    gs = torch.full((2,), float(w.abs().amax()) / (6 * 448))
+    h = torch.randn(2, 16, 16, generator=g).double()
+    h = (h @ h.transpose(-1, -2) + torch.diag_embed(torch.logspace(-3, 3, 16).double().expand(2, 16))).float()
+    cal = calibrator_for("local_hessian")
+    module = torch.nn.Module()
+    cal.expert_hessians = {(id(module), "down_proj"): {0: h}}
+    got = cal.search(w, gs, module, "down_proj", range(2))
+    assert torch.equal(got[0].view(torch.uint8), sweep(w[0], gs[0], hessian=h).view(torch.uint8))
+    assert torch.equal(got[1].view(torch.uint8), sweep(w[1], gs[1]).view(torch.uint8))
+    assert not torch.equal(got[0].view(torch.uint8), sweep(w[0], gs[0]).view(torch.uint8))  # the weighting mattered
+
+
+def test_weight_searches_refuse_an_fsdp2_sharded_weight(monkeypatch):
+    """A search needs the whole weight: an FSDP2-sharded one is refused in one line naming the way out."""
+    from modelopt_k3.quant.calibrators import weights
+
+    model, _ = _one_linear(8)
+    monkeypatch.setattr(weights, "is_sharded", lambda t: True)
+    with pytest.raises(ValueError, match="FSDP2-sharded: use --plan whole or expert_parallel with --dense replicated"):
+        calibrator_for("mse").finalize_weights(model)
