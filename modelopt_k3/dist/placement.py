@@ -54,6 +54,9 @@ class ExpertPlacement:
     ep_rank: int = 0
     writes_experts: bool = True
     group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    # The ranks holding these same experts (replicated expert groups: EP degree below the world size), each with
+    # its own tokens; None where no other rank holds them.
+    replicas: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.ep_size < 1 or self.num_experts % self.ep_size:
@@ -85,8 +88,9 @@ class ExpertPlacement:
         """Global ids of rows ``rows`` of this rank's block (all of it, or an FSDP2 shard's rows)."""
         return range(self.local.start + rows.start, self.local.start + rows.stop)
 
-    def with_group(self, group: dist.ProcessGroup | None) -> ExpertPlacement:
-        return replace(self, group=group)
+    def with_group(self, group: dist.ProcessGroup | None, replicas: dist.ProcessGroup | None = None
+                   ) -> ExpertPlacement:
+        return replace(self, group=group, replicas=replicas)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ class DistributionPlan:
             shape, names = (self.world_size,), ("fsdp",)
         mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         group = mesh["ep"].get_group() if self.expert_parallel else None
-        return Placement(self.expert_placement.with_group(group), mesh)
+        # Ranks that hold the same experts (EP groups replicated over the world): the replica axis.
+        replicas = mesh["replica"].get_group() if self.expert_parallel and shape[0] > 1 else None
+        return Placement(self.expert_placement.with_group(group, replicas), mesh)
 
     def describe(self) -> str:
         text = f"plan={self.kind} world={self.world_size} rank={self.rank}"

@@ -21,8 +21,8 @@ Dense Hessians are summed over ranks (``moments.reduce_moments``: exact integer-
 experts: each expert's Hessian is accumulated by its owner from the (token, slot) pairs routed to it, as they
 reach it (``experts.dispatch.owner_inputs``: after ``torch_a2a``'s exchange), nothing per expert travels; the
 down projection's input is recomputed there from those tokens (gate/up in effect, the model's activation, the
-down input quantizer). Skipped, keeping max: MXFP4-sourced experts (the lossless cast), packed-resident
-experts, replicated EP groups (an expert's tokens are split over its replicas; the reduction is not built).
+down input quantizer); replicated expert groups add up their replicas' sums. Skipped, keeping max:
+MXFP4-sourced experts (the lossless cast), packed-resident experts.
 The updated weight lives in the quantizer (``updated_weight``): fake quant and export use it, the module keeps
 the original (the report's and the KL evaluation's reference).
 """
@@ -39,7 +39,6 @@ from torch.utils import _pytree as pytree
 
 from ...dist.collectives import run_together
 from ...dist.fsdp import is_sharded
-from ...dist.group import current_group
 from ...experts.dispatch import owner_inputs
 from ...experts.packed import is_packed
 from ...numerics.gptq import asymmetric_target, nvfp4_gptq
@@ -167,7 +166,6 @@ class GptqCalibrator(MaxCalibrator):
     def _targets(self, model: nn.Module) -> list[_Target]:
         targets = [_Target(n, m, None, m.weight_quantizer) for n, m in model.named_modules()
                    if id(m) in nvfp4_linears(model)]
-        replicated = current_group().world_size
         for site in weight_sites(model):
             if not site.experts:
                 continue
@@ -180,9 +178,6 @@ class GptqCalibrator(MaxCalibrator):
                 self.labels[site.name] = "max (gptq of these routed experts not built: packed or unknown layout)"
             elif is_sharded(getattr(m, site.param)):
                 self.labels[site.name] = "max (gptq of FSDP2-sharded routed experts not built: it needs whole experts)"
-            elif m.placement.ep_size < replicated:
-                self.labels[site.name] = ("max (gptq of routed experts under replicated expert groups not built: "
-                                          "an expert's tokens are split over its replicas)")
             else:
                 targets.append(_Target(site.name, m, site.param, q, experts=ExpertSums(m.quant, site.param, False)))
         return targets
@@ -348,6 +343,7 @@ class GptqCalibrator(MaxCalibrator):
         else:
             # Each local expert from its own routed tokens, one at a time (the same arithmetic whichever
             # rank owns it); an expert no token reached keeps max's values.
+            t.experts.reduce_over_replicas(t.module)  # replicated expert groups: every replica's tokens
             weight = getattr(t.module, t.param).detach()
             gs = q.scale().to(weight.device)
             scales, updated, idle = [], weight.clone(), 0

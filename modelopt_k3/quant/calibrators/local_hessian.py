@@ -11,8 +11,8 @@ of ``||WX - ŴX||²`` (ModelOpt 0.47 ``local_hessian_calibrate``).
   each local expert's Hessian from the tokens routed to it, taken by its owner in the same forward
   (``moments.ExpertSums``), nothing per expert travels. The inputs are those the expert GEMMs multiply: the
   gate/up input after the experts' input quantizer (which runs at the origin, before ``torch_a2a``'s exchange,
-  so the owner never holds the raw one), the down input recomputed from it. An expert no token reached, and
-  experts this is not built for (packed-resident, replicated expert groups), get the plain-error search.
+  so the owner never holds the raw one), the down input recomputed from it; replicated expert groups add up
+  their replicas' sums. An expert no token reached, and packed-resident experts, get the plain-error search.
 """
 
 from __future__ import annotations
@@ -33,19 +33,14 @@ __all__ = ["LocalHessianCalibrator", "input_moments"]
 
 def _expert_sites(model: nn.Module) -> tuple[dict[int, tuple[nn.Module, dict[str, ExpertSums]]], dict[str, str]]:
     """The routed experts whose owners take block Hessians (by module ``id``), and why the others do not."""
-    from ...dist.group import current_group
-
     observed: dict[int, tuple[nn.Module, dict[str, ExpertSums]]] = {}
     not_built: dict[str, str] = {}
-    world = current_group().world_size
     for site in weight_sites(model):
         q, m = site.quantizer, site.module
         if not site.experts or q.fmt is not NVFP4_TENSOR or q.source is not None:
             continue  # dense; or max's / the lossless cast's scales, kept by search_sites
         if is_packed(m) or site.param not in EXPERT_PARAMS or not hasattr(m, "activation"):
             not_built[site.name] = "packed or unknown layout"
-        elif m.placement.ep_size < world:
-            not_built[site.name] = "replicated expert groups: an expert's tokens are split over its replicas"
         else:
             observed.setdefault(id(m), (m, {}))[1][site.param] = ExpertSums(m.quant, site.param, True)
     return observed, not_built
@@ -101,6 +96,7 @@ class LocalHessianCalibrator(MseCalibrator):
         self.expert_hessians = {}
         for key, (module, by_param) in experts.items():
             for param, sums in by_param.items():
+                sums.reduce_over_replicas(module)  # replicated expert groups: every replica's tokens
                 device = getattr(module, param).device
                 found = {}
                 for e in sorted(sums.by_expert):

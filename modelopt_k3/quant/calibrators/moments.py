@@ -4,7 +4,8 @@ of the Hessian-weighted algorithms (``local_hessian``, ``gptq``).
 Dense Linears are replicated: each rank sums its own tokens, then one all-reduce (``reduce_moments``).
 Routed experts: each local expert's sums are taken by its owner from the (token, slot) pairs routed to it as
 they reach it (``experts.dispatch.owner_inputs``: after ``torch_a2a``'s exchange; ``ExpertSums``), nothing per
-expert travels. The gate/up projection's input is the routed hidden state as the owner receives it (after the
+expert travels to other experts' owners; where several ranks hold the same experts (replicated expert groups)
+their sums are added up among those ranks (``ExpertSums.reduce_over_replicas``). The gate/up projection's input is the routed hidden state as the owner receives it (after the
 experts' input quantizer, which runs at the origin); the down projection's is recomputed there from those
 tokens (gate/up in effect, the model's activation, the down input quantizer): the inputs the expert GEMMs
 multiply.
@@ -178,6 +179,33 @@ class ExpertSums:
 
     def clear(self) -> None:
         self.by_expert.clear()
+
+    def reduce_over_replicas(self, module: nn.Module) -> None:
+        """Sum every local expert's sums over the ranks that hold the same experts (``placement.replicas``:
+        replicated expert groups, or a whole model per rank; each replica saw its own tokens), one expert at a
+        time; exact, as the sums are integer-valued. Nothing where no other rank holds them."""
+        replicas = module.placement.replicas
+        if replicas is None or dist.get_world_size(replicas) == 1:
+            return
+        n_in = getattr(module, self.param).shape[-1]
+        shape = (n_in // NVFP4_BLOCK, NVFP4_BLOCK, NVFP4_BLOCK) if self.blocks else (n_in, n_in)
+        size, device = math.prod(shape), current_group().device
+        for e in range(module.num_experts):  # every local expert, on every replica: the same collectives
+            acc = self.by_expert.get(e)
+            buf = torch.zeros(2 * size + 1, dtype=torch.float64)
+            if acc is not None and acc.tokens:
+                buf[:size], buf[size:2 * size] = acc.hh.reshape(-1).cpu(), acc.hl.reshape(-1).cpu()
+                buf[-1] = float(acc.tokens)
+            buf = buf.to(device)
+            dist.all_reduce(buf, group=replicas)
+            buf = buf.cpu()
+            if buf[-1] == 0:
+                self.by_expert.pop(e, None)
+                continue
+            if acc is None:
+                acc = self.by_expert[e] = Accumulator(self.blocks, expert_input_amax(self.state, self.param, e))
+            acc.hh, acc.hl = buf[:size].reshape(shape), buf[size:2 * size].reshape(shape)
+            acc.tokens = int(buf[-1])
 
 
 def expert_observer(wanted: Callable[[], dict[str, ExpertSums]]):
