@@ -19,7 +19,9 @@ RECIPES = ("presets/nvfp4_default_mse", "presets/nvfp4_default_four_over_six", "
            "presets/nvfp4_default_gptq")
 
 
-def _ep_runs(ckpt: str, outs: list[str]):
+def _ep_runs(ckpt: str, outs: list[str], recipes: tuple[str, ...] = RECIPES, ep_degree: int | None = None):
+    """Each rank calibrates on its own share of the tokens (expert parallel), one export per recipe; with
+    ``ep_degree`` below the world size every expert block has replicas, and no routed expert keeps max or mse."""
     import modelopt_k3
     from modelopt_k3.dist.group import run_group
     from modelopt_k3.testing.qwen3_moe import calibration_token_ids
@@ -31,10 +33,14 @@ def _ep_runs(ckpt: str, outs: list[str]):
             with torch.no_grad():
                 m(input_ids=share)
 
-        for recipe, out in zip(RECIPES, outs):
-            model = modelopt_k3.load_pretrained(ckpt, progress=False)
+        for recipe, out in zip(recipes, outs):
+            model = modelopt_k3.load_pretrained(ckpt, ep_degree=ep_degree, progress=False)
             assert model.modelopt_k3.plan.kind == "expert_parallel"
             modelopt_k3.quantize(model, recipe, loop, verbose=False)
+            if ep_degree is not None:
+                assert model.modelopt_k3.placement.experts.replicas is not None
+                labels = model.modelopt_k3_quant.calibration
+                assert all(not v.startswith(("max", "mse")) for k, v in labels.items() if ".experts." in k), labels
             modelopt_k3.export_checkpoint(model, out, progress=False)
 
 
@@ -63,35 +69,13 @@ def test_ep2_weight_algorithms_equal_one_process(qwen3_moe_ckpt, tmp_path):
 HESSIAN_RECIPES = ("presets/nvfp4_default_local_hessian", "presets/nvfp4_default_gptq")
 
 
-def _replicated_runs(ckpt: str, outs: list[str], ep_degree: int):
-    """Each rank calibrates on its own share of the tokens, its experts held by other ranks too."""
-    import modelopt_k3
-    from modelopt_k3.dist.group import run_group
-    from modelopt_k3.testing.qwen3_moe import calibration_token_ids
-
-    with run_group() as group:
-        share = calibration_token_ids().chunk(group.world_size)[group.rank]
-
-        def loop(m):
-            with torch.no_grad():
-                m(input_ids=share)
-
-        for recipe, out in zip(HESSIAN_RECIPES, outs):
-            model = modelopt_k3.load_pretrained(ckpt, ep_degree=ep_degree, progress=False)
-            assert model.modelopt_k3.placement.experts.replicas is not None
-            modelopt_k3.quantize(model, recipe, loop, verbose=False)
-            labels = model.modelopt_k3_quant.calibration
-            assert all(not v.startswith(("max", "mse")) for k, v in labels.items() if ".experts." in k), labels
-            modelopt_k3.export_checkpoint(model, out, progress=False)
-
-
 def test_replicated_expert_groups_add_up_their_replicas_hessians(qwen3_moe_ckpt, tmp_path):
     """EP 2 on 4 ranks (two replicas of each expert block, each with its own tokens): each expert's Hessian sums
     are added up over the ranks holding it, so local_hessian and gptq export what one process exports from all
     the tokens, byte for byte."""
     ranks = 4
     outs = [str(tmp_path / f"rep_{i}") for i in range(len(HESSIAN_RECIPES))]
-    results = run_ranks(ranks, _replicated_runs, str(qwen3_moe_ckpt), outs, 2, timeout=600, env=EP_ENV)
+    results = run_ranks(ranks, _ep_runs, str(qwen3_moe_ckpt), outs, HESSIAN_RECIPES, 2, timeout=600, env=EP_ENV)
     assert [r.exitcode for r in results] == [0] * ranks, [r.traceback for r in results]
     for recipe, out in zip(HESSIAN_RECIPES, outs):
         single = quantize_and_export(qwen3_moe_ckpt, tmp_path / f"one_{recipe.rsplit('/', 1)[1]}", recipe)
