@@ -234,13 +234,14 @@ def test_a_weight_algorithm_keeps_the_passthrough(fp8_ckpt: Path, model_path, tm
     assert all(_same(mine[f"{n}.{t}"], theirs[f"{n}.{t}"]) for n in KEPT for t in ("weight", "weight_scale"))
 
 
-def _ep_export(ckpt: str, recipe: str, out: str) -> list[str]:
-    """EP 2, weight-only: quantize with ``recipe``, export; the source keys this rank's export read."""
+def _ep_export(ckpt: str, recipe: str, out: str, dense: str) -> list[str]:
+    """EP 2 (dense part ``dense``), weight-only: quantize with ``recipe``, export; the source keys this rank's
+    export read."""
     import modelopt_k3
     from modelopt_k3.dist.group import run_group
 
     with run_group():
-        model = modelopt_k3.load_pretrained(ckpt, progress=False)
+        model = modelopt_k3.load_pretrained(ckpt, dense=dense, progress=False)
         modelopt_k3.quantize(model, recipe, None, verbose=False)
         reader = model.modelopt_k3.source()
         before = len(reader.log.keys)
@@ -249,13 +250,15 @@ def _ep_export(ckpt: str, recipe: str, out: str) -> list[str]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("dense", ["replicated", "fsdp2"])
 def test_ep2_each_rank_reads_only_the_source_bytes_it_writes(fp8_ckpt: Path, recipe: str, model_path,
-                                                             tmp_path: Path) -> None:
-    """Two expert-parallel ranks: each passed-through Linear's codes and scales are read by the one rank that
-    writes it; the export equals one process's byte for byte."""
+                                                             tmp_path: Path, dense: str) -> None:
+    """Two expert-parallel ranks, the dense part replicated or FSDP2-sharded (a passed-through weight is never
+    gathered): each passed-through Linear's codes and scales are read by the one rank that writes it; the export
+    equals one process's byte for byte."""
     _, one, _ = model_path
     out = tmp_path / "ep2"
-    results = run_ranks(2, _ep_export, str(fp8_ckpt), recipe, str(out), timeout=300, env=EP_ENV)
+    results = run_ranks(2, _ep_export, str(fp8_ckpt), recipe, str(out), dense, timeout=300, env=EP_ENV)
     assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
     sources = {f"{n}.{p}" for n in KEPT for p in ("weight", "weight_scale_inv")}
     read = [set(r.value) & sources for r in results]
