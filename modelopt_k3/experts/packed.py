@@ -5,7 +5,8 @@ a weight. With ``experts="packed"`` (an MXFP4-sourced checkpoint) it holds the s
 4.25 bits a weight, and decodes them into a reusable workspace inside the experts forward: one layer
 at a time, or a chunk of experts at a time when the memory planner says so. Decoding is exact
 (``numerics.mxfp4_decode``), so logits, calibration amax and the export equal the ``bf16`` residency
-bit for bit.
+bit for bit (a whole layer decoded: always; in chunks: under eager, and in bf16 for grouped_mm/batched_mm --
+their fp32 GEMMs over a chunk's experts have other shapes, which a BLAS may sum in another order, ~1e-6).
 
 Declared layout, per fused parameter ``p`` (the spec's ``ExpertsSpec.sharded_params``), following the fields
 of torchao's ``MXTensor`` (pytorch/ao torchao/prototype/mx_formats/mx_tensor.py:

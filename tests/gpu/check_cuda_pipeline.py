@@ -5,7 +5,8 @@
 
 1. logits: fused experts (eager, grouped_mm, batched_mm) against the unpatched remote model's
    per-expert loop (fla kernels on CUDA for KDA), in fp32 and bf16; packed-resident experts (whole
-   layer and 3 experts at a time) bit-identical to bf16 residency under each implementation; the
+   layer and 3 experts at a time) bit-identical to bf16 residency under each implementation (fp32 chunks
+   under grouped_mm/batched_mm: within 1e-5, as their GEMMs of other shapes may round differently); the
    owner's grouped GEMM: torch_a2a in one process runs the plan's local implementation (grouped_mm
    on CUDA), which must be the one called, with logits equal to eager;
 2. numerics on CUDA bit-identical to the CPU results on a Kimi-K3-sized expert matrix, with timings;
@@ -85,7 +86,13 @@ def check_logits(ckpt: Path, results: dict) -> None:
                     for module in _experts(models["packed"]).values():
                         module.decode_chunk = chunk or module.num_experts
                     packed = models["packed"](input_ids=ids, use_cache=False).logits
-                    assert torch.equal(packed, got), f"packed experts (decode_chunk={chunk}) differ from bf16, {impl} {name}"
+                    if chunk is None or impl == "eager" or dtype == torch.bfloat16:
+                        assert torch.equal(packed, got), \
+                            f"packed experts (decode_chunk={chunk}) differ from bf16, {impl} {name}"
+                    else:  # fp32 GEMMs of other shapes: the BLAS may sum in another order (~1 ulp per GEMM)
+                        rel = ((packed - got).abs().max() / got.abs().max()).item()
+                        results[f"packed_chunked_rel_diff_{name}_{impl}"] = rel
+                        assert rel <= 1e-5, f"packed experts (decode_chunk=3) {impl} {name}: relative {rel:.3g}"
             rel = ((got.float() - want).abs().max() / want.abs().max()).item()
             results[f"logits_rel_err_{name}_{impl}"] = rel
             assert rel <= limit, f"{impl} {dtype}: relative logits error {rel:.3g} > {limit}"
