@@ -1,7 +1,7 @@
 """``modelopt-k3-plan``: per-rank memory of every plan x experts residency, from the headers alone.
 
     modelopt-k3-plan --pyt_ckpt_path CKPT --world_size N [--gpu_mem_gib G] [--batch_size B --calib_seq S]
-                     [--recipe R] [--device cuda|cpu] [--layerwise] [--json]
+                     [--qformat Q | --recipe R] [--device cuda|cpu] [--layerwise] [--json]
 
 Reads ``config.json`` and the safetensors headers (no tensor bytes, no model), prints the table, the
 smallest world size each configuration fits on, and each configuration's largest per-rank module. Exits 1 when no
@@ -23,7 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per rank (default: this machine's accelerator, or host RAM / ranks with --device cpu)")
     p.add_argument("--batch_size", type=int, default=4, help="calibration sequences per batch per rank")
     p.add_argument("--calib_seq", type=int, default=2048, help="tokens per calibration sequence")
-    p.add_argument("--recipe", default="presets/nvfp4", help="recipe name or path (which modules are quantized)")
+    p.add_argument("--qformat", default="nvfp4",
+                   help="what hf_ptq --qformat would quantize with: a preset name, mapped to this model's own recipe "
+                        "as hf_ptq maps it (default nvfp4)")
+    p.add_argument("--recipe", default=None, help="recipe name or path (overrides --qformat)")
     p.add_argument("--layerwise", action="store_true",
                    help="plan hf_ptq --layerwise runs: one decoder layer resident at a time (FSDP2 plans refused)")
     p.add_argument("--json", action="store_true",
@@ -36,12 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..checkpoint import read_config
     from ..memory.planner import plan_memory
+    from ..run.plan import recipe_name
+    from ..spec import get_spec
 
     if args.world_size < 1:
         raise SystemExit("--world_size must be at least 1")
+    spec = get_spec(read_config(args.pyt_ckpt_path).get("model_type", ""))
     report = plan_memory(args.pyt_ckpt_path, world_size=args.world_size, gpu_mem_gib=args.gpu_mem_gib,
-                         batch_size=args.batch_size, calib_seq=args.calib_seq, recipe=args.recipe, device=args.device,
+                         batch_size=args.batch_size, calib_seq=args.calib_seq,
+                         recipe=recipe_name(spec, args.qformat, args.recipe), device=args.device,
                          layerwise=args.layerwise)
     if args.json:
         import json

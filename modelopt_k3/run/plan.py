@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..recipe import Recipe
     from ..spec import ModelSpec
 
-__all__ = ["QFORMAT_PRESETS", "LayerwiseSettings", "PtqConfig", "RunPlan", "layerwise_settings"]
+__all__ = ["QFORMAT_PRESETS", "LayerwiseSettings", "PtqConfig", "RunPlan", "layerwise_settings", "recipe_name"]
 
 # ``--qformat`` names and their generic recipes; a model's spec may map a name to its own
 # (``RecipesSpec.qformat``: e.g. Qwen3-MoE's nvfp4 keeps attention NVFP4, as its engines serve it).
@@ -47,6 +47,17 @@ QFORMAT_PRESETS = {
     "fp8": "presets/fp8",
 }
 KV_CACHE_CHOICES = ("none", "fp8")
+
+
+def recipe_name(spec: ModelSpec, qformat: str, recipe: str | None = None) -> str:
+    """The recipe ``--recipe``/``--qformat`` mean for this model: ``recipe`` if given; else ``qformat``, a
+    ``QFORMAT_PRESETS`` name meaning the model's own recipe for it (``RecipesSpec.qformat``) or the generic one;
+    any other text a recipe name (hf_ptq and modelopt-k3-plan alike)."""
+    if recipe is not None:
+        return recipe
+    if qformat not in QFORMAT_PRESETS:
+        return qformat
+    return spec.recipes.qformat.get(qformat, QFORMAT_PRESETS[qformat])
 DTYPE_CHOICES = (None, "bfloat16", "float32")
 
 
@@ -123,13 +134,8 @@ class PtqConfig:
         return cls(**vars(args))
 
     def recipe_name(self, spec: ModelSpec) -> str:
-        """The recipe this run means: ``--recipe``; else ``--qformat``, a ``QFORMAT_PRESETS`` name meaning the
-        model's own recipe for it (``RecipesSpec.qformat``) or the generic one; any other text a recipe name."""
-        if self.recipe is not None:
-            return self.recipe
-        if self.qformat not in QFORMAT_PRESETS:
-            return self.qformat
-        return spec.recipes.qformat.get(self.qformat, QFORMAT_PRESETS[self.qformat])
+        """The recipe this run means (``recipe_name``)."""
+        return recipe_name(spec, self.qformat, self.recipe)
 
     def recipe_overrides(self) -> dict[str, Any] | None:
         """What the flags change in the recipe (``--kv_cache_qformat``, ``--calibrate_all_experts``,

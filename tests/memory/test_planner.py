@@ -187,6 +187,20 @@ def test_plan_cli(tiny_ckpt: Path, capsys) -> None:
     assert plan.main(["--pyt_ckpt_path", str(tiny_ckpt), "--world_size", "2", "--gpu_mem_gib", "0.01"]) == 1
 
 
+def test_plan_cli_plans_the_recipe_hf_ptq_would_use(tmp_path: Path, capsys) -> None:
+    """``--qformat`` maps to the model's own recipe as hf_ptq maps it (GPT-OSS's nvfp4 is not the Kimi-K3 preset);
+    ``--recipe`` overrides it."""
+    from modelopt_k3.cli import plan
+    from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
+
+    ckpt = make_tiny_gpt_oss(tmp_path / "gpt-oss")
+    for argv, recipe in (([], "models/openai/gpt-oss/nvfp4"), (["--qformat", "nvfp4_gptq"],
+                                                               "models/openai/gpt-oss/nvfp4_gptq"),
+                         (["--recipe", "presets/fp8"], "presets/fp8")):
+        assert plan.main(["--pyt_ckpt_path", str(ckpt), "--world_size", "1", "--device", "cpu", *argv]) == 0
+        assert f", recipe {recipe}," in capsys.readouterr().out.splitlines()[0], argv
+
+
 def test_plan_memory_is_lazy_public_api() -> None:
     import modelopt_k3
 
