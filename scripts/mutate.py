@@ -116,8 +116,8 @@ AREAS: dict[str, Area] = {
         ("modelopt_k3/models/kimi_k3/manifest.py", "modelopt_k3/models/qwen3_moe/serving.py",
          "modelopt_k3/models/gpt_oss/serving.py", "modelopt_k3/models/deepseek_v3/serving.py"),
         ("tests/export/test_kimi_k3_manifest.py", "tests/models/qwen3_moe/test_trtllm.py",
-         "tests/models/qwen3_moe/test_sglang.py", "tests/models/gpt_oss/test_trtllm.py",
-         "tests/models/gpt_oss/test_sglang.py", "tests/models/deepseek_v3/test_serving.py")),
+         "tests/models/qwen3_moe/test_sglang.py", "tests/models/gpt_oss", "tests/models/deepseek_v3/test_serving.py",
+         "tests/models/deepseek_v3/test_deepseek_v3_mtp.py", "tests/check/test_conformance_matrix.py")),
     "registry": Area(
         ("modelopt_k3/spec/registry.py",),
         ("tests/spec/test_contract.py", "tests/spec/test_registry.py")),
