@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from ..spec.conversion import DecodeOp, run_converter
+from ..spec.conversion import DecodeOp, decode_op, run_converter
+from .reader import CheckpointError, CheckpointReader
 
 
 class _ModelConfig:
@@ -27,7 +28,7 @@ class SourceDecode:
     """How the model path decodes a source format it loads decoded (block-FP8 Linears, INT4 experts): the
     spec's own converters, run here the same way, so both paths see the same weights.
 
-    ``dense``: dense names a spec dense converter decodes (``load.pretrained.dense_decodes``) -> (converter, {source pattern:
+    ``dense``: dense names a spec dense converter decodes (``dense_decodes``) -> (converter, {source pattern:
     key}); ``experts``: the decode steps of the spec's experts chains (``LoadingSpec.converters``) for routed
     experts stored encoded but not MXFP4-packed (those take the lossless cast); ``config``: the model's config,
     which the ops read."""
@@ -86,3 +87,37 @@ def carried_value(name: str, item: tuple[str, tuple[str, ...]], decode: SourceDe
         op = decode.expert_op({k.rpartition(".")[2] for k in sources})
         return op.decode(read(sources[0]), read(sources[1]), dtype).to(torch.bfloat16)
     return read(sources[0])
+
+
+# ---------------------------------------------------------------- which dense tensors a spec converter decodes
+
+
+def plan_dense_conversions(reader: CheckpointReader, converters: tuple,
+                           keys=None) -> dict[str, tuple[object, dict[str, str]]]:
+    """target name -> (converter, {source pattern: source key}) for the dense tensors a spec converter takes
+    (one key, or several, e.g. a block-FP8 ``weight`` and its ``weight_scale_inv``); ``keys``: default all."""
+    plan: dict[str, tuple[object, dict[str, str]]] = {}
+    for key in reader.names() if keys is None else keys:
+        for conv in converters:
+            target, pattern = conv.rename_source_key(key)
+            if pattern is not None:
+                sources = plan.setdefault(target, (conv, {}))[1]
+                if pattern in sources:
+                    raise CheckpointError(f"{target}: two checkpoint tensors for one source: {sources[pattern]} and {key}")
+                sources[pattern] = key
+                break
+    return plan
+
+
+def dense_decodes(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[object, dict[str, str]]]:
+    """``decoded_dense`` with the converter of each: target name -> (converter, {source pattern: source key}),
+    as the load runs it (``run_converter``); the streaming converter decodes those tensors the same way."""
+    plan = plan_dense_conversions(reader, converters, keys)
+    return {target: (conv, k) for target, (conv, k) in plan.items() if decode_op(conv) is not None and len(k) > 1}
+
+
+def decoded_dense(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[str, ...]]:
+    """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
+    the source keys they consume (among ``keys``, default all): the export writes them from the model, never
+    by copying those keys."""
+    return {target: tuple(sorted(k.values())) for target, (_, k) in dense_decodes(reader, converters, keys).items()}

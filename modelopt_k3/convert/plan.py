@@ -18,8 +18,7 @@ from transformers.core_model_loading import WeightConverter
 from .. import __version__
 from ..checkpoint import CheckpointError, CheckpointReader, TensorInfo, read_config
 from ..checkpoint.source_check import SourceLayout, check_config, check_dense_against_config, check_experts
-from ..checkpoint.source_decode import SourceDecode
-from ..load.pretrained import dense_decodes
+from ..checkpoint.source_decode import SourceDecode, dense_decodes
 from ..numerics.constants import MXFP4_BLOCK
 from ..quant.block_fp8_source import block_fp8_passthrough
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..checkpoint.source_decode import decoded_dense
 from ..dist.collectives import run_together
 from ..dist.group import current_group
 from ..spec.names import enclosing, under_any
@@ -27,7 +28,6 @@ from .pretrained import (
     _record_reads,
     _register_dispatch,
     carried_fields,
-    decoded_dense,
     materialize,
     persistent_tensors,
     tie_as_stored,

@@ -27,7 +27,7 @@ from transformers.core_model_loading import WeightConverter
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.nonfinite import source_refusal, warn_passthrough
 from ..checkpoint.source_check import SourceLayout, check_config, check_dense, check_experts, check_present
-from ..checkpoint.source_decode import SourceDecode
+from ..checkpoint.source_decode import SourceDecode, decoded_dense, dense_decodes, plan_dense_conversions
 from ..dist.collectives import run_together
 from ..dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from ..dist.group import current_group
@@ -335,23 +335,6 @@ def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _plan_dense_conversions(reader: CheckpointReader, converters: tuple,
-                            keys=None) -> dict[str, tuple[object, dict[str, str]]]:
-    """target name -> (converter, {source pattern: source key}) for the dense tensors a spec converter takes
-    (one key, or several, e.g. a block-FP8 ``weight`` and its ``weight_scale_inv``); ``keys``: default all."""
-    plan: dict[str, tuple[object, dict[str, str]]] = {}
-    for key in reader.names() if keys is None else keys:
-        for conv in converters:
-            target, pattern = conv.rename_source_key(key)
-            if pattern is not None:
-                sources = plan.setdefault(target, (conv, {}))[1]
-                if pattern in sources:
-                    raise LoadError(f"{target}: two checkpoint tensors for one source: {sources[pattern]} and {key}")
-                sources[pattern] = key
-                break
-    return plan
-
-
 
 
 def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model: nn.Module, conversion) -> tuple[torch.Tensor, str]:
@@ -384,7 +367,7 @@ def _fill_dense(
     """Copy every dense parameter and buffer (of ``scope``, default all) from its checkpoint tensor
     (``check_dense`` has matched them)."""
     consumed: set[str] = set()
-    conversions = _plan_dense_conversions(reader, info.spec.loading.dense_converters,
+    conversions = plan_dense_conversions(reader, info.spec.loading.dense_converters,
                                           None if scope is None else scope.keys)
     for name, tensor in persistent_tensors(model).items():
         if name in skip or (scope is not None and not scope.holds(name)):
@@ -410,7 +393,7 @@ def _sharded_expert_params(model: nn.Module, spec: ModelSpec) -> tuple[set[str],
 def _check_against_model(model: nn.Module, spec: ModelSpec, reader: CheckpointReader, source: SourceLayout) -> None:
     dense = {k: v for k, v in reader.headers().items() if k not in source.expert_keys and k not in source.carried_keys}
     converted = {name: tuple(keys.values())
-                 for name, (_, keys) in _plan_dense_conversions(reader, spec.loading.dense_converters).items()}
+                 for name, (_, keys) in plan_dense_conversions(reader, spec.loading.dense_converters).items()}
     fused, stored_fused = _sharded_expert_params(model, spec)
     # The stored-fused ones hold this rank's rows only (a placement): their shapes are checked as their rows
     # are read; here that each is stored at all (a missing expert bias is refused, not left unwritten).
@@ -778,17 +761,3 @@ class LoadScope:
 
     def holds(self, name: str) -> bool:
         return under_any(name, self.inside) and not under_any(name, self.outside)
-
-
-def decoded_dense(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[str, ...]]:
-    """Dense names whose value a spec converter decodes from a source format (a ``DecodeOp`` chain), with
-    the source keys they consume (among ``keys``, default all): the export writes them from the model, never
-    by copying those keys."""
-    return {target: tuple(sorted(k.values())) for target, (_, k) in dense_decodes(reader, converters, keys).items()}
-
-
-def dense_decodes(reader: CheckpointReader, converters: tuple, keys=None) -> dict[str, tuple[object, dict[str, str]]]:
-    """``decoded_dense`` with the converter of each: target name -> (converter, {source pattern: source key}),
-    as the load runs it (``run_converter``); the streaming converter decodes those tensors the same way."""
-    plan = _plan_dense_conversions(reader, converters, keys)
-    return {target: (conv, k) for target, (conv, k) in plan.items() if decode_op(conv) is not None and len(k) > 1}

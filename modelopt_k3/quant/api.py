@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..checkpoint.nonfinite import PASSTHROUGH_FLAG, NonFiniteError
+from ..checkpoint.source_decode import dense_decodes
 from ..dist.fsdp import local_experts, local_rows, row_gatherer
 from ..experts.packed import is_packed
-from ..load.pretrained import dense_decodes
 from ..recipe import QuantFormat, Recipe, RecipeError, load_recipe
 from ..spec import ModelSpec
 from .activation_stats import attach_activation_stats

@@ -43,7 +43,7 @@ def block_fp8_passthrough(
     """Whether dense Linear ``name`` (weight ``shape``, weight format ``fmt``) is written as its block-FP8
     source bytes, and the label saying so (or why not: then it is requantized).
 
-    ``dense``: the dense weights a spec converter decodes at load (``load.pretrained.dense_decodes``: target ->
+    ``dense``: the dense weights a spec converter decodes at load (``checkpoint.source_decode.dense_decodes``: target ->
     (converter, {pattern: source key})); ``headers``: the source's tensor headers (dtype, shape);
     ``config``: the model's config, where the source declares its block. The model path and the streaming
     converter both ask this, with the same arguments, so they take the same branch.

@@ -194,7 +194,7 @@ def test_the_converter_writes_the_model_paths_bytes(fp8_ckpt: Path, recipe: str,
 def test_refused_passthrough_names_why(fp8_ckpt: Path) -> None:
     """Another declared block, scales of another shape, a format that holds no block FP8: requantized, labelled."""
     from modelopt_k3.checkpoint import CheckpointReader
-    from modelopt_k3.load.pretrained import dense_decodes
+    from modelopt_k3.checkpoint.source_decode import dense_decodes
     from modelopt_k3.spec import get_spec
 
     reader = CheckpointReader(fp8_ckpt)
