@@ -122,8 +122,9 @@ SGLANG_DEEPSEEK_V3 = ModelServing(
                           "(deepseek_v2.py MoEGate)"),),
     formats_only=((r"\.self_attn\.kv_b_proj$", (),
                    "SGLang's DeepSeek-V3 post_load_weights builds w_kc/w_vc from kv_b_proj.weight itself, "
-                   "dequantizing only float8 (and AWQ) weights (deepseek_weight_loader.py post_load_weights); "
-                   "packed NVFP4 codes would be split as values"),),
+                   "dequantizing only float8 (and AWQ) weights (deepseek_weight_loader.py post_load_weights): "
+                   "NVFP4 codes would be split as values, and a ModelOpt FP8_PB_WO kv_b_proj (weight_scale, not "
+                   "weight_scale_inv) is not replayed here, unsettled"),),
     # DeepseekV2ForCausalLM.__init__ -> quant_config.update_packed_modules_mapping.
     packed_modules_mapping={"fused_qkv_a_proj_with_mqa": QKV_A},
     expert_re=EXPERT_RE,
