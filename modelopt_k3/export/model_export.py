@@ -229,10 +229,10 @@ def _write_dense_items(job: _ExportJob, items: list[tuple[int, str, str]], reade
     for owner, kind, name in items:
         # An FSDP2-sharded weight is gathered to its owner only, one tensor at a time. Every rank
         # joins every gather, so a rank that failed keeps joining and raises after the loop.
-        module = job.modules.get(name)
+        linear = job.modules[name] if kind == "quant" else None
         # A passed-through weight is written from its source bytes: nothing to gather (the same on every rank).
-        gather = kind == "quant" and not module.weight_quantizer.passes_through
-        weight = gather_to_owner(module.weight, owner) if gather else None
+        gather = linear is not None and not linear.weight_quantizer.passes_through
+        weight = gather_to_owner(linear.weight, owner) if gather else None
         if kind == "decoded":
             module, _, attr = name.rpartition(".")
             weight = gather_to_owner(getattr(job.modules[module], attr), owner)

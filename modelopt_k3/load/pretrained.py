@@ -335,8 +335,6 @@ def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-
-
 def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model: nn.Module, conversion) -> tuple[torch.Tensor, str]:
     """(this rank's part of the source value for ``name``, source key): rows of an FSDP2 shard only."""
     sharded = tensor is not local_tensor(tensor)

@@ -40,7 +40,6 @@ from torch.utils import _pytree as pytree
 from ...dist.collectives import run_together
 from ...dist.fsdp import is_sharded
 from ...experts.dispatch import owner_inputs
-from ...experts.packed import is_packed
 from ...numerics.gptq import asymmetric_target, nvfp4_gptq
 from ...numerics.nvfp4 import nvfp4_block_scales
 from ..modules import set_mode
@@ -55,6 +54,7 @@ from .moments import (
     expert_observer,
     input_amax,
     nvfp4_linears,
+    owner_observes,
     reduce_moments,
 )
 from .weights import SKIPPED_MXFP4, weight_sites
@@ -174,7 +174,7 @@ class GptqCalibrator(MaxCalibrator):
                 self.labels[site.name] = SKIPPED_MXFP4
             elif q.fmt is not NVFP4_TENSOR:
                 self.labels[site.name] = "max (not NVFP4)"
-            elif is_packed(m) or site.param not in EXPERT_PARAMS or not hasattr(m, "activation"):
+            elif not owner_observes(m, site.param):
                 self.labels[site.name] = "max (gptq of these routed experts not built: packed or unknown layout)"
             elif is_sharded(getattr(m, site.param)):
                 self.labels[site.name] = "max (gptq of FSDP2-sharded routed experts not built: it needs whole experts)"

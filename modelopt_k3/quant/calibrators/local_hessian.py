@@ -20,11 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...experts.packed import is_packed
 from ...numerics.constants import NVFP4_BLOCK
 from ..schemes import NVFP4_TENSOR
 from .base import ForwardLoop, register_calibrator
-from .moments import EXPERT_PARAMS, ExpertSums, input_moments, nvfp4_linears
+from .moments import ExpertSums, input_moments, nvfp4_linears, owner_observes
 from .mse import MseCalibrator
 from .weights import WeightSite, weight_sites
 
@@ -39,7 +38,7 @@ def _expert_sites(model: nn.Module) -> tuple[dict[int, tuple[nn.Module, dict[str
         q, m = site.quantizer, site.module
         if not site.experts or q.fmt is not NVFP4_TENSOR or q.source is not None:
             continue  # dense; or max's / the lossless cast's scales, kept by search_sites
-        if is_packed(m) or site.param not in EXPERT_PARAMS or not hasattr(m, "activation"):
+        if not owner_observes(m, site.param):
             not_built[site.name] = "packed or unknown layout"
         else:
             observed.setdefault(id(m), (m, {}))[1][site.param] = ExpertSums(m.quant, site.param, True)

@@ -24,6 +24,7 @@ from torch import nn
 from ...dist.collectives import run_together
 from ...dist.group import current_group
 from ...experts.dispatch import owner_inputs
+from ...experts.packed import is_packed
 from ...numerics.constants import NVFP4_BLOCK
 from ..modules import ExpertsQuantState, set_mode
 from ..schemes import NVFP4_TENSOR
@@ -114,33 +115,54 @@ def input_amax(linear: nn.Linear) -> float:
     return float(linear.weight_quantizer.amax.max())
 
 
+def sums_shape(n_in: int, blocks: bool) -> tuple[int, ...]:
+    """The shape of one Linear's (or expert projection's) ``x xᵀ`` sums: per 16-block, or full."""
+    return (n_in // NVFP4_BLOCK, NVFP4_BLOCK, NVFP4_BLOCK) if blocks else (n_in, n_in)
+
+
+def _packed(acc: Accumulator | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """``acc``'s hi/lo sums and token count as one flat float64 tensor (zeros where no token reached it)."""
+    if acc is None:
+        return torch.zeros(2 * math.prod(shape) + 1, dtype=torch.float64)
+    parts = [torch.zeros(shape, dtype=torch.float64) if p is None else p.cpu() for p in (acc.hh, acc.hl)]
+    return torch.cat([p.reshape(-1) for p in parts] + [torch.tensor([float(acc.tokens)], dtype=torch.float64)])
+
+
+def _unpacked(buf: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``_packed``'s inverse: (hh, hl, tokens)."""
+    size = math.prod(shape)
+    return buf[:size].reshape(shape), buf[size:2 * size].reshape(shape), int(buf[2 * size])
+
+
+def _summed(buf: torch.Tensor, group) -> torch.Tensor:
+    """``buf`` all-reduced over ``group``: integer-valued float64 sums, exact in any order."""
+    buf = buf.to(current_group().device)
+    dist.all_reduce(buf, group=group)
+    return buf.cpu()
+
+
+def _check_exact(tokens: int, what: str) -> None:
+    if tokens > MAX_EXACT_TOKENS:
+        raise ValueError(f"{tokens} calibration tokens reached one {what}; rank-independent Hessian sums are "
+                         f"exact up to {MAX_EXACT_TOKENS}: calibrate on fewer tokens")
+
+
 def reduce_moments(accs: dict[int, Accumulator], linears: dict[int, nn.Module], blocks: bool,
-            ) -> dict[int, tuple[torch.Tensor, int]]:
+                   ) -> dict[int, tuple[torch.Tensor, int]]:
     """Sum every rank's moments and token counts: one flat float64 all-reduce, in module order."""
-    g = current_group()
-    shapes = {k: ((m.in_features // NVFP4_BLOCK, NVFP4_BLOCK, NVFP4_BLOCK) if blocks
-                  else (m.in_features, m.in_features)) for k, m in linears.items()}
-    flat = []
-    for k, acc in accs.items():
-        for part in (acc.hh, acc.hl):
-            flat.append((torch.zeros(shapes[k], dtype=torch.float64) if part is None else part.cpu()).reshape(-1))
-        flat.append(torch.tensor([float(acc.tokens)], dtype=torch.float64))
-    if not flat:
+    if not accs:
         return {}
-    buf = torch.cat(flat)
+    g = current_group()
+    shapes = {k: sums_shape(m.in_features, blocks) for k, m in linears.items()}
+    buf = torch.cat([_packed(acc, shapes[k]) for k, acc in accs.items()])
     if g.world_size > 1:
-        buf = buf.to(g.device)
-        dist.all_reduce(buf, group=g.pg)  # integer-valued float64 sums: exact in any order
-        buf = buf.cpu()
+        buf = _summed(buf, g.pg)
     out, pos = {}, 0
     for k, acc in accs.items():
-        size = math.prod(shapes[k])
-        hh, hl = buf[pos:pos + size].reshape(shapes[k]), buf[pos + size:pos + 2 * size].reshape(shapes[k])
-        tokens = int(buf[pos + 2 * size])
-        pos += 2 * size + 1
-        if tokens > MAX_EXACT_TOKENS:
-            raise ValueError(f"{tokens} calibration tokens reached one Linear; rank-independent Hessian sums are "
-                             f"exact up to {MAX_EXACT_TOKENS}: calibrate on fewer tokens")
+        n = 2 * math.prod(shapes[k]) + 1
+        hh, hl, tokens = _unpacked(buf[pos:pos + n], shapes[k])
+        pos += n
+        _check_exact(tokens, "Linear")
         out[k] = (acc.combine(hh, hl), tokens)
     return out
 
@@ -172,9 +194,7 @@ class ExpertSums:
         acc = self.by_expert.pop(expert, None)
         if acc is None or acc.tokens == 0:
             return None
-        if acc.tokens > MAX_EXACT_TOKENS:
-            raise ValueError(f"{acc.tokens} calibration tokens reached one expert; rank-independent Hessian sums "
-                             f"are exact up to {MAX_EXACT_TOKENS}: calibrate on fewer tokens")
+        _check_exact(acc.tokens, "expert")
         return acc.combine(acc.hh, acc.hl), acc.tokens
 
     def clear(self) -> None:
@@ -182,30 +202,27 @@ class ExpertSums:
 
     def reduce_over_replicas(self, module: nn.Module) -> None:
         """Sum every local expert's sums over the ranks that hold the same experts (``placement.replicas``:
-        replicated expert groups, or a whole model per rank; each replica saw its own tokens), one expert at a
-        time; exact, as the sums are integer-valued. Nothing where no other rank holds them."""
+        replicated expert groups, each replica with its own tokens), one expert at a time; exact, as the sums are
+        integer-valued. Nothing where no other rank holds them."""
         replicas = module.placement.replicas
         if replicas is None or dist.get_world_size(replicas) == 1:
             return
-        n_in = getattr(module, self.param).shape[-1]
-        shape = (n_in // NVFP4_BLOCK, NVFP4_BLOCK, NVFP4_BLOCK) if self.blocks else (n_in, n_in)
-        size, device = math.prod(shape), current_group().device
+        shape = sums_shape(getattr(module, self.param).shape[-1], self.blocks)
         for e in range(module.num_experts):  # every local expert, on every replica: the same collectives
-            acc = self.by_expert.get(e)
-            buf = torch.zeros(2 * size + 1, dtype=torch.float64)
-            if acc is not None and acc.tokens:
-                buf[:size], buf[size:2 * size] = acc.hh.reshape(-1).cpu(), acc.hl.reshape(-1).cpu()
-                buf[-1] = float(acc.tokens)
-            buf = buf.to(device)
-            dist.all_reduce(buf, group=replicas)
-            buf = buf.cpu()
-            if buf[-1] == 0:
+            hh, hl, tokens = _unpacked(_summed(_packed(self.by_expert.get(e), shape), replicas), shape)
+            if tokens == 0:
                 self.by_expert.pop(e, None)
                 continue
+            acc = self.by_expert.get(e)
             if acc is None:
                 acc = self.by_expert[e] = Accumulator(self.blocks, expert_input_amax(self.state, self.param, e))
-            acc.hh, acc.hl = buf[:size].reshape(shape), buf[size:2 * size].reshape(shape)
-            acc.tokens = int(buf[-1])
+            acc.hh, acc.hl, acc.tokens = hh, hl, tokens
+
+
+def owner_observes(module: nn.Module, param: str) -> bool:
+    """Whether ``expert_observer`` can give this fused projection's inputs: decoded-resident experts of the known
+    layout (``EXPERT_PARAMS``, with the model's ``activation`` between them)."""
+    return not is_packed(module) and param in EXPERT_PARAMS and hasattr(module, "activation")
 
 
 def expert_observer(wanted: Callable[[], dict[str, ExpertSums]]):

@@ -58,12 +58,16 @@ def weight_sites(model: nn.Module) -> Iterator[WeightSite]:
                 yield WeightSite(f"{name}.{param}", module, param, q, True)
 
 
+def max_algorithm(q: TensorQuantizer) -> str:
+    """Max's decision for one weight quantizer: ``lossless_cast`` for MXFP4-sourced experts and passed-through
+    block-FP8 Linears (whose scales are the source's, whatever the algorithm), else ``max``."""
+    return LOSSLESS_CAST if q.source is not None or q.passes_through else "max"
+
+
 def max_algorithms(model: nn.Module, algorithms: dict[str, str]) -> None:
-    """Max's decision for every weight quantizer: ``max``, or ``lossless_cast`` for MXFP4-sourced experts and
-    passed-through block-FP8 Linears (whose scales are the source's, whatever the algorithm). A weight algorithm overwrites the sites it searches."""
+    """``max_algorithm`` for every weight quantizer. A weight algorithm overwrites the sites it searches."""
     for site in weight_sites(model):
-        q = site.quantizer
-        algorithms[site.name] = LOSSLESS_CAST if q.source is not None or q.passes_through else "max"
+        algorithms[site.name] = max_algorithm(site.quantizer)
 
 
 def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str, str],
@@ -76,7 +80,7 @@ def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str
         q = site.quantizer
         if q.fmt is not NVFP4_TENSOR:
             labels[site.name] = "max (not NVFP4)"
-            algorithms[site.name] = LOSSLESS_CAST if q.passes_through else "max"  # as max_algorithms records it
+            algorithms[site.name] = max_algorithm(q)
             continue
         if q.source is not None:
             labels[site.name] = SKIPPED_MXFP4
