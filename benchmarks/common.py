@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import os
 import platform
 import statistics
@@ -98,21 +99,35 @@ class Figure:
     bound: str = ""  # what bounds the figure: the cause to report if the target is missed
     checks: dict[str, bool] = field(default_factory=dict)  # correctness checks on the measured outputs
 
+    skipped: str = ""  # why the figure was not measured (then ``ratio`` is NaN and nothing else is judged)
+
     def __post_init__(self) -> None:
         self.bound = self.bound or self.details.get("bound", "")
         if self.target is not None and not self.bound:
             raise ValueError(f"benchmark figure {self.name!r} has a target but no bound: say what limits it")
         if not self.target_text:
             raise ValueError(f"benchmark figure {self.name!r} has no target_text (say 'report only' if none)")
+        if not self.skipped:
+            _check_measured(self)
+
+    @classmethod
+    def not_measured(cls, name: str, area: str, title: str, why: str, *, target: float | None,
+                     target_text: str, bound: str = "", higher_is_better: bool = True) -> Figure:
+        """A figure that could not be measured in this run (e.g. no peer installed): it is listed as skipped
+        with ``why``, never left out silently, and a skipped figure with a target fails the run."""
+        return cls(name=name, area=area, title=title, ours={}, reference={}, ratio=float("nan"), target=target,
+                   target_text=target_text, bound=bound or why, higher_is_better=higher_is_better, skipped=why)
 
     @property
     def passed(self) -> bool | None:
-        if self.target is None:
+        if self.target is None or self.skipped:
             return None
         return bool(self.ratio >= self.target) if self.higher_is_better else bool(self.ratio <= self.target)
 
     @property
     def verdict(self) -> str:
+        if self.skipped:
+            return "skipped"
         return {True: "met", False: "missed", None: "report"}[self.passed]
 
     @property
@@ -124,7 +139,7 @@ class Figure:
         d["passed"] = self.passed
         d["verdict"] = self.verdict
         d["failed_checks"] = self.failed_checks
-        if self.target is not None and not self.passed:
+        if self.passed is False:
             if self.higher_is_better:
                 how = f"{self.ratio / self.target:.2f} of the target" + (
                     f", {self.target / self.ratio:.1f}x short" if self.ratio > 0 else "")
@@ -133,6 +148,34 @@ class Figure:
                 d["shortfall"] = (f"{self.ratio:.3g} vs target <= {self.target:g}: "
                                   f"{(self.ratio / self.target - 1) * 100:.1f}% over")
         return d
+
+
+class FigureError(ValueError):
+    """A figure whose numbers cannot be true (negative, NaN or infinite): an error in the benchmark's
+    measurement, which fails its area, never a verdict."""
+
+
+# Keys of a side that hold a measured magnitude (seconds, bytes, GB/s, a ratio): never negative, always finite.
+_MAGNITUDES = ("value", "median", "min", "max", "gbps")
+
+
+def _check_measured(fig: Figure) -> None:
+    """Refuse a figure whose ratio or measured magnitudes are negative, NaN or infinite: such a number is a
+    broken measurement (e.g. an RSS difference across processes that came out below zero), and a ratio
+    below a ``<=`` target would otherwise read as "met"."""
+    bad = []
+    if not (isinstance(fig.ratio, (int, float)) and math.isfinite(fig.ratio) and fig.ratio >= 0):
+        bad.append(f"ratio {fig.ratio!r}")
+    for side_name, side in (("ours", fig.ours), ("reference", fig.reference)):
+        for key in _MAGNITUDES:
+            v = side.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not (math.isfinite(v) and v >= 0):
+                bad.append(f"{side_name} {key} {v!r}")
+    if fig.ratio_range is not None and not all(math.isfinite(x) and x >= 0 for x in fig.ratio_range):
+        bad.append(f"ratio_range {fig.ratio_range!r}")
+    if bad:
+        raise FigureError(f"benchmark figure {fig.name!r} measured impossible numbers ({', '.join(bad)}): "
+                          "a broken measurement, not a result")
 
 
 def timing_figure(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from benchmarks import run as bench_run
-from benchmarks.common import Figure
+from benchmarks.common import Figure, FigureError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,29 +81,110 @@ def test_a_target_needs_a_bound_and_every_figure_a_target_text():
     assert _figure("f", 1.0, 2.0, details={"bound": "memory"}).bound == "memory"
 
 
-@pytest.mark.parametrize("check_ok, exit_code", [(True, 0), (False, 1)])
-def test_a_missed_target_is_reported_and_only_a_failed_check_fails_the_run(tmp_path, monkeypatch, check_ok,
-                                                                           exit_code):
-    figures = [
+FAKE_AREA = """
+import os
+from benchmarks.common import Figure
+
+def _figure(name, ratio, target, **kw):
+    return Figure(name=name, area="fake", title=name, ours={"value": ratio}, reference={"value": 1.0},
+                  ratio=ratio, target=target, target_text=kw.pop("target_text", f">= {target}"), **kw)
+
+def run(ctx):
+    check_ok = os.environ["FAKE_CHECK_OK"] == "1"
+    return [
         _figure("met", 3.0, 2.0, bound="b"),
         _figure("missed", 1.0, 2.0, bound="what bounds it: the copy bandwidth"),
         _figure("reported", 1.0, None, target_text="report only"),
         _figure("checked", 3.0, 2.0, bound="b", checks={"bit_equal_to_reference": check_ok}),
     ]
-    fake = type(sys)("fake_bench_area")
-    fake.run = lambda ctx: figures
-    monkeypatch.setitem(sys.modules, "fake_bench_area", fake)
-    monkeypatch.setattr(bench_run, "AREAS", {"fake": "fake_bench_area"})
+"""
+
+
+def _run_fake_areas(tmp_path, monkeypatch, areas: dict[str, str]) -> tuple[int, dict, str]:
+    """``benchmarks.run.main`` over areas whose modules are the given sources (each runs in its own process)."""
+    pkg = tmp_path / "fake_areas"
+    pkg.mkdir(exist_ok=True)
+    for name, source in areas.items():
+        (pkg / f"fake_{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(pkg))  # the area processes get the runner's sys.path
+    monkeypatch.setattr(bench_run, "AREAS", {name: f"fake_{name}" for name in areas})
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # main sets it for its subprocesses: restored after
-    argv = ["--only", "fake", "--out", str(tmp_path), "--workdir", str(tmp_path / "w"),
+    argv = ["--only", ",".join(areas), "--out", str(tmp_path), "--workdir", str(tmp_path / "w"),
             "--threads", str(torch.get_num_threads())]  # and leaves this process's torch threads as they are
-    assert bench_run.main(argv) == exit_code
-    results = json.loads((tmp_path / "results.json").read_text())
+    code = bench_run.main(argv)
+    return code, json.loads((tmp_path / "results.json").read_text()), (tmp_path / "RESULTS.md").read_text()
+
+
+@pytest.mark.parametrize("check_ok, exit_code", [(True, 0), (False, 1)])
+def test_a_missed_target_is_reported_and_only_a_failed_check_fails_the_run(tmp_path, monkeypatch, check_ok,
+                                                                           exit_code):
+    monkeypatch.setenv("FAKE_CHECK_OK", "1" if check_ok else "0")
+    code, results, table = _run_fake_areas(tmp_path, monkeypatch, {"fake": FAKE_AREA})
+    assert code == exit_code
     assert [f["verdict"] for f in results["figures"]] == ["met", "missed", "report", "met"]
     assert results["targets_met"] is False and results["correct"] is check_ok
-    table = (tmp_path / "RESULTS.md").read_text()
     assert "| **missed** |" in table and "what bounds it: the copy bandwidth" in table
     assert ("wrong: bit_equal_to_reference" in table) is not check_ok
+
+
+@pytest.mark.parametrize("field, value", [("ratio", -0.28), ("ratio", float("nan")), ("ratio", float("inf")),
+                                          ("ours", {"value": -46.7}), ("reference", {"median": float("nan")})])
+def test_an_impossible_figure_is_an_error_not_a_verdict(field, value):
+    """A negative RSS difference gave "packed_calibration_peak" ratios of -0.28 reported as met (<= 0.5)."""
+    kw = {"ours": {"value": 1.0}, "reference": {"value": 1.0}, "ratio": 0.2, field: value}
+    with pytest.raises(FigureError, match="impossible"):
+        Figure(name="f", area="a", title="f", target=0.5, target_text="<= 0.5", higher_is_better=False,
+               bound="b", **kw)
+
+
+def test_an_area_that_measures_an_impossible_figure_fails_the_run(tmp_path, monkeypatch):
+    broken = FAKE_AREA.replace('_figure("met", 3.0, 2.0', '_figure("met", -3.0, 2.0')
+    monkeypatch.setenv("FAKE_CHECK_OK", "1")
+    code, results, table = _run_fake_areas(tmp_path, monkeypatch, {"broken": broken})
+    assert code == 1 and results["figures"] == [] and "FigureError" in results["errors"]["broken"]
+    assert "## Areas that failed to run" in table
+
+
+def test_a_targeted_figure_not_measured_is_listed_and_fails_the_run(tmp_path, monkeypatch):
+    area = (
+        "from benchmarks.common import Figure\n"
+        "def run(ctx):\n"
+        "    return [Figure.not_measured('peer/speedup', 'peerless', 'ours vs the peer', 'no peer: not set up',\n"
+        "                                target=5.0, target_text='>= 5x'),\n"
+        "            Figure.not_measured('peer/rss', 'peerless', 'peer RSS', 'no peer', target=None,\n"
+        "                                target_text='report only')]\n"
+    )
+    code, results, table = _run_fake_areas(tmp_path, monkeypatch, {"peerless": area})
+    assert code == 1 and results["correct"] is True
+    assert [f["verdict"] for f in results["figures"]] == ["skipped", "skipped"]
+    assert results["targets_not_measured"] == ["peer/speedup"]
+    assert "**skipped: no peer: not set up**" in table and "## Targeted figures not measured" in table
+
+
+def test_every_area_runs_in_a_fresh_process(tmp_path, monkeypatch):
+    """What one area leaves in its process (module state, allocator high-water marks) never reaches the next:
+    figures do not depend on the order of areas."""
+    leaker = (
+        "import os\nimport benchmarks.common as common\nfrom benchmarks.common import Figure\n"
+        "def run(ctx):\n"
+        "    common._LEFT_BEHIND = os.getpid()\n"
+        "    return [Figure(name='pid', area='a', title='pid', ours={}, reference={}, ratio=float(os.getpid()),\n"
+        "                   target_text='report only')]\n"
+    )
+    reader = (
+        "import os\nimport benchmarks.common as common\nfrom benchmarks.common import Figure\n"
+        "def run(ctx):\n"
+        "    seen = float(hasattr(common, '_LEFT_BEHIND'))\n"
+        "    return [Figure(name='seen', area='b', title='seen', ours={}, reference={}, ratio=seen,\n"
+        "                   target_text='report only'),\n"
+        "            Figure(name='pid', area='b', title='pid', ours={}, reference={}, ratio=float(os.getpid()),\n"
+        "                   target_text='report only')]\n"
+    )
+    code, results, _ = _run_fake_areas(tmp_path, monkeypatch, {"a": leaker, "b": reader})
+    assert code == 0, results["errors"]
+    ratios = {(f["area"], f["name"]): f["ratio"] for f in results["figures"]}
+    assert ratios[("b", "seen")] == 0.0
+    assert len({ratios[("a", "pid")], ratios[("b", "pid")], float(os.getpid())}) == 3
 
 
 def test_the_converter_peer_is_skipped_saying_so_when_absent(monkeypatch, tmp_path):
@@ -126,5 +208,8 @@ def test_the_converter_peer_is_skipped_saying_so_when_absent(monkeypatch, tmp_pa
     runs = {"1": {"samples": {"copy": [{"s": 1.0}], "ours": [sample]}, "load_average_before_after": [(1,) * 3] * 2}}
     r = {"peer": {"found": False, "note": why}, "repeats": 1, "by_parallelism": peer.summarize(runs, 2e9, 6e8),
          "checkpoint": {"bytes": 2e9, "shards": 4, "largest_shard_bytes": 6e8}}
-    assert [f.name for f in convert_area._peer_figures(r)] == ["convert_peer/floor_p1"]
+    figures = convert_area._peer_figures(r)
+    assert [(f.name, f.verdict) for f in figures] == [("convert_peer/speedup_p1", "skipped"),
+                                                       ("convert_peer/floor_p1", "report")]
+    assert figures[0].target == 5.0 and figures[0].skipped == f"no peer: {why}"
     assert f"**Peer skipped**: {why}" in convert_area._peer_markdown(r)
