@@ -321,9 +321,11 @@ def refuse_unservable(staged: str | Path, source: str | Path, publishing: str) -
     export-side rule (``publishing``: what would have been published, for the message)."""
     from .reader import read_config
 
-    staged = Path(staged)
+    staged, source = Path(staged), Path(source)
     with CheckpointReader(staged, check_values=False) as reader:
         findings = export_side_findings(staged, reader, read_config(staged), source)
+    if not any((source / f).is_file() for f in TOKENIZER_FILES):  # nothing to carry: the user brings their own
+        findings = [f for f in findings if f.rule != "tokenizer-missing"]
     if findings:
         lines = "\n  ".join(str(f) for f in findings)
         raise UnservableExport(f"not publishing {publishing}: it breaks the serving rule(s) "

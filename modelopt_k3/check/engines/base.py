@@ -496,7 +496,7 @@ def experts_scale_deviations(layout: Layout, module_name: str, per_expert: dict[
     scheme = scheme_of_method(method)
     if scheme is None:
         return out
-    if scheme.weights.shares_group_scales:
+    if scheme.weights.global_scale_key is not None and not scheme.weights.fused_requantized:  # NVFP4's w13 read
         worst, where = 0.0, ""
         for e, projs in sorted(per_expert.items()):
             if w1 in projs and w3 in projs:
