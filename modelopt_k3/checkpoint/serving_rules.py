@@ -337,3 +337,16 @@ def refuse_unservable(staged: str | Path, source: str | Path, publishing: str) -
         lines = "\n  ".join(str(f) for f in findings)
         raise UnservableExport(f"not publishing {publishing}: it breaks the serving rule(s) "
                                f"{', '.join(dict.fromkeys(f.rule for f in findings))}:\n  {lines}")
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+
+def rules_table() -> str:
+    """``docs/SERVING_RULES.md``'s table of every rule (tested equal to the doc)."""
+    lines = ["| rule | verdict | engines | source (engine, version, file, function) | users saw | test | export side |",
+             "|---|---|---|---|---|---|---|"]
+    for r in RULES.values():
+        lines.append(f"| `{r.name}` | {r.verdict} | {', '.join(r.engines)} | {r.source} | {r.reported} | "
+                     f"`{r.test}` | {'yes' if r.export_side else 'no'} |")
+    return "\n".join(lines)
