@@ -150,9 +150,7 @@ def quantized_non_linears(metas: dict[str, TensorMeta], linears: dict[str, Linea
             continue
         if part in _QUANT_PARTS or (part == "weight" and meta.dtype in (torch.uint8, torch.float8_e4m3fn)):
             found.add(module)
-    # A scale with no weight beside it is no module an engine builds: its name has no parameter and the model's
-    # load_weights skips it (a scale stored under a wrong prefix; the Linear it belongs to then lacks it).
-    return tuple(sorted(m for m in found if f"{m}.weight" in metas or f"{m}.weight_packed" in metas))
+    return tuple(sorted(found))
 
 
 def _read_json(path: Path) -> dict | None:
