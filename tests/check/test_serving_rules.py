@@ -41,11 +41,10 @@ MTP = "model.layers.3"
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
-    from tools.conformance.matrix import QWEN3_WIDE_SIZES, WIDE_SIZES
-
     from modelopt_k3.testing import make_tiny_kimi_k3
     from modelopt_k3.testing.deepseek_v3 import make_tiny_deepseek_v3
     from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
+    from tools.conformance.matrix import QWEN3_WIDE_SIZES, WIDE_SIZES
 
     root = tmp_path_factory.mktemp("serving_rules_sources")
     return {
