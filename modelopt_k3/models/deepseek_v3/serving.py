@@ -14,7 +14,9 @@ One snapshot per engine (the project's pins; facts and functions, not their code
   ``fused_moe_make_expert_params_mapping(gate_proj, down_proj, up_proj)``); ``lm_head`` is a
   ``ParallelLMHead`` built with the quant config. ``load_weights`` skips every name
   ``utils.get_spec_layer_idx_from_weight_name`` gives an MTP index (``model.layers.{num_hidden_layers + j}``,
-  only when ``num_nextn_predict_layers`` > 0; otherwise such a name has no parameter: ``KeyError``).
+  only when ``num_nextn_predict_layers`` > 0; otherwise such a name has no parameter: ``KeyError``). The MTP
+  drafter (``deepseek_mtp.py DeepSeekMTP``) loads those layers with the same quant config: replayed with this
+  class's rules on the MTP layers alone (``_mtp_drafter``; serving rule ``mtp-drafter-format``).
   ``layers/mla.py`` ``MultiHeadLatentAttentionWrapper`` holds the ``MLAAttention`` as ``mla_attn``, which the
   ModelOpt config gives its KV-cache method (``modelopt.py get_quant_method``), but ModelOpt's
   ``self_attn.{k,v}_proj.{k,v}_scale`` never land there: ``models/utils.py AutoWeightsLoader.load_weights`` first

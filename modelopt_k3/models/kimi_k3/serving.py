@@ -41,7 +41,10 @@ One snapshot per engine, as users install it:
   replay; Kimi-K3's real dims pass, the 64-wide tiny model's do not);
   ``KimiK3MoERuntime._resolve_routed_quant_config`` checks ``exclude_modules`` (name and ancestors) *before*
   ``quantized_layers`` and returns no quant_algo for an excluded bank, which ``_k3_expert_ckpt_spec`` refuses
-  with ``NotImplementedError``. No PyPI release has Kimi-K3.
+  with ``NotImplementedError``; NVFP4 routed experts are read by the generic NVFP4 fused-MoE method, whose
+  ``load_expert_fc31_alpha_nvfp4`` / ``load_expert_fc31_input_scale_nvfp4`` (``_torch/modules/fused_moe/
+  quantization.py``) assert each expert's w1 and w3 scales equal (serving rule ``trtllm-fc31-scales``). No PyPI
+  release has Kimi-K3.
 
 The engines' generic ModelOpt rules (config parsing, exclusions, scale use) are in
 ``modelopt_k3/check/engines``.
