@@ -151,6 +151,9 @@ SIDECARS = {
     "chat template": ("chat_template.jinja", "chat_template.json"),
     "processor config": ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"),
 }
+# Source directories a served model reads (transformers' tokenizers load named chat templates from
+# ``additional_chat_templates/``): the writers carry their files too (``export.writer.copy_side_files``).
+SIDECAR_DIRS = ("additional_chat_templates",)
 
 
 def _has_chat_template_key(directory: Path) -> bool:
@@ -176,6 +179,12 @@ def sidecar_findings(export_dir: Path, source: Path | None = None) -> list[Findi
         if had and not any((export_dir / n).is_file() for n in names):
             out.append(Finding("sidecar-dropped", had[0], f"the source has its {kind}, the export does not: served "
                                                           "with the engine's defaults instead"))
+    for folder in SIDECAR_DIRS:
+        had = sorted(p.name for p in (source / folder).glob("*") if p.is_file()) if (source / folder).is_dir() else []
+        lost = [n for n in had if not (export_dir / folder / n).is_file()]
+        if lost:
+            out.append(Finding("sidecar-dropped", f"{folder}/{lost[0]}", f"the source has {len(had)} file(s) in "
+                                                                         f"{folder}/, the export lacks {len(lost)}"))
     if _has_chat_template_key(source) and not _has_chat_template_key(export_dir) and not any(
             (export_dir / n).is_file() for n in SIDECARS["chat template"]):
         out.append(Finding("sidecar-dropped", "tokenizer_config.json", "the source's tokenizer_config.json holds a "

@@ -357,10 +357,16 @@ def test_sidecars_are_carried(sources, tmp_path):
     source = _copy(sources["qwen3_moe"], tmp_path / "source")
     (source / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     (source / "preprocessor_config.json").write_text('{"do_resize": false}\n')
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
     export = quantize_and_export(source, tmp_path / "export")
-    for name in ("chat_template.jinja", "preprocessor_config.json", "generation_config.json", "tokenizer.json"):
+    for name in ("chat_template.jinja", "preprocessor_config.json", "generation_config.json", "tokenizer.json",
+                 "additional_chat_templates/tool_use.jinja"):
         assert (export / name).read_bytes() == (source / name).read_bytes(), name
     assert sr.sidecar_findings(export, source) == []
+    (export / "additional_chat_templates" / "tool_use.jinja").unlink()
+    assert [(f.rule, f.where) for f in sr.sidecar_findings(export, source)] == [
+        ("sidecar-dropped", "additional_chat_templates/tool_use.jinja")]
 
 
 def test_the_exporters_refuse_to_publish_an_export_breaking_a_rule(sources, tmp_path, monkeypatch):
