@@ -246,7 +246,7 @@ def _bad_count(chunk: torch.Tensor, encoding: str) -> int:
     ~2.6 GiB/s on one contended core here, 6x torch's elementwise ops)."""
     if encoding == "fp32":
         return int((~torch.isfinite(chunk)).sum())
-    magnitude = chunk.contiguous().view(torch.uint8).numpy()
+    magnitude = chunk.view(torch.uint8).numpy()
     if encoding == "e4m3":  # E4M3FN has no infinity; NaN is S.1111.111
         magnitude = magnitude & 0x7F
     nan = 0x7F if encoding == "e4m3" else 0xFF  # 0xFF is E8M0's NaN
@@ -256,16 +256,24 @@ def _bad_count(chunk: torch.Tensor, encoding: str) -> int:
 
 
 def nonfinite_block_scales(reader: CheckpointReader) -> list[Finding]:
-    """Every block scale read, ``CHUNK_BYTES`` of rows at a time (bounded memory): those that are NaN/Inf."""
+    """Every block scale read with positional reads (no mmap), ``CHUNK_BYTES`` of whole rows at a time into one
+    reused buffer (bounded memory, whatever the tensor): those that are NaN/Inf."""
     out = []
+    buf = torch.empty(0, dtype=torch.uint8)
     for key, encoding in sorted(_block_scale_keys(reader)):
         info = reader.info(key)
         rows = info.shape[0]
-        row_bytes = max(info.nbytes // rows, 1) if rows else 1
+        row_bytes = info.nbytes // rows if rows else 0
+        if not row_bytes:
+            continue
         step = max(CHUNK_BYTES // row_bytes, 1)
+        if buf.numel() < step * row_bytes:
+            buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
         bad = 0
         for start in range(0, rows, step):
-            bad += _bad_count(reader.get_rows(key, start, min(start + step, rows)), encoding)
+            chunk = buf[: min(step, rows - start) * row_bytes]
+            reader.pread_into(info.file, memoryview(chunk.numpy()), info.offset + start * row_bytes)
+            bad += _bad_count(chunk.view(info.dtype), encoding)
         if bad:
             out.append(Finding("block-scale-nonfinite", key,
                                f"{bad} of {math.prod(info.shape)} block scales are NaN/Inf: every engine loads them "
@@ -306,9 +314,9 @@ def implausible_input_scales(reader: CheckpointReader) -> list[Finding]:
         if fmt is None or norm is None or norm not in headers:
             continue
         if norm not in bounds:
-            gamma = reader.get(norm).float()
+            gamma = reader.pread(norm).float()
             bounds[norm] = math.sqrt(gamma.numel()) * float(gamma.abs().max())
-        scale = float(reader.get(key).float().reshape(-1).max())
+        scale = float(reader.pread(key).float().reshape(-1).max())
         implied = scale * fmt[0]
         if implied > IMPLAUSIBLE_FACTOR * bounds[norm]:
             out.append(Finding("activation-scale-implausible", key, (
