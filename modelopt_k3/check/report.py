@@ -54,7 +54,9 @@ def _named(rule: str) -> str:
 
 
 def _error(d: Deviation) -> str:
-    return "not computed (no tensor values read)" if math.isnan(d.error) else f"{d.error:.3g}"
+    if math.isnan(d.error):  # a named rule's deviation without a number is about files, not tensor values
+        return "n/a (not a tensor's numbers)" if d.rule else "not computed (no tensor values read)"
+    return f"{d.error:.3g}"
 
 
 @dataclass

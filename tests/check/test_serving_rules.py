@@ -394,3 +394,15 @@ def test_the_exporters_refuse_to_publish_an_export_breaking_a_rule(sources, tmp_
         convert_checkpoint(sources["kimi_k3"], tmp_path / "k3", "models/moonshotai/Kimi-K3/nvfp4_experts",
                            progress=False)
     assert not (tmp_path / "k3" / COMPLETE_MARKER).exists()
+
+
+def test_the_check_cli_takes_the_source_and_prints_rule_names(exports, sources, tmp_path, capsys):
+    from modelopt_k3.cli import check as check_cli
+
+    export = _copy(exports["qwen3_moe"], tmp_path / "export")
+    (export / "generation_config.json").unlink()
+    assert check_cli.main([str(export), "--engine", "vllm"]) == 0  # nothing says what the source had
+    assert check_cli.main([str(export), "--engine", "vllm", "--source", str(sources["qwen3_moe"])]) == 1
+    out = capsys.readouterr().out
+    assert "vllm  loads but serves different numbers -- 1 module(s) differ, max relative error n/a (not a tensor's " \
+           "numbers) ([sidecar-dropped] generation_config.json: the source has its generation config" in out, out
