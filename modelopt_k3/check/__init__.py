@@ -70,13 +70,15 @@ def check_layout(layout: Layout, engines=DEFAULT_ENGINES, *, numerics: bool = Tr
     return CheckReport(layout.source, results)
 
 
-def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES, *, source: str | Path | None = None) -> CheckReport:
+def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES, *, source: str | Path | None = None,
+                 block_scales: bool = True) -> CheckReport:
     """Replay each engine's loading of ``export_dir``; ``report.ok`` when every engine loads it correctly.
 
     Then the rules an export's files decide (``checkpoint.serving_rules``: tokenizer and sidecars, MTP layers,
     every block scale, implausible activation scales) join each engine's verdict under their names. ``source``:
     the checkpoint the export was made from (default: the one a converter's completion marker records), for the
-    sidecar files it had."""
+    sidecar files it had. ``block_scales`` False: skip reading every block scale (the exporters did, before
+    publishing)."""
     from .completeness import check_complete, check_scales
 
     layout, reader = scan_export(export_dir)
@@ -85,7 +87,7 @@ def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES, *, source: str
         check_scales(export_dir, reader)  # and no per-tensor scale that serves zeros or NaN
         report = check_layout(layout, engines)
         source = recorded_source(export_dir) if source is None else source
-        findings = export_side_findings(export_dir, reader, layout.config, source)
+        findings = export_side_findings(export_dir, reader, layout.config, source, block_scales=block_scales)
         attach_findings(report, [*findings, *implausible_input_scales(reader)])
         return report
 
@@ -153,7 +155,8 @@ def final_check(export_dir: str | Path, target_engines=(), *, say=print, source:
     The status follows only ``target_engines`` (0 when each of them loads the export correctly):
     an engine the user did not target never turns a good export into a failure.
     """
-    report = check_export(export_dir, ENGINE_NAMES, source=source)
+    # The exporters read every block scale before publishing (refuse_unservable): not a second time here.
+    report = check_export(export_dir, ENGINE_NAMES, source=source, block_scales=False)
     say(report.table(details=set(target_engines)))  # the details of untargeted engines are one command away
     others = [e for e, r in report.results.items() if not r.ok and e not in target_engines]
     if others:

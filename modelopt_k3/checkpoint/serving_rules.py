@@ -331,13 +331,13 @@ def implausible_input_scales(reader: CheckpointReader) -> list[Finding]:
 
 
 def export_side_findings(export_dir: str | Path, reader: CheckpointReader, config: dict,
-                         source: str | Path | None = None) -> list[Finding]:
+                         source: str | Path | None = None, *, block_scales: bool = True) -> list[Finding]:
     """Every export-side rule's findings on ``export_dir`` (its ``reader`` open; ``source``: the checkpoint it was
-    made from, for the sidecars it had)."""
+    made from, for the sidecars it had; ``block_scales`` False: their scan, the one costly rule, already ran)."""
     path = Path(export_dir)
     return [*sidecar_findings(path, Path(source) if source is not None else None),
             *mtp_findings(config, set(reader.names())),
-            *nonfinite_block_scales(reader)]
+            *(nonfinite_block_scales(reader) if block_scales else ())]
 
 
 def refuse_unservable(staged: str | Path, source: str | Path, publishing: str) -> None:
