@@ -25,3 +25,22 @@ def test_every_rule_names_a_test_that_exists_and_a_verdict_and_its_engines():
         assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), rule.test
         assert rule.verdict in SEVERITY and rule.engines and set(rule.engines) <= {"vllm", "sglang", "trtllm"}
         assert rule.source and rule.reported, rule.name
+
+
+def test_an_engines_verdict_is_its_most_severe_finding_and_the_headline_names_it():
+    from modelopt_k3.check.report import CANNOT_START, GARBAGE, NO_DRAFTER, REFUSES, EngineResult, Refusal
+
+    result = EngineResult("vllm", refusals=[Refusal("a", "drafter", verdict=NO_DRAFTER, rule="mtp-layers-missing"),
+                                            Refusal("b", "garbage", verdict=GARBAGE, rule="input-scale-missing")])
+    assert result.verdict == GARBAGE and not result.ok
+    assert result.headline() == "first failing: [input-scale-missing] b: garbage (+1 more)"
+    result.refusals.append(Refusal("c", "raises"))
+    assert result.verdict == REFUSES and result.headline() == "first failing: c: raises (+2 more)"
+    result.refusals.append(Refusal("d", "no tokenizer", verdict=CANNOT_START, rule="tokenizer-missing"))
+    assert result.verdict == CANNOT_START
+    assert result.details() == [
+        "  loads, but the MTP drafter does not load -- [mtp-layers-missing] a:\n      drafter",
+        "  loads silently but serves garbage -- [input-scale-missing] b:\n      garbage",
+        "  refuses c:\n      raises",  # an unnamed refusal reads as it always did
+        "  server cannot start -- [tokenizer-missing] d:\n      no tokenizer",
+    ]
