@@ -167,7 +167,11 @@ def copy_side_files(src: Path, dst: Path) -> None:
     for name in SIDECAR_DIRS:
         folder = src / name
         if folder.is_dir() and not folder.is_symlink():
-            (dst / name).mkdir(exist_ok=True)
+            out = dst / name
+            if out.is_symlink() or (out.exists() and not out.is_dir()):  # never written through what was planted
+                raise CheckpointError(f"{out} exists and is not a directory of ours (a link or a file): not "
+                                      f"writing {name}/ through it")
+            out.mkdir(exist_ok=True)
             for path in sorted(folder.iterdir()):
                 if path.is_file():
                     _copy_one(path, dst / name / path.name)

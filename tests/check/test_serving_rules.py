@@ -406,3 +406,19 @@ def test_the_check_cli_takes_the_source_and_prints_rule_names(exports, sources, 
     out = capsys.readouterr().out
     assert "vllm  loads but serves different numbers -- 1 module(s) differ, max relative error n/a (not a tensor's " \
            "numbers) ([sidecar-dropped] generation_config.json: the source has its generation config" in out, out
+
+
+def test_a_sidecar_directory_planted_as_a_link_is_not_written_through(sources, tmp_path):
+    from modelopt_k3.checkpoint import CheckpointError
+    from modelopt_k3.export.writer import copy_side_files
+
+    source = _copy(sources["qwen3_moe"], tmp_path / "source")
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    dst, elsewhere = tmp_path / "dst", tmp_path / "elsewhere"
+    dst.mkdir()
+    elsewhere.mkdir()
+    (dst / "additional_chat_templates").symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="not a directory of ours"):
+        copy_side_files(source, dst)
+    assert list(elsewhere.iterdir()) == []
