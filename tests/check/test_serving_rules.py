@@ -337,9 +337,14 @@ def test_fp8_scale_wrong_prefix(exports, tmp_path):
 # ------------------------------------------------------------------------------------ what the exporters write
 
 
-def test_fp8_groups_share_their_scales(exports):
+def test_fp8_groups_share_their_scales(exports, sources, tmp_path, monkeypatch):
     """The per-tensor FP8 recipe: q/k/v share one weight_scale and one input_scale (the engines fuse them into
-    qkv_proj and would requantize to the max: "serves different numbers" before), so it loads correctly."""
+    qkv_proj), so it loads correctly. Unshared (ModelOpt 0.47's choice, and this exporter's before issue 41) the
+    engines requantize to the max scale: "serves different numbers", 5.9% on the largest element here."""
+    from models.qwen3_moe.conftest import quantize_and_export
+
+    from modelopt_k3.quant import decisions
+
     export = exports["qwen3_moe_fp8"]
     for layer in range(2):
         attn = f"model.layers.{layer}.self_attn"
@@ -347,6 +352,15 @@ def test_fp8_groups_share_their_scales(exports):
             values = {float(_tensor(export, f"{attn}.{p}.{part}")) for p in ("q_proj", "k_proj", "v_proj")}
             assert len(values) == 1, (attn, part, values)
     assert _verdicts(check_export(export, ("vllm", "sglang"))) == {"vllm": LOADS, "sglang": LOADS}
+
+    shares = decisions.shares_group_scales
+    monkeypatch.setattr(decisions, "shares_group_scales", lambda fmt: shares(fmt) and fmt.weights.name != "fp8")
+    unshared = quantize_and_export(sources["qwen3_moe"], tmp_path / "unshared", recipe="presets/fp8")
+    report = check_export(unshared, ("vllm", "sglang"))
+    assert _verdicts(report) == {"vllm": DIFFERENT, "sglang": DIFFERENT}
+    worst = max(report.results["vllm"].deviations, key=lambda d: d.error)
+    assert worst.module.endswith(".qkv_proj") and "requantizes to the max" in worst.what
+    assert worst.error == pytest.approx(0.0588, abs=5e-4)
 
 
 def test_sidecars_are_carried(sources, tmp_path):
