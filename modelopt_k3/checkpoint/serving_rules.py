@@ -114,6 +114,26 @@ RULES: dict[str, ServingRule] = {r.name: r for r in (
         "``finfo(float32).min`` and the model's ``load_weights`` skips a name that has no parameter: an FP8 scale "
         "under another prefix never arrives and the weight is served with that value",
         "issue 41 (an FP8 key with the wrong prefix loads and serves garbage)", f"{_T}test_fp8_scale_wrong_prefix"),
+    # Flagged before issue 41, named here.
+    ServingRule(
+        "w13-scale-2-read-with-w1s", DIFFERENT, ("vllm", "sglang"),
+        f"{_VLLM} ``modelopt.py ModelOptNvFp4FusedMoE.process_weights_after_loading`` (``w13_weight_scale_2[:, 0]``, "
+        f"a warning when w3's differs); {_SGLANG} ``modelopt_quant.py ModelOptNvFp4FusedMoEMethod`` likewise",
+        "vLLM #54974 (gate/up weight_scale_2 mismatch on hf_ptq exports: half of w13 mis-scaled)",
+        "tests/check/test_engines.py::test_vllm_reading_of_unshared_w1_w3_scales_differs_and_the_check_says_so"),
+    ServingRule(
+        "fused-scales-max", DIFFERENT, ("vllm", "sglang"),
+        f"{_VLLM} ``ModelOptNvFp4LinearMethod.process_weights_after_loading`` (weight_scale_2/input_scale: the max "
+        "over the shards, block scales unchanged) and FP8 ``requantize_with_max_scale``; SGLang the same",
+        "issue 41 (q/k/v FP8 written with three weight_scales: 5.9% element error)",
+        "tests/check/test_fused_rules.py::test_fused_pieces_with_different_input_scales_serve_different_numbers"),
+    ServingRule(
+        "per-tensor-scale-degenerate", GARBAGE, ALL_ENGINES,
+        "every engine copies per-tensor scales as stored and multiplies or divides by them (vLLM "
+        "``process_weights_after_loading`` of the ModelOpt methods); ``modelopt-k3-check`` stops with an error "
+        "naming them (``check/completeness.py check_scales``)",
+        "vLLM #45212 (missing, zero, NaN or inf expert input scales: zeros or NaN served)",
+        "tests/faults/test_faults_tool_inputs.py::test_a_degenerate_global_scale_is_never_said_to_load"),
 )}
 
 

@@ -466,14 +466,14 @@ def fused_scale_deviations(layout: Layout, module: EngineModule, method: str) ->
                 err = max(top / s - 1.0 for s in scales)
                 what = (f"{wkey} differ across {names} ({min(scales):.6g}..{top:.6g}); the engine reads all "
                         f"with the max, block scales unchanged")
-            out.append(Deviation(module.name, what, err))
+            out.append(Deviation(module.name, what, err, rule="fused-scales-max"))
     if scheme.inputs is not None:
         inputs = [float(layout.value(p.tensor_name("input_scale"))) for p in module.pieces]
         top = max(inputs)
         if any(s != top for s in inputs):
             out.append(Deviation(
                 module.name, f"input_scale differ across {names}; the engine quantizes the shared input with the max",
-                max(top / s - 1.0 for s in inputs)))
+                max(top / s - 1.0 for s in inputs), rule="fused-scales-max"))
     return out
 
 
@@ -507,7 +507,7 @@ def experts_scale_deviations(layout: Layout, module_name: str, per_expert: dict[
                     worst, where = err, f"expert {e}: {w1} {s1:.6g} vs {w3} {s3:.6g}"
         if worst:
             out.append(Deviation(module_name, f"{w1}/{w3} weight_scale_2 differ ({where}); the engine reads "
-                                              f"{w3} with {w1}'s", worst))
+                                              f"{w3} with {w1}'s", worst, rule="w13-scale-2-read-with-w1s"))
     if scheme.inputs is not None:
         for gemm in ((w1, w3), tuple(p for p in next(iter(per_expert.values())) if p not in gate_up)):
             scales = [float(layout.value(projs[p].tensor_name("input_scale")))
