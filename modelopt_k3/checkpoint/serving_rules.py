@@ -137,10 +137,6 @@ RULES: dict[str, ServingRule] = {r.name: r for r in (
 )}
 
 
-def rule(name: str) -> ServingRule:
-    return RULES[name]
-
-
 @dataclass(frozen=True)
 class Finding:
     """One rule broken at ``where`` (a tensor, a module or a file of the export)."""
@@ -148,10 +144,6 @@ class Finding:
     rule: str
     where: str
     what: str
-
-    @property
-    def verdict(self) -> str:
-        return RULES[self.rule].verdict
 
     def __str__(self) -> str:
         return f"[{self.rule}] {self.where}: {self.what}"
