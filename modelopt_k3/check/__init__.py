@@ -8,7 +8,9 @@ engine does with fused layers' and experts' scales. ``check_recipe_for_engines``
 rules of a recipe before any weight is read (names and headers only).
 
 Verdict per engine: ``loads correctly`` / ``loads but serves different numbers`` (the layers and
-the largest relative change) / ``refuses`` (the first failing tensor and why).
+the largest relative change) / ``refuses`` (the first failing tensor and why), and where users meet a failure
+otherwise, its own kind: ``server cannot start``, ``loads silently but serves garbage``, ``loads, but the MTP
+drafter does not load`` -- each under its serving rule's name (``checkpoint.serving_rules``, docs/SERVING_RULES.md).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def recorded_source(export_dir: str | Path) -> Path | None:
     from ..convert import COMPLETE_MARKER
 
     marker = Path(export_dir) / COMPLETE_MARKER
+    if not marker.is_file():
+        return None
     try:
         src = Path(str(read_json(marker).get("src", "")))
     except (CheckpointError, AttributeError):
