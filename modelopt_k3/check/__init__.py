@@ -8,20 +8,30 @@ engine does with fused layers' and experts' scales. ``check_recipe_for_engines``
 rules of a recipe before any weight is read (names and headers only).
 
 Verdict per engine: ``loads correctly`` / ``loads but serves different numbers`` (the layers and
-the largest relative change) / ``refuses`` (the first failing tensor and why).
+the largest relative change) / ``refuses`` (the first failing tensor and why), and where users meet a failure
+otherwise, its own kind: ``server cannot start``, ``loads silently but serves garbage``, ``loads, but the MTP
+drafter does not load`` -- each under its serving rule's name (``checkpoint.serving_rules``, docs/SERVING_RULES.md).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from ..checkpoint import read_config
+from ..checkpoint import CheckpointError, read_config, read_json
+from ..checkpoint.serving_rules import (
+    RULES,
+    WARNS,
+    Finding,
+    export_side_findings,
+    implausible_input_scales,
+)
 from ..recipe import Recipe, load_recipe
 from ..run.preflight import PreflightContext, PreflightError, register_check
 from ..spec import ModelSpec, ServingSpec
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
 from .layout import Layout, planned_layout, scan_export
-from .report import DIFFERENT, LOADS, REFUSES, CheckReport, EngineRefusal, EngineResult, Refusal
+from .report import DIFFERENT, LOADS, REFUSES, CheckReport, Deviation, EngineRefusal, EngineResult, Refusal
 
 DEFAULT_ENGINES = ("vllm", "sglang")
 
@@ -51,22 +61,67 @@ def check_layout(layout: Layout, engines=DEFAULT_ENGINES, *, numerics: bool = Tr
     A module stored quantized that is no Linear (``Layout.quantized_non_linears``) is refused by every engine:
     each builds it as a plain parameter and would load the codes as its values."""
     results = {e: replay(e, layout, numerics=numerics, serving=serving) for e in parse_engines(engines)}
+    # A scale with no weight beside it (one written under a wrong prefix) is no module: vLLM's load_weights skips
+    # scale names without a parameter, and the Linear that lacks it is judged instead (fp8-weight-scale-missing).
+    stored = [n for n in layout.quantized_non_linears
+              if f"{n}.weight" in layout.tensors or f"{n}.weight_packed" in layout.tensors]
     for result in results.values():
         result.refusals[:0] = [Refusal(f"{name}.weight", "stored quantized, but no engine builds it as a quantizable "
                                        "Linear (a router, an embedding or a norm is a plain parameter): its codes "
-                                       "would be loaded as values") for name in layout.quantized_non_linears]
+                                       "would be loaded as values") for name in stored]
     return CheckReport(layout.source, results)
 
 
-def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES) -> CheckReport:
-    """Replay each engine's loading of ``export_dir``; ``report.ok`` when every engine loads it correctly."""
+def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES, *, source: str | Path | None = None,
+                 block_scales: bool = True) -> CheckReport:
+    """Replay each engine's loading of ``export_dir``; ``report.ok`` when every engine loads it correctly.
+
+    Then the rules an export's files decide (``checkpoint.serving_rules``: tokenizer and sidecars, MTP layers,
+    every block scale, implausible activation scales) join each engine's verdict under their names. ``source``:
+    the checkpoint the export was made from (default: the one a converter's completion marker records), for the
+    sidecar files it had. ``block_scales`` False: skip reading every block scale (the exporters did, before
+    publishing)."""
     from .completeness import check_complete, check_scales
 
     layout, reader = scan_export(export_dir)
     with reader:
         check_complete(export_dir, reader)  # every tensor the model needs, before any engine "loads"
         check_scales(export_dir, reader)  # and no per-tensor scale that serves zeros or NaN
-        return check_layout(layout, engines)
+        report = check_layout(layout, engines)
+        source = recorded_source(export_dir) if source is None else source
+        findings = export_side_findings(export_dir, reader, layout.config, source, block_scales=block_scales)
+        attach_findings(report, [*findings, *implausible_input_scales(reader)])
+        return report
+
+
+def recorded_source(export_dir: str | Path) -> Path | None:
+    """The source a converter's completion marker names, when it is still there (else None)."""
+    from ..convert import COMPLETE_MARKER
+
+    marker = Path(export_dir) / COMPLETE_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        src = Path(str(read_json(marker).get("src", "")))
+    except (CheckpointError, AttributeError):
+        return None
+    return src if src.name and src.is_dir() else None
+
+
+def attach_findings(report: CheckReport, findings: list[Finding]) -> None:
+    """Each finding into the verdict of every engine its rule applies to: a warning, a deviation (its error not
+    a number) or a refusal of the rule's kind."""
+    for engine, result in report.results.items():
+        for f in findings:
+            r = RULES[f.rule]
+            if engine not in r.engines:
+                continue
+            if r.verdict == WARNS:
+                result.warnings.append(str(f))
+            elif r.verdict == DIFFERENT:
+                result.deviations.append(Deviation(f.where, f.what, math.nan, rule=f.rule))
+            else:
+                result.refusals.append(Refusal(f.where, f.what, verdict=r.verdict, rule=f.rule))
 
 
 def check_recipe_for_engines(checkpoint: str | Path, recipe: Recipe | str, engines, *, reader=None, table=None,
@@ -98,13 +153,14 @@ def check_recipe_for_engines(checkpoint: str | Path, recipe: Recipe | str, engin
     raise EngineRefusal("\n".join(lines))
 
 
-def final_check(export_dir: str | Path, target_engines=(), *, say=print) -> int:
+def final_check(export_dir: str | Path, target_engines=(), *, say=print, source: str | Path | None = None) -> int:
     """What the exporting CLIs run last: check every engine, print the table, return the exit status.
 
     The status follows only ``target_engines`` (0 when each of them loads the export correctly):
     an engine the user did not target never turns a good export into a failure.
     """
-    report = check_export(export_dir, ENGINE_NAMES)
+    # The exporters read every block scale before publishing (refuse_unservable): not a second time here.
+    report = check_export(export_dir, ENGINE_NAMES, source=source, block_scales=False)
     say(report.table(details=set(target_engines)))  # the details of untargeted engines are one command away
     others = [e for e, r in report.results.items() if not r.ok and e not in target_engines]
     if others:

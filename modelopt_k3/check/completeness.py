@@ -120,5 +120,6 @@ def check_scales(export_dir: str | Path, reader: CheckpointReader) -> None:
     bad = degenerate_scales(reader)
     if bad:
         more = f" … and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
-        raise DegenerateScales(f"{export_dir} has {len(bad)} per-tensor scale(s) that are not positive finite numbers: "
+        raise DegenerateScales(f"[per-tensor-scale-degenerate] {export_dir} has {len(bad)} per-tensor scale(s) that "
+                               "are not positive finite numbers: "
                                f"{', '.join(bad[:_SHOWN])}{more}; an engine loads them and serves zeros or NaN")

@@ -1,4 +1,9 @@
-"""Verdicts: what one engine does with a checkpoint, and the table ``modelopt-k3-check`` prints."""
+"""Verdicts: what one engine does with a checkpoint, and the table ``modelopt-k3-check`` prints.
+
+A refusal is any finding that stops the engine serving the export as calibrated; its ``verdict`` says how the user
+meets it (the engine refuses, the server cannot start, it serves garbage without a word, the MTP drafter does not
+load: ``checkpoint.serving_rules.SEVERITY``) and ``rule`` names the serving rule it breaks, when it has a name.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,15 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-LOADS = "loads correctly"
-DIFFERENT = "loads but serves different numbers"
-REFUSES = "refuses"
+from ..checkpoint.serving_rules import (  # noqa: F401 (the verdicts' one home; re-exported)
+    CANNOT_START,
+    DIFFERENT,
+    GARBAGE,
+    LOADS,
+    NO_DRAFTER,
+    REFUSES,
+    SEVERITY,
+)
 
 
 class EngineRefusal(ValueError):
@@ -21,6 +32,8 @@ class Refusal:
 
     tensor: str
     reason: str
+    verdict: str = REFUSES  # how the user meets it (SEVERITY, above DIFFERENT)
+    rule: str = ""  # the serving rule's name (checkpoint.serving_rules.RULES), when it has one
 
 
 @dataclass(frozen=True)
@@ -33,10 +46,17 @@ class Deviation:
     module: str
     what: str
     error: float
+    rule: str = ""
+
+
+def _named(rule: str) -> str:
+    return f"[{rule}] " if rule else ""
 
 
 def _error(d: Deviation) -> str:
-    return "not computed (no tensor values read)" if math.isnan(d.error) else f"{d.error:.3g}"
+    if math.isnan(d.error):  # a named rule's deviation without a number is about files, not tensor values
+        return "n/a (not a tensor's numbers)" if d.rule else "not computed (no tensor values read)"
+    return f"{d.error:.3g}"
 
 
 @dataclass
@@ -52,7 +72,7 @@ class EngineResult:
     @property
     def verdict(self) -> str:
         if self.refusals:
-            return REFUSES
+            return min((r.verdict for r in self.refusals), key=SEVERITY.index)
         return DIFFERENT if self.deviations else LOADS
 
     @property
@@ -61,26 +81,29 @@ class EngineResult:
 
     def headline(self) -> str:
         if self.refusals:
-            first = self.refusals[0]
+            first = next(r for r in self.refusals if r.verdict == self.verdict)
             more = f" (+{len(self.refusals) - 1} more)" if len(self.refusals) > 1 else ""
-            return f"first failing: {first.tensor}: {first.reason}{more}"
+            return f"first failing: {_named(first.rule)}{first.tensor}: {first.reason}{more}"
         if self.deviations:
             known = [d for d in self.deviations if not math.isnan(d.error)]
             worst = max(known, key=lambda d: d.error) if known else self.deviations[0]
             modules = sorted({d.module for d in self.deviations})
-            return f"{len(modules)} module(s) differ, max relative error {_error(worst)} ({worst.module}: {worst.what})"
+            return (f"{len(modules)} module(s) differ, max relative error {_error(worst)} ({_named(worst.rule)}"
+                    f"{worst.module}: {worst.what})")
         return ""
 
     def details(self, shown: int = 3, groups: int = 8) -> list[str]:
         """Refusals grouped by reason (a few tensors each), then the deviating modules."""
-        by_reason: dict[str, list[str]] = {}
+        by_reason: dict[tuple[str, str, str], list[str]] = {}
         for r in self.refusals:
-            by_reason.setdefault(r.reason, []).append(r.tensor)
+            by_reason.setdefault((r.verdict, r.rule, r.reason), []).append(r.tensor)
         lines: list[str] = []
-        for reason, tensors in list(by_reason.items())[:groups]:
+        for (verdict, rule, reason), tensors in list(by_reason.items())[:groups]:
             more = f" (+{len(tensors) - shown} more)" if len(tensors) > shown else ""
-            lines.append(f"  refuses {', '.join(tensors[:shown])}{more}:\n      {reason}")
-        lines += [f"  {d.module}: {d.what} (relative error {_error(d)})" for d in self.deviations[:groups * shown]]
+            lead = "refuses" if verdict == REFUSES else f"{verdict} --"
+            lines.append(f"  {lead} {_named(rule)}{', '.join(tensors[:shown])}{more}:\n      {reason}")
+        lines += [f"  {_named(d.rule)}{d.module}: {d.what} (relative error {_error(d)})"
+                  for d in self.deviations[:groups * shown]]
         hidden = max(len(by_reason) - groups, 0) + max(len(self.deviations) - groups * shown, 0)
         if hidden:
             lines.append(f"  ... and {hidden} more")

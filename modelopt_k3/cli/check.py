@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("export_dir", type=Path, help="exported checkpoint directory")
     p.add_argument("--engine", default="vllm,sglang", help="comma-separated: vllm, sglang, trtllm (default: vllm,sglang)")
     p.add_argument("--brief", action="store_true", help="one line per engine, no details")
+    p.add_argument("--source", type=Path, default=None,
+                   help="the checkpoint the export was made from: its tokenizer, chat template, generation and "
+                        "processor configs must be in the export too (default: the one a converter's marker names)")
     return p
 
 
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..checkpoint import CheckpointError
 
     try:
-        report = check_export(args.export_dir, parse_engines(args.engine))
+        report = check_export(args.export_dir, parse_engines(args.engine), source=args.source)
     except (CheckpointError, ValueError) as exc:
         print(f"modelopt-k3-check: error: {exc}", file=sys.stderr)
         return 2

@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         stats = finalize_conversion(args.src, args.dst, args.recipe, trust_remote_code=args.trust_remote_code)
         print(f"modelopt_k3 convert: finalized {args.dst}")
         print("\n".join(stats.lines("  ")))
-        return final_check(args.dst, targets)
+        return final_check(args.dst, targets, source=args.src)
     kwargs = dict(
         rank=rank,
         world_size=world_size,
@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         report = convert_checkpoint(args.src, args.dst, args.recipe, **kwargs)
     print(report.summary())
     # The process that finalized the output checks it (the others' shards are part of it).
-    return final_check(args.dst, targets) if report.finalized else 0
+    return final_check(args.dst, targets, source=args.src) if report.finalized else 0
 
 
 if __name__ == "__main__":

@@ -350,7 +350,7 @@ def _check_served(plan: RunPlan, out: Path, say) -> int:
     from ..check import final_check, parse_engines
 
     targets = plan.config.target_engines
-    return final_check(out, parse_engines(targets) if targets else (), say=say)
+    return final_check(out, parse_engines(targets) if targets else (), say=say, source=plan.checkpoint)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..checkpoint import INDEX_NAME
+from ..checkpoint.serving_rules import refuse_unservable
 from ..export.modelopt_format import config_quantization_config, hf_quant_config
 from ..export.writer import (
     copy_side_files,
@@ -284,6 +285,7 @@ def _finalize(plan: _Plan, dst: Path, recipe: Recipe) -> ConvertStats:
     write_configs(plan.src, dst, config_quantization_config(hf_quant), hf_quant)
     copy_side_files(plan.src, dst)
     _remove_foreign_shards(dst, set(plan.files))
+    refuse_unservable(dst, plan.src, str(dst))  # the serving rules its files decide: no marker if one is broken
     # The marker must never be on disk before what it describes: index, configs and side files first.
     _fsync([*(p for p in dst.iterdir() if p.is_file() and not p.name.endswith(".safetensors")), dst])
     total = ConvertStats()

@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import CheckpointReader
+from ..checkpoint.serving_rules import refuse_unservable
 from ..checkpoint.source_decode import carried_items, carried_value
 from ..dist.collectives import run_together
 from ..dist.fsdp import gather_to_owner, local_rows
@@ -280,6 +281,7 @@ def _write_index_and_configs(job: _ExportJob, tmp: Path, maps, total: int) -> No
                                      qplan.table.naming)
     write_configs(info.checkpoint, tmp, qcfg, hf_quant)
     copy_side_files(info.checkpoint, tmp)
+    refuse_unservable(tmp, info.checkpoint, "the export")  # the serving rules its files decide, before publishing
 
 
 class ExportInParts:

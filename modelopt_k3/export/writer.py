@@ -59,6 +59,7 @@ from modelopt_k3.checkpoint import (
     read_config,
     read_shard,
 )
+from modelopt_k3.checkpoint.serving_rules import SIDECAR_DIRS
 from modelopt_k3.dist.collectives import (
     DistributedStepError,
     all_gather_object,
@@ -158,18 +159,34 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 def copy_side_files(src: Path, dst: Path) -> None:
     """Copy every file of checkpoint ``src`` that is not a shard, the index or a config (remote code,
-    tokenizer, generation config) into ``dst``, each atomically, with the mode every output file has."""
+    tokenizer, generation config, chat templates, processor configs) into ``dst``, and the files of the sidecar
+    directories a tokenizer loads (``SIDECAR_DIRS``), each atomically, with the mode every output file has."""
     for path in sorted(src.iterdir()):
         if path.is_file() and path.name not in _NOT_SIDE_FILES and not path.name.endswith(".safetensors"):
-            tmp = _tmp_name(dst / path.name)
-            fd = create_new(tmp)
-            try:
-                with open(path, "rb") as fin, open(fd, "wb", closefd=True) as fout:
-                    shutil.copyfileobj(fin, fout, COPY_CHUNK)
-                os.replace(tmp, dst / path.name)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            _copy_one(path, dst / path.name)
+    for name in SIDECAR_DIRS:
+        folder = src / name
+        if folder.is_dir() and not folder.is_symlink():
+            out = dst / name
+            if out.is_symlink() or (out.exists() and not out.is_dir()):  # never written through what was planted
+                raise CheckpointError(f"{out} exists and is not a directory of ours (a link or a file): not "
+                                      f"writing {name}/ through it")
+            out.mkdir(exist_ok=True)
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    _copy_one(path, dst / name / path.name)
+
+
+def _copy_one(path: Path, out: Path) -> None:
+    tmp = _tmp_name(out)
+    fd = create_new(tmp)
+    try:
+        with open(path, "rb") as fin, open(fd, "wb", closefd=True) as fout:
+            shutil.copyfileobj(fin, fout, COPY_CHUNK)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_configs(src: Path, dst: Path, quantization_config: dict, hf_quant: dict | None) -> None:

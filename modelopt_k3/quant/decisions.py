@@ -18,9 +18,10 @@ Shared-input groups (ModelOpt 0.47 ``_fuse_shared_input_modules`` -> ``preproces
 only quantized members count; members must have one format (ModelOpt asserts "Modules have
 different quantization formats"; it skips the check only when its first-hooked member is FP8, an
 order accident we do not reproduce: every mixed group is refused); the group shares the max weight
-amax and the max input amax when its weights are NVFP4 (``shares_group_scales``). ModelOpt skips
-per-tensor FP8 groups (engines requantize those to the max scale themselves) and its fusion is a
-no-op for 128x128 block FP8 (one amax per block), so neither shares anything here.
+amax and the max input amax when its weights are NVFP4 or per-tensor FP8 (``shares_group_scales``).
+ModelOpt 0.47 skips per-tensor FP8 groups, leaving the engines to requantize them to the max scale (a
+second rounding; issue 41, docs/decisions/0006): this project shares them. ModelOpt's fusion is a
+no-op for 128x128 block FP8 (one amax per block), so nothing is shared there.
 """
 
 from __future__ import annotations
@@ -109,11 +110,12 @@ class DecisionTable:
         return sorted(m for d in self.decisions.values() if not d.quantized for m in d.module_names())
 
     def check_groups_known(self) -> None:
-        """Refuse a table whose dense NVFP4 Linears may share scales with groups that are unknown."""
+        """Refuse a table whose dense NVFP4/FP8 Linears may share scales with groups that are unknown."""
         need = [n for n, d in self.of_kind("linear").items() if d.quantized and shares_group_scales(d.format)]
         if need and self.rules is None:
+            need_fmt = self.decisions[need[0]].format.weights.name.upper()
             raise RecipeError(
-                f"recipe {self.recipe.name} gives {len(need)} dense Linear(s) NVFP4 (e.g. {need[0]}); Linears that "
+                f"recipe {self.recipe.name} gives {len(need)} dense Linear(s) {need_fmt} (e.g. {need[0]}); Linears that "
                 "read the same input must share their global scales, and which ones do is read from the checkpoint's "
                 "own modeling code: allow it with trust_remote_code (CLI: --trust_remote_code)"
             )
@@ -276,7 +278,7 @@ def decide(
     carried: CarriedModules | None = None,
 ) -> DecisionTable:
     """The decision table of a checkpoint for ``recipe``. ``rules``: its shared-input rules, a callable
-    giving them (called only when a dense Linear gets NVFP4, the only format whose groups share scales,
+    giving them (called only when a dense Linear gets a format whose groups share scales, NVFP4 or FP8,
     so recipes without one never run the probe), or None when they are unknown
     (``check_groups_known`` then refuses dense NVFP4 Linears). ``carried``: modules the model does not build
     (``SourceCheckSpec.carried``), kept whatever the recipe says, for the carried reason."""

@@ -135,6 +135,7 @@ def test_vllm_reading_of_unshared_w1_w3_scales_differs_and_the_check_says_so(goo
     assert verdicts(report) == {"vllm": DIFFERENT, "sglang": DIFFERENT}
     (dev,) = report.results["vllm"].deviations
     assert dev.module == EXPERTS1 and "w1/w3 weight_scale_2 differ" in dev.what and "expert 2" in dev.what
+    assert dev.rule == "w13-scale-2-read-with-w1s"  # vLLM #54974 (docs/SERVING_RULES.md)
     assert dev.error == pytest.approx(0.5)  # read as s1 = s3 / 2
     rb = read_export(bad)
     engine_rb, _ = vllm_reading(rb)

@@ -576,7 +576,7 @@ def test_the_converter_reads_only_through_the_one_reader(ckpt: Path, recipe, tmp
     monkeypatch.setattr(checkpoint.CheckpointReader, "_scan", lambda self: scans.append(self.path) or real_scan(self))
     convert_checkpoint(ckpt, tmp_path / "out", recipe, workers=2)
     files = sorted(set(_weight_map(ckpt).values()))
-    assert scans == [ckpt]
+    assert scans == [ckpt, tmp_path / "out"]  # the output once more: its serving rules, before the marker
     # Each header once, then each shard's bytes through one descriptor: two opens (``open_regular``) per shard.
     assert not [name for how, name in opened if how == "open"]
     assert sorted(name for how, name in opened if how == "os.open") == sorted(files * 2)

@@ -85,6 +85,7 @@ def test_a_degenerate_global_scale_is_never_said_to_load(value, qwen3_export, tm
     rc, out, err = _check(capsys, export, "--engine", "vllm")
     assert rc == 2 and "loads correctly" not in out, out
     assert err.count("\n") == 1 and f"{key} = {value:g}" in err and "serves zeros or NaN" in err, err
+    assert "[per-tensor-scale-degenerate]" in err  # its serving rule (docs/SERVING_RULES.md)
 
 
 def _malformed(d: Path) -> None:

@@ -74,10 +74,17 @@ def test_table_groups_only_quantized_members_and_refuses_mixed_formats(inventory
         ATTENTION_NVFP4, {"pattern": "*.self_attn.q_a_proj", "weights": "fp8_pb", "inputs": None}]})
     with pytest.raises(RecipeError, match=r"q_a_proj read the same input .* one format"):
         decide(inventory, SPEC, mixed, rules)
-    # Per-tensor FP8 and block FP8 groups share nothing (ModelOpt skips FP8; block scales stay per block),
-    # and a recipe without dense NVFP4 never runs the probe.
-    assert decide(inventory, SPEC, load_recipe("presets/fp8"), rules).groups == {}
-    assert decide(inventory, SPEC, load_recipe("presets/fp8"), lambda: pytest.fail("probe ran")).rules is None
+    # Per-tensor FP8 groups share their scales too (issue 41: engines fuse them and requantize to the max; ModelOpt
+    # 0.47 skips them), the same groups as NVFP4's; block FP8 shares nothing (scales stay per block), and a recipe
+    # without a dense format that shares never runs the probe.
+    fp8 = decide(inventory, SPEC, load_recipe("presets/fp8"), rules)
+    all_nvfp4 = load_recipe("presets/nvfp4", overrides={"quant_cfg": [
+        {"pattern": "*", "weights": "nvfp4", "inputs": "nvfp4"}, {"import": "units/default_disabled"}]})
+    assert fp8.groups and fp8.groups == decide(inventory, SPEC, all_nvfp4, rules).groups
+    block = load_recipe("models/moonshotai/Kimi-K3/nvfp4_experts-fp8_pb_attention")
+    assert decide(inventory, SPEC, block, rules).groups == {}
+    experts_only = load_recipe("models/moonshotai/Kimi-K3/nvfp4_experts")
+    assert decide(inventory, SPEC, experts_only, lambda: pytest.fail("probe ran")).rules is None
     assert decide(inventory, SPEC, recipe, lambda: rules).groups == table.groups
     # Without the rules, a recipe whose groups would share scales is refused; experts-only is not.
     with pytest.raises(RecipeError, match="trust_remote_code"):

@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ...numerics import fp8 as fp8n
-from ...quant.schemes import KV_FP8, scheme_of_method
+from ...quant.schemes import FP8, KV_FP8, NVFP4, W4A16_NVFP4, scheme_of_method
 from ..layout import Layout, Linear
-from ..report import Deviation, EngineResult, Refusal
+from ..report import GARBAGE, REFUSES, Deviation, EngineResult, Refusal
 from .excludes import ExcludeIndex
 
 
 class Refuse(Exception):
     """Raised inside a replay step: the engine stops at ``tensor`` for ``reason``."""
 
-    def __init__(self, tensor: str, reason: str) -> None:
+    def __init__(self, tensor: str, reason: str, *, verdict: str = REFUSES, rule: str = "") -> None:
         super().__init__(reason)
-        self.refusal = Refusal(tensor, reason)
+        self.refusal = Refusal(tensor, reason, verdict=verdict, rule=rule)
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,17 @@ class ModelOptEngine:
         """Why ``piece``'s tensors do not fit the parameters ``method`` creates (None: they fit)."""
         return standard_tensor_problem(method, piece)
 
+    def missing_input_scale(self, method: str, piece: Linear) -> Refuse:
+        """A routed expert stored NVFP4 without ``input_scale`` where the engine builds NVFP4 W4A4 (an undeclared
+        W4A16 bank, or scales dropped): what the engine then does (default: it stops at that tensor)."""
+        return Refuse(piece.tensor_name("input_scale"), f"missing: {self.name} builds the routed experts as "
+                                                        f"{method}, whose method expects an input_scale per expert")
+
+    def missing_fp8_scale(self, piece: Linear) -> Refuse:
+        """An FP8 weight whose ``weight_scale`` is not under its name (a wrong prefix, dropped): what the engine
+        then does (default: it stops at that tensor)."""
+        return Refuse(piece.tensor_name("weight_scale"), f"missing: {self.name}'s FP8 method expects it")
+
     def module_problem(self, method: str, module: EngineModule, serving: ModelServing) -> str | None:
         """Why the engine's one (possibly fused) module refuses ``method`` as a whole (None: it does not)."""
         return None
@@ -301,6 +312,8 @@ class ModelOptEngine:
             raise Refuse(module.pieces[0].tensor_name(), r.refusal.reason) from None
         prefix = serving.engine_prefix(module.name)
         for piece in module.pieces:
+            if method == FP8.engine_method and _fp8_without_scale(piece):
+                raise self.missing_fp8_scale(piece)
             if piece.fmt != method:
                 where = prefix if len(module.pieces) > 1 else "it"
                 raise Refuse(piece.tensor_name(), f"stored {piece.fmt}, but {self.name} builds {where} as "
@@ -322,6 +335,8 @@ class ModelOptEngine:
         prefix = serving.engine_prefix(module_name)
         method = self.experts_method(qv, prefix)
         for piece in sorted(pieces, key=lambda p: p.name):
+            if method == NVFP4.engine_method and piece.fmt == W4A16_NVFP4.engine_method:
+                raise self.missing_input_scale(method, piece)
             if piece.fmt != method:
                 raise Refuse(piece.tensor_name(), f"stored {piece.fmt}, but {self.name} builds the routed experts "
                                                   f"{prefix} as {method} ({self.why(qv, prefix, method)})")
@@ -364,16 +379,37 @@ def split_modules(layout: Layout, serving: ModelServing) -> tuple[list[EngineMod
 
 
 def _expect(piece: Linear, part: str, dtype: torch.dtype, shape: tuple[int, ...] | None) -> str | None:
+    """Why ``piece``'s ``part`` does not fit the engine's parameter (None: it does). vLLM's and SGLang's weight
+    loaders ``copy_`` into the parameter, which converts by value: a float stored narrower than an fp32 parameter
+    (a bf16 ``weight_scale_2``) arrives exact; an integer stored where the parameter is a float (an E4M3 block scale
+    stored uint8) arrives as its integer values -- loaded without a word, served as garbage (raised here)."""
     meta = piece.tensors.get(part)
     if meta is None:
         return f"has no {part}"
-    if meta.dtype != dtype:
+    shape_ok = _numel(meta.shape) == 1 if shape is None else meta.shape == shape
+    if meta.dtype != dtype and not (shape_ok and _exact_copy(meta.dtype, dtype)):
+        if shape_ok and not meta.dtype.is_floating_point and dtype.is_floating_point:
+            raise Refuse(piece.tensor_name(part), (
+                f"{part} is {meta}, the engine's parameter {str(dtype).removeprefix('torch.')}: the weight loader's "
+                "copy_ converts it by value (the stored bytes become the integers 0..255), loaded without an error"),
+                verdict=GARBAGE, rule="scale-dtype-converted")
         return f"{part} is {meta}, the engine's parameter is {str(dtype).removeprefix('torch.')}"
     if shape is not None and meta.shape != shape:
         return f"{part} is {meta}, the engine's parameter has shape {list(shape)}"
     if shape is None and _numel(meta.shape) != 1:
         return f"{part} is {meta}, the engine reads one per-tensor value"
     return None
+
+
+def _exact_copy(stored: torch.dtype, param: torch.dtype) -> bool:
+    """``param.copy_(stored values)`` is exact: a narrower float into an fp32 parameter (every bf16, fp16 and FP8
+    value is an fp32 value)."""
+    return stored.is_floating_point and param == torch.float32 and torch.finfo(stored).bits < 32
+
+
+def _fp8_without_scale(piece: Linear) -> bool:
+    weight = piece.tensors.get("weight")
+    return weight is not None and weight.dtype == torch.float8_e4m3fn and "weight_scale" not in piece.tensors
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -430,14 +466,14 @@ def fused_scale_deviations(layout: Layout, module: EngineModule, method: str) ->
                 err = max(top / s - 1.0 for s in scales)
                 what = (f"{wkey} differ across {names} ({min(scales):.6g}..{top:.6g}); the engine reads all "
                         f"with the max, block scales unchanged")
-            out.append(Deviation(module.name, what, err))
+            out.append(Deviation(module.name, what, err, rule="fused-scales-max"))
     if scheme.inputs is not None:
         inputs = [float(layout.value(p.tensor_name("input_scale"))) for p in module.pieces]
         top = max(inputs)
         if any(s != top for s in inputs):
             out.append(Deviation(
                 module.name, f"input_scale differ across {names}; the engine quantizes the shared input with the max",
-                max(top / s - 1.0 for s in inputs)))
+                max(top / s - 1.0 for s in inputs), rule="fused-scales-max"))
     return out
 
 
@@ -460,7 +496,7 @@ def experts_scale_deviations(layout: Layout, module_name: str, per_expert: dict[
     scheme = scheme_of_method(method)
     if scheme is None:
         return out
-    if scheme.weights.shares_group_scales:
+    if scheme.weights.global_scale_key is not None and not scheme.weights.fused_requantized:  # NVFP4's w13 read
         worst, where = 0.0, ""
         for e, projs in sorted(per_expert.items()):
             if w1 in projs and w3 in projs:
@@ -471,7 +507,7 @@ def experts_scale_deviations(layout: Layout, module_name: str, per_expert: dict[
                     worst, where = err, f"expert {e}: {w1} {s1:.6g} vs {w3} {s3:.6g}"
         if worst:
             out.append(Deviation(module_name, f"{w1}/{w3} weight_scale_2 differ ({where}); the engine reads "
-                                              f"{w3} with {w1}'s", worst))
+                                              f"{w3} with {w1}'s", worst, rule="w13-scale-2-read-with-w1s"))
     if scheme.inputs is not None:
         for gemm in ((w1, w3), tuple(p for p in next(iter(per_expert.values())) if p not in gate_up)):
             scales = [float(layout.value(projs[p].tensor_name("input_scale")))

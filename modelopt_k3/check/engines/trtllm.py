@@ -125,15 +125,30 @@ def format_refusal(piece: Linear, method: str, where: str, why: str) -> Refusal 
     return Refusal(piece.tensor_name(), f"stored {piece.fmt}, but TensorRT-LLM builds {where} as {method} ({why})")
 
 
-def equal_scales(layout: Layout, pieces: list[Linear], keys: tuple[str, ...], rule: str) -> Refusal | None:
-    """TensorRT-LLM asserts equality of these per-tensor scales across ``pieces`` (``rule`` names where)."""
+def equal_scales(layout: Layout, pieces: list[Linear], keys: tuple[str, ...], rule: str,
+                 rule_name: str = "") -> Refusal | None:
+    """TensorRT-LLM asserts equality of these per-tensor scales across ``pieces`` (``rule`` names where;
+    ``rule_name``: the serving rule, when it has a name)."""
     for key in keys:
         values = [float(layout.value(p.tensor_name(key))) for p in pieces]
         if len(set(values)) > 1:
             names = ", ".join(p.name.rpartition(".")[2] for p in pieces)
             return Refusal(pieces[0].tensor_name(key), f"{key} differ across {names} ({min(values):.6g}.."
-                                                       f"{max(values):.6g}); {rule} asserts they are equal")
+                                                       f"{max(values):.6g}); {rule} asserts they are equal",
+                           rule=rule_name)
     return None
+
+
+# The NVFP4 fused-MoE loader's assertions on each expert's w1/w3 (serving rule trtllm-fc31-scales).
+FC31_RULE = ("the NVFP4 fused-MoE loader (fused_moe/quantization.py load_expert_fc31_alpha_nvfp4 / "
+             "load_expert_fc31_input_scale_nvfp4)")
+FC31_RULE_NAME = "trtllm-fc31-scales"
+
+
+def fc31_scales(layout: Layout, w1: Linear, w3: Linear) -> Refusal | None:
+    """One expert's w1/w3 as TensorRT-LLM's NVFP4 fused-MoE loader takes them: equal ``weight_scale_2`` and
+    ``input_scale`` (``torch.allclose`` asserted; builds that take the max instead serve one half mis-scaled)."""
+    return equal_scales(layout, [w1, w3], NVFP4_SCALES, FC31_RULE, FC31_RULE_NAME)
 
 
 # ---------------------------------------------------------------------- a model class with VANILLA routed experts
@@ -187,9 +202,7 @@ def trt_vanilla_experts(layout: Layout, module: str, per_expert: dict[int, dict[
             if refusal:
                 return refusal
         if method == NVFP4.engine_method and numerics and layout.read is not None:
-            refusal = equal_scales(layout, [projs[p] for p in gate_up], NVFP4_SCALES,
-                                   "the NVFP4 fused-MoE loader (fused_moe/quantization.py "
-                                   "load_expert_fc31_alpha_nvfp4 / load_expert_fc31_input_scale_nvfp4)")
+            refusal = fc31_scales(layout, projs[gate_up[0]], projs[gate_up[1]])
             if refusal:
                 return refusal
     return None

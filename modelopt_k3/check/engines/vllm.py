@@ -24,6 +24,7 @@ import torch
 from ...numerics.constants import FP8_BLOCK
 from ...quant.schemes import FP8, FP8_PB_WO, NVFP4, W4A16_NVFP4, scheme_of_method
 from ..layout import Layout, Linear
+from ..report import GARBAGE
 from .base import (
     ModelOptEngine,
     ModelServing,
@@ -212,6 +213,24 @@ class VllmEngine(ModelOptEngine):
         if len(algos) > 1:
             raise Refuse(prefix, f"vllm: mixed quant_algo within fused layer {prefix}: {sorted(algos)}")
         return algos.pop() if algos else None
+
+    def missing_input_scale(self, method: str, piece: Linear) -> Refuse:
+        """``ModelOptNvFp4FusedMoE.create_weights`` makes ``w13_input_scale``/``w2_input_scale`` with
+        ``torch.empty`` and ``load_weights`` writes only the names the checkpoint has; ``process_weights_after_
+        loading`` then takes the max over experts of whatever memory held: no error, NaN or garbage served."""
+        return Refuse(piece.tensor_name("input_scale"), (
+            f"missing, while the config builds these routed experts {method} (W4A4): vLLM creates the expert "
+            "input_scale parameters with torch.empty, nothing overwrites this one, and the layer's max over experts "
+            "is uninitialised memory (an undeclared W4A16 bank: declare W4A16_NVFP4)"),
+            verdict=GARBAGE, rule="input-scale-missing")
+
+    def missing_fp8_scale(self, piece: Linear) -> Refuse:
+        """``ModelOptFp8LinearMethod.create_weights`` fills ``weight_scale`` with ``finfo(float32).min``; the
+        model's ``load_weights`` skips names without a parameter, so a scale under another prefix never lands."""
+        return Refuse(piece.tensor_name("weight_scale"), (
+            "missing (no tensor under this name; one under another prefix is skipped by load_weights): vLLM's FP8 "
+            "method created it as finfo(float32).min and serves the weight with that scale, without an error"),
+            verdict=GARBAGE, rule="fp8-weight-scale-missing")
 
     def tensor_problem(self, method: str, piece: Linear) -> str | None:
         if scheme_of_method(method) is not FP8_PB_WO:

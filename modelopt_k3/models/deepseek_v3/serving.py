@@ -14,7 +14,9 @@ One snapshot per engine (the project's pins; facts and functions, not their code
   ``fused_moe_make_expert_params_mapping(gate_proj, down_proj, up_proj)``); ``lm_head`` is a
   ``ParallelLMHead`` built with the quant config. ``load_weights`` skips every name
   ``utils.get_spec_layer_idx_from_weight_name`` gives an MTP index (``model.layers.{num_hidden_layers + j}``,
-  only when ``num_nextn_predict_layers`` > 0; otherwise such a name has no parameter: ``KeyError``).
+  only when ``num_nextn_predict_layers`` > 0; otherwise such a name has no parameter: ``KeyError``). The MTP
+  drafter (``deepseek_mtp.py DeepSeekMTP``) loads those layers with the same quant config: replayed with this
+  class's rules on the MTP layers alone (``_mtp_drafter``; serving rule ``mtp-drafter-format``).
   ``layers/mla.py`` ``MultiHeadLatentAttentionWrapper`` holds the ``MLAAttention`` as ``mla_attn``, which the
   ModelOpt config gives its KV-cache method (``modelopt.py get_quant_method``), but ModelOpt's
   ``self_attn.{k,v}_proj.{k,v}_scale`` never land there: ``models/utils.py AutoWeightsLoader.load_weights`` first
@@ -79,7 +81,7 @@ from ...check.engines.trtllm import (
 )
 from ...check.engines.vllm import VLLM
 from ...check.layout import Layout, Linear
-from ...check.report import Deviation, EngineResult, Refusal
+from ...check.report import NO_DRAFTER, Deviation, EngineResult, Refusal
 from ...quant.schemes import NVFP4, scheme_of_method
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
@@ -161,6 +163,19 @@ def _mtp_layers(names: list[str]) -> str:
     return ", ".join(sorted({f"model.layers.{LAYER_RE.match(n)[1]}" for n in names}))
 
 
+def _mtp_drafter(layout: Layout, mtp: list[str], engine, serving: ModelServing, numerics: bool) -> list[Refusal]:
+    """The MTP layers as the engine's drafter loads them (vLLM ``deepseek_mtp.py DeepSeekMTP``, SGLang
+    ``deepseek_nextn.py DeepseekV3ForCausalLMNextN``): built with the checkpoint's own quant config, so the main
+    model's rules apply to them as stored. What they refuse is the drafter not loading (serving rule
+    mtp-drafter-format: an MTP layer quantized while the configs still exclude it)."""
+    names = set(mtp)
+    drafter = replace(layout, linears={k: v for k, v in layout.linears.items() if k in names},
+                      kv_scales={k: v for k, v in layout.kv_scales.items() if k in names})
+    result = engine.replay(drafter, serving, numerics=numerics)
+    return [Refusal(r.tensor, f"MTP drafter: {r.reason}", verdict=NO_DRAFTER, rule="mtp-drafter-format")
+            for r in result.refusals]
+
+
 def replay_vllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """vLLM's ``DeepseekV3ForCausalLM`` (module docstring): MTP layers skipped when the config declares them."""
     kept, mtp = _mtp_split(layout)
@@ -171,8 +186,9 @@ def replay_vllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
             "a layer past num_hidden_layers while num_nextn_predict_layers is 0: vLLM's load_weights treats it as "
             "no MTP layer and finds no parameter for it (deepseek_v2.py load_weights, KeyError)")))
     elif mtp:
-        result.warnings.append(f"{_mtp_layers(mtp)}: MTP layers, skipped by the main model's load_weights; "
-                               "vLLM's MTP drafter (deepseek_mtp.py) is not replayed")
+        result.warnings.append(f"{_mtp_layers(mtp)}: MTP layers, skipped by the main model's load_weights; vLLM's "
+                               "MTP drafter (deepseek_mtp.py) loads them with the same quant config (replayed)")
+        result.refusals += _mtp_drafter(layout, mtp, VLLM, VLLM_DEEPSEEK_V3, numerics)
     return result
 
 
@@ -236,7 +252,9 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     result.deviations += _sglang_mha_kv_scales(kept, q, {d.module for d in result.deviations}, numerics)
     if mtp:
         result.warnings.append(f"{_mtp_layers(mtp)}: past num_hidden_layers, skipped by the main model's "
-                               "do_load_weights; SGLang's NextN drafter (deepseek_nextn.py) is not replayed")
+                               "do_load_weights; SGLang's NextN drafter (deepseek_nextn.py) loads them with the same "
+                               "quant config (replayed)")
+        result.refusals += _mtp_drafter(layout, mtp, SGLANG, SGLANG_DEEPSEEK_V3, numerics)
     result.refusals.sort(key=lambda r: r.tensor)
     return result
 

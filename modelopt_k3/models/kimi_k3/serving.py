@@ -41,7 +41,10 @@ One snapshot per engine, as users install it:
   replay; Kimi-K3's real dims pass, the 64-wide tiny model's do not);
   ``KimiK3MoERuntime._resolve_routed_quant_config`` checks ``exclude_modules`` (name and ancestors) *before*
   ``quantized_layers`` and returns no quant_algo for an excluded bank, which ``_k3_expert_ckpt_spec`` refuses
-  with ``NotImplementedError``. No PyPI release has Kimi-K3.
+  with ``NotImplementedError``; NVFP4 routed experts are read by the generic NVFP4 fused-MoE method, whose
+  ``load_expert_fc31_alpha_nvfp4`` / ``load_expert_fc31_input_scale_nvfp4`` (``_torch/modules/fused_moe/
+  quantization.py``) assert each expert's w1 and w3 scales equal (serving rule ``trtllm-fc31-scales``). No PyPI
+  release has Kimi-K3.
 
 The engines' generic ModelOpt rules (config parsing, exclusions, scale use) are in
 ``modelopt_k3/check/engines``.
@@ -57,6 +60,7 @@ from ...check.engines.excludes import ExcludeIndex
 from ...check.engines.trtllm import (
     FP8_BLOCK_SCALES,
     config_json_group_size_warning,
+    fc31_scales,
     trt_algo,
     trt_excluded_or_ancestor,
 )
@@ -347,10 +351,32 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
         problem = _trt_problem(linear, per_layer)
         if problem:
             result.refusals.append(Refusal(linear.tensor_name(), problem))
+    if numerics and layout.read is not None:
+        result.refusals += _trt_fc31_scales(layout, excluded_banks)
     result.refusals.sort(key=lambda r: r.tensor)
     if layout.kv_scales:
         result.deviations += kv_deviations(layout, dict.fromkeys(layout.kv_scales, TRT_KV_DROPPED), numerics)
     return result
+
+
+def _trt_fc31_scales(layout: Layout, excluded_banks: set[str]) -> list[Refusal]:
+    """NVFP4 routed experts go through the generic NVFP4 fused-MoE method's loader (``_K3_EXPERT_CKPT_SPECS``
+    maps NVFP4 to it), which asserts each expert's w1 and w3 carry equal weight_scale_2 and input_scale
+    (``trtllm.fc31_scales``): the first expert of each bank that breaks it."""
+    banks: dict[str, dict[int, dict[str, Linear]]] = {}
+    for name, linear in layout.linears.items():
+        m = TRT_EXPERT_RE.fullmatch(name)
+        if m and m["module"] not in excluded_banks and linear.fmt == NVFP4.engine_method:
+            banks.setdefault(m["module"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = linear
+    out = []
+    for _, per_expert in sorted(banks.items()):
+        for _, projs in sorted(per_expert.items()):
+            if all(p in projs for p in GATE_UP):
+                refusal = fc31_scales(layout, projs[GATE_UP[0]], projs[GATE_UP[1]])
+                if refusal:
+                    out.append(refusal)
+                    break
+    return out
 
 
 def _trt_resolved_attention(name: str) -> bool:

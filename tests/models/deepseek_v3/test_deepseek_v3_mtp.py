@@ -96,8 +96,9 @@ def test_mtp_layer_is_carried_unquantized_on_both_paths(source: str, deepseek_mt
 
 
 def test_the_engines_skip_the_carried_mtp_layer(deepseek_mtp_ckpts, mtp_exports, tmp_path: Path) -> None:
-    """modelopt-k3-check: vLLM (num_nextn_predict_layers > 0) and SGLang skip the MTP layer, warning that their
-    drafters are not replayed; the calibrated nvfp4 export with an MTP layer loads on all three."""
+    """modelopt-k3-check: vLLM (num_nextn_predict_layers > 0) and SGLang skip the MTP layer in the main model and
+    say so; their drafters, replayed on it with the same configs, load it (BF16, excluded); the calibrated nvfp4
+    export with an MTP layer loads on all three."""
     converted, _ = mtp_exports["block_fp8"]
     report = check_export(converted, ENGINES)
     assert {e: r.verdict for e, r in report.results.items()} == {"vllm": LOADS, "sglang": LOADS, "trtllm": REFUSES}
