@@ -1,5 +1,5 @@
 """No arrow from a lower layer to a higher one (issue 27): every module's imports, parsed (ast), against the
-layers docs/DESIGN_NOTES.md names ("The layers"). Function-level and TYPE_CHECKING imports count too: a
+layers docs/ARCHITECTURE.md names ("The layers"). Function-level and TYPE_CHECKING imports count too: a
 lazy import is still a dependency."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "modelopt_k3"
 
 # Bottom to top. A module is in the layer of the longest prefix that names it; it may import its own layer
-# and any layer below. Keep in step with docs/DESIGN_NOTES.md "The layers".
+# and any layer below. Keep in step with docs/ARCHITECTURE.md "The layers".
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contract", ("modelopt_k3", "modelopt_k3.spec", "modelopt_k3.numerics")),
     ("primitives", ("modelopt_k3.quant.schemes", "modelopt_k3.files", "modelopt_k3.data")),
@@ -44,7 +44,7 @@ def layer_of(module: str) -> tuple[int, str]:
         found = _RANK.get(".".join(parts[:n]))
         if found is not None and (n > 1 or module == "modelopt_k3"):
             return found
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS (and to docs/DESIGN_NOTES.md)")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS (and to docs/ARCHITECTURE.md)")
 
 
 def _module_name(path: Path) -> tuple[str, bool]:
@@ -108,14 +108,14 @@ def test_the_exception_is_still_an_arrow():
         assert path.is_file() and target in imports_of(path), f"stale exception {module} -> {target}: delete it"
 
 
-def test_the_layers_are_the_ones_the_design_notes_name():
-    notes = (ROOT / "docs" / "DESIGN_NOTES.md").read_text()
+def test_the_layers_are_the_ones_the_architecture_names():
+    notes = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     section = notes.split("## The layers", 1)[1].split("\n## ", 1)[0]
     for name, prefixes in LAYERS:
-        assert f"**{name}**" in section, f"layer {name} is not named in docs/DESIGN_NOTES.md 'The layers'"
+        assert f"**{name}**" in section, f"layer {name} is not named in docs/ARCHITECTURE.md 'The layers'"
         for prefix in prefixes:
             spelled = "`modelopt_k3`" if prefix == "modelopt_k3" else f"`{prefix.removeprefix('modelopt_k3.')}`"
-            assert spelled in section, f"{prefix} (layer {name}) is not listed in docs/DESIGN_NOTES.md 'The layers'"
+            assert spelled in section, f"{prefix} (layer {name}) is not listed in docs/ARCHITECTURE.md 'The layers'"
 
 
 def test_the_checker_sees_an_upward_arrow():

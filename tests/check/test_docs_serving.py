@@ -1,14 +1,14 @@
-"""The README's serving tables say what ``modelopt-k3-check`` says on the exports they describe, each engine's cell
+"""The docs' serving tables (docs/SERVING.md for Kimi-K3, docs/MODELS.md per model) say what ``modelopt-k3-check`` says on the exports they describe, each engine's cell
 read back as a verdict (and, where it names a serve flag, the flag). A rule that changes a verdict turns this red
-until the README row is updated.
+until the table's row is updated.
 
-- Kimi-K3 ("## Serving"): each row's recipe planned on the 128-wide tiny Kimi-K3 and checked up front (what
+- Kimi-K3 (docs/SERVING.md): each row's recipe planned on the 128-wide tiny Kimi-K3 and checked up front (what
   ``--target_engines`` checks). The mirror row's "not on the tiny model" part is checked on both tiny Kimi-K3s; its
   "on Kimi-K3's dimensions" part is not: no ``matrix.TINY_VARIANTS`` Kimi-K3 has 128-multiple attention dims.
-- Qwen3-MoE ("### Qwen3-MoE"): each row names its checkpoint, "Qwen3's sizes" (checked on the all-MoE 128-wide
+- Qwen3-MoE (docs/MODELS.md, "## Qwen3-MoE"): each row names its checkpoint, "Qwen3's sizes" (checked on the all-MoE 128-wide
   stand-in, ``qwen3-wide``) or "the tiny stand-in" (``qwen3``: ``mlp_only_layers``, hidden 64), planned and checked up
   front; the row that also names ``modelopt-k3-convert`` is checked again on the converter's own export.
-- GPT-OSS ("### GPT-OSS"): the calibrated row planned up front; the converter row on the converter's export too
+- GPT-OSS (docs/MODELS.md, "## GPT-OSS"): the calibrated row planned up front; the converter row on the converter's export too
   (its quantized Linears and configs are the planned layout's, name for name; the converter takes under a second).
 """
 
@@ -27,7 +27,7 @@ from modelopt_k3.run.plan import QFORMAT_PRESETS
 from modelopt_k3.spec import get_spec
 from tools.conformance import matrix
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = [Path(__file__).resolve().parents[2] / "docs" / name for name in ("SERVING.md", "MODELS.md")]
 KIMI_K3 = "| recipe | vLLM 0.33.0 | SGLang 0.5.23 | TensorRT-LLM (newest K3 loader read) |"
 QWEN3_MOE = "| recipe (Qwen3-MoE) | checkpoint | vLLM 0.33.0 | SGLang 0.5.23 | TensorRT-LLM |"
 GPT_OSS = "| recipe (GPT-OSS) | experts | attention | vLLM 0.33.0 | SGLang 0.5.23 | TensorRT-LLM |"
@@ -42,7 +42,7 @@ QWEN3_CHECKPOINTS = {"Qwen3's sizes": "qwen3-wide", "the tiny stand-in": "qwen3"
 
 def _rows(header: str) -> list[tuple[str, list[str]]]:
     """(first cell, the other cells) of each row of the table under ``header``."""
-    lines = README.read_text().splitlines()
+    lines = next(lines for doc in DOCS for lines in [doc.read_text().splitlines()] if header in lines)
     start = lines.index(header) + 2
     rows = []
     for line in lines[start:]:
