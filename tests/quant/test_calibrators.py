@@ -145,6 +145,27 @@ def test_registry_covers_every_recipe_method_and_spellings_parse():
         calibrator_for({"method": "mse", "fp8_scale_sweep": True, "four_over_six": True})
 
 
+def test_every_algorithm_preset_recipe_is_its_base_with_the_registrys_algorithm():
+    """``<base>_<preset>.yaml`` is data: its base's modules and formats with the algorithm the registry's preset
+    names; the generic bases have one for every preset (``recipe_name`` falls back to them)."""
+    from modelopt_k3.quant.calibrators import qformat_presets
+    from modelopt_k3.recipe import RecipeError, load_recipe
+
+    presets = qformat_presets()
+    assert {"nvfp4_mse", "nvfp4_four_over_six", "nvfp4_local_hessian", "nvfp4_gptq", "nvfp4_act_headroom"} <= set(presets)
+    for base in ("presets/nvfp4", "presets/nvfp4_default", "models/openai/gpt-oss/nvfp4",
+                 "models/deepseek-ai/DeepSeek-V3/nvfp4"):
+        plain = load_recipe(base).to_dict()
+        for name, algorithm in presets.values():
+            try:
+                variant = load_recipe(f"{base}_{name}")
+            except RecipeError:
+                assert not base.startswith("presets/"), f"{base}_{name} is missing"
+                continue
+            assert algorithm_config(variant.algorithm) == algorithm_config(algorithm), variant.name
+            assert {**variant.to_dict(), "algorithm": None} == {**plain, "algorithm": None}, variant.name
+
+
 def test_gptq_lowers_the_output_error_of_max_under_the_same_scales():
     from modelopt_k3.numerics import nvfp4_block_scales
     from modelopt_k3.numerics.gptq import nvfp4_gptq

@@ -173,7 +173,8 @@ def weight_algorithm_names() -> tuple[str, ...]:
     return (*names, LOSSLESS_CAST)
 
 
-def qformat_presets() -> dict[str, tuple[str, Mapping[str, Any]]]:
-    """``--qformat`` name -> (preset name, ``algorithm:`` options) of every registered algorithm's presets;
+def qformat_presets() -> dict[str, tuple[str, Algorithm]]:
+    """``--qformat`` name -> (preset name, its ``algorithm:``) of every registered algorithm's presets;
     ``nvfp4_<preset>`` is NVFP4's modules with that algorithm (run/plan.py names the recipe)."""
-    return {f"nvfp4_{name}": (name, options) for config in CONFIGS.values() for name, options in config.presets.items()}
+    return {f"nvfp4_{name}": (name, parse_algorithm({"method": config.method, **options}))
+            for config in CONFIGS.values() for name, options in config.presets.items()}
