@@ -5,6 +5,9 @@ then the handler on one Linear (its input amax is the rule's, weights are max's)
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +20,31 @@ from modelopt_k3.quant.calibrators.act_headroom import (
 from modelopt_k3.recipe.algorithm import AlgorithmError
 
 WIDTH = 80 / 512  # one bin, in log2
+# nvidia-modelopt 0.47.0's NVFP4ActHeadroomCalibrator amax on act_headroom_cases() (scripts/modelopt_golden_act_headroom.py)
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "modelopt_0_47_act_headroom_golden.json"
+
+
+def act_headroom_cases() -> dict[str, tuple[list[torch.Tensor], dict]]:
+    """Activation batches (several per case: the statistic adds up over batches) and the options, by name."""
+    def batches(seed: int, shape: tuple[int, ...], dtype=torch.float32, decades: float = 2.0, tail: float = 2.0,
+                n: int = 3):
+        g = torch.Generator().manual_seed(seed)
+        spread = torch.logspace(-decades / 2, decades / 2, shape[-1])[torch.randperm(shape[-1], generator=g)]
+        out = []
+        for _ in range(n):
+            x = torch.randn(shape, generator=g) * spread
+            x[..., : shape[-1] // 8] *= torch.rand(shape[:-1] + (1,), generator=g) ** tail  # a tail of small blocks
+            out.append(x.to(dtype))
+        return out
+
+    return {
+        "defaults": (batches(0, (64, 256)), {}),
+        "bf16_3d": (batches(1, (4, 32, 128), torch.bfloat16), {}),
+        "rho_64_upper_wins": (batches(2, (64, 256)), {"rho": 64.0}),
+        "upper_100": (batches(3, (32, 256), decades=6.0), {"upper_percentile": 100.0, "rho": 256.0}),
+        "ragged_40": (batches(4, (96, 40)), {"anchor_percentile": 5.0}),
+        "wide_spread": (batches(5, (128, 64), decades=8.0, tail=12.0), {"anchor_percentile": 0.5, "upper_percentile": 99.0}),
+    }
 
 
 def _blocks(*amaxes: float) -> torch.Tensor:
@@ -126,3 +154,20 @@ def test_the_config_takes_modelopts_defaults_and_refuses_what_it_cannot_run():
                        ({"weight_scale_algorithm": "mse"}, "has no option 'weight_scale_algorithm'")):
         with pytest.raises(AlgorithmError, match=match):
             algorithm_config({"method": "nvfp4_act_headroom", **bad})
+
+
+def test_equals_modelopt_0_47_on_the_same_batches():
+    """ModelOpt's own calibrator (its 0.47.0 files, run by the golden script) and ours give the same amax, bit for
+    bit, on each case's batches; the cases cover headroom, upper, the observed max, bf16, a ragged last dim."""
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["modelopt"] == "0.47.0" and set(golden["cases"]) == set(act_headroom_cases())
+    which_seen = set()
+    for name, (batches, options) in act_headroom_cases().items():
+        assert golden["cases"][name]["options"] == options, name
+        counts = sum(block_amax_counts(x) for x in batches)
+        observed = float(max(x.abs().max().float() for x in batches))
+        config = algorithm_config({"method": "nvfp4_act_headroom", **options})
+        amax, which = headroom_amax(counts, observed, config.anchor_percentile, config.upper_percentile, config.rho)
+        which_seen.add(which)
+        assert float(amax) == float.fromhex(golden["cases"][name]["amax"]), (name, float(amax), golden["cases"][name])
+    assert which_seen == {"headroom", "upper"}
