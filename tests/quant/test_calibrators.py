@@ -427,3 +427,24 @@ def test_weight_searches_refuse_an_fsdp2_sharded_weight(monkeypatch):
     monkeypatch.setattr(weights, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP2-sharded: use --plan whole or expert_parallel with --dense replicated"):
         calibrator_for("mse").finalize_weights(model)
+
+
+def test_an_algorithm_registers_once_by_config_type_and_owns_its_preset_names():
+    from dataclasses import dataclass
+
+    from modelopt_k3.quant.calibrators import AlgorithmConfig, register_calibrator
+    from modelopt_k3.quant.calibrators.max import MaxCalibrator, MaxConfig
+
+    with pytest.raises(ValueError, match="'max' is already registered"):
+        register_calibrator(type("Again", (MaxCalibrator,), {"config_type": MaxConfig}))
+
+    @dataclass(frozen=True)
+    class Clash(AlgorithmConfig):
+        method = "clash"
+        presets = {"gptq": {}}
+
+    with pytest.raises(ValueError, match=r"preset\(s\) \['gptq'\] already belong to another algorithm"):
+        register_calibrator(type("ClashCalibrator", (MaxCalibrator,), {"config_type": Clash}))
+    with pytest.raises(TypeError, match="names no config_type of its own"):
+        register_calibrator(type("Inherits", (MaxCalibrator,), {}))
+    assert "clash" not in CONFIGS
