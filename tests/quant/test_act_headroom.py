@@ -171,3 +171,27 @@ def test_equals_modelopt_0_47_on_the_same_batches():
         which_seen.add(which)
         assert float(amax) == float.fromhex(golden["cases"][name]["amax"]), (name, float(amax), golden["cases"][name])
     assert which_seen == {"headroom", "upper"}
+
+
+def test_replicated_experts_calibrated_on_every_token_are_refused(monkeypatch):
+    """calibrate_all_experts pushes every token through each replica of an expert block: the counts would be the
+    one-process counts times the replicas, so the calibrator refuses before any forward (max does not mind)."""
+    from types import SimpleNamespace
+
+    from modelopt_k3.quant.calibrators import act_headroom
+    from modelopt_k3.quant.modules import ExpertsQuantState
+
+    experts = torch.nn.Module()
+    experts.quant = ExpertsQuantState()
+    experts.placement = SimpleNamespace(replicas="two ranks")
+    model = torch.nn.Sequential(experts)
+    monkeypatch.setattr(act_headroom.dist, "get_world_size", lambda group: 2 if group == "two ranks" else 1)
+    assert act_headroom.recounted_experts(model) == []  # routed only: each token reaches one replica
+    experts.quant.calibrate_all_experts = True
+    assert act_headroom.recounted_experts(model) == ["0"]
+    calls = []
+    with pytest.raises(ValueError, match="0 pushes every token through every replica"):
+        calibrator_for("nvfp4_act_headroom").observe(model, calls.append)
+    assert calls == []
+    experts.placement = SimpleNamespace(replicas=None)  # one copy of each expert: every token once
+    assert act_headroom.recounted_experts(model) == []

@@ -15,8 +15,9 @@ ModelOpt's statistic, so the same tokens give ModelOpt's amax.
 
 Under EP (and any data parallelism) each rank counts its own tokens' blocks; the counts are integers, summed
 over ranks, so N ranks get one process's histogram and amax exactly. ModelOpt instead max-reduces the per-rank
-amaxes, which depends on how tokens are split. Replicated expert groups with ``calibrate_all_experts`` push the
-same tokens through each replica and so count them once per replica (not refused; max is unaffected).
+amaxes, which depends on how tokens are split. Refused: ``calibrate_all_experts`` with replicated expert groups,
+which pushes every token through each replica of an expert, so the replicas' down-input blocks would be counted
+once per replica (max, idempotent, does not mind).
 
 Which quantizers: NVFP4 input quantizers without a constant amax (ModelOpt: NVFP4 dynamic-block input
 quantizers); the rest, and every weight, are max's. Shared-input groups then take their members' max, as
@@ -35,7 +36,7 @@ from torch import nn
 from ...dist.group import current_group
 from ...numerics.constants import NVFP4_BLOCK
 from ...recipe.algorithm import AlgorithmError
-from ..modules import iter_quantizers
+from ..modules import ExpertsQuantState, iter_quantizers
 from ..quantizer import TensorQuantizer
 from ..schemes import NVFP4_TENSOR
 from .base import AlgorithmConfig, ForwardLoop, register_calibrator
@@ -132,6 +133,19 @@ def headroom_inputs(model: nn.Module) -> dict[str, TensorQuantizer]:
             if q.role == "input" and q.fmt is NVFP4_TENSOR and q.constant_amax is None}
 
 
+def recounted_experts(model: nn.Module) -> list[str]:
+    """Experts modules that would count tokens more than once: every token through every local expert
+    (``calibrate_all_experts``) on an expert block that other ranks hold too (``placement.replicas``)."""
+    out = []
+    for name, m in model.named_modules():
+        state = getattr(m, "quant", None)
+        replicas = getattr(getattr(m, "placement", None), "replicas", None)
+        if isinstance(state, ExpertsQuantState) and state.calibrate_all_experts and replicas is not None \
+                and dist.get_world_size(replicas) > 1:
+            out.append(name)
+    return out
+
+
 @register_calibrator
 class ActHeadroomCalibrator(MaxCalibrator):
     config_type = ActHeadroomConfig
@@ -142,6 +156,12 @@ class ActHeadroomCalibrator(MaxCalibrator):
 
     def observe(self, model: nn.Module, forward_loop: ForwardLoop | None) -> None:
         """Max's forward, each rule input also counting the blocks it observes (the tensors max folds in)."""
+        recounted = recounted_experts(model)
+        if recounted:
+            raise ValueError(f"algorithm nvfp4_act_headroom: {recounted[0]} pushes every token through every replica "
+                             "of its experts (calibrate_all_experts with replicated expert groups), so its histogram "
+                             "would count them once per replica: calibrate without --calibrate_all_experts, or with "
+                             "--ep_degree equal to the world size")
         inputs = headroom_inputs(model)
         self.counts = {name: torch.zeros(HIST_BINS, dtype=torch.int64) for name in inputs}
 
