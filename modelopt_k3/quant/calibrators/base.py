@@ -10,8 +10,8 @@ a handler up by config type; ModelOpt's calibrate modes carry their config class
 Every consumer asks the registry, not a list of its own: the recipe's options (``algorithm_config``), the
 handler (``calibrator_for``), the layerwise default (``qdq_inputs``), the report's ``weight_algorithm``
 names (``weight_algorithm_names``), the planner's per-weight state (``AlgorithmConfig.state_bytes``) and the
-``--qformat`` presets (``qformat_presets``). The package imports every module in it, so adding an algorithm
-is one file here (docs/decisions/0002-calibrator-registry.md).
+``--qformat`` presets (``qformat_presets``). Adding an algorithm is one file here and its name on the package's
+import line (docs/decisions/0002-calibrator-registry.md).
 """
 
 from __future__ import annotations
