@@ -64,14 +64,14 @@ def bin_value(index: int) -> float:
 
 
 def block_amax_counts(x: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
-    """``[HIST_BINS]`` int64 counts of ``log2`` of the amax of each nonzero ``block`` along ``x``'s last dim
-    (a ragged tail zero-padded: padding changes no block's amax)."""
+    """``[HIST_BINS]`` int64 counts (on ``x``'s device) of ``log2`` of the amax of each nonzero ``block`` along
+    ``x``'s last dim (a ragged tail zero-padded: padding changes no block's amax)."""
     x = x.detach()
     if x.shape[-1] % block:
         x = nn.functional.pad(x, (0, block - x.shape[-1] % block))
     amax = x.abs().reshape(-1, block).amax(dim=-1).float()
     amax = amax[amax > 0]
-    return torch.bincount(log2_bins(torch.log2(amax)), minlength=HIST_BINS).cpu()
+    return torch.bincount(log2_bins(torch.log2(amax)), minlength=HIST_BINS)
 
 
 def counts_percentile(counts: torch.Tensor, percentile: float, floor: float | None = None) -> float | None:
@@ -167,8 +167,9 @@ class ActHeadroomCalibrator(MaxCalibrator):
 
         def count(name: str):
             def hook(q: TensorQuantizer, args: tuple) -> None:
-                if q.mode == "calib":
-                    self.counts[name] += block_amax_counts(args[0])
+                if q.mode == "calib":  # counted where the activation is (no host sync per batch)
+                    c = block_amax_counts(args[0])
+                    self.counts[name] = self.counts[name].to(c.device) + c
             return hook
 
         handles = [q.register_forward_pre_hook(count(name)) for name, q in inputs.items()]
@@ -184,7 +185,7 @@ class ActHeadroomCalibrator(MaxCalibrator):
         g = current_group()
         if g.world_size > 1 and self.counts:
             names = list(self.counts)
-            summed = torch.stack([self.counts[n] for n in names]).to(g.device)
+            summed = torch.stack([self.counts[n].to(g.device) for n in names])
             dist.all_reduce(summed, group=g.pg)
             self.counts = dict(zip(names, summed.cpu()))
 
@@ -193,7 +194,7 @@ class ActHeadroomCalibrator(MaxCalibrator):
         for name, q in inputs.items():
             if not q.calibrated or q.saw_nonfinite:
                 continue  # max's finalize refuses these, naming them
-            amax, which = headroom_amax(self.counts[name], float(q.amax), self.config.anchor_percentile,
+            amax, which = headroom_amax(self.counts[name].cpu(), float(q.amax), self.config.anchor_percentile,
                                         self.config.upper_percentile, self.config.rho)
             q.amax.copy_(amax.to(q.amax.device))
             if which != "headroom":
