@@ -142,7 +142,7 @@ AREAS: dict[str, Area] = {
     "calibrators": Area(
         ("modelopt_k3/quant/calibrators/*.py", "modelopt_k3/numerics/nvfp4_search.py", "modelopt_k3/numerics/gptq.py",
          "modelopt_k3/recipe/algorithm.py"),
-        ("tests/quant/test_calibrators.py", "tests/recipe/test_recipe.py",
+        ("tests/quant/test_calibrators.py", "tests/quant/test_act_headroom.py", "tests/recipe/test_recipe.py",
          "tests/models/qwen3_moe/test_calibrators_qwen3.py", "tests/report/test_weight_algorithm.py",
          "tests/layerwise/test_layerwise.py::test_gptq_layerwise_feeds_each_layer_the_quantized_outputs_before_it")),
     # Issue 32 (the code of the turn before): DeepSeek-V3's source layout and block-FP8 passthrough.
@@ -383,7 +383,7 @@ CURATED: tuple[Mutant, ...] = (
            "torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)",
            "torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)))",
            "GPTQ: the lower Cholesky factor of H^-1 used where the upper one is meant"),
-    Mutant("issue33:cal-bool-as-int", "modelopt_k3/recipe/algorithm.py",
+    Mutant("issue33:cal-bool-as-int", "modelopt_k3/quant/calibrators/base.py",
            "if not isinstance(v, typ) or (typ is not bool and isinstance(v, bool)):", "if not isinstance(v, typ):",
            "recipe algorithm: block_size: true accepted as 1"),
     Mutant("issue33:cal-lh-quantized-input", "modelopt_k3/quant/calibrators/local_hessian.py",

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
 from ..export.format_names import EXPORT_FORMAT_NAMES
-from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, QFORMAT_PRESETS, PtqConfig, RunPlan
+from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan, qformat_names
 from ._common import non_negative_int, positive_int, run_cli
 
 TINY_CACHE_ENV = "MODELOPT_K3_CACHE"
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pyt_ckpt_path", type=Path, default=None,
                    help="checkpoint directory (default: the embedded tiny Kimi-K3, built into a cache dir)")
-    p.add_argument("--qformat", default="nvfp4", help=f"preset: {', '.join(QFORMAT_PRESETS)}, the model's own recipe for it where its spec names one "
+    p.add_argument("--qformat", default="nvfp4", help=f"preset: {', '.join(qformat_names())}, the model's own recipe for it where its spec names one "
                    "(ignored with --recipe)")
     p.add_argument("--recipe", default=None, help="YAML recipe path or name (overrides --qformat)")
     p.add_argument("--kv_cache_qformat", default="none", choices=KV_CACHE_CHOICES)

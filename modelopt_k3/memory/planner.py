@@ -511,18 +511,13 @@ def _algorithm_state(run: _Run, layerwise: bool) -> tuple[int, int]:
     NVFP4 weight it visits: dense NVFP4 Linears and this rank's routed experts that are not the lossless
     MXFP4 cast (``ExpertGroup.packed``). A layerwise run holds one decoder layer's (the largest).
 
-    - ``local_hessian``: float64 hi/lo block sums ``2 x [in/16, 16, 16]`` and the fp32 Hessian, per weight
-      (per local expert for experts): ``in * 320`` bytes.
-    - ``gptq``: float64 hi/lo sums ``2 x [in, in]`` per weight (every weight at once: exact for ModelOpt's one
-      pass; ``true_sequential`` holds one stage at a time, so this overcounts it), and the updated weight
-      (``TensorQuantizer.updated_weight``: a copy in the run's dtype) kept until the export.
-    - ``mse``/``local_hessian``: the searched E4M3 block scales, one byte per 16 weights, kept until the export.
+    Per weight (per local expert for experts) the algorithm's config says it (``AlgorithmConfig.state_bytes``:
+    e.g. local_hessian's float64 block sums, GPTQ's ``[in, in]`` sums and updated weight, the searched block scales).
     """
+    from ..quant.calibrators import algorithm_config
     from ..quant.schemes import NVFP4_TENSOR
 
-    method = run.recipe.algorithm.method
-    if method not in ("mse", "local_hessian", "gptq"):
-        return 0, 0
+    config = algorithm_config(run.recipe.algorithm)
     weights: list[tuple[str, int, int, int]] = []  # (module, copies, out, in)
     for t in run.prep.quantized:
         fmt = run.recipe.resolve(t.module)[0]
@@ -536,10 +531,7 @@ def _algorithm_state(run: _Run, layerwise: bool) -> tuple[int, int]:
     by_layer: dict[str | None, list[int]] = {}
     regex = run.layout.spec.report.decoder_layer_regex
     for module, n, out, inp in weights:
-        if method == "gptq":
-            sums, kept = 16 * inp * inp, out * inp * run.b + out * inp // 16
-        else:
-            sums, kept = (320 * inp if method == "local_hessian" else 0), out * inp // 16
+        sums, kept = config.state_bytes(out, inp, run.b)
         layer = _layer_of(module, regex) if (layerwise and regex) else None
         totals = by_layer.setdefault(layer, [0, 0])
         totals[0] += n * sums

@@ -49,7 +49,7 @@ class QuantPlan:
     left_bf16: dict[str, str] = field(default_factory=dict)  # module name -> reason
     # weight quantizer name -> what chose its scales, for weight algorithms (quant/calibrators); {} under max
     calibration: dict[str, str] = field(default_factory=dict)
-    # weight quantizer name -> which algorithm produced its scales (calibrators/weights.WEIGHT_ALGORITHMS);
+    # weight quantizer name -> which algorithm produced its scales (calibrators.weight_algorithm_names());
     # the calibrator's own record, the report's ``weight_algorithm``
     weight_algorithms: dict[str, str] = field(default_factory=dict)
     # dense Linear -> whether its weight is written as its block-FP8 source bytes, or why it is requantized
@@ -232,8 +232,8 @@ def quantize(
     ``table``: the run's decision table for ``recipe`` (``RunPlan.table``; hf_ptq), else decided here.
     """
     qplan = start_quantization(model, recipe, table)
+    calibrator = calibrator_for(qplan.recipe.algorithm)  # its options checked before any quantizer is attached
     attach_quantizers(model, qplan)
-    calibrator = calibrator_for(qplan.recipe.algorithm)  # max, or a weight algorithm on top of max
     calibrator.calibrate(model, forward_loop, qplan.table.groups)
     qplan.calibration = calibrator.labels
     qplan.weight_algorithms = calibrator.weight_algorithms

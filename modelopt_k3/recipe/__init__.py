@@ -52,7 +52,6 @@ here writes W4A8_NVFP4_FP8.
 
 from .finder import RecipeRoots, available_presets, recipes_roots
 from .model import (
-    ALGORITHMS,
     DISABLED,
     FP8,
     FP8_PB_WO,
@@ -69,7 +68,6 @@ from .model import (
 from .parser import load_recipe, parse_overrides, recipe_from_dict
 
 __all__ = [
-    "ALGORITHMS",
     "DISABLED",
     "FP8",
     "FP8_PB_WO",

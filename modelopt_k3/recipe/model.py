@@ -27,13 +27,12 @@ from ..quant.schemes import (
     scheme_for,
     tensor_format,
 )
-from .algorithm import MAX, METHODS, Algorithm
+from .algorithm import MAX, Algorithm
 
 # The registry's keys, as recipes spell them (modelopt_k3/quant/schemes.py owns the formats).
 WEIGHT_FORMATS = WEIGHT_FORMAT_NAMES
 INPUT_FORMATS = INPUT_FORMAT_NAMES
 KV_CACHE_FORMATS = KV_CACHE_FORMAT_NAMES
-ALGORITHMS = tuple(METHODS)
 
 
 class RecipeError(ValueError):

@@ -142,7 +142,7 @@ def calibration_label(qplan, quantizer_name: str) -> str:
 
 def weight_algorithm(qplan, quantizer_name: str) -> str | None:
     """Which algorithm produced a weight's scales, as the calibrator that ran recorded it
-    (``calibrators.weights.WEIGHT_ALGORITHMS``); None where no calibrator recorded one."""
+    (``calibrators.weight_algorithm_names()``); None where no calibrator recorded one."""
     return qplan.weight_algorithms.get(quantizer_name)
 
 

@@ -31,17 +31,13 @@ if TYPE_CHECKING:
     from ..recipe import Recipe
     from ..spec import ModelSpec
 
-__all__ = ["QFORMAT_PRESETS", "LayerwiseSettings", "PtqConfig", "RunPlan", "layerwise_settings", "recipe_name"]
+__all__ = ["QFORMAT_PRESETS", "LayerwiseSettings", "PtqConfig", "RunPlan", "layerwise_settings", "qformat_names",
+           "recipe_name"]
 
 # ``--qformat`` names and their generic recipes; a model's spec may map a name to its own
 # (``RecipesSpec.qformat``: e.g. Qwen3-MoE's nvfp4 keeps attention NVFP4, as its engines serve it).
 QFORMAT_PRESETS = {
     "nvfp4": "presets/nvfp4",
-    # The same with a weight calibration algorithm (quant/calibrators); each model's spec maps them too.
-    "nvfp4_mse": "presets/nvfp4_mse",
-    "nvfp4_four_over_six": "presets/nvfp4_four_over_six",
-    "nvfp4_local_hessian": "presets/nvfp4_local_hessian",
-    "nvfp4_gptq": "presets/nvfp4_gptq",
     "nvfp4_experts_only": "presets/nvfp4_experts_only",
     "w4a16_nvfp4": "presets/w4a16_nvfp4",
     "fp8": "presets/fp8",
@@ -49,15 +45,47 @@ QFORMAT_PRESETS = {
 KV_CACHE_CHOICES = ("none", "fp8")
 
 
+def qformat_names() -> list[str]:
+    """Every ``--qformat`` name: ``QFORMAT_PRESETS`` and ``nvfp4_<preset>`` for each calibration algorithm's preset
+    (the registry, quant/calibrators: imported here, not at module import, so this module stays torch-free)."""
+    from ..quant.calibrators import qformat_presets
+
+    return [*QFORMAT_PRESETS, *qformat_presets()]
+
+
 def recipe_name(spec: ModelSpec, qformat: str, recipe: str | None = None) -> str:
     """The recipe ``--recipe``/``--qformat`` mean for this model: ``recipe`` if given; else ``qformat``, a
     ``QFORMAT_PRESETS`` name meaning the model's own recipe for it (``RecipesSpec.qformat``) or the generic one;
-    any other text a recipe name (hf_ptq and modelopt-k3-plan alike)."""
+    an algorithm's ``nvfp4_<preset>`` meaning the model's mapping for it, else its nvfp4 recipe's
+    ``<recipe>_<preset>`` where that file exists, else ``presets/nvfp4_<preset>``; any other text a recipe name
+    (hf_ptq and modelopt-k3-plan alike)."""
     if recipe is not None:
         return recipe
-    if qformat not in QFORMAT_PRESETS:
+    if qformat in QFORMAT_PRESETS:
+        return spec.recipes.qformat.get(qformat, QFORMAT_PRESETS[qformat])
+    from ..quant.calibrators import qformat_presets
+
+    preset = qformat_presets().get(qformat)
+    if preset is None:
         return qformat
-    return spec.recipes.qformat.get(qformat, QFORMAT_PRESETS[qformat])
+    if qformat in spec.recipes.qformat:
+        return spec.recipes.qformat[qformat]
+    own = spec.recipes.qformat.get("nvfp4")
+    if own is not None and _recipe_exists(f"{own}_{preset[0]}"):
+        return f"{own}_{preset[0]}"
+    return f"presets/nvfp4_{preset[0]}"
+
+
+def _recipe_exists(name: str) -> bool:
+    from ..recipe import RecipeError, RecipeRoots
+
+    try:
+        RecipeRoots.current().find_recipe(name)
+    except RecipeError:
+        return False
+    return True
+
+
 DTYPE_CHOICES = (None, "bfloat16", "float32")
 
 
@@ -177,7 +205,9 @@ def layerwise_settings(config: PtqConfig, recipe: Recipe) -> LayerwiseSettings |
             raise ValueError("--layerwise_checkpoint_dir needs --layerwise (or the recipe's layerwise.enable: true)")
         return None
     ckpt = config.layerwise_checkpoint_dir or (Path(lw.checkpoint_dir) if lw.checkpoint_dir else None)
-    return LayerwiseSettings(ckpt, recipe.algorithm.qdq_inputs())
+    from ..quant.calibrators import qdq_inputs  # the algorithm's default (the registry)
+
+    return LayerwiseSettings(ckpt, qdq_inputs(recipe.algorithm))
 
 
 @dataclass(frozen=True)

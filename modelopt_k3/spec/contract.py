@@ -331,7 +331,7 @@ class RecipesSpec:
     name and the converter's default, so a preset tuned for one model is never applied to another."""
 
     # --qformat name -> recipe name, for the names where this model needs its own recipe (the others fall
-    # back to the generic ``presets/<name>``).
+    # back to the generic ``presets/<name>``; an algorithm's ``nvfp4_<preset>`` follows ``nvfp4``: run/plan.recipe_name).
     qformat: Mapping[str, str] = field(default_factory=dict)
     # The recipe modelopt-k3-convert writes without --recipe; None: the model has no calibration-free NVFP4
     # recipe (e.g. BF16 experts, whose input scales need calibration) and --recipe is required.

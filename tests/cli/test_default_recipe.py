@@ -31,6 +31,15 @@ def _ckpt(tmp_path: Path, model_type: str) -> Path:
         ("qwen3_moe", "w4a16_nvfp4", "presets/w4a16_nvfp4"),
         ("gpt_oss", "nvfp4", "models/openai/gpt-oss/nvfp4"),
         ("kimi_k3", "presets/trtllm", "presets/trtllm"),  # not a --qformat name: a recipe name as given
+        # An algorithm's nvfp4_<preset> (the calibrators' registry): the model's nvfp4 recipe's <recipe>_<preset>
+        # where that file exists, else the generic presets/nvfp4_<preset> (DeepSeek-V3 has none of its own).
+        ("qwen3_moe", "nvfp4_gptq", "presets/nvfp4_default_gptq"),
+        ("qwen3_moe", "nvfp4_act_headroom", "presets/nvfp4_default_act_headroom"),
+        ("gpt_oss", "nvfp4_four_over_six", "models/openai/gpt-oss/nvfp4_four_over_six"),
+        ("gpt_oss", "nvfp4_act_headroom", "models/openai/gpt-oss/nvfp4_act_headroom"),
+        ("kimi_k3", "nvfp4_mse", "presets/nvfp4_mse"),
+        ("deepseek_v3", "nvfp4_local_hessian", "presets/nvfp4_local_hessian"),
+        ("deepseek_v3", "nvfp4_act_headroom", "presets/nvfp4_act_headroom"),
     ],
 )
 def test_qformat_names_the_models_own_recipe(model_type, qformat, expected):

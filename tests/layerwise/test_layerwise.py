@@ -115,9 +115,11 @@ def test_layerwise_export_equals_the_resident_export(stand_ins, model, tmp_path:
 
 @pytest.mark.slow
 def test_layerwise_packed_experts_and_a_weight_algorithm_equal_resident(stand_ins, tmp_path: Path):
-    """Packed-resident experts (decoded per layer in the forward) and MSE weight scales, layer by layer."""
+    """Packed-resident experts (decoded per layer in the forward), MSE weight scales and act-headroom input scales
+    (each layer's histograms from the unquantized inputs, as resident), layer by layer."""
     ckpt = stand_ins["kimi_k3"]
-    for name, flags in (("packed", ["--experts", "packed"]), ("mse", ["--qformat", "nvfp4_mse"])):
+    for name, flags in (("packed", ["--experts", "packed"]), ("mse", ["--qformat", "nvfp4_mse"]),
+                        ("act_headroom", ["--qformat", "nvfp4_act_headroom"])):
         ptq("--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / f"{name}-r", "--report",
             "none", *flags)
         ptq("--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / f"{name}-l", "--layerwise",

@@ -12,8 +12,8 @@ from modelopt_k3.numerics.nvfp4_search import (
     nvfp4_multiplier_block_scales,
     nvfp4_sweep_block_scales,
 )
-from modelopt_k3.quant.calibrators import CALIBRATORS, calibrator_for
-from modelopt_k3.recipe.algorithm import METHODS, AlgorithmError, parse_algorithm
+from modelopt_k3.quant.calibrators import CALIBRATORS, CONFIGS, algorithm_config, calibrator_for, qdq_inputs
+from modelopt_k3.recipe.algorithm import AlgorithmError, parse_algorithm
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -111,33 +111,59 @@ def test_hessian_weighted_sweep_is_optimal_for_its_weighted_error():
 
 
 def test_registry_covers_every_recipe_method_and_spellings_parse():
-    assert set(CALIBRATORS) == set(METHODS)
+    # One handler per config type, one config per method, and each handler's config is its own.
+    assert set(CALIBRATORS) == set(CONFIGS.values())
+    assert all(handler.config_type is config for config, handler in CALIBRATORS.items())
     assert parse_algorithm("max") == "max"
     mse = parse_algorithm({"method": "mse", "fp8_scale_sweep": True})
-    assert mse.get("fp8_scale_sweep") is True and mse.get("step_size") == 0.1 and mse != "mse"
+    config = algorithm_config(mse)
+    assert config.fp8_scale_sweep is True and config.step_size == 0.1 and mse != "mse"
     assert type(calibrator_for(mse)).__name__ == "MseCalibrator"
     lh = parse_algorithm({"method": "local_hessian", "fp8_scale_sweep": True})
     assert parse_algorithm(lh.to_recipe()) == lh
     with pytest.raises(AlgorithmError, match="algorithm mse has no option 'perc_damp'"):
-        parse_algorithm({"method": "mse", "perc_damp": 0.01})
+        algorithm_config({"method": "mse", "perc_damp": 0.01})
     gptq = parse_algorithm({"method": "gptq", "perc_damp": 0.01, "block_size": 128, "layerwise": {"enable": False}})
-    assert parse_algorithm(gptq.to_recipe()) == gptq and not gptq.layerwise.enable and gptq.qdq_inputs()
+    assert parse_algorithm(gptq.to_recipe()) == gptq and not gptq.layerwise.enable and qdq_inputs(gptq)
     # ModelOpt's LayerwiseConfig, for any method; GPTQ alone feeds each layer quantized inputs by default.
     on = parse_algorithm({"method": "max", "layerwise": {"enable": True, "checkpoint_dir": "/ck"}})
-    assert on.layerwise.enable and on.layerwise.checkpoint_dir == "/ck" and not on.qdq_inputs() and on != "max"
+    assert on.layerwise.enable and on.layerwise.checkpoint_dir == "/ck" and not qdq_inputs(on) and on != "max"
     assert parse_algorithm(on.to_recipe()) == on
-    assert parse_algorithm({"method": "max", "layerwise": {"enable": True,
-                                                            "get_qdq_activations_from_prev_layer": True}}).qdq_inputs()
+    assert qdq_inputs(parse_algorithm({"method": "max", "layerwise": {"enable": True,
+                                                                       "get_qdq_activations_from_prev_layer": True}}))
     with pytest.raises(AlgorithmError, match="layerwise.checkpoint_dir needs layerwise.enable: true"):
         parse_algorithm({"method": "max", "layerwise": {"checkpoint_dir": "/ck"}})
     with pytest.raises(AlgorithmError, match="layerwise has no option 'save_every'"):
         parse_algorithm({"method": "gptq", "layerwise": {"enable": True, "save_every": 2}})
     with pytest.raises(AlgorithmError, match="'awq' is not supported"):
-        parse_algorithm({"method": "awq"})
+        calibrator_for({"method": "awq"})
     with pytest.raises(AlgorithmError, match="fp8_scale_sweep must be bool"):
-        parse_algorithm({"method": "mse", "fp8_scale_sweep": "yes"})
+        algorithm_config({"method": "mse", "fp8_scale_sweep": "yes"})
+    with pytest.raises(AlgorithmError, match="must be a name with a scalar value"):
+        parse_algorithm({"method": "mse", "step_size": [0.1]})
     with pytest.raises(ValueError, match="cannot combine with fp8_scale_sweep"):
         calibrator_for({"method": "mse", "fp8_scale_sweep": True, "four_over_six": True})
+
+
+def test_every_algorithm_preset_recipe_is_its_base_with_the_registrys_algorithm():
+    """``<base>_<preset>.yaml`` is data: its base's modules and formats with the algorithm the registry's preset
+    names; the generic bases have one for every preset (``recipe_name`` falls back to them)."""
+    from modelopt_k3.quant.calibrators import qformat_presets
+    from modelopt_k3.recipe import RecipeError, load_recipe
+
+    presets = qformat_presets()
+    assert {"nvfp4_mse", "nvfp4_four_over_six", "nvfp4_local_hessian", "nvfp4_gptq", "nvfp4_act_headroom"} <= set(presets)
+    for base in ("presets/nvfp4", "presets/nvfp4_default", "models/openai/gpt-oss/nvfp4",
+                 "models/deepseek-ai/DeepSeek-V3/nvfp4"):
+        plain = load_recipe(base).to_dict()
+        for name, algorithm in presets.values():
+            try:
+                variant = load_recipe(f"{base}_{name}")
+            except RecipeError:
+                assert not base.startswith("presets/"), f"{base}_{name} is missing"
+                continue
+            assert algorithm_config(variant.algorithm) == algorithm_config(algorithm), variant.name
+            assert {**variant.to_dict(), "algorithm": None} == {**plain, "algorithm": None}, variant.name
 
 
 def test_gptq_lowers_the_output_error_of_max_under_the_same_scales():
@@ -188,7 +214,7 @@ def test_gptq_asymmetric_needs_true_sequential():
 
     with pytest.raises(ValueError, match="asymmetric needs true_sequential"):
         calibrator_for({"method": "gptq", "asymmetric": True})
-    assert calibrator_for({"method": "gptq", "true_sequential": True, "asymmetric": True}).algorithm.get("asymmetric")
+    assert calibrator_for({"method": "gptq", "true_sequential": True, "asymmetric": True}).config.asymmetric
 
 
 # --------------------------------------------------------------------------- issue 33: what tells a wrong answer
@@ -263,8 +289,9 @@ def test_a_bool_is_no_integer_or_float_option():
     for value in ({"method": "gptq", "block_size": True}, {"method": "gptq", "perc_damp": False},
                   {"method": "mse", "step_size": True}):
         with pytest.raises(AlgorithmError, match="must be (int|float), got (True|False)"):
-            parse_algorithm(value)
-    assert parse_algorithm({"method": "gptq", "perc_damp": 1}).get("perc_damp") == 1.0  # an int is a float
+            algorithm_config(value)
+    damp = algorithm_config({"method": "gptq", "perc_damp": 1}).perc_damp
+    assert damp == 1.0 and type(damp) is float  # an int is a float
 
 
 def test_the_sweep_candidates_are_every_positive_finite_e4m3_value():
@@ -400,3 +427,24 @@ def test_weight_searches_refuse_an_fsdp2_sharded_weight(monkeypatch):
     monkeypatch.setattr(weights, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP2-sharded: use --plan whole or expert_parallel with --dense replicated"):
         calibrator_for("mse").finalize_weights(model)
+
+
+def test_an_algorithm_registers_once_by_config_type_and_owns_its_preset_names():
+    from dataclasses import dataclass
+
+    from modelopt_k3.quant.calibrators import AlgorithmConfig, register_calibrator
+    from modelopt_k3.quant.calibrators.max import MaxCalibrator, MaxConfig
+
+    with pytest.raises(ValueError, match="'max' is already registered"):
+        register_calibrator(type("Again", (MaxCalibrator,), {"config_type": MaxConfig}))
+
+    @dataclass(frozen=True)
+    class Clash(AlgorithmConfig):
+        method = "clash"
+        presets = {"gptq": {}}
+
+    with pytest.raises(ValueError, match=r"preset\(s\) \['gptq'\] already belong to another algorithm"):
+        register_calibrator(type("ClashCalibrator", (MaxCalibrator,), {"config_type": Clash}))
+    with pytest.raises(TypeError, match="names no config_type of its own"):
+        register_calibrator(type("Inherits", (MaxCalibrator,), {}))
+    assert "clash" not in CONFIGS

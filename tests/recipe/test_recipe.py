@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from modelopt_k3.quant.calibrators import CONFIGS, algorithm_config, calibrator_for, qformat_presets
 from modelopt_k3.quant.schemes import KV_FP8
 from modelopt_k3.recipe import (
     DISABLED,
@@ -130,10 +131,25 @@ def test_every_shipped_recipe_loads():
     for f in files:
         recipe = load_recipe(f)
         assert recipe.entries
-        # A weight algorithm's preset says so in its name; every other recipe calibrates by max.
-        weight_algo = any(f.stem.endswith(a) for a in ("_mse", "_four_over_six", "_local_hessian", "_gptq"))
-        assert (recipe.algorithm != "max") == weight_algo, f
+        # An algorithm's preset says so in its name (the registry's presets); every other recipe calibrates by max.
+        preset = next((name for name, _ in qformat_presets().values() if f.stem.endswith(f"_{name}")), None)
+        assert (recipe.algorithm != "max") == (preset is not None), f
+        algorithm_config(recipe.algorithm)  # the registry takes its options
     assert set(available_presets()) >= {"nvfp4", "nvfp4_experts_only", "w4a16_nvfp4", "fp8"}
+
+
+def test_an_unknown_algorithm_is_refused_by_the_registry(tmp_path):
+    """A recipe holds the method as written; the registry refuses it, naming the registered ones, before a
+    quantizer is attached (quantize asks it first) or a weight is read (the preflight's plan asks it)."""
+    path = write(tmp_path, "awq.yaml", """\
+        algorithm: awq_lite
+        quant_cfg: [{pattern: "*", weights: nvfp4, inputs: nvfp4}]
+        """)
+    recipe = load_recipe(path)
+    expected = r"algorithm 'awq_lite' is not supported; expected one of \[" + ", ".join(repr(m) for m in CONFIGS) + r"\]"
+    with pytest.raises(ValueError, match=expected):
+        calibrator_for(recipe.algorithm)
+    assert {"max", "mse", "local_hessian", "gptq"} <= set(CONFIGS)
 
 
 def test_name_lookup():
@@ -399,12 +415,14 @@ BAD_CASES = {
         """,
         r"bad\.yaml: quant_cfg\[0\] pattern '\*': a disabled entry \(enable: false\) takes no weights",
     ),
+    # The recipe layer checks the algorithm's syntax; its methods and options are the calibrators' registry's
+    # (test_an_unknown_algorithm_is_refused_by_the_registry).
     "bad_algorithm": (
         """\
-        algorithm: awq_lite
+        algorithm: {method: mse, step_size: [0.1]}
         quant_cfg: [{pattern: "*", weights: nvfp4, inputs: nvfp4}]
         """,
-        r"bad\.yaml: algorithm 'awq_lite' is not supported; expected one of \['max', 'mse', 'local_hessian', 'gptq'\]",
+        r"bad\.yaml: algorithm mse option 'step_size' must be a name with a scalar value, got \[0\.1\]",
     ),
     "quant_cfg_not_list": (
         """\

@@ -80,8 +80,7 @@ GPT_OSS_SPEC = register_spec(
                                      check_config=check_config_fields),
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(
-            qformat={"nvfp4": "models/openai/gpt-oss/nvfp4",
-                     **{f"nvfp4_{a}": f"models/openai/gpt-oss/nvfp4_{a}" for a in ("mse", "four_over_six", "local_hessian", "gptq")}},
+            qformat={"nvfp4": "models/openai/gpt-oss/nvfp4"},
             converter="models/openai/gpt-oss/nvfp4_experts",
         ),
         serving=ServingSpec(rules=serving_rules),

@@ -70,8 +70,7 @@ QWEN3_MOE_SPEC = register_spec(
         report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(
             # presets/nvfp4 keeps attention BF16 for Kimi-K3's engines; Qwen3-MoE's serve it NVFP4 (serving.py).
-            qformat={"nvfp4": "presets/nvfp4_default",
-                     **{f"nvfp4_{a}": f"presets/nvfp4_default_{a}" for a in ("mse", "four_over_six", "local_hessian", "gptq")}},
+            qformat={"nvfp4": "presets/nvfp4_default"},
             converter=None,
             no_converter_reason="its routed experts are BF16, so NVFP4 input scales need calibration",
         ),

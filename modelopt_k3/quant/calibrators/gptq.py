@@ -42,10 +42,11 @@ from ...dist.fsdp import is_sharded
 from ...experts.dispatch import owner_inputs
 from ...numerics.gptq import asymmetric_target, nvfp4_gptq
 from ...numerics.nvfp4 import nvfp4_block_scales
+from ...recipe.algorithm import AlgorithmError
 from ..modules import set_mode
 from ..quantizer import TensorQuantizer
 from ..schemes import NVFP4_TENSOR
-from .base import ForwardLoop, register_calibrator
+from .base import AlgorithmConfig, ForwardLoop, register_calibrator
 from .max import MaxCalibrator
 from .moments import (
     EXPERT_PARAMS,
@@ -148,17 +149,46 @@ class _Stages:
         return most
 
 
+@dataclass(frozen=True)
+class GptqConfig(AlgorithmConfig):
+    """``algorithm: {method: gptq, ...}``: ModelOpt 0.47's ``GPTQCalibConfig`` defaults, plus two options of ours.
+    The only algorithm whose layerwise default feeds each layer quantized inputs (ModelOpt's too)."""
+
+    method = "gptq"
+    weight_algorithms = ("gptq",)
+    qdq_inputs_by_default = True
+    # general/ptq/nvfp4_default-kv_none-gptq (damp 0.01, block 128), with true_sequential and asymmetric
+    presets = {"gptq": {"perc_damp": 0.01, "block_size": 128, "true_sequential": True, "asymmetric": True}}
+
+    perc_damp: float = 0.01
+    block_size: int = 128
+    # Ours, not ModelOpt's (default False: its one Hessian forward): update each layer's weights in stages,
+    # later stages' Hessians from the earlier stages' quantized outputs.
+    true_sequential: bool = False
+    # Ours too (needs true_sequential): a later stage's GPTQ aims at the unquantized model's output of the
+    # Linear, ||W X - Ŵ X̃||, not at ||W X̃ - Ŵ X̃|| (X̃: its inputs with the earlier stages quantized).
+    asymmetric: bool = False
+
+    def check(self) -> None:
+        if self.block_size <= 0 or self.block_size % 16:
+            raise AlgorithmError(f"algorithm gptq: block_size must be a positive multiple of 16, got {self.block_size}")
+        if self.asymmetric and not self.true_sequential:
+            raise AlgorithmError("algorithm gptq: asymmetric needs true_sequential (its reference is the earlier "
+                                 "stages unquantized)")
+
+    def state_bytes(self, out_features: int, in_features: int, dtype_bytes: int) -> tuple[int, int]:
+        """Float64 hi/lo sums ``2 x [in, in]`` (every weight at once: exact for ModelOpt's one pass;
+        ``true_sequential`` holds one stage at a time, so this overcounts it), and the updated weight (a copy in
+        the run's dtype) with its block scales, kept until the export."""
+        return 16 * in_features * in_features, out_features * in_features * dtype_bytes + out_features * in_features // 16
+
+
 @register_calibrator
 class GptqCalibrator(MaxCalibrator):
-    method = "gptq"
+    config_type = GptqConfig
 
-    def __init__(self, algorithm) -> None:
-        super().__init__(algorithm)
-        if algorithm.get("block_size") <= 0 or algorithm.get("block_size") % 16:
-            raise ValueError(f"algorithm gptq: block_size must be a positive multiple of 16, got {algorithm.get('block_size')}")
-        if algorithm.get("asymmetric") and not algorithm.get("true_sequential"):
-            raise ValueError("algorithm gptq: asymmetric needs true_sequential (its reference is the earlier stages "
-                             "unquantized)")
+    def __init__(self, algorithm, config) -> None:
+        super().__init__(algorithm, config)
         self.passes = 0  # Hessian forwards run (after max's)
 
     # ------------------------------------------------------------------ what gets updated
@@ -322,7 +352,7 @@ class GptqCalibrator(MaxCalibrator):
     # ------------------------------------------------------------------ the updates
 
     def _update(self, t: _Target) -> None:
-        damp, block = self.algorithm.get("perc_damp"), self.algorithm.get("block_size")
+        damp, block = self.config.perc_damp, self.config.block_size
         q = t.quantizer
         if t.param is None:
             sums, tokens = t.reduced
@@ -378,7 +408,7 @@ class GptqCalibrator(MaxCalibrator):
                              "use --plan whole or expert_parallel with --dense replicated")
         super().calibrate(model, forward_loop, groups)  # max: input scales, global scales, groups
         targets = self._targets(model)
-        if not self.algorithm.get("true_sequential"):
+        if not self.config.true_sequential:
             self._collect(model, forward_loop, targets, None, None)
             for t in targets:
                 self._update(t)
@@ -392,7 +422,7 @@ class GptqCalibrator(MaxCalibrator):
         for t in targets:
             if t.stage == 0:
                 self._update(t)
-        asymmetric = self.algorithm.get("asymmetric")
+        asymmetric = self.config.asymmetric
         for stage in range(1, count):
             if asymmetric and not layers:  # one scope (a layerwise layer): the reference forward first
                 self._collect(model, forward_loop, targets, stage, None, reference=True)

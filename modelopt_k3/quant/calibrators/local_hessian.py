@@ -17,12 +17,15 @@ of ``||WX - ŴX||²`` (ModelOpt 0.47 ``local_hessian_calibrate``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ...numerics.constants import NVFP4_BLOCK
+from ...recipe.algorithm import AlgorithmError
 from ..schemes import NVFP4_TENSOR
-from .base import ForwardLoop, register_calibrator
+from .base import AlgorithmConfig, ForwardLoop, register_calibrator
 from .moments import ExpertSums, input_moments, nvfp4_linears, owner_observes
 from .mse import MseCalibrator
 from .weights import WeightSite, weight_sites
@@ -45,15 +48,37 @@ def _expert_sites(model: nn.Module) -> tuple[dict[int, tuple[nn.Module, dict[str
     return observed, not_built
 
 
+@dataclass(frozen=True)
+class LocalHessianConfig(AlgorithmConfig):
+    """``algorithm: {method: local_hessian, ...}``, ModelOpt 0.47's ``LocalHessianCalibConfig`` defaults."""
+
+    method = "local_hessian"
+    weight_algorithms = ("local_hessian",)
+    presets = {"local_hessian": {"fp8_scale_sweep": True}}
+
+    fp8_scale_sweep: bool = True
+    step_size: float = 0.1
+    start_multiplier: float = 0.25
+    stop_multiplier: float = 4.0
+    block_size: int = 16
+
+    def check(self) -> None:
+        if self.block_size != NVFP4_BLOCK:
+            raise AlgorithmError(f"algorithm local_hessian: block_size must be the NVFP4 block {NVFP4_BLOCK}, "
+                                 f"got {self.block_size}")
+
+    def state_bytes(self, out_features: int, in_features: int, dtype_bytes: int) -> tuple[int, int]:
+        """Float64 hi/lo block sums ``2 x [in/16, 16, 16]`` and the fp32 Hessian (``in * 320`` bytes), and the
+        searched E4M3 block scales, one byte per 16 weights, kept until the export."""
+        return 320 * in_features, out_features * in_features // 16
+
+
 @register_calibrator
 class LocalHessianCalibrator(MseCalibrator):
-    method = "local_hessian"
+    config_type = LocalHessianConfig
 
-    def __init__(self, algorithm) -> None:
-        if algorithm.get("block_size") != NVFP4_BLOCK:
-            raise ValueError(f"algorithm local_hessian: block_size must be the NVFP4 block {NVFP4_BLOCK}, "
-                             f"got {algorithm.get('block_size')}")
-        super().__init__(algorithm)
+    def __init__(self, algorithm, config) -> None:
+        super().__init__(algorithm, config)
         self.hessians: dict[int, torch.Tensor] = {}  # dense Linear id -> [in/16, 16, 16]
         # (experts module id, param) -> local expert -> [in/16, 16, 16]; experts without tokens are absent
         self.expert_hessians: dict[tuple[int, str], dict[int, torch.Tensor]] = {}

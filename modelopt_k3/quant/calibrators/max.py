@@ -5,17 +5,27 @@ steps, this object sequences them). Block scales stay the format's own (block am
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from ..calibrate import check_calibrated, observe_inputs, share_group_amax, sync_amax
 from ..modules import set_mode
-from .base import Calibrator, ForwardLoop, register_calibrator
+from .base import AlgorithmConfig, Calibrator, ForwardLoop, register_calibrator
 from .weights import max_algorithms
+
+
+@dataclass(frozen=True)
+class MaxConfig(AlgorithmConfig):
+    """``algorithm: max``: no options; weights keep the format's own block scales (recorded as ``max``)."""
+
+    method = "max"
+    weight_algorithms = ("max",)
 
 
 @register_calibrator
 class MaxCalibrator(Calibrator):
-    method = "max"
+    config_type = MaxConfig
 
     def observe(self, model: nn.Module, forward_loop: ForwardLoop | None) -> None:
         observe_inputs(model, forward_loop)

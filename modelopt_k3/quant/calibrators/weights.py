@@ -21,15 +21,12 @@ from ...experts.packed import expert_weight_rows
 from ..modules import ExpertsQuantState
 from ..quantizer import TensorQuantizer
 from ..schemes import NVFP4_TENSOR
+from .base import LOSSLESS_CAST
 
 EXPERTS_PER_SEARCH = 16  # experts searched at a time (bounds the temporaries)
 SKIPPED_MXFP4 = "max (lossless MXFP4 cast: weight algorithms skip it)"
-# What produced a weight's scales, as the report's ``weight_algorithm`` names it: one of these per weight
-# quantizer, recorded by the calibrator that set them (``Calibrator.weight_algorithms``).
-# MXFP4-sourced experts (the source's own scales, carried by the exact cast) and block-FP8 Linears written as
-# their source bytes (quant/block_fp8_source.py)
-LOSSLESS_CAST = "lossless_cast"
-WEIGHT_ALGORITHMS = ("max", "mse", "four_over_six", "local_hessian", "gptq", LOSSLESS_CAST)
+# What produced a weight's scales, as the report's ``weight_algorithm`` names it, is recorded per weight quantizer
+# by the calibrator that set them (``Calibrator.weight_algorithms``); ``base.weight_algorithm_names()`` lists them.
 
 # (weight [..., out, in], global scale (0-d, or [e] for experts), owner module, param, the local experts its
 # rows are (None: a dense weight)) -> e4m3 block scales
@@ -74,7 +71,7 @@ def search_sites(model: nn.Module, method: str, search: Search, labels: dict[str
                  choice: Callable[[WeightSite], tuple[str, str]], algorithms: dict[str, str],
                  global_scale: Callable[[TensorQuantizer], torch.Tensor] | None = None) -> None:
     """Set ``block_scale`` (and with ``global_scale`` the per-tensor ``fixed_scale``) of every eligible
-    NVFP4 weight quantizer from ``search``. ``choice(site)``: (the ``WEIGHT_ALGORITHMS`` entry, the label) of
+    NVFP4 weight quantizer from ``search``. ``choice(site)``: (the ``weight_algorithm_names()`` entry, the label) of
     the search that site gets; ``algorithms[name]`` and ``labels[name]`` record them (skipped sites: max's)."""
     for site in weight_sites(model):
         q = site.quantizer

@@ -83,3 +83,22 @@ def test_replicated_expert_groups_add_up_their_replicas_hessians(qwen3_moe_ckpt,
         assert set(ours) == set(theirs), recipe
         for key, t in theirs.items():
             assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (recipe, key)
+
+
+def test_ep2_act_headroom_equals_one_process(qwen3_moe_ckpt, tmp_path):
+    """nvfp4_act_headroom on 2 gloo ranks, each counting its own tokens' blocks (dense inputs at every rank, routed
+    experts' down inputs at their owners): the summed histograms are one process's, so the export is byte for byte
+    the one-process export; and the rule moved input scales off max's."""
+    recipe = "presets/nvfp4_default_act_headroom"
+    results = run_ranks(2, _ep_runs, str(qwen3_moe_ckpt), [str(tmp_path / "ep2")], (recipe,), timeout=600, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    ours = read_export(tmp_path / "ep2")
+    theirs = read_export(quantize_and_export(qwen3_moe_ckpt, tmp_path / "one", recipe))
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
+    maxed = read_export(quantize_and_export(qwen3_moe_ckpt, tmp_path / "one_max", "presets/nvfp4_default"))
+    inputs = [k for k in theirs if k.endswith(".input_scale")]
+    moved = [k for k in inputs if not torch.equal(theirs[k], maxed[k])]
+    assert inputs and len(moved) == len(inputs), sorted(set(inputs) - set(moved))[:5]
+    assert all(torch.equal(theirs[k], maxed[k]) for k in theirs if k.endswith((".weight_scale_2", ".weight")))
