@@ -8,6 +8,7 @@ load: ``checkpoint.serving_rules.SEVERITY``) and ``rule`` names the serving rule
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -130,10 +131,31 @@ class CheckReport:
             head = result.headline()
             lines.append(f"  {name:<{width}}  {result.verdict}" + (f" -- {head}" if head else ""))
             lines += [f"  {'':<{width}}  serve with {flag}" for flag in result.serve_flags]
-            lines += [f"  {'':<{width}}  warns: {w}" for w in result.warnings]
+            lines += [f"  {'':<{width}}  warns: {w}" for w in _condensed(result.warnings)]
         if details:
             for name, result in self.results.items():
                 if not result.ok and (details is True or name in details):
                     lines.append(f"{name}:")
                     lines += result.details()
         return "\n".join(lines)
+
+
+WARNINGS_SHOWN_PER_RULE = 2
+
+
+def _condensed(warnings: list[str]) -> list[str]:
+    """The warnings in order, at most ``WARNINGS_SHOWN_PER_RULE`` of each ``[rule]`` and one line counting the rest:
+    a recipe that sets every input scale the same way (e.g. ``nvfp4_act_headroom``'s headroom) trips one rule on
+    every Linear, and a page of identical findings hides the other engines' verdicts."""
+    shown: list[str] = []
+    per_rule: dict[str, int] = {}
+    for w in warnings:
+        m = re.match(r"\[([\w-]+)\]", w)
+        rule = m[1] if m else None
+        per_rule[rule] = per_rule.get(rule, 0) + 1
+        if rule is None or per_rule[rule] <= WARNINGS_SHOWN_PER_RULE:
+            shown.append(w)
+    shown += [f"[{rule}] ... and {n - WARNINGS_SHOWN_PER_RULE} more like these"
+              for rule, n in per_rule.items() if rule is not None and n > WARNINGS_SHOWN_PER_RULE]
+    return shown
+

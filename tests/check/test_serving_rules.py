@@ -450,3 +450,16 @@ def test_a_sidecar_directory_planted_as_a_link_is_not_written_through(sources, t
     with pytest.raises(CheckpointError, match="not a directory of ours"):
         copy_side_files(source, dst)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_the_table_shows_two_warnings_of_a_rule_and_counts_the_rest() -> None:
+    """``nvfp4_act_headroom`` trips the plausibility warning on every Linear: the table keeps two lines of it and
+    counts the rest, so the other findings and engines stay on screen."""
+    from modelopt_k3.check.report import CheckReport, EngineResult
+
+    warnings = [f"[activation-scale-implausible] layer.{i}.input_scale: too coarse" for i in range(5)]
+    warnings.insert(1, "config.json: something else")
+    table = CheckReport("x", {"vllm": EngineResult("vllm", warnings=warnings)}).table()
+    said = [line.split("warns: ", 1)[1] for line in table.splitlines() if "warns: " in line]
+    assert said == [warnings[0], "config.json: something else", warnings[2],
+                    "[activation-scale-implausible] ... and 3 more like these"]
