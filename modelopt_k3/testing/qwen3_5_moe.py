@@ -85,7 +85,7 @@ def checkpoint_config(text: dict[str, Any], vision: dict[str, Any]) -> dict[str,
             "dtype": "bfloat16",
         },
         "vision_config": {
-            "model_type": "qwen3_5_moe",
+            "model_type": "qwen3_5_moe_vision",
             **vision,
             "in_channels": 3,
             "hidden_act": "gelu_pytorch_tanh",
