@@ -61,6 +61,7 @@ def checkpoint_config(s: dict[str, Any]) -> dict[str, Any]:
         "use_conv_bias": True,
         "mamba_proj_bias": False,
         "n_shared_experts": 1,
+        "moe_shared_expert_overlap": False,
         "n_group": 1,
         "topk_group": 1,
         "norm_topk_prob": True,
