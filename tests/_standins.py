@@ -32,6 +32,7 @@ def dequantized_copy(ckpt: Path, dst: Path) -> Path:
     qcfg = config.pop("quantization_config", None)
     if qcfg is None:
         return ckpt
+    config.get("text_config", {}).pop("quantization_config", None)  # Kimi-K2.5 repeats it there
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight

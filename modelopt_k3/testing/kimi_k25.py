@@ -66,8 +66,40 @@ _VISION_BLOCK_NAMES = {"norm1": "norm0", "norm2": "norm1", "mlp.fc1": "mlp.fc0",
                        "attn.proj": "wo"}
 
 
+# moonshotai/Kimi-K2.5's text quantization_config ``ignore`` list, verbatim (regexes over module names).
+HUB_INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+
+
+def _vision_config(v: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    """The hub's MoonViT keys (``vt_*``, ``init_pos_emb_*``, read by the remote code and vLLM's
+    ``KimiK25VisionConfig``) AND transformers' field names for the same sizes: transformers 5.25's
+    ``Kimi_K25VisionConfig`` reads neither ``vt_*`` nor ``init_pos_emb_*`` and would build its (real-size)
+    defaults, so a tiny stand-in spelled only as the hub does would not load in transformers."""
+    hub = {
+        "patch_size": v["patch_size"],
+        "init_pos_emb_height": v["pos_emb_height"],
+        "init_pos_emb_width": v["pos_emb_width"],
+        "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed",
+        "vt_hidden_size": v["hidden_size"],
+        "vt_intermediate_size": v["intermediate_size"],
+        "vt_num_attention_heads": v["num_attention_heads"],
+        "vt_num_hidden_layers": v["num_hidden_layers"],
+        "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool",
+        "video_attn_type": "spatial_temporal",
+        "mm_projector_type": "patchmerger",
+        "mm_hidden_size": v["hidden_size"],
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+        "text_hidden_size": text_hidden,
+    }
+    return {**hub, **v, "pos_emb_time": 4}
+
+
 def checkpoint_config(text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
-    """config.json for sizes ``text`` / ``vision``, nested and spelled as Kimi-K2.5's (no quantization_config)."""
+    """config.json for sizes ``text`` / ``vision``, nested and spelled as Kimi-K2.5's (no quantization_config;
+    the real one carries it at the top and in ``text_config``)."""
     return {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "model_type": "kimi_k25",
@@ -79,6 +111,9 @@ def checkpoint_config(text: dict[str, Any], vision: dict[str, Any]) -> dict[str,
             "moe_layer_freq": 1,
             "topk_method": "noaux_tc",
             "scoring_func": "sigmoid",
+            "seq_aux": True,
+            "aux_loss_alpha": 0.001,
+            "ep_size": 1,
             "routed_scaling_factor": 2.827,
             "norm_topk_prob": True,
             "num_nextn_predict_layers": 0,
@@ -89,13 +124,21 @@ def checkpoint_config(text: dict[str, Any], vision: dict[str, Any]) -> dict[str,
             "bos_token_id": BOS_TOKEN_ID,
             "eos_token_id": EOS_TOKEN_ID,
             "pad_token_id": PAD_TOKEN_ID,
-            "torch_dtype": "bfloat16",
+            "dtype": "bfloat16",
         },
-        "vision_config": {"model_type": "kimi_k25_vision", **vision, "merge_kernel_size": [2, 2]},
-        "projection_hidden_size": vision["hidden_size"],
+        "vision_config": _vision_config(vision, text["hidden_size"]),
+        # The hub's media token (remote code, vLLM) and transformers' name for it.
+        "media_placeholder_token_id": MEDIA_TOKEN_ID,
         "image_token_id": MEDIA_TOKEN_ID,
+        "use_unified_vision_chunk": True,
+        "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "ignore_index": -100,
+        "projection_hidden_size": vision["hidden_size"],
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
     }
 
 
@@ -148,15 +191,6 @@ def _checkpoint_tensors(shapes: list[tuple[str, tuple[int, ...]]], seed: int) ->
             yield from bf16_tensors([(name, shape)], seed, fp32=lambda n: n.endswith("e_score_correction_bias"))
 
 
-def int4_ignore(shapes: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-    """Every Linear the INT4 scheme leaves BF16: all but the routed experts (attention, dense MLPs, shared
-    experts, router, lm_head, vision tower, projector), by module name as compressed-tensors matches them."""
-    return sorted(name.removesuffix(".weight") for name, shape in shapes
-                  if name.endswith(".weight") and len(shape) == 2 and not _is_routed_expert(name)
-                  and "norm" not in name.rsplit(".", 2)[-2] and not name.endswith(("embed_tokens.weight",
-                                                                                     "pos_emb.weight")))
-
-
 def _resolve(sizes: dict[str, Any], defaults: dict[str, Any], what: str) -> dict[str, Any]:
     unknown = set(sizes) - set(defaults)
     if unknown:
@@ -180,6 +214,8 @@ def make_tiny_kimi_k25(
     from transformers import Kimi_K25ForConditionalGeneration
 
     shapes = hub_shapes(meta_model(Kimi_K25ForConditionalGeneration, _transformers_config(config)), hub_layout)
-    config["quantization_config"] = int4_quantization_config(int4_ignore(shapes))
+    quantization = int4_quantization_config(HUB_INT4_IGNORE)
+    config["quantization_config"] = quantization
+    config["text_config"]["quantization_config"] = quantization
     tensors = list(_checkpoint_tensors(shapes, seed))
     return write_stand_in(path, tensors, config, vocab_size=s_text["vocab_size"], max_shard_size=max_shard_size)
