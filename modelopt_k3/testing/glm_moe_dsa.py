@@ -5,8 +5,9 @@ Laid out as zai-org/GLM-5 is on the hub: BF16, ``model.layers.{i}`` with the fir
 layers dense, the routed experts one Linear per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``; fused
 by transformers' ``qwen2_moe`` conversion as it loads), the router ``mlp.gate.weight`` with its fp32
 ``mlp.gate.e_score_correction_bias``, the indexer under ``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``,
-and the MTP layer stored as decoder layer ``model.layers.{num_hidden_layers}`` plus the DeepSeek-V3 MTP
-extras (``enorm``, ``hnorm``, ``eh_proj``, ``embed_tokens``, ``shared_head.{norm,head}``). transformers has
+and the MTP layer stored as decoder layer ``model.layers.{num_hidden_layers}`` plus DeepSeek-V3's MTP
+extras less the two GLM-5 does not store (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``; no layer-local
+``embed_tokens`` / ``shared_head.head``: the MTP layer shares the model's). transformers has
 no MTP module; it ignores only ``model.layers.78.*`` (GLM-5's own index, hard-coded), so on this stand-in the
 MTP tensors are its only unexpected keys."""
 
@@ -19,6 +20,9 @@ from ..models.deepseek_v3.source_layout import MTP_EXTRAS
 from .hub_standin import bf16_tensors, hub_shapes, meta_model, per_expert
 from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, fresh_dir, write_stand_in
 from .tokenizer import calibration_token_ids as calibration_token_ids
+
+# GLM-5's MTP layer has no own embedding or output head (it reuses the model's): DeepSeek-V3's extras less those.
+GLM_MTP_EXTRAS = {k: v for k, v in MTP_EXTRAS.items() if k not in ("embed_tokens.weight", "shared_head.head.weight")}
 
 # Every dim a multiple of 16 (NVFP4 block); layer 0 dense, 1-2 MoE; index_topk below the test's sequence
 # length so the indexer's selection matters.
@@ -87,13 +91,13 @@ def hub_layout(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, 
 
 def mtp_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """The MTP layers' hub tensors: decoder layer ``model.layers.{L + j}`` as a model one layer deeper builds
-    it (MoE, with its indexer), then the DeepSeek-V3 MTP extras."""
+    it (MoE, with its indexer), then ``GLM_MTP_EXTRAS``."""
     first, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     out: list[tuple[str, tuple[int, ...]]] = []
     for layer in range(first, first + config["num_nextn_predict_layers"]):
         prefix = f"model.layers.{layer}."
         out += [(n, s) for n, s in hub_shapes(_model(config, layer + 1), hub_layout) if n.startswith(prefix)]
-        out += [(prefix + extra, shape(hidden, vocab)) for extra, shape in MTP_EXTRAS.items()]
+        out += [(prefix + extra, shape(hidden, vocab)) for extra, shape in GLM_MTP_EXTRAS.items()]
     return out
 
 

@@ -56,7 +56,8 @@ NEMOTRON_H_NAMES = [
     rf"mtp\.layers\.{N}\.final_layernorm\.weight",
 ]
 # GLM-5 (zai-org/GLM-5 index; transformers modeling_glm_moe_dsa.py GlmMoeDsaIndexer names, its
-# _keys_to_ignore_on_load_unexpected "model.layers.78" = the MTP layer; the MTP extras as DeepSeek-V3's).
+# _keys_to_ignore_on_load_unexpected "model.layers.78" = the MTP layer; third-party GLM-5 MTP loaders: layer 78
+# holds enorm/hnorm/eh_proj/shared_head.norm but no embed_tokens/shared_head.head, tied to the model's).
 GLM_MOE_DSA_NAMES = [
     r"model\.embed_tokens\.weight",
     r"model\.norm\.weight",
@@ -68,7 +69,7 @@ GLM_MOE_DSA_NAMES = [
     rf"model\.layers\.{N}\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.weight",
     rf"model\.layers\.{N}\.mlp\.gate\.(weight|e_score_correction_bias)",
     rf"model\.layers\.{N}\.mlp\.experts\.{N}\.(gate|up|down)_proj\.weight",
-    rf"model\.layers\.{N}\.(enorm|hnorm|eh_proj|embed_tokens|shared_head\.norm|shared_head\.head)\.weight",
+    rf"model\.layers\.{N}\.(enorm|hnorm|eh_proj|shared_head\.norm)\.weight",
 ]
 # Qwen3.5-MoE (Qwen/Qwen3.5-35B-A3B index: fused experts in the decoder, per-expert in mtp.layers; vLLM
 # qwen3_5.py load_weights' fused-expert path "qwen3.5 no need to transpose" and its skip of "mtp.").
