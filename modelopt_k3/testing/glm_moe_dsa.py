@@ -49,6 +49,11 @@ GLM_MOE_DSA_TINY_DEFAULTS: dict[str, Any] = {
     "num_nextn_predict_layers": 1,
 }
 
+# GLM-5.1/5.2's IndexCache schedule (off by default, as GLM-5 runs every layer's indexer): with
+# ``index_topk_freq`` f > 1 only every f-th layer from ``index_skip_topk_offset`` on has an indexer ("full"),
+# the others ("shared") reuse its top-k and store no indexer tensors. Written to config.json only when given.
+GLM_MOE_DSA_OPTIONAL = ("index_topk_freq", "index_skip_topk_offset")
+
 _EXPERT_PROJS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
@@ -102,7 +107,7 @@ def mtp_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _resolve_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(sizes) - set(GLM_MOE_DSA_TINY_DEFAULTS)
+    unknown = set(sizes) - set(GLM_MOE_DSA_TINY_DEFAULTS) - set(GLM_MOE_DSA_OPTIONAL)
     if unknown:
         raise ValueError(f"unknown tiny GLM-MoE-DSA setting(s) {sorted(unknown)}; known: {sorted(GLM_MOE_DSA_TINY_DEFAULTS)}")
     s = {**GLM_MOE_DSA_TINY_DEFAULTS, **sizes}

@@ -221,3 +221,19 @@ def test_every_loaded_tensor_is_the_stored_one(stand_in, tmp_path):
         else:
             assert torch.equal(value, expected.float()), name
     assert [n for n in unchecked if not re.fullmatch(spec.reshaped, n)] == []
+
+
+def test_glm_shared_indexer_layers_store_no_indexer(tmp_path):
+    """GLM-5.1-style IndexCache (``index_topk_freq`` 2): "shared" layers hold no indexer tensors, and transformers
+    still loads every tensor it has, the MTP layer aside."""
+    import transformers
+
+    ckpt = glm_moe_dsa.make_tiny_glm_moe_dsa(tmp_path / "ckpt", num_hidden_layers=4, index_topk_freq=2,
+                                             index_skip_topk_offset=1)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["index_topk_freq"] == 2
+    with_indexer = {int(n.split(".")[2]) for n in stored_names(ckpt) if ".self_attn.indexer." in n}
+    assert with_indexer == {0, 2, 4}  # full layers 0 and 2 (offset 1, every 2nd), and the MTP layer 4
+    _, info = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32,
+                                                                output_loading_info=True)
+    assert info["missing_keys"] == set() and all(k.startswith("model.layers.4.") for k in info["unexpected_keys"])
