@@ -12,10 +12,13 @@ transformers has no MTP module and drops ``mtp.*`` on load (``_keys_to_ignore_on
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .hub_standin import bf16_tensors, hub_shapes, meta_model, per_expert
+import torch
+
+from .hub_standin import draw, hub_shapes, meta_model, per_expert
 from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, MEDIA_TOKEN_ID, PAD_TOKEN_ID, fresh_dir, write_stand_in
 from .tokenizer import calibration_token_ids as calibration_token_ids
 
@@ -126,6 +129,20 @@ def mtp_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("mtp.norm.weight", (hidden,))]
 
 
+def _zero_centered(name: str) -> bool:
+    """Qwen3.5's text RMSNorms scale by ``1 + weight`` (trained weights sit near 0); the gated-delta-net output
+    norm and the vision tower's LayerNorms scale by ``weight`` as usual."""
+    return (name.startswith(("model.language_model.", "mtp.")) and name.endswith("norm.weight")
+            and not name.endswith("linear_attn.norm.weight"))
+
+
+def _checkpoint_tensors(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """BF16 throughout; zero-centered norms drawn near 0 rather than near 1."""
+    for name, shape in shapes:
+        value = draw(name, shape, seed)
+        yield name, (value - 1.0 if _zero_centered(name) else value).to(torch.bfloat16)
+
+
 def _resolve(sizes: dict[str, Any], defaults: dict[str, Any], what: str) -> dict[str, Any]:
     unknown = set(sizes) - set(defaults)
     if unknown:
@@ -149,5 +166,5 @@ def make_tiny_qwen3_5_moe(
     shapes = hub_shapes(_model(config), hub_layout)
     if s_text["mtp_num_hidden_layers"]:
         shapes += mtp_shapes(config)
-    tensors = list(bf16_tensors(shapes, seed))
+    tensors = list(_checkpoint_tensors(shapes, seed))
     return write_stand_in(path, tensors, config, vocab_size=s_text["vocab_size"], max_shard_size=max_shard_size)
