@@ -105,7 +105,7 @@ AREAS: dict[str, Area] = {
         ("tests/models/kimi_k3/test_source_layout.py", "tests/models/test_conversion_layout.py",
          "tests/dist/test_placement.py", "tests/test_source_check.py", "tests/memory/test_planner.py")),
     "qwen3_moe": Area(
-        ("modelopt_k3/models/qwen3_moe/source_layout.py", "modelopt_k3/models/qwen3_moe/experts.py"),
+        ("modelopt_k3/models/qwen3_moe/source_layout.py", "modelopt_k3/models/common/experts.py"),
         ("tests/models/qwen3_moe/test_qwen3_moe.py", "tests/models/test_conversion_layout.py")),
     "gpt_oss": Area(
         ("modelopt_k3/models/gpt_oss/source_layout.py", "modelopt_k3/models/gpt_oss/model.py",
@@ -148,7 +148,7 @@ AREAS: dict[str, Area] = {
     # Issue 32 (the code of the turn before): DeepSeek-V3's source layout and block-FP8 passthrough.
     "deepseek_v3": Area(
         ("modelopt_k3/quant/block_fp8_source.py", "modelopt_k3/models/deepseek_v3/source_layout.py",
-         "modelopt_k3/models/deepseek_v3/experts.py"),
+         "modelopt_k3/models/common/kv_cache.py"),
         ("tests/models/deepseek_v3/test_deepseek_v3_fp8_passthrough.py", "tests/models/deepseek_v3/test_deepseek_v3.py",
          "tests/models/deepseek_v3/test_deepseek_v3_mtp.py")),
 }

@@ -85,15 +85,15 @@ def test_kv_scale_names_come_from_the_spec():
 
 
 def test_the_checkpoint_view_and_the_converters_are_spec_fields():
+    from modelopt_k3.models.deepseek_v3.prepare import checkpoint_converters as deepseek_converters
     from modelopt_k3.models.gpt_oss.model import checkpoint_converters as gpt_oss_converters
     from modelopt_k3.models.gpt_oss.model import per_expert_view
     from modelopt_k3.models.kimi_k3.prepare import checkpoint_converters as kimi_converters
-    from modelopt_k3.models.qwen3_moe.prepare import checkpoint_converters as qwen_converters
 
     assert get_spec("gpt_oss").loading.checkpoint_view is per_expert_view
     assert get_spec("kimi_k3").loading.checkpoint_view is None is get_spec("qwen3_moe").loading.checkpoint_view
     assert get_spec("kimi_k3").loading.converters is kimi_converters
-    assert get_spec("qwen3_moe").loading.converters is qwen_converters
+    assert get_spec("deepseek_v3").loading.converters is deepseek_converters
     assert get_spec("gpt_oss").loading.converters is gpt_oss_converters
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from modelopt_k3.models.qwen3_moe.experts import combine_in_expert_order
+from modelopt_k3.models.common.experts import combine_in_expert_order
 from modelopt_k3.models.qwen3_moe.source_layout import dense_layout, expert_layout, moe_layers
 from modelopt_k3.testing.qwen3_moe import (
     QWEN3_MOE_TINY_DEFAULTS,

@@ -1,0 +1,121 @@
+"""``transformers_moe_spec``: the spec of a MoE that transformers defines with its own classes, derived from
+transformers wherever it can be.
+
+Derived: the experts class (the one class of the model's modeling module that transformers' experts interface
+decorates: ``use_experts_implementation`` gives it ``_apply_gate``), its placement and our experts base on its
+instances (``experts.experts_placer``), the per-expert checkpoint names and their fusion into
+``gate_up_proj``/``down_proj`` (transformers' own conversion mapping, which the loader runs and the exporter
+reverses through ``projections``), the decoder-layer regexes (the FSDP2 unit, ``_no_split_modules``, and the
+report's hidden states) and the gate/up scale sharing every engine's fused ``w13`` needs. The caller gives what
+differs: the config's expert-count attribute, its recipes, serving rules, source formats, memory model, probe.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import transformers
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+from ...spec import (
+    ExpertProjection,
+    ExpertsSpec,
+    LoadingSpec,
+    MemorySpec,
+    ModelSpec,
+    PrepareContext,
+    QuantSpec,
+    ReportSpec,
+    SpecError,
+    TransformersClass,
+)
+from .experts import experts_placer
+
+# Per-expert checkpoint Linears of a gated experts module: ``...mlp.experts.<id>.<proj>.<tensor>``.
+EXPERT_KEY_RE = r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)\.(?P<tensor>\w+)$"
+# gate_proj/up_proj are the two halves of ``gate_up_proj`` (transformers' ``Concatenate`` on dim 0 of [E, 2I, H]).
+GATED_PROJECTIONS = (
+    ExpertProjection("gate_proj", "gate_up_proj", chunk=0, n_chunks=2),
+    ExpertProjection("up_proj", "gate_up_proj", chunk=1, n_chunks=2),
+    ExpertProjection("down_proj", "down_proj"),
+)
+# vLLM, SGLang and TensorRT-LLM fuse each expert's gate/up into w13: one weight_scale_2 and one input_scale.
+GATE_UP_SHARED = (("gate_proj", "up_proj"),)
+DECODER_UNIT_KEY_RE = r"^(?P<unit>model\.layers\.\d+)\."
+DECODER_LAYER_RE = r"(?:^|\.)model\.layers\.\d+$"
+
+
+def experts_class(model_class: str) -> type:
+    """The experts class of transformers' ``model_class``: the one class of its modeling module decorated by
+    transformers' experts interface (SpecError unless exactly one)."""
+    module = sys.modules[getattr(transformers, model_class).__module__]  # imported by that getattr
+    found = [obj for name, obj in vars(module).items()
+             if isinstance(obj, type) and obj.__module__ == module.__name__ and name.endswith("Experts")
+             and hasattr(obj, "_apply_gate")]
+    if len(found) != 1:
+        raise SpecError(f"{module.__name__} has {len(found)} experts-interface classes, not one: "
+                        f"{[c.__name__ for c in found]}; pass experts= to transformers_moe_spec")
+    return found[0]
+
+
+def transformers_conversion(model_type: str) -> list:
+    """transformers' own checkpoint conversion for ``model_type`` (a fresh copy: the loader consumes it)."""
+    mapping = get_checkpoint_conversion_mapping(model_type)
+    if not mapping:
+        raise SpecError(f"this transformers has no checkpoint conversion for {model_type!r} (fused experts need >= 5.0)")
+    return mapping
+
+
+def eager_experts(ctx: PrepareContext) -> None:
+    """Construct with eager experts; the loader installs the plan's implementation on the built model."""
+    ctx.config._experts_implementation = "eager"
+
+
+def transformers_moe_spec(
+    model_type: str,
+    model_class: str,
+    *,
+    num_experts_attr: str,
+    prepare: Callable[[PrepareContext], None] = eager_experts,
+    converters: Callable[[PrepareContext], list] | None = None,
+    experts: type | None = None,
+    loading: dict[str, Any] | None = None,
+    quant: dict[str, Any] | None = None,
+    activation_memory: Callable[..., Any] | None = None,
+    min_transformers: str = "5.0.0",
+    **groups: Any,
+) -> ModelSpec:
+    """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring). ``converters``: the
+    checkpoint conversion (default: transformers' own for ``model_type``); ``experts``: transformers' experts
+    class when it cannot be derived; ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields;
+    ``groups``: the remaining ``ModelSpec`` fields (``recipes``, ``serving``, ``source_check``, ``stand_in``)."""
+    base = experts or experts_class(model_class)
+
+    def own_conversion(ctx: PrepareContext) -> list:
+        return transformers_conversion(model_type)
+
+    quant_fields = {"shared_scale_groups": GATE_UP_SHARED, **(quant or {})}
+    return ModelSpec(
+        model_type=model_type,
+        min_transformers=min_transformers,
+        loading=LoadingSpec(model_class=TransformersClass(model_class), prepare=prepare,
+                            converters=converters or own_conversion, **(loading or {})),
+        experts=ExpertsSpec(
+            module_regex=r"\.mlp\.experts$",
+            sharded_params={"gate_up_proj": 0, "down_proj": 0},
+            projections=GATED_PROJECTIONS,
+            num_experts_attr=num_experts_attr,
+            key_regex=EXPERT_KEY_RE,
+            place_experts=experts_placer(base),
+        ),
+        quant=QuantSpec(**quant_fields),
+        memory=MemorySpec(fsdp_unit_key_regex=DECODER_UNIT_KEY_RE, activation_memory=activation_memory),
+        report=ReportSpec(decoder_layer_regex=DECODER_LAYER_RE),
+        **groups,
+    )
+
+
+__all__ = ["EXPERT_KEY_RE", "GATED_PROJECTIONS", "experts_class", "transformers_conversion",
+           "transformers_moe_spec"]
