@@ -22,7 +22,7 @@ MODELS = sorted(builtin_model_packages())
 def test_the_builtin_models_are_found():
     # Every package under models/ but the shared one (models/common) is a model type that registers its spec.
     dirs = {d.name for d in (PACKAGE / "models").iterdir() if (d / "__init__.py").is_file()}
-    assert MODELS == sorted(dirs - {"common"}) and len(MODELS) >= 4
+    assert sorted(dirs - {"common"}) == MODELS and len(MODELS) >= 4
     assert all(get_spec(m).model_type == m for m in MODELS)
 
 
