@@ -1,0 +1,80 @@
+"""``models/common``: the experts class derived from transformers' experts interface, our experts base on its
+instances with transformers' eager numerics bit for bit (also for a model no package of ours defines yet:
+MiniMax-M2, issue 40), and the spec builder's derived fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelopt_k3.models.common.experts import experts_placer, fused_experts_class
+from modelopt_k3.models.common.spec import experts_class, transformers_conversion, transformers_moe_spec
+from modelopt_k3.spec import SpecError
+
+SMALL = {"hidden_size": 16, "intermediate_size": 8, "moe_intermediate_size": 8, "num_experts": 6,
+         "n_routed_experts": 6, "num_local_experts": 6}
+
+
+@pytest.mark.parametrize("model_class, name", [("Qwen3MoeForCausalLM", "Qwen3MoeExperts"),
+                                               ("DeepseekV3ForCausalLM", "DeepseekV3Experts"),
+                                               ("MiniMaxM2ForCausalLM", "MiniMaxM2Experts")])
+def test_the_experts_class_is_the_one_the_experts_interface_decorates(model_class, name):
+    assert experts_class(model_class).__name__ == name
+
+
+def test_a_modeling_module_without_one_experts_class_is_refused():
+    with pytest.raises(SpecError, match="experts-interface classes, not one"):
+        experts_class("LlamaForCausalLM")
+
+
+def _experts(model_class: str) -> torch.nn.Module:
+    import transformers
+
+    config_cls = getattr(transformers, model_class).config_class
+    config = config_cls(**{k: v for k, v in SMALL.items() if hasattr(config_cls(), k)})
+    config._experts_implementation = "eager"
+    with torch.device("cpu"):
+        module = experts_class(model_class)(config).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return module
+
+
+@pytest.mark.parametrize("model_class", ["Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM"])
+def test_the_fused_experts_give_transformers_eager_output_bit_for_bit(model_class):
+    module = _experts(model_class)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 16, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(40)])  # k = 3: the add order shows
+    weights = torch.rand(40, 3, generator=g)
+    want = module(hidden, ids, weights)
+    base = type(module)
+    root = torch.nn.Sequential(module)
+    from modelopt_k3.dist.placement import ExpertPlacement
+
+    experts_placer(base)(root, ExpertPlacement(6))
+    assert type(module) is fused_experts_class(base) and base.__name__.replace("Experts", "FusedExperts") == \
+        type(module).__name__
+    assert base.forward is not type(module).forward  # transformers' class itself is left unpatched
+    got = module(hidden, ids, weights)
+    assert torch.equal(got, want)
+
+
+def test_one_fused_class_per_transformers_class():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from modelopt_k3.models.qwen3_moe import Qwen3MoeFusedExperts
+
+    assert fused_experts_class(Qwen3MoeExperts) is Qwen3MoeFusedExperts
+
+
+def test_the_builder_derives_the_conversion_and_the_experts():
+    spec = transformers_moe_spec("minimax_m2", "MiniMaxM2ForCausalLM", num_experts_attr="num_local_experts")
+    assert spec.loading.model_class.name == "MiniMaxM2ForCausalLM" and spec.experts.num_experts_attr == "num_local_experts"
+    assert [(c.source_patterns, c.target_patterns) for c in spec.loading.converters(None)] == \
+        [(c.source_patterns, c.target_patterns) for c in transformers_conversion("minimax_m2")]
+    assert spec.quant.shared_scale_groups == (("gate_proj", "up_proj"),)
+    with pytest.raises(SpecError, match="no checkpoint conversion for 'llama'"):
+        transformers_conversion("llama")
