@@ -6,7 +6,8 @@ decorates: ``use_experts_implementation`` gives it ``_apply_gate``), its placeme
 instances (``experts.experts_placer``), the per-expert checkpoint names and their fusion into
 ``gate_up_proj``/``down_proj`` (transformers' own conversion mapping, which the loader runs and the exporter
 reverses through ``projections``), the decoder-layer regexes (the FSDP2 unit, ``_no_split_modules``, and the
-report's hidden states) and the gate/up scale sharing every engine's fused ``w13`` needs. The caller gives what
+report's hidden states), the gate/up scale sharing every engine's fused ``w13`` needs, and (unless the package
+writes its own) the checkpoint layout the source check holds a checkpoint to, from the model built on meta. The caller gives what
 differs: the config's expert-count attribute, its recipes, serving rules, source formats, memory model, probe.
 """
 
@@ -28,10 +29,12 @@ from ...spec import (
     PrepareContext,
     QuantSpec,
     ReportSpec,
+    SourceCheckSpec,
     SpecError,
     TransformersClass,
 )
 from .experts import experts_placer
+from .layout import meta_layouts
 
 # Per-expert checkpoint Linears of a gated experts module: ``...mlp.experts.<id>.<proj>.<tensor>``.
 EXPERT_KEY_RE = r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)\.(?P<tensor>\w+)$"
@@ -90,8 +93,12 @@ def transformers_moe_spec(
     """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring). ``converters``: the
     checkpoint conversion (default: transformers' own for ``model_type``); ``experts``: transformers' experts
     class when it cannot be derived; ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields;
-    ``groups``: the remaining ``ModelSpec`` fields (``recipes``, ``serving``, ``source_check``, ``stand_in``)."""
+    ``groups``: the remaining ``ModelSpec`` fields (``recipes``, ``serving``, ``source_check``, ``stand_in``);
+    without ``source_check`` the checkpoint's layout is read off the model built on meta (``layout.py``)."""
     base = experts or experts_class(model_class)
+    if "source_check" not in groups:
+        expert_layout, dense_layout = meta_layouts(model_class)
+        groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout)
 
     def own_conversion(ctx: PrepareContext) -> list:
         return transformers_conversion(model_type)

@@ -4,6 +4,8 @@ MiniMax-M2, issue 40), and the spec builder's derived fields."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -78,3 +80,36 @@ def test_the_builder_derives_the_conversion_and_the_experts():
     assert spec.quant.shared_scale_groups == (("gate_proj", "up_proj"),)
     with pytest.raises(SpecError, match="no checkpoint conversion for 'llama'"):
         transformers_conversion("llama")
+
+
+@pytest.mark.parametrize("sizes", [{}, {"mlp_only_layers": [], "decoder_sparse_step": 2}], ids=["stand-in", "step-2"])
+def test_the_layout_read_off_the_meta_model_is_qwen3_moes_hand_written_one(sizes):
+    """Every tensor of the Qwen3-MoE stand-in's config gets the same shape from both, every expert layer the
+    same experts and projections."""
+    from modelopt_k3.models.common.layout import meta_layouts
+    from modelopt_k3.models.qwen3_moe.source_layout import dense_layout, expert_layout
+    from modelopt_k3.testing.qwen3_moe import QWEN3_MOE_TINY_DEFAULTS, checkpoint_config
+
+    config = checkpoint_config({**QWEN3_MOE_TINY_DEFAULTS, **sizes})
+    meta_experts, meta_dense = meta_layouts("Qwen3MoeForCausalLM")
+    assert [(x.module, x.num_experts, dict(x.projections)) for x in meta_experts(config)] == \
+        [(x.module, x.num_experts, dict(x.projections)) for x in expert_layout(config)]
+    rules = [r for r in meta_dense(config) if r[1] is not None]
+    assert len(rules) > 10
+    hand = [(re.compile(rx), shape) for rx, shape, _ in dense_layout(config) if shape is not None]
+    for rx, shape, _ in rules:
+        name = rx.replace("\\", "")
+        assert [s for r, s in hand if r.fullmatch(name)] == [shape], name
+
+
+def test_a_new_model_gets_a_source_layout_from_its_classes():
+    """MiniMax-M2 (issue 40): no package of ours, yet the builder's spec knows its experts' checkpoint shapes."""
+    spec = transformers_moe_spec("minimax_m2", "MiniMaxM2ForCausalLM", num_experts_attr="num_local_experts")
+    config = {"model_type": "minimax_m2", "hidden_size": 16, "intermediate_size": 8, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 8, "vocab_size": 32}
+    layouts = spec.source_check.expert_layout(config)
+    assert [(x.module, x.num_experts, dict(x.projections)) for x in layouts] == [
+        (f"model.layers.{i}.mlp.experts", 4, {"gate_proj": (8, 16), "up_proj": (8, 16), "down_proj": (16, 8)})
+        for i in range(2)]
+    assert ("model\\.embed_tokens\\.weight", (32, 16)) in [r[:2] for r in spec.source_check.dense_layout(config)]
