@@ -7,7 +7,8 @@ instances (``experts.experts_placer``), the per-expert checkpoint names and thei
 ``gate_up_proj``/``down_proj`` (transformers' own conversion mapping, which the loader runs and the exporter
 reverses through ``projections``), the decoder-layer regexes (the FSDP2 unit, ``_no_split_modules``, and the
 report's hidden states), the gate/up scale sharing every engine's fused ``w13`` needs, and (unless the package
-writes its own) the checkpoint layout the source check holds a checkpoint to, from the model built on meta. The caller gives what
+writes its own) the checkpoint layout the source check holds a checkpoint to, from the model built on meta, and
+the shared-input probe on a tiny copy of the config. The caller gives what
 differs: the config's expert-count attribute, its recipes, serving rules, source formats, memory model, probe.
 """
 
@@ -35,6 +36,7 @@ from ...spec import (
 )
 from .experts import experts_placer
 from .layout import meta_layouts
+from .probe import probe_model as default_probe
 
 # Per-expert checkpoint Linears of a gated experts module: ``...mlp.experts.<id>.<proj>.<tensor>``.
 EXPERT_KEY_RE = r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)\.(?P<tensor>\w+)$"
@@ -94,7 +96,8 @@ def transformers_moe_spec(
     checkpoint conversion (default: transformers' own for ``model_type``); ``experts``: transformers' experts
     class when it cannot be derived; ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields;
     ``groups``: the remaining ``ModelSpec`` fields (``recipes``, ``serving``, ``source_check``, ``stand_in``);
-    without ``source_check`` the checkpoint's layout is read off the model built on meta (``layout.py``)."""
+    without ``source_check`` the checkpoint's layout is read off the model built on meta (``layout.py``), without a
+    ``probe_model`` the shared-input probe is ``probe.py``'s."""
     base = experts or experts_class(model_class)
     if "source_check" not in groups:
         expert_layout, dense_layout = meta_layouts(model_class)
@@ -103,7 +106,7 @@ def transformers_moe_spec(
     def own_conversion(ctx: PrepareContext) -> list:
         return transformers_conversion(model_type)
 
-    quant_fields = {"shared_scale_groups": GATE_UP_SHARED, **(quant or {})}
+    quant_fields = {"shared_scale_groups": GATE_UP_SHARED, "probe_model": default_probe, **(quant or {})}
     return ModelSpec(
         model_type=model_type,
         min_transformers=min_transformers,

@@ -4,7 +4,7 @@ transformers' own ``DeepseekV3*`` classes, BF16, block-FP8 or INT4 pack-quantize
 Built by ``models/common``'s ``transformers_moe_spec`` (fused ``DeepseekV3Experts``, the gate/up layout, the
 layer regexes) and its MLA KV-cache site. What is DeepSeek-V3's own: ``source`` (the source formats as
 converter chains: block-FP8 dense Linears and experts, INT4 experts), ``prepare`` (the source kind and its
-experts converters), recipes, serving rules, memory model and probe. Facts: docs/DESIGN_NOTES.md "DeepSeek-V3".
+experts converters), recipes, serving rules and memory model. Facts: docs/DESIGN_NOTES.md "DeepSeek-V3".
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from ..common.spec import transformers_moe_spec
 from .kv_cache import kv_cache_sites, kv_scale_names
 from .memory import activation_memory
 from .prepare import checkpoint_converters, prepare
-from .probe import probe_model
 from .source import DENSE_FP8_CONVERTERS
 from .source_layout import carried_modules, check_config_fields
 
@@ -51,7 +50,7 @@ DEEPSEEK_V3_SPEC = register_spec(
         # No MXFP4 (compressed-tensors) format: the converter decodes block-FP8 and INT4 sources through
         # ``converters`` / ``dense_converters`` as the loader does (``checkpoint.source_decode.SourceDecode``).
         loading={"source_formats": frozenset(), "dense_converters": DENSE_FP8_CONVERTERS},
-        quant={"kv_cache_sites": kv_cache_sites, "probe_model": probe_model},
+        quant={"kv_cache_sites": kv_cache_sites},
         activation_memory=activation_memory,
         source_check=SourceCheckSpec(check_config=check_config_fields, carried=carried_modules),
         # Without --recipe the converter writes weight-only NVFP4 where the nvfp4 recipe quantizes (W4A4 input

@@ -3,7 +3,8 @@
 Built by ``models/common``'s ``transformers_moe_spec``: transformers' fused ``Qwen3MoeExperts`` behind its
 experts interface and its own checkpoint conversion (the ``qwen2_moe`` mapping: per-expert
 ``gate_proj``/``up_proj`` -> ``gate_up_proj`` by ``MergeModulelist`` + ``Concatenate``). What is Qwen3-MoE's
-own: BF16 sources only, its recipes, serving rules, source layout, memory model and probe.
+own: BF16 sources only, its recipes, serving rules, source layout (errors that name the config fields) and
+memory model.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from ...spec import PrepareContext, RecipesSpec, ServingSpec, SourceCheckSpec, S
 from ..common.experts import fused_experts_class
 from ..common.spec import eager_experts, transformers_moe_spec
 from .memory import activation_memory
-from .probe import probe_model
 from .source_layout import check_config_fields, dense_layout, expert_layout
 
 Qwen3MoeFusedExperts = fused_experts_class(Qwen3MoeExperts)
@@ -50,8 +50,6 @@ QWEN3_MOE_SPEC = register_spec(
         "qwen3_moe", "Qwen3MoeForCausalLM",
         num_experts_attr="num_experts",
         prepare=prepare,
-        # Both engines fuse gate/up into w13 with one weight_scale_2 and one input_scale (serving.py).
-        quant={"probe_model": probe_model},
         activation_memory=activation_memory,
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                      check_config=check_config_fields),

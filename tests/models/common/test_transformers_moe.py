@@ -113,3 +113,36 @@ def test_a_new_model_gets_a_source_layout_from_its_classes():
         (f"model.layers.{i}.mlp.experts", 4, {"gate_proj": (8, 16), "up_proj": (8, 16), "down_proj": (16, 8)})
         for i in range(2)]
     assert ("model\\.embed_tokens\\.weight", (32, 16)) in [r[:2] for r in spec.source_check.dense_layout(config)]
+
+
+QWEN3 = {("model.layers.*.self_attn", ("k_proj", "q_proj", "v_proj")), ("model.layers.*.mlp", ("gate_proj", "up_proj"))}
+MLA = {("model.layers.*.self_attn", ("kv_a_proj_with_mqa", "q_a_proj")), ("model.layers.*.mlp", ("gate_proj", "up_proj")),
+       ("model.layers.*.mlp.shared_experts", ("gate_proj", "up_proj"))}
+
+
+@pytest.mark.parametrize("model_type, sizes, rules", [
+    ("qwen3_moe", {}, QWEN3),  # the stand-in: one dense mlp_only_layers layer
+    ("qwen3_moe", {"num_hidden_layers": 48, "mlp_only_layers": [], "num_experts": 128, "hidden_size": 2048},
+     QWEN3 - {("model.layers.*.mlp", ("gate_proj", "up_proj"))}),  # Qwen3-30B-A3B's shape: no dense MLP
+    ("qwen3_moe", {"num_experts": 0}, QWEN3),  # a dense model of the family stays dense
+    ("deepseek_v3", {}, MLA),
+    ("deepseek_v3", {"num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_group": 8,
+                     "topk_group": 4, "kv_lora_rank": 512, "q_lora_rank": 1536}, MLA),
+    ("deepseek_v3", {"first_k_dense_replace": 0}, MLA - {("model.layers.*.mlp", ("gate_proj", "up_proj"))}),
+], ids=["qwen3-stand-in", "qwen3-all-moe", "qwen3-dense", "dsv3-stand-in", "dsv3-real-shape", "dsv3-all-moe"])
+def test_the_default_probe_finds_every_layer_kinds_groups(model_type, sizes, rules, tmp_path, monkeypatch):
+    """Every layer kept (tiny widths) is every layer kind as the real config places it: MLA's q_a + kv_a, attention
+    q/k/v, dense and shared-expert gate/up -- and no group of a kind the config does not have."""
+    from transformers import AutoConfig
+
+    from modelopt_k3.quant import shared_inputs
+    from modelopt_k3.spec import get_spec
+    from modelopt_k3.testing import make_tiny
+
+    spec = get_spec(model_type)
+    stand_in = AutoConfig.from_pretrained(make_tiny(model_type, tmp_path / "ckpt", seed=0))
+    config = type(stand_in)(**{**stand_in.to_dict(), **sizes})
+    model_cls = spec.loading.model_class.resolve(tmp_path / "ckpt", {}, False)[0]
+    monkeypatch.setattr(shared_inputs, "_DISCOVERED", {})
+    found = shared_inputs.discover_shared_inputs(spec, model_cls, config)
+    assert {(r.parent, r.members) for r in found} == rules
