@@ -26,6 +26,7 @@ from ...spec import (
     ExpertsSpec,
     LoadingSpec,
     MemorySpec,
+    ModelClassSource,
     ModelSpec,
     PrepareContext,
     QuantSpec,
@@ -82,10 +83,12 @@ def transformers_moe_spec(
     model_type: str,
     model_class: str,
     *,
-    num_experts_attr: str,
+    num_experts_attr: str | None = None,
     prepare: Callable[[PrepareContext], None] = eager_experts,
     converters: Callable[[PrepareContext], list] | None = None,
     experts: type | None = None,
+    experts_spec: ExpertsSpec | None = None,
+    model_source: ModelClassSource | None = None,
     loading: dict[str, Any] | None = None,
     quant: dict[str, Any] | None = None,
     activation_memory: Callable[..., Any] | None = None,
@@ -94,11 +97,24 @@ def transformers_moe_spec(
 ) -> ModelSpec:
     """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring). ``converters``: the
     checkpoint conversion (default: transformers' own for ``model_type``); ``experts``: transformers' experts
-    class when it cannot be derived; ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields;
+    class when it cannot be derived; ``experts_spec``/``model_source``: a model whose experts are our own module in
+    another layout (GPT-OSS: interleaved gate/up, biases, MXFP4), built by its own class; ``loading``/``quant``:
+    further ``LoadingSpec``/``QuantSpec`` fields;
     ``groups``: the remaining ``ModelSpec`` fields (``recipes``, ``serving``, ``source_check``, ``stand_in``);
     without ``source_check`` the checkpoint's layout is read off the model built on meta (``layout.py``), without a
     ``probe_model`` the shared-input probe is ``probe.py``'s."""
-    base = experts or experts_class(model_class)
+    if experts_spec is None:
+        if num_experts_attr is None:
+            raise SpecError(f"{model_type}: the config attribute holding the routed-expert count is needed "
+                            "(num_experts_attr)")
+        experts_spec = ExpertsSpec(
+            module_regex=r"\.mlp\.experts$",
+            sharded_params={"gate_up_proj": 0, "down_proj": 0},
+            projections=GATED_PROJECTIONS,
+            num_experts_attr=num_experts_attr,
+            key_regex=EXPERT_KEY_RE,
+            place_experts=experts_placer(experts or experts_class(model_class)),
+        )
     if "source_check" not in groups:
         expert_layout, dense_layout = meta_layouts(model_class)
         groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout)
@@ -106,20 +122,16 @@ def transformers_moe_spec(
     def own_conversion(ctx: PrepareContext) -> list:
         return transformers_conversion(model_type)
 
-    quant_fields = {"shared_scale_groups": GATE_UP_SHARED, "probe_model": default_probe, **(quant or {})}
+    # Separate gate and up projections share their scales; one gate_up projection shares them by itself.
+    split = {p.name for p in experts_spec.projections} >= {"gate_proj", "up_proj"}
+    quant_fields = {"shared_scale_groups": GATE_UP_SHARED if split else (), "probe_model": default_probe,
+                    **(quant or {})}
     return ModelSpec(
         model_type=model_type,
         min_transformers=min_transformers,
-        loading=LoadingSpec(model_class=TransformersClass(model_class), prepare=prepare,
+        loading=LoadingSpec(model_class=model_source or TransformersClass(model_class), prepare=prepare,
                             converters=converters or own_conversion, **(loading or {})),
-        experts=ExpertsSpec(
-            module_regex=r"\.mlp\.experts$",
-            sharded_params={"gate_up_proj": 0, "down_proj": 0},
-            projections=GATED_PROJECTIONS,
-            num_experts_attr=num_experts_attr,
-            key_regex=EXPERT_KEY_RE,
-            place_experts=experts_placer(base),
-        ),
+        experts=experts_spec,
         quant=QuantSpec(**quant_fields),
         memory=MemorySpec(fsdp_unit_key_regex=DECODER_UNIT_KEY_RE, activation_memory=activation_memory),
         report=ReportSpec(decoder_layer_regex=DECODER_LAYER_RE),

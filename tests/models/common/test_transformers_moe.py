@@ -129,7 +129,9 @@ MLA = {("model.layers.*.self_attn", ("kv_a_proj_with_mqa", "q_a_proj")), ("model
     ("deepseek_v3", {"num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_group": 8,
                      "topk_group": 4, "kv_lora_rank": 512, "q_lora_rank": 1536}, MLA),
     ("deepseek_v3", {"first_k_dense_replace": 0}, MLA - {("model.layers.*.mlp", ("gate_proj", "up_proj"))}),
-], ids=["qwen3-stand-in", "qwen3-all-moe", "qwen3-dense", "dsv3-stand-in", "dsv3-real-shape", "dsv3-all-moe"])
+    ("gpt_oss", {}, {("model.layers.*.self_attn", ("k_proj", "q_proj", "v_proj"))}),  # sliding and full layers
+], ids=["qwen3-stand-in", "qwen3-all-moe", "qwen3-dense", "dsv3-stand-in", "dsv3-real-shape", "dsv3-all-moe",
+        "gpt-oss"])
 def test_the_default_probe_finds_every_layer_kinds_groups(model_type, sizes, rules, tmp_path, monkeypatch):
     """Every layer kept (tiny widths) is every layer kind as the real config places it: MLA's q_a + kv_a, attention
     q/k/v, dense and shared-expert gate/up -- and no group of a kind the config does not have."""
