@@ -42,10 +42,14 @@ def _meta_shapes(model_class: str, config_json: str) -> tuple[tuple[str, tuple[i
     return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items())
 
 
-def meta_layouts(model_class: str, experts_re: str = r"\.mlp\.experts$") -> tuple[
+def meta_layouts(model_class: str, fields: tuple[str, ...] = ("num_hidden_layers",),
+                 experts_re: str = r"\.mlp\.experts$") -> tuple[
         Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]], Callable[[Mapping[str, Any]], Dense]]:
-    """(expert_layout, dense_layout) for ``SourceCheckSpec``, both read off ``model_class`` built on meta."""
-    source = f"{model_class} built from config.json"
+    """(expert_layout, dense_layout) for ``SourceCheckSpec``, both read off ``model_class`` built on meta; an error
+    quotes the config ``fields`` that place the layers (the ones a user would edit)."""
+
+    def quoted(config: Mapping[str, Any]) -> str:
+        return f"{model_class} built from config.json: " + ", ".join(f"{k}={config.get(k)}" for k in fields)
 
     def experts(config: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
         found: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -61,14 +65,14 @@ def meta_layouts(model_class: str, experts_re: str = r"\.mlp\.experts$") -> tupl
             e, two_i, h = params["gate_up_proj"]
             i = two_i // 2
             layouts.append(ExpertsLayout(module, e, {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)},
-                                         f"{source}: {module}.gate_up_proj {[e, two_i, h]}"))
+                                         f"{quoted(config)}; {module}.gate_up_proj {[e, two_i, h]}"))
         return tuple(layouts)
 
     def dense_layout(config: Mapping[str, Any]) -> Dense:
         fused = set(experts(config))
         shapes = _meta_shapes(model_class, _frozen(config))
         rules: list[tuple[str, tuple[int, ...] | None, str]] = [
-            (re.escape(name), shape, source) for name, shape in shapes if name.rpartition(".")[0] not in fused]
+            (re.escape(name), shape, quoted(config)) for name, shape in shapes if name.rpartition(".")[0] not in fused]
         rules.append((LAYER_RE, None, f"num_hidden_layers={config.get('num_hidden_layers')}"))
         return tuple(rules)
 

@@ -92,6 +92,8 @@ def transformers_moe_spec(
     loading: dict[str, Any] | None = None,
     quant: dict[str, Any] | None = None,
     activation_memory: Callable[..., Any] | None = None,
+    check_config: Callable[[Any], None] | None = None,
+    layout_fields: tuple[str, ...] = ("num_hidden_layers",),
     min_transformers: str = "5.0.0",
     **groups: Any,
 ) -> ModelSpec:
@@ -101,7 +103,8 @@ def transformers_moe_spec(
     another layout (GPT-OSS: interleaved gate/up, biases, MXFP4), built by its own class; ``loading``/``quant``:
     further ``LoadingSpec``/``QuantSpec`` fields;
     ``groups``: the remaining ``ModelSpec`` fields (``recipes``, ``serving``, ``source_check``, ``stand_in``);
-    without ``source_check`` the checkpoint's layout is read off the model built on meta (``layout.py``), without a
+    without ``source_check`` the checkpoint's layout is read off the model built on meta (``layout.py``; its errors
+    quote ``layout_fields``) after the package's ``check_config``, without a
     ``probe_model`` the shared-input probe is ``probe.py``'s."""
     if experts_spec is None:
         if num_experts_attr is None:
@@ -116,8 +119,9 @@ def transformers_moe_spec(
             place_experts=experts_placer(experts or experts_class(model_class)),
         )
     if "source_check" not in groups:
-        expert_layout, dense_layout = meta_layouts(model_class)
-        groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout)
+        expert_layout, dense_layout = meta_layouts(model_class, layout_fields)
+        groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
+                                                 check_config=check_config)
 
     def own_conversion(ctx: PrepareContext) -> list:
         return transformers_conversion(model_type)

@@ -3,8 +3,7 @@
 Built by ``models/common``'s ``transformers_moe_spec``: transformers' fused ``Qwen3MoeExperts`` behind its
 experts interface and its own checkpoint conversion (the ``qwen2_moe`` mapping: per-expert
 ``gate_proj``/``up_proj`` -> ``gate_up_proj`` by ``MergeModulelist`` + ``Concatenate``). What is Qwen3-MoE's
-own: BF16 sources only, its recipes, serving rules, source layout (errors that name the config fields) and
-memory model.
+own: BF16 sources only, its recipes, serving rules, config checks and memory model.
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ from typing import Any
 
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from ...spec import PrepareContext, RecipesSpec, ServingSpec, SourceCheckSpec, SpecError, register_spec
+from ...spec import PrepareContext, RecipesSpec, ServingSpec, SpecError, register_spec
 from ..common.experts import fused_experts_class
 from ..common.spec import eager_experts, transformers_moe_spec
 from .memory import activation_memory
-from .source_layout import check_config_fields, dense_layout, expert_layout
+from .source_layout import LAYOUT_FIELDS, check_config_fields
 
 Qwen3MoeFusedExperts = fused_experts_class(Qwen3MoeExperts)
 
@@ -51,8 +50,8 @@ QWEN3_MOE_SPEC = register_spec(
         num_experts_attr="num_experts",
         prepare=prepare,
         activation_memory=activation_memory,
-        source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
-                                     check_config=check_config_fields),
+        check_config=check_config_fields,
+        layout_fields=LAYOUT_FIELDS,
         recipes=RecipesSpec(
             # presets/nvfp4 keeps attention BF16 for Kimi-K3's engines; Qwen3-MoE's serve it NVFP4 (serving.py).
             qformat={"nvfp4": "presets/nvfp4_default",

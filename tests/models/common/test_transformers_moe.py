@@ -83,23 +83,31 @@ def test_the_builder_derives_the_conversion_and_the_experts():
 
 
 @pytest.mark.parametrize("sizes", [{}, {"mlp_only_layers": [], "decoder_sparse_step": 2}], ids=["stand-in", "step-2"])
-def test_the_layout_read_off_the_meta_model_is_qwen3_moes_hand_written_one(sizes):
-    """Every tensor of the Qwen3-MoE stand-in's config gets the same shape from both, every expert layer the
-    same experts and projections."""
-    from modelopt_k3.models.common.layout import meta_layouts
-    from modelopt_k3.models.qwen3_moe.source_layout import dense_layout, expert_layout
-    from modelopt_k3.testing.qwen3_moe import QWEN3_MOE_TINY_DEFAULTS, checkpoint_config
+def test_the_layout_read_off_the_meta_model_is_the_stand_ins(sizes, tmp_path):
+    """Every tensor the Qwen3-MoE stand-in generator (its own code, not transformers') writes has the shape the
+    meta model's layout gives it, and every expert layer it names is stored, expert by expert."""
+    import json
 
-    config = checkpoint_config({**QWEN3_MOE_TINY_DEFAULTS, **sizes})
-    meta_experts, meta_dense = meta_layouts("Qwen3MoeForCausalLM")
-    assert [(x.module, x.num_experts, dict(x.projections)) for x in meta_experts(config)] == \
-        [(x.module, x.num_experts, dict(x.projections)) for x in expert_layout(config)]
-    rules = [r for r in meta_dense(config) if r[1] is not None]
-    assert len(rules) > 10
-    hand = [(re.compile(rx), shape) for rx, shape, _ in dense_layout(config) if shape is not None]
-    for rx, shape, _ in rules:
-        name = rx.replace("\\", "")
-        assert [s for r, s in hand if r.fullmatch(name)] == [shape], name
+    from modelopt_k3.checkpoint import CheckpointReader
+    from modelopt_k3.models.common.layout import meta_layouts
+    from modelopt_k3.testing import make_tiny
+
+    ckpt = make_tiny("qwen3_moe", tmp_path / "ckpt", seed=0, **sizes)
+    config = json.loads((ckpt / "config.json").read_text())
+    expert_layout, dense_layout = meta_layouts("Qwen3MoeForCausalLM")
+    layouts = {x.module: x for x in expert_layout(config)}
+    rules = [(re.compile(rx), shape) for rx, shape, _ in dense_layout(config) if shape is not None]
+    expert_key = re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+    stored: dict[str, set[int]] = {}
+    with CheckpointReader(ckpt) as reader:
+        for key, (_, shape) in reader.inventory().items():
+            m = expert_key.match(key)
+            if m:
+                assert tuple(shape) == layouts[m["module"]].projections[m["proj"]], key
+                stored.setdefault(m["module"], set()).add(int(m["e"]))
+            else:
+                assert [want for rx, want in rules if rx.fullmatch(key)] == [tuple(shape)], key
+    assert stored == {name: set(range(x.num_experts)) for name, x in layouts.items()} and len(stored) >= 1
 
 
 def test_a_new_model_gets_a_source_layout_from_its_classes():
