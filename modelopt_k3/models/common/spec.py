@@ -97,15 +97,16 @@ def transformers_moe_spec(
     min_transformers: str = "5.0.0",
     **groups: Any,
 ) -> ModelSpec:
-    """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring). ``converters``: the
-    checkpoint conversion (default: transformers' own for ``model_type``); ``experts``: transformers' experts
-    class when it cannot be derived; ``experts_spec``/``model_source``: a model whose experts are our own module in
-    another layout (GPT-OSS: interleaved gate/up, biases, MXFP4), built by its own class; ``loading``/``quant``:
-    further ``LoadingSpec``/``QuantSpec`` fields;
-    ``groups``: the remaining ``ModelSpec`` fields (``recipes``, ``serving``, ``source_check``, ``stand_in``);
-    without ``source_check`` the checkpoint's layout is read off the model built on meta (``layout.py``; its errors
-    quote ``layout_fields``) after the package's ``check_config``, without a
-    ``probe_model`` the shared-input probe is ``probe.py``'s."""
+    """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring).
+
+    ``converters``: the checkpoint conversion (default: transformers' own for ``model_type``). ``experts``:
+    transformers' experts class where it cannot be derived. ``experts_spec``/``model_source``: a model whose
+    experts are our own module in another layout (GPT-OSS: interleaved gate/up, biases, MXFP4), built by its own
+    class. ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields. ``groups``: the other
+    ``ModelSpec`` fields (``recipes``, ``serving``, ``stand_in``, ``source_check``). Without ``source_check`` the
+    checkpoint's layout is read off the model built on meta (``layout.py``; its errors quote ``layout_fields``)
+    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s.
+    """
     if experts_spec is None:
         if num_experts_attr is None:
             raise SpecError(f"{model_type}: the config attribute holding the routed-expert count is needed "
