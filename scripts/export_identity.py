@@ -1,8 +1,8 @@
 """Prove that two revisions export the same checkpoints: every tensor's bytes and every JSON file.
 
 A refactor must leave every export byte-identical (issue 11). This script checks out two
-revisions as temporary git worktrees, runs the same matrix of exports with each on ONE tiny
-Kimi-K3 checkpoint (generated once, by the first revision), and compares the results::
+revisions as temporary git worktrees, runs the same matrix of exports with each on one tiny
+stand-in checkpoint per model (generated once, by the first revision), and compares the results::
 
     python scripts/export_identity.py --base main            # main vs the working tree
     python scripts/export_identity.py --base A --head B      # two revisions
@@ -39,6 +39,7 @@ class Config:
     name: str
     ranks: int  # 0: the streaming converter, one process
     args: tuple[str, ...]
+    model: str = "kimi_k3"  # the stand-in exported (its spec's ``stand_in``, ``testing.make_tiny``)
 
 
 MATRIX = (
@@ -56,6 +57,13 @@ MATRIX = (
     Config("fsdp2_nvfp4", 2, ("--qformat", "nvfp4", "--plan", "fsdp2")),
     Config("convert_mirror", 0, ("--recipe", MIRROR)),
     Config("convert_default", 0, ()),  # the CLI's default recipe, models/moonshotai/Kimi-K3/nvfp4_experts
+    # One export per transformers-native model (their specs share models/common/): the KV-cache variant on
+    # DeepSeek-V3 covers the shared MLA site, EP 2 on Qwen3-MoE the shared expert-order combine.
+    Config("qwen3_moe_nvfp4", 1, ("--qformat", "nvfp4"), model="qwen3_moe"),
+    Config("qwen3_moe_ep2_nvfp4", 2, ("--qformat", "nvfp4"), model="qwen3_moe"),
+    Config("gpt_oss_nvfp4", 1, ("--qformat", "nvfp4"), model="gpt_oss"),
+    Config("deepseek_v3_nvfp4_kv_fp8", 1, ("--qformat", "nvfp4", "--kv_cache_qformat", "fp8"), model="deepseek_v3"),
+    Config("deepseek_v3_convert", 0, (), model="deepseek_v3"),
 )
 
 
@@ -83,10 +91,10 @@ def _env(tree: Path, scratch: Path) -> dict[str, str]:
     }
 
 
-def _make_checkpoint(tree: Path, scratch: Path) -> Path:
-    ckpt = scratch / "tiny_kimi_k3"
+def _make_checkpoint(tree: Path, scratch: Path, model: str) -> Path:
+    ckpt = scratch / f"tiny_{model}"
     if not ckpt.exists():
-        code = f"from modelopt_k3.testing import make_tiny_kimi_k3; make_tiny_kimi_k3({str(ckpt)!r}, seed=0)"
+        code = f"from modelopt_k3.testing import make_tiny; make_tiny({model!r}, {str(ckpt)!r}, seed=0)"
         subprocess.run([sys.executable, "-c", code], env=_env(tree, scratch), check=True)
     return ckpt
 
@@ -164,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="export-identity-"))
     scratch.mkdir(parents=True, exist_ok=True)
     base_tree, head_tree = _checkout(args.base, scratch), _checkout(args.head, scratch)
-    ckpt = _make_checkpoint(base_tree, scratch)
     failures = 0
     for i, cfg in enumerate(configs):
+        ckpt = _make_checkpoint(base_tree, scratch, cfg.model)
         results = {}
         for side, tree in (("base", base_tree), ("head", head_tree)):
             out = scratch / side / cfg.name

@@ -105,8 +105,10 @@ AREAS: dict[str, Area] = {
         ("tests/models/kimi_k3/test_source_layout.py", "tests/models/test_conversion_layout.py",
          "tests/dist/test_placement.py", "tests/test_source_check.py", "tests/memory/test_planner.py")),
     "qwen3_moe": Area(
-        ("modelopt_k3/models/qwen3_moe/source_layout.py", "modelopt_k3/models/qwen3_moe/experts.py"),
-        ("tests/models/qwen3_moe/test_qwen3_moe.py", "tests/models/test_conversion_layout.py")),
+        ("modelopt_k3/models/qwen3_moe/source_layout.py", "modelopt_k3/models/common/experts.py",
+         "modelopt_k3/models/common/layout.py"),
+        ("tests/models/qwen3_moe/test_qwen3_moe.py", "tests/models/test_conversion_layout.py",
+         "tests/models/common/test_transformers_moe.py")),
     "gpt_oss": Area(
         ("modelopt_k3/models/gpt_oss/source_layout.py", "modelopt_k3/models/gpt_oss/model.py",
          "modelopt_k3/models/gpt_oss/config_layout.py", "modelopt_k3/models/gpt_oss/experts.py"),
@@ -148,7 +150,7 @@ AREAS: dict[str, Area] = {
     # Issue 32 (the code of the turn before): DeepSeek-V3's source layout and block-FP8 passthrough.
     "deepseek_v3": Area(
         ("modelopt_k3/quant/block_fp8_source.py", "modelopt_k3/models/deepseek_v3/source_layout.py",
-         "modelopt_k3/models/deepseek_v3/experts.py"),
+         "modelopt_k3/models/common/kv_cache.py"),
         ("tests/models/deepseek_v3/test_deepseek_v3_fp8_passthrough.py", "tests/models/deepseek_v3/test_deepseek_v3.py",
          "tests/models/deepseek_v3/test_deepseek_v3_mtp.py")),
 }
@@ -257,9 +259,10 @@ CURATED: tuple[Mutant, ...] = (
            "nn.Parameter(param.data[local.start : local.stop].clone()",
            "nn.Parameter(param.data[: len(local)].clone()",
            "Kimi-K3 placement: every rank keeps the first experts, not its own", area="kimi_k3"),
-    Mutant("issue33:qwen3-sparse-step", "modelopt_k3/models/qwen3_moe/source_layout.py",
-           "if i not in only and (i + 1) % step == 0]", "if i not in only and i % step == 0]",
-           "Qwen3-MoE layout: decoder_sparse_step counted from layer 0, not layer step-1"),
+    # (Qwen3-MoE's layer rule is transformers' own now: its layout is read off the model built on meta)
+    Mutant("issue39:meta-layout-gate-rows", "modelopt_k3/models/common/layout.py",
+           "i = two_i // 2", "i = two_i",
+           "meta layout: a per-expert gate/up weight as wide as the fused gate_up_proj, not half"),
     Mutant("issue33:qwen3-place-first", "modelopt_k3/experts/base.py",
            "nn.Parameter(param.data[local.start : local.stop].clone()",
            "nn.Parameter(param.data[: len(local)].clone()",

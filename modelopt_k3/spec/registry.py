@@ -19,6 +19,8 @@ from pathlib import Path
 from .contract import ModelSpec, SpecError
 
 MODELS_PACKAGE = "modelopt_k3.models"
+# Packages under ``models/`` that are no model type: code the model packages share (``models/common``).
+SHARED_PACKAGES = frozenset({"common"})
 
 _REGISTRY: dict[str, ModelSpec] = {}
 
@@ -34,6 +36,7 @@ def builtin_model_packages() -> dict[str, str]:
         for root in found.submodule_search_locations
         for d in sorted(Path(root).iterdir())
         if d.is_dir() and (d / "__init__.py").is_file() and not d.name.startswith("_")
+        and d.name not in SHARED_PACKAGES
     }
 
 

@@ -12,7 +12,7 @@ import torch
 
 from modelopt_k3.check import DIFFERENT, LOADS, REFUSES
 from tools.conformance import matrix
-from tools.conformance.run import export_fingerprint
+from tools.conformance.run import DRIVER_MODELS, export_fingerprint
 from tools.conformance.verdict import observed_verdict
 
 sys.path.insert(0, str(Path(matrix.__file__).parent / "drivers"))
@@ -171,9 +171,11 @@ def test_each_export_gets_the_driver_of_its_model(tmp_path):
 
 def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_recipe_hf_ptq_resolves():
     from modelopt_k3.run.plan import PtqConfig
-    from modelopt_k3.spec.registry import get_spec
+    from modelopt_k3.spec.registry import get_spec, known_model_types
 
     assert set(matrix.TINY_MODELS) == set(matrix.TINY_VARIANTS)
+    # Every registered model type has cells, and drivers for its exports (a new model cannot be left out).
+    assert set(matrix.TINY_MODELS.values()) == set(known_model_types()) == set(DRIVER_MODELS)
     qformat_cells = [c for c in matrix.CELLS if c.qformat]
     assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3"}
     for cell in qformat_cells:

@@ -1,8 +1,8 @@
 """The conformance matrix: which exports the engines' own loaders are run on, and how each is built.
 
-Every cell is an export of a tiny Kimi-K3 stand-in (``make_tiny_kimi_k3``), or of the tiny Qwen3-MoE, GPT-OSS or
-DeepSeek-V3 one (``make_tiny_qwen3_moe``, ``make_tiny_gpt_oss``, ``make_tiny_deepseek_v3``: the ``qwen3*``,
-``gpt_oss*`` and ``deepseek_v3*`` cells), written under a scratch
+Every cell is an export of a model's tiny stand-in (its spec's ``stand_in``, through ``testing.make_tiny``:
+Kimi-K3 for the default cells, Qwen3-MoE, GPT-OSS or DeepSeek-V3 for the ``qwen3*``, ``gpt_oss*`` and
+``deepseek_v3*`` cells; ``TINY_MODELS``, checked against the registry's model types), written under a scratch
 work directory, never inside an existing export: the presets through ``hf_ptq`` (calibrated), the
 converter's default and the mirror recipe through ``convert_checkpoint`` (calibration-free), the same
 on a 128-wide variant (flashinfer's weight shuffle, which SGLang's NVFP4 MoE post-processing runs, needs
@@ -118,18 +118,13 @@ CELL_BY_ID = {c.id: c for c in CELLS}
 
 
 def tiny_checkpoint(root: Path, tiny: str) -> Path:
-    """The tiny source of a cell, Kimi-K3, Qwen3-MoE, GPT-OSS or DeepSeek-V3 (``TINY_MODELS``; generated once under
-    ``root``; same seed, same bytes)."""
-    from modelopt_k3.testing import make_tiny_kimi_k3
-    from modelopt_k3.testing.deepseek_v3 import make_tiny_deepseek_v3
-    from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
-    from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
+    """The tiny source of a cell: the stand-in of its model type (``TINY_MODELS``, the spec's ``stand_in``;
+    generated once under ``root``; same seed, same bytes)."""
+    from modelopt_k3.testing import make_tiny
 
     path = root / f"tiny-{tiny}"
     if not (path / INDEX).exists():
-        make = {"kimi_k3": make_tiny_kimi_k3, "qwen3_moe": make_tiny_qwen3_moe, "gpt_oss": make_tiny_gpt_oss,
-                "deepseek_v3": make_tiny_deepseek_v3}[TINY_MODELS[tiny]]
-        make(path, overwrite=True, **TINY_VARIANTS[tiny])
+        make_tiny(TINY_MODELS[tiny], path, overwrite=True, **TINY_VARIANTS[tiny])
     return path
 
 

@@ -1,22 +1,18 @@
-"""Prepare transformers' own DeepSeek-V3 classes for our loader; place the experts on the built instances.
+"""Prepare transformers' own DeepSeek-V3 classes for our loader: the source format and its conversion.
 
 Nothing of transformers is edited. ``prepare`` reads which source format the checkpoint declares
 (``source_kind``); ``checkpoint_converters`` (the spec's conversion mapping) is the experts chain for it
 (``source.experts_converters``: transformers' ``qwen2_moe`` stacking with the decode in front), so a rank
-decodes only its own experts' bytes, straight into its rows. ``place_experts`` narrows each built
-``DeepseekV3Experts`` to the placement's block and re-classes that instance (``experts.place``).
+decodes only its own experts' bytes, straight into its rows. The experts' placement is the generic one
+(``models/common/experts.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
-
-from ...dist.placement import ExpertPlacement
 from ...spec import PrepareContext, SpecError
-from .experts import place
+from ..common.spec import eager_experts
 from .source import (
     FP8_QUANT_METHOD,
     experts_converters,
@@ -48,17 +44,10 @@ def prepare(ctx: PrepareContext) -> None:
     kind = source_kind(ctx.config)
     if ctx.packed_experts and kind != "int4":
         raise SpecError(f"the routed experts are stored packed but config.json declares a {kind} source")
-    # Construct with eager; the loader installs the plan's implementation on the built model.
-    ctx.config._experts_implementation = "eager"
+    eager_experts(ctx)
 
 
 def checkpoint_converters(ctx: PrepareContext) -> list:
     """The spec's conversion mapping (``LoadingSpec.converters``): the experts chain for the declared source."""
     return experts_converters(source_kind(ctx.config), ctx.config)
 
-
-def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
-    """Keep ``placement``'s experts in every ``DeepseekV3Experts`` of ``model`` (``ModelSpec.place_experts``)."""
-    for module in model.modules():
-        if isinstance(module, DeepseekV3Experts):
-            place(module, placement)

@@ -2,7 +2,8 @@
 
 ``layout``: the checkpoint's OpenAI MXFP4 layout, transformers' ``GptOssExperts`` and ModelOpt's fused NVFP4
 export layout, as pure functions. ``model``: the model class (our experts on transformers' instances), the
-checkpoint view and converters. ``experts``: the fused experts module. Facts: docs/DESIGN_NOTES.md "GPT-OSS".
+checkpoint view and converters. ``experts``: the fused experts module. The rest (layer regexes, the shared-input
+probe) is ``models/common``'s builder. Facts: docs/DESIGN_NOTES.md "GPT-OSS".
 """
 
 from __future__ import annotations
@@ -11,19 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...spec import (
-    ExpertProjection,
-    ExpertsSpec,
-    LoadingSpec,
-    MemorySpec,
-    ModelSpec,
-    QuantSpec,
-    RecipesSpec,
-    ReportSpec,
-    ServingSpec,
-    SourceCheckSpec,
-    register_spec,
-)
+from ...spec import ExpertProjection, ExpertsSpec, RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
+from ..common.spec import transformers_moe_spec
 from .config_layout import check_config_fields, dense_layout, expert_layout
 from .experts import GptOssFusedExperts
 from .memory import activation_memory
@@ -36,7 +26,6 @@ from .model import (
     place_experts,
     prepare,
 )
-from .probe import probe_model
 
 
 def serving_rules() -> Mapping[str, Any]:
@@ -53,18 +42,14 @@ def make_stand_in(path: str | Path, **sizes: Any) -> Path:
     return make_tiny_gpt_oss(path, **sizes)
 
 GPT_OSS_SPEC = register_spec(
-    ModelSpec(
-        model_type="gpt_oss",
-        min_transformers="5.0.0",
-        loading=LoadingSpec(
-            # transformers' own classes (no checkpoint code), with our experts module on the built instances.
-            model_class=TransformersGptOss(),
-            prepare=prepare,
-            source_formats=frozenset({"mxfp4"}),
-            converters=checkpoint_converters,
-            checkpoint_view=per_expert_view,
-        ),
-        experts=ExpertsSpec(
+    transformers_moe_spec(
+        "gpt_oss", "GptOssForCausalLM",
+        # transformers' own classes (no checkpoint code), with our experts module on the built instances.
+        model_source=TransformersGptOss(),
+        prepare=prepare,
+        converters=checkpoint_converters,
+        loading={"source_formats": frozenset({"mxfp4"}), "checkpoint_view": per_expert_view},
+        experts_spec=ExpertsSpec(
             module_regex=r"\.mlp\.experts$",
             # The biases are sharded with their experts: a rank holds (and reads) its experts' rows only.
             sharded_params={"gate_up_proj": 0, "down_proj": 0, "gate_up_proj_bias": 0, "down_proj_bias": 0},
@@ -74,11 +59,9 @@ GPT_OSS_SPEC = register_spec(
             key_regex=EXPERT_KEY_RE.pattern,
             place_experts=place_experts,
         ),
-        quant=QuantSpec(probe_model=probe_model),
-        memory=MemorySpec(fsdp_unit_key_regex=r"^(?P<unit>model\.layers\.\d+)\.", activation_memory=activation_memory),
+        activation_memory=activation_memory,
         source_check=SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                      check_config=check_config_fields),
-        report=ReportSpec(decoder_layer_regex=r"(?:^|\.)model\.layers\.\d+$"),
         recipes=RecipesSpec(
             qformat={"nvfp4": "models/openai/gpt-oss/nvfp4"},
             converter="models/openai/gpt-oss/nvfp4_experts",

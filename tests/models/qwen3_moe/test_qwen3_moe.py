@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from modelopt_k3.models.qwen3_moe.experts import combine_in_expert_order
-from modelopt_k3.models.qwen3_moe.source_layout import dense_layout, expert_layout, moe_layers
+from modelopt_k3.models.common.experts import combine_in_expert_order
+from modelopt_k3.spec import get_spec
 from modelopt_k3.testing.qwen3_moe import (
     QWEN3_MOE_TINY_DEFAULTS,
     calibration_token_ids,
@@ -38,11 +38,17 @@ def _sparse_layers_built_by_transformers(**cfg) -> list[int]:
 @pytest.mark.parametrize("cfg", [{}, {"mlp_only_layers": []}, {"num_hidden_layers": 4, "decoder_sparse_step": 2},
                                  {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}])
 def test_moe_layers_follow_transformers(cfg):
-    """config.json alone (no model) names the same MoE layers transformers' Qwen3MoeDecoderLayer builds."""
+    """The source check's experts are the MoE layers transformers' Qwen3MoeDecoderLayer builds, which are the ones
+    its documented rule places (a sparse block at i iff i not in mlp_only_layers and (i + 1) % step == 0)."""
     config = checkpoint_config({**QWEN3_MOE_TINY_DEFAULTS, **cfg})
-    assert moe_layers(config) == _sparse_layers_built_by_transformers(**cfg)
-    assert [layout.module for layout in expert_layout(config)] == [
-        f"model.layers.{i}.mlp.experts" for i in moe_layers(config)]
+    rule = [i for i in range(config["num_hidden_layers"])
+            if i not in (config.get("mlp_only_layers") or []) and (i + 1) % config["decoder_sparse_step"] == 0]
+    assert rule == _sparse_layers_built_by_transformers(**cfg)
+    layouts = get_spec("qwen3_moe").source_check.expert_layout(config)
+    assert [layout.module for layout in layouts] == [f"model.layers.{i}.mlp.experts" for i in rule]
+    inter, hidden = config["moe_intermediate_size"], config["hidden_size"]
+    assert {(x.num_experts, tuple(sorted(x.projections.items()))) for x in layouts} <= {(config["num_experts"], (
+        ("down_proj", (hidden, inter)), ("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden))))}
 
 
 @pytest.mark.parametrize("only", [[1, "2"], [True], "1", [1.0]], ids=["a-string", "a-bool", "not-a-list", "a-float"])
@@ -61,7 +67,7 @@ def test_dense_layout_matches_the_checkpoint(qwen3_moe_ckpt):
     from modelopt_k3.checkpoint import CheckpointReader
 
     config = json.loads((qwen3_moe_ckpt / "config.json").read_text())
-    rules = [(re.compile(rx), shape) for rx, shape, _ in dense_layout(config)]
+    rules = [(re.compile(rx), shape) for rx, shape, _ in get_spec("qwen3_moe").source_check.dense_layout(config)]
     with CheckpointReader(qwen3_moe_ckpt) as reader:
         for key, (_, shape) in reader.inventory().items():
             if ".mlp.experts." in key:
