@@ -69,6 +69,19 @@ def test_one_hf_ptq_run_decides_each_thing_once(tiny_ckpt, tmp_path, monkeypatch
         return real_final_check(*args, **kwargs)
 
     monkeypatch.setattr(check, "final_check", final_check)
+    # So does the exporter's serving-rule check of the staged export before publishing (issue 41).
+    import modelopt_k3.export.model_export as model_export
+
+    real_refuse = model_export.refuse_unservable
+
+    def refuse_unservable(*args, **kwargs):
+        checking.append(True)
+        try:
+            return real_refuse(*args, **kwargs)
+        finally:
+            checking.pop()
+
+    monkeypatch.setattr(model_export, "refuse_unservable", refuse_unservable)
     _count(monkeypatch, registry.get_spec, calls, lambda *a, **k: "get_spec (export check)" if checking else "get_spec")
     rc = hf_ptq.main(["--pyt_ckpt_path", str(tiny_ckpt), "--trust_remote_code", "--export_path",
                       str(tmp_path / "out"), *SMALL, *extra])
