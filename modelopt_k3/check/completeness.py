@@ -40,7 +40,8 @@ class DegenerateScales(CheckpointError):
 def _expected(path: Path, raw: dict, reader) -> tuple[set[str], list[tuple[str, int, tuple[str, ...]]]] | None:
     """(dense names, [(experts module, num experts, projections)]) of the export's model, or None when its
     class runs checkpoint code (not built without the user's trust)."""
-    from ..load.pretrained import _build_on_meta, _config_dtype, _sharded_expert_params, persistent_tensors
+    from ..load.pretrained import _build_on_meta, _sharded_expert_params, persistent_tensors
+    from ..spec.config import load_dtype
 
     try:
         spec = get_spec(str(raw.get("model_type", "")))
@@ -50,7 +51,7 @@ def _expected(path: Path, raw: dict, reader) -> tuple[set[str], list[tuple[str, 
         return None
     model_cls, config = spec.loading.model_class.resolve(path, raw, trust_remote_code=False)
     # The export's reader: what is stored decides the ties (tied embeddings without lm_head.weight), as on load.
-    model = _build_on_meta(model_cls, config, _config_dtype(config), reader, spec)
+    model = _build_on_meta(model_cls, config, load_dtype(config), reader, spec)
     fused, _ = _sharded_expert_params(model, spec)  # the stored-fused ones (biases) are dense names here
     dense = {name for name in persistent_tensors(model) if name not in fused}
     experts = []

@@ -45,7 +45,7 @@ class SourceDecode:
         """Dense ``name`` decoded as the load decodes it (the spec's converter, then the parameter's dtype)."""
         conv, keys = self.dense[name]
         value = run_converter(conv, {p: [read(k)] for p, k in keys.items()}, full_layer_name=name,
-                              model=_ModelConfig(self.config))
+                              model=_ModelConfig(self.config), dtype=dtype)
         if isinstance(value, list) and len(value) == 1:  # a chain of per-tensor ops keeps the one-element list
             value = value[0]
         return value.to(dtype)

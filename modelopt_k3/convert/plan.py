@@ -25,6 +25,7 @@ from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
 from ..quant.shared_inputs import SharedInputRule, discover_shared_inputs
 from ..recipe import Recipe, RecipeError
 from ..spec import CarriedModules, ModelSpec, PrepareContext, SpecError, get_spec
+from ..spec.config import load_dtype
 from ..spec.conversion import decode_op
 from .jobs import _ModuleJob, _Plan
 from .state import RECORD_VERSION, stat_identity
@@ -41,7 +42,7 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
     source = check_experts(reader.headers(), raw, spec, reader.stored_name)  # every routed expert the config asks for, as load_pretrained
     # the dense shapes config.json fixes (no model built); carried modules (MTP layers) were checked on their own
     check_dense_against_config({k: t for k, t in reader.headers().items() if k not in source.carried_keys}, raw, spec)
-    dtype = _model_dtype(raw)
+    dtype = load_dtype(raw)
     _refuse_kv_cache(recipe)
     # MXFP4-packed codes are uint8 (the lossless cast reads them); INT4 pack-quantized codes (int32) are decoded.
     if any(key.endswith(f".{_PACKED}") and t.dtype == torch.uint8 for key, t in reader.headers().items()):
@@ -63,16 +64,6 @@ def _build_plan(src: Path, recipe: Recipe, *, trust_remote_code: bool = False) -
         decode=decode,
         identity=identity,
     )
-
-
-def _model_dtype(raw: dict) -> torch.dtype:
-    """The dtype the model path loads weights in (``load._config_dtype`` on the raw config)."""
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"config.json names dtype {name!r}, which torch does not know")
-    return dtype
 
 
 def _refuse_kv_cache(recipe: Recipe) -> None:

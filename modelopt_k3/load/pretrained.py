@@ -36,6 +36,7 @@ from ..dist.plan import AUTO, DistributionPlan, Residency, decide_plan
 from ..experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from ..numerics._slabs import run_slabs
 from ..spec import CarriedModules, ModelSpec, PrepareContext, get_spec
+from ..spec.config import load_dtype
 from ..spec.conversion import (
     decode_op,
     decodes_after_layout,
@@ -104,12 +105,6 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
-
-
-def _config_dtype(config) -> torch.dtype:
-    text = getattr(config, "text_config", config)
-    name = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
-    return name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."))
 
 
 def _plan_expert_reads(
@@ -228,7 +223,8 @@ def _fill_expert_param(model: nn.Module, reader: CheckpointReader, conv, module_
         if is_packed(module):
             converted = run_converter_fields(conv, tensors, full_layer_name=target, model=model)
         else:
-            converted = {None: run_converter(conv, tensors, full_layer_name=target, model=model)}
+            converted = {None: run_converter(conv, tensors, full_layer_name=target, model=model,
+                                             dtype=destinations[None].dtype)}
         for kind, value in converted.items():
             rows = destinations[kind][start : start + len(ids)]
             _check_rows(target, value.shape, rows)
@@ -344,7 +340,7 @@ def _read_dense(name: str, tensor: torch.Tensor, reader: CheckpointReader, model
         stored = {pattern: [reader.get(k)] for pattern, k in keys.items()}  # outside the try: a CheckpointError is a ValueError too
         key = keys.get(conv.source_patterns[0], next(iter(keys.values())))
         try:  # converters see the whole stored tensors (dense conversions are small: A_log, one FP8 Linear)
-            value = run_converter(conv, stored, full_layer_name=name, model=model)
+            value = run_converter(conv, stored, full_layer_name=name, model=model, dtype=tensor.dtype)
         except ValueError as e:
             raise LoadError(str(e)) from None
         if isinstance(value, list) and len(value) == 1:  # a chain of per-tensor ops keeps the one-element list
@@ -441,7 +437,7 @@ def check_against_model(path: str | Path, source: SourceLayout) -> None:
     model_cls, config = resolve_model_class(path, raw, trust_remote_code=True, spec=spec)
     spec.loading.prepare(PrepareContext(model_cls, config, path, packed_experts=source.packed_experts))
     with CheckpointReader(path) as reader:
-        model = _build_on_meta(model_cls, config, _config_dtype(config), reader, spec)
+        model = _build_on_meta(model_cls, config, load_dtype(config), reader, spec)
         _check_against_model(model, spec, reader, source)
 
 
@@ -551,7 +547,7 @@ def load_pretrained(
     group = current_group()
     # Every rank refuses the same input here, before any collective: one agreed error, not one per rank.
     src = run_together("load: check the checkpoint", _open_source, path, trust_remote_code, group=group)
-    dtype = dtype or _config_dtype(src.config)
+    dtype = dtype or load_dtype(src.config)
     the_plan = _decide_plan(src, plan, group, dtype=dtype, ep_degree=ep_degree,
                             experts_implementation=experts_implementation, dense=dense)
     the_plan = _decide_residency(experts, packed_source=src.layout.packed_experts, plan=the_plan, path=path,

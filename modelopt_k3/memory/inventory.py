@@ -20,6 +20,7 @@ import torch
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.source_check import SourceLayout, check_experts
 from ..spec import ModelSpec, get_spec
+from ..spec.config import load_dtype
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
 PACKED_CODES, PACKED_SCALES = "weight_packed", "weight_scale"
@@ -94,8 +95,7 @@ class CheckpointLayout:
 
     @property
     def config_dtype(self) -> torch.dtype:
-        name = self.text_config.get("dtype") or self.config.get("dtype") or self.text_config.get("torch_dtype") or "bfloat16"
-        return getattr(torch, str(name).removeprefix("torch."))
+        return load_dtype(self.config)
 
     @property
     def packed_source(self) -> bool:

@@ -20,6 +20,6 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
     cfg = ctx.config
     ctx.layout = layout_of(ctx.reader, ctx.raw_config, ctx.spec, ctx.source)
     shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda" if torch.cuda.is_available() else "cpu",
-                     getattr(torch, cfg.dtype) if cfg.dtype else None, layerwise=ctx.layerwise is not None)
+                     ctx.dtype, layerwise=ctx.layerwise is not None)  # the plan's dtype, decided once
     ctx.distribution, ctx.memory = fit_plan(ctx.layout, ctx.distribution, cfg.experts, shape, recipe=ctx.recipe,
                                             gpu_mem_gib=cfg.gpu_mem_gib)

@@ -29,6 +29,7 @@ from ..export.staging import sweep_stale
 from ..files.paths import check_writable, refuse_overlap
 from ..recipe import Recipe, load_recipe
 from ..spec import ModelSpec, get_spec
+from ..spec.config import load_dtype
 from .plan import PtqConfig, RunPlan
 
 __all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "register_check", "run_preflight"]
@@ -293,15 +294,6 @@ def _calib_seq_within_positions(ctx: PreflightContext) -> None:
                              f"= {limit} (config.json); choose --calib_seq <= {limit}")
 
 
-def _config_dtype(raw: dict):
-    """The load dtype config.json names (text config first), as the loader reads it off the config."""
-    import torch
-
-    text = raw.get("text_config", raw)
-    name = text.get("dtype") or raw.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
-    return getattr(torch, str(name).removeprefix("torch."))
-
-
 @register_check("distribution plan", after="calibration data")
 def _distribution_plan(ctx: PreflightContext) -> None:
     """The run's ``DistributionPlan`` for this rank (``decide_plan``: refuses what cannot work), decided here,
@@ -312,7 +304,7 @@ def _distribution_plan(ctx: PreflightContext) -> None:
 
     cfg, spec = ctx.config, ctx.spec
     text = ctx.raw_config.get("text_config", ctx.raw_config)
-    ctx.dtype = getattr(torch, cfg.dtype) if cfg.dtype else _config_dtype(ctx.raw_config)  # once, for every stage
+    ctx.dtype = getattr(torch, cfg.dtype) if cfg.dtype else load_dtype(ctx.raw_config)  # once, for every stage
     ctx.distribution = decide_plan(
         cfg.plan, spec=spec, num_experts=int(text[spec.experts.num_experts_attr]), rank=ctx.rank,
         world_size=ctx.world_size, device=ctx.device or torch.device("cpu"), ep_degree=cfg.ep_degree,

@@ -142,7 +142,7 @@ def run_converter(
 ) -> torch.Tensor:
     """Apply ``converter.operations`` to ``{source pattern: [tensor per expert, in expert order]}``.
 
-    ``context`` is what transformers' loader passes every op besides the tensors (``full_layer_name``,
+    ``context`` is what transformers' loader passes every op besides the tensors (``full_layer_name``, ``dtype``: the target parameter's, which decode ops write,
     ``model``); ops that size their output from the target parameter read it from there.
     """
     return _run_chain(converter.operations, converter.source_patterns, converter, tensors_by_pattern, **context)

@@ -94,10 +94,11 @@ class BlockFp8Decode(DecodeOp):
                 raise SpecError("block-FP8 decode needs the model's config (weight_block_size)")
             block = self.block_size or weight_block_size(model.config)
             weights, scales = input_dict[pattern], input_dict[scale_pattern]
+            dtype = kwargs.get("dtype") or self.dtype  # the parameter's: fp8 x scale_inv in fp32, one cast to it
             if isinstance(weights, list):
-                out[pattern] = [block_fp8_decode(w, s, block, self.dtype) for w, s in zip(weights, scales, strict=True)]
+                out[pattern] = [block_fp8_decode(w, s, block, dtype) for w, s in zip(weights, scales, strict=True)]
             else:
-                out[pattern] = block_fp8_decode(weights, scales, block, self.dtype)
+                out[pattern] = block_fp8_decode(weights, scales, block, dtype)
         return out
 
     @property
@@ -132,7 +133,8 @@ class Int4PackedDecode(DecodeOp):
             head = pattern[: -len(INT4)]
             packed, scales = input_dict.pop(pattern), input_dict.pop(head + INT4_SCALE)
             shapes = input_dict.pop(head + INT4_SHAPE, None)
-            decoded = [self.decode(p, s, self.dtype) for p, s in zip(packed, scales, strict=True)]
+            dtype = kwargs.get("dtype") or self.dtype  # the parameter's dtype, as the in-place decode uses
+            decoded = [self.decode(p, s, dtype) for p, s in zip(packed, scales, strict=True)]
             for d, shape in zip(decoded, shapes or [], strict=False):
                 if list(shape.tolist()) != list(d.shape):
                     raise SpecError(f"{kwargs.get('full_layer_name')}: weight_shape {shape.tolist()} != decoded "
