@@ -29,7 +29,7 @@ from pathlib import Path
 from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
 from ..export.format_names import EXPORT_FORMAT_NAMES
 from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan, qformat_names
-from ._common import non_negative_int, positive_int, run_cli
+from ._common import non_negative_int, positive_float, positive_int, run_cli
 
 TINY_CACHE_ENV = "MODELOPT_K3_CACHE"
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", default="auto", choices=EXPERTS_CHOICES,
                    help="routed experts held decoded (bf16) or as their MXFP4 source bytes, decoded per layer "
                         "inside the forward (packed); auto: packed when the memory planner says bf16 does not fit")
-    p.add_argument("--gpu_mem_gib", type=float, default=None,
+    p.add_argument("--gpu_mem_gib", type=positive_float, default=None,
                    help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
                         "per local rank on CPU)")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="default: the config's dtype")

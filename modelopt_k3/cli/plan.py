@@ -14,15 +14,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from ._common import positive_float, positive_int, run_cli
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="modelopt-k3-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--pyt_ckpt_path", type=Path, required=True, help="checkpoint directory (headers are read)")
-    p.add_argument("--world_size", type=int, required=True, help="ranks (GPUs) the run would use")
-    p.add_argument("--gpu_mem_gib", type=float, default=None,
+    p.add_argument("--world_size", type=positive_int, required=True, help="ranks (GPUs) the run would use")
+    p.add_argument("--gpu_mem_gib", type=positive_float, default=None,
                    help="memory per rank (default: this machine's accelerator, or host RAM / ranks with --device cpu)")
-    p.add_argument("--batch_size", type=int, default=4, help="calibration sequences per batch per rank")
-    p.add_argument("--calib_seq", type=int, default=2048, help="tokens per calibration sequence")
+    p.add_argument("--batch_size", type=positive_int, default=4, help="calibration sequences per batch per rank")
+    p.add_argument("--calib_seq", type=positive_int, default=2048, help="tokens per calibration sequence")
     p.add_argument("--qformat", default="nvfp4",
                    help="what hf_ptq --qformat would quantize with: a preset name, mapped to this model's own recipe "
                         "as hf_ptq maps it (default nvfp4)")
@@ -38,14 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Arguments are checked by the parser (exit 2); a checkpoint, recipe or plan the planner refuses is one line
+    on stderr, exit 2 (``run_cli``), before any work."""
     args = build_parser().parse_args(argv)
+    return run_cli("modelopt-k3-plan", lambda: _plan(args))
+
+
+def _plan(args: argparse.Namespace) -> int:
     from ..checkpoint import read_config
     from ..memory.planner import plan_memory
     from ..run.plan import recipe_name
     from ..spec import get_spec
 
-    if args.world_size < 1:
-        raise SystemExit("--world_size must be at least 1")
     spec = get_spec(read_config(args.pyt_ckpt_path).get("model_type", ""))
     report = plan_memory(args.pyt_ckpt_path, world_size=args.world_size, gpu_mem_gib=args.gpu_mem_gib,
                          batch_size=args.batch_size, calib_seq=args.calib_seq,
