@@ -7,7 +7,7 @@ Semantics follow nvidia-modelopt 0.47 (``calib/mse.py`` ``MseCalibrator``/``NVFP
 
 - ``nvfp4_sweep_block_scales``: every positive finite E4M3 value (126 of them, ModelOpt's
   ``fp8_scale_candidates``) is tried as every block's scale under the given global scale; each block
-  keeps the one with the least error, the first (smallest) on a tie.
+  keeps the one with the least error, the first (smallest) on a tie among those that beat max's scale.
 - ``nvfp4_multiplier_block_scales``: candidates are the max rule's block amax times each multiplier
   (ModelOpt's ``MseCalibrator`` on a static block quantizer); ties keep the earlier multiplier.
   Four-over-six is this with multipliers ``(1.0, 1.5)`` (block max mapped to 6, or to 4) under a
@@ -15,9 +15,12 @@ Semantics follow nvidia-modelopt 0.47 (``calib/mse.py`` ``MseCalibrator``/``NVFP
 - The error is the block's squared error, or with ``hessian [in/16, 16, 16]`` (each block's input
   second moment ``E[x xᵀ]``) the weighted ``dwᵀ H dw`` (local Hessian).
 
-Decisions: an all-zero block keeps the max rule's scale 1.0 (every candidate gives it zero error; the
-sweep would otherwise pick 2**-9); a block whose error is not a number (a NaN weight) keeps the max
-rule's scale. Errors are fp32, summed over the 16 elements of a block.
+Decisions (ours; issue 42): a search never loses to max. A candidate replaces the max rule's scale only
+where its error is strictly less, so every tie keeps max's scale: an all-zero block keeps 1.0; a block
+whose objective is zero for every candidate (a Linear whose calibration inputs are all zero gives a zero
+Hessian; subnormal weights whose squared errors underflow fp32) keeps max's scale, where ModelOpt's
+argmin takes the smallest candidate (2**-9) and zeroes the block; a block whose error is not a number (a
+NaN weight) keeps max's. Errors are fp32, summed over the 16 elements of a block.
 """
 
 from __future__ import annotations
@@ -76,8 +79,9 @@ def _search(
     w: Tensor, global_scale: Tensor | float, n_candidates: int,
     candidate: Callable[[int, Tensor, Tensor], Tensor], hessian: Tensor | None,
 ) -> Tensor:
-    """Per block, the candidate scale with least error (first on ties); ``candidate(i, amax, denom)``
-    gives candidate ``i``'s e4m3 scales ``[r, nb]`` for a slab's block amax ``[r, nb]``."""
+    """Per block, the candidate scale with strictly less error than the max rule's scale (the first such on
+    ties among them), else the max rule's; ``candidate(i, amax, denom)`` gives candidate ``i``'s e4m3 scales
+    ``[r, nb]`` for a slab's block amax ``[r, nb]``."""
     _check_blocks(w, "an NVFP4 block-scale search")
     w = w.detach()
     if w.dtype == torch.float64:
@@ -96,8 +100,9 @@ def _search(
         xs, g = x[sl], gs[sl] if gs.dim() else gs
         d = denom[sl] if denom.dim() else denom
         amax = _block_amax(xs)
-        best = _scales_from_amax(amax, d)  # the max rule's scale: kept where nothing beats it
-        best_err = torch.full(amax.shape, float("inf"), device=w.device)
+        best = _scales_from_amax(amax, d)  # the max rule's scale: kept where nothing strictly beats it
+        best_err = nvfp4_block_errors(xs, best, g, h)
+        best_err = torch.where(torch.isnan(best_err), -math.inf, best_err)  # NaN: nothing may replace max's
         for i in range(n_candidates):
             bs = candidate(i, amax, d)
             err = nvfp4_block_errors(xs, bs, g, h)

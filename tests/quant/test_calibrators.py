@@ -8,6 +8,7 @@ import torch
 
 from modelopt_k3.numerics import nvfp4_fake_quant, nvfp4_global_scale
 from modelopt_k3.numerics.nvfp4_search import (
+    FOUR_OVER_SIX_MULTIPLIERS,
     nvfp4_global_scale_46,
     nvfp4_multiplier_block_scales,
     nvfp4_sweep_block_scales,
@@ -222,7 +223,8 @@ def test_gptq_asymmetric_needs_true_sequential():
 
 def test_a_tie_keeps_the_first_smallest_scale_of_the_sweep():
     """Blocks that several E4M3 scales quantize exactly (zero error for each): the sweep keeps the first,
-    the smallest, as ModelOpt's strict ``<`` does; e.g. 3.0 everywhere is 6 x 0.5 (not 0.5 x 6)."""
+    the smallest, as ModelOpt's strict ``<`` does; e.g. 3.0 everywhere is 6 x 0.5 (not 0.5 x 6). That is max's
+    scale too (it maps the block's amax to 6, so any smaller scale clips), which every tie keeps (issue 42)."""
     gs = torch.tensor(1.0)
     w = torch.tensor([[3.0] * 16, [1.5, -6.0] * 8, [0.25, 0.5, 0.75, 1.5] * 4])
     chosen = nvfp4_sweep_block_scales(w, gs)
@@ -448,3 +450,52 @@ def test_an_algorithm_registers_once_by_config_type_and_owns_its_preset_names():
     with pytest.raises(TypeError, match="names no config_type of its own"):
         register_calibrator(type("Inherits", (MaxCalibrator,), {}))
     assert "clash" not in CONFIGS
+
+
+# --------------------------------------------------------------------------- issue 42: never lose to max
+
+
+def _max_scales(w: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    from modelopt_k3.numerics.nvfp4 import nvfp4_block_scales
+
+    return nvfp4_block_scales(w, gs).view(torch.uint8)
+
+
+@pytest.mark.parametrize("search", ["sweep", "multipliers"])
+def test_a_zero_hessian_keeps_max_scales(search):
+    """A Linear whose calibration inputs are all zero has a zero Hessian: every candidate errs 0. The sweep kept
+    the smallest (2**-9) and the Linear became ~0 (relative RMS error 1.0); every block now keeps max's."""
+    w = _weights()
+    gs = nvfp4_global_scale(w.abs().amax())
+    zero = torch.zeros(w.shape[1] // 16, 16, 16)
+    chosen = (nvfp4_sweep_block_scales(w, gs, hessian=zero) if search == "sweep"
+              else nvfp4_multiplier_block_scales(w, gs, (0.5, 1.0, 1.5), hessian=zero))
+    assert torch.equal(chosen.view(torch.uint8), _max_scales(w, gs))
+    dq = nvfp4_fake_quant(w, gs, block_scale=chosen)
+    assert torch.equal(dq, nvfp4_fake_quant(w, gs))
+
+
+def test_a_non_finite_hessian_keeps_max_scales():
+    w = _weights()
+    gs = nvfp4_global_scale(w.abs().amax())
+    h = torch.eye(16).repeat(w.shape[1] // 16, 1, 1)
+    h[0, 0, 0] = float("nan")
+    h[1, 0, 0] = float("inf")
+    chosen = nvfp4_sweep_block_scales(w, gs, hessian=h).view(torch.uint8)
+    assert torch.equal(chosen[:, :2], _max_scales(w, gs)[:, :2])
+    assert not torch.equal(chosen[:, 2:], _max_scales(w, gs)[:, 2:])  # the finite blocks still search
+
+
+@pytest.mark.parametrize("search", ["sweep", "four_over_six"])
+def test_subnormal_weights_keep_max_result(search):
+    """Weights so small that every candidate's squared error underflows fp32 tie at zero: they keep max's codes
+    instead of being zeroed by the smallest scale."""
+    w = _weights() * 1e-30
+    if search == "sweep":
+        gs = nvfp4_global_scale(w.abs().amax())
+        chosen = nvfp4_sweep_block_scales(w, gs)
+    else:
+        gs = nvfp4_global_scale_46(w.abs().amax())
+        chosen = nvfp4_multiplier_block_scales(w, gs, FOUR_OVER_SIX_MULTIPLIERS)
+    assert torch.equal(chosen.view(torch.uint8), _max_scales(w, gs))
+    assert nvfp4_fake_quant(w, gs, block_scale=chosen).abs().amax() > 0
