@@ -37,7 +37,7 @@ from ..quant.modules import iter_quantizers
 from ..run.plan import LayerwiseSettings, RunPlan
 from ..spec.names import is_under
 from .replay import InputCache, LayerReplay
-from .state import LayerRecord, RankDir, ResumeError, digest, source_digest, tokens_digest
+from .state import LayerRecord, RankDir, ResumeError, digest, producer, source_digest, tokens_digest
 
 __all__ = ["LayerwiseSettings", "ResumeError", "run_layerwise"]
 
@@ -58,6 +58,8 @@ def fingerprint(plan: RunPlan, batches: list[torch.Tensor], qplan) -> dict[str, 
         "calibration tokens": tokens_digest(batches),
         "export settings": digest(str(plan.export_format), str(plan.config.max_shard_size_mb),
                                   str(plan.layerwise.qdq_inputs)),
+        "load dtype": str(plan.dtype),  # bf16- and fp32-calibrated layers never mix in one export
+        "producer": producer(),
     }
 
 
@@ -159,6 +161,7 @@ def _run(plan: RunPlan, batches, settings: LayerwiseSettings, root: Path, group,
     finally:
         replay.restore()
     loader.finish()
+    work.verify()  # nothing reaches the export that does not match what was committed
     parts = [(work.path, r.weight_map, r.nbytes) for r in work.records()]
     return exporter.publish(parts, overwrite=plan.config.overwrite)
 

@@ -5,14 +5,23 @@ shards (``layer{i:05d}-r…``), its quantizer state (``quant-{i:05d}.safetensors
 inputs (``inputs-{i+1:05d}.safetensors``), then ``state.json`` (written atomically: the commit point). A
 file ``state.json`` does not list is debris of an interrupted layer and is deleted on resume. The state
 carries the run's fingerprint (source files, recipe decisions, world size and plan, calibration tokens,
-export settings); a resume refuses any difference, naming it. Ranks may differ by one layer (a kill between
-two ranks' commits): all resume at the smallest count, which is why the inputs of the last two counts stay.
+export settings, the load dtype, the producer: package and layer-format version); a resume refuses any
+difference, naming it. Ranks may differ by one layer (a kill between two ranks' commits): all resume at the
+smallest count, which is why the inputs of the last two counts stay.
+
+Nothing in the directory is trusted unchecked (issue 42): every file a layer commits is fsynced and its
+sha256 recorded in ``state.json`` before the commit point; a resume checks
+every file it keeps, and each captured input before it is replayed, and the export is assembled only from
+files that still match, never through a symbolic link (the directory, a rank directory or a file planted in
+it). A mismatch is refused naming the file. Cost: every committed byte is read once more at the commit (from
+the page cache) and once before publishing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +30,20 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .. import __version__
 from ..export.writer import write_json_atomic
 from .replay import Captured, load_captured, save_captured
 
-VERSION = 1
+VERSION = 2  # state.json's layout (2: every committed file's sha256)
+# Bump whenever what a layer writes changes (its export tensors, quantizer state or captured inputs): a resume
+# never mixes layers of two formats (a checkpoint dir from before a fix would republish the old bytes).
+LAYER_FORMAT_VERSION = 2
 STATE = "state.json"
+
+
+def producer() -> str:
+    """What wrote a layerwise checkpoint, as its fingerprint records it."""
+    return f"modelopt_k3 {__version__}, layer format {LAYER_FORMAT_VERSION}"
 _OURS = re.compile(r"^(layer\d{5}-r\d{5}-\d{5}\.safetensors|model-r\d{5}-\d{5}\.safetensors|quant-\d{5}\.safetensors|"
                    r"inputs-\d{5}\.safetensors|spill-.*\.safetensors|\..*\.spill|\.?state\.json.*)$")
 
@@ -51,6 +69,15 @@ def source_digest(checkpoint: Path) -> str:
     return digest(*parts)
 
 
+def sha256_of(path: Path, chunk: int = 64 * 2**20) -> str:
+    """The sha256 of a file's bytes, read in chunks (never following a link: the caller refused those)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def tokens_digest(batches: list[torch.Tensor]) -> str:
     return digest(*(b.to(torch.int64).contiguous().numpy().tobytes() for b in batches), str(len(batches)))
 
@@ -61,6 +88,7 @@ class LayerRecord:
     weight_map: dict[str, str]  # key -> shard file (this rank's part of the export)
     nbytes: int
     output_meta: dict[str, Any]  # what the layer returns, for skipping it on a resume
+    files: dict[str, str] = field(default_factory=dict)  # every file it committed -> its sha256
 
 
 @dataclass
@@ -71,13 +99,13 @@ class RankState:
 
     def to_json(self) -> dict[str, Any]:
         rec = lambda r: {"index": r.index, "weight_map": r.weight_map, "nbytes": r.nbytes,  # noqa: E731
-                         "output_meta": r.output_meta}
+                         "output_meta": r.output_meta, "files": r.files}
         return {"version": VERSION, "fingerprint": self.fingerprint, "layers": [rec(r) for r in self.layers],
                 "rest": rec(self.rest) if self.rest else None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankState:
-        rec = lambda d: LayerRecord(d["index"], d["weight_map"], d["nbytes"], d["output_meta"])  # noqa: E731
+        rec = lambda d: LayerRecord(d["index"], d["weight_map"], d["nbytes"], d["output_meta"], d["files"])  # noqa: E731
         return cls(data["fingerprint"], [rec(d) for d in data["layers"]], rec(data["rest"]) if data["rest"] else None)
 
 
@@ -86,6 +114,10 @@ class RankDir:
 
     def __init__(self, root: Path, rank: int, fingerprint: dict[str, str]) -> None:
         self.path = Path(root) / f"rank{rank:05d}"
+        for d in (Path(root), self.path):
+            if d.is_symlink():  # written through, it would put this run's files into whatever it points at
+                raise ResumeError(f"{d} is a symbolic link; a layerwise checkpoint directory must be a real "
+                                  "directory this run owns (give another --layerwise_checkpoint_dir)")
         self.path.mkdir(parents=True, exist_ok=True)
         self.state = RankState(fingerprint)
 
@@ -104,7 +136,43 @@ class RankDir:
             raise ResumeError(f"the layerwise checkpoint {self.path.parent} was written by a run with another "
                               f"{', '.join(changed)}; rerun that command, or remove the directory to start over")
         self.state = old
+        self.verify()
         return len(old.layers)
+
+    def verify(self) -> None:
+        """Every file the state lists is a regular file (no link) with the sha256 committed for it, and no
+        symbolic link sits in the directory: else ``ResumeError`` naming the file (never resumed or published)."""
+        for entry in self.path.iterdir():
+            if entry.is_symlink():
+                raise ResumeError(f"{entry} is a symbolic link in the layerwise checkpoint, which this run never "
+                                  "writes; remove it (or the directory, to start over)")
+        for record in self.records():
+            for name, sha in record.files.items():
+                if name.startswith("inputs-"):
+                    continue  # checked when replayed (``inputs``): only the last two counts' are kept
+                self._check_file(name, sha)
+
+    def _check_file(self, name: str, sha: str) -> None:
+        path = self.path / name
+        if path.is_symlink() or not path.is_file():
+            raise ResumeError(f"{path}: committed to the layerwise checkpoint but {'a link' if path.is_symlink() else 'missing'}"
+                              " now; remove the directory to start over")
+        if sha256_of(path) != sha:
+            raise ResumeError(f"{path} changed since it was committed (its sha256 differs: truncated or edited); "
+                              "remove the directory to start over")
+
+    def _commit_files(self, names: list[str]) -> dict[str, str]:
+        """sha256 of each file (fsynced first: on disk before ``state.json`` names them)."""
+        out = {}
+        for name in names:
+            path = self.path / name
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            out[name] = sha256_of(path)
+        return out
 
     def roll_back(self, done: int) -> None:
         """Keep the first ``done`` layers (all ranks agree on the smallest count) and delete the rest's files."""
@@ -129,16 +197,24 @@ class RankDir:
         f = self.path / self.inputs_name(k)
         if not f.is_file():
             raise ResumeError(f"{self.path}: the inputs of layer {k} are missing; remove the directory to start over")
+        sha = next((r.files[f.name] for r in self.state.layers if f.name in r.files), None)
+        if sha is not None:  # inputs this run has just captured are in memory; a resume reads committed ones
+            self._check_file(f.name, sha)
         return load_captured(f)
 
     def commit(self, record: LayerRecord, quant_state: dict[str, torch.Tensor], next_inputs: list[Captured] | None,
                rest: LayerRecord | None = None) -> None:
         """Layer ``record.index`` done: its quantizer state and the next inputs, then the state (atomically)."""
         i = record.index
-        save_file({k: v.detach().cpu().contiguous() for k, v in quant_state.items()},
-                  str(self.path / f"quant-{i:05d}.safetensors"))
+        quant = f"quant-{i:05d}.safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in quant_state.items()}, str(self.path / quant))
+        written = [*sorted(set(record.weight_map.values())), quant]
         if next_inputs is not None:
             save_captured(self.path / self.inputs_name(i + 1), next_inputs)
+            written.append(self.inputs_name(i + 1))
+        record.files = self._commit_files(written)
+        if rest is not None:
+            rest.files = self._commit_files(sorted(set(rest.weight_map.values())))
         self.state.layers.append(record)
         self.state.rest = rest
         write_json_atomic(self.path / STATE, self.state.to_json())

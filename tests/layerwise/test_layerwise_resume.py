@@ -90,3 +90,74 @@ def test_a_resume_of_another_run_is_refused_naming_what_changed(tmp_path: Path):
                        env=_env(), timeout=600)
     assert r.returncode != 0 and "recipe" in r.stdout.split("another")[-1], r.stdout[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def _killed_checkpoint(tmp_path: Path) -> tuple[list[str], Path, Path]:
+    ckpt = MODELS["kimi_k3"](tmp_path / "src")
+    ck = tmp_path / "ck"
+    cmd = _command(1, "--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / "out",
+                   "--layerwise_checkpoint_dir", ck)
+    _run_killed_after(cmd, "layerwise: layer 1/")
+    return cmd, ckpt, ck / "rank00000"
+
+
+def _refused(cmd: list[str]) -> str:
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), timeout=600)
+    assert r.returncode != 0 and "Traceback" not in r.stdout, r.stdout[-3000:]
+    return r.stdout
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_never_trusts_what_it_has_not_checked(tmp_path: Path):
+    """Issue 42, one killed run reused case by case: another load dtype, a flipped byte or a truncation in a
+    committed layer file, and a symbolic link planted in the checkpoint directory are each refused naming what
+    changed, before anything is published; the source checkpoint stays byte-identical."""
+    cmd, ckpt, rank_dir = _killed_checkpoint(tmp_path)
+    source = _tree(ckpt)
+    assert "another load dtype" in _refused([*cmd, "--dtype", "float32"])
+
+    layer = sorted(rank_dir.glob("layer00000-*.safetensors"))[0]
+    good = layer.read_bytes()
+    layer.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # same size, one bit
+    assert f"{layer} changed since it was committed" in _refused(cmd)
+    layer.write_bytes(good[: len(good) // 2])
+    assert f"{layer} changed since it was committed" in _refused(cmd)
+    layer.write_bytes(good)
+
+    planted = rank_dir / "layer00099-r00000-00000.safetensors"
+    planted.symlink_to(next(ckpt.glob("*.safetensors")))
+    assert f"{planted} is a symbolic link" in _refused(cmd)
+    planted.unlink()
+    assert not (tmp_path / "out").exists() and _tree(ckpt) == source
+    out = _run(cmd)  # restored: it resumes
+    assert "layerwise: resuming at layer " in out
+
+
+def test_a_checkpoint_dir_linked_into_the_source_is_never_written_through(tmp_path: Path):
+    ckpt = MODELS["kimi_k3"](tmp_path / "src")
+    source = _tree(ckpt)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "rank00000").symlink_to(ckpt, target_is_directory=True)
+    out = _refused(_command(1, "--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / "out",
+                            "--layerwise_checkpoint_dir", ck))
+    assert "is a symbolic link" in out, out[-2000:]
+    assert _tree(ckpt) == source and not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_from_another_producer_is_refused(tmp_path: Path):
+    """Layers committed by another version of this package (or another layer format) are not republished."""
+    import json
+
+    cmd, _, rank_dir = _killed_checkpoint(tmp_path)
+    from modelopt_k3 import __version__
+    from modelopt_k3.layerwise.state import LAYER_FORMAT_VERSION
+
+    state = json.loads((rank_dir / "state.json").read_text())
+    assert state["fingerprint"]["producer"] == f"modelopt_k3 {__version__}, layer format {LAYER_FORMAT_VERSION}"
+    state["fingerprint"]["producer"] = "modelopt_k3 0.0.9, layer format 1"  # as an older package wrote it
+    (rank_dir / "state.json").write_text(json.dumps(state))
+    assert "another producer" in _refused(cmd)
