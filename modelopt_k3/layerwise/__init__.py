@@ -142,7 +142,9 @@ def _run(plan: RunPlan, batches, settings: LayerwiseSettings, root: Path, group,
     done = run_together("layerwise: read the checkpoint", work.load, group=group)
     done = _agree_on_done(done, group)
     work.roll_back(done)
-    if done:
+    if done == len(layers):  # killed after the last commit, before (or while) publishing
+        say(f"[modelopt_k3] layerwise: all {len(layers)} layers committed in {root}; publishing the export")
+    elif done:
         say(f"[modelopt_k3] layerwise: resuming at layer {done + 1}/{len(layers)} from {root}")
     outside = LoadScope(("",), tuple(layers))
     attach_quantizers(model, qplan, within=outside.holds)

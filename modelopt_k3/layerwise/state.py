@@ -126,10 +126,20 @@ class RankDir:
         f = self.path / STATE
         if not f.is_file():
             return 0
-        data = json.loads(f.read_text())
-        if data.get("version") != VERSION:
-            raise ResumeError(f"{f}: layerwise state version {data.get('version')}, expected {VERSION}")
-        old = RankState.from_json(data)
+        try:
+            data = json.loads(f.read_text())
+        except (ValueError, UnicodeDecodeError):  # written atomically by this package: anything else was edited
+            raise ResumeError(f"{f} is not the JSON this package writes (truncated or edited); remove the "
+                              "directory to start over") from None
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            data = data if isinstance(data, dict) else {}
+            raise ResumeError(f"{f}: layerwise state version {data.get('version')} (another version of modelopt_k3 "
+                              f"wrote it), expected {VERSION}; remove the directory to start over")
+        try:
+            old = RankState.from_json(data)
+        except (KeyError, TypeError):
+            raise ResumeError(f"{f} is not the state this package writes (edited); remove the directory to start "
+                              "over") from None
         changed = sorted(k for k in set(old.fingerprint) | set(self.state.fingerprint)
                          if old.fingerprint.get(k) != self.state.fingerprint.get(k))
         if changed:

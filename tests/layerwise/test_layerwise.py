@@ -83,6 +83,35 @@ def test_rank_state_commits_resumes_and_refuses_another_run(tmp_path: Path):
         RankDir(tmp_path, 0, {"recipe": "b", "calibration tokens": "u"}).load()
 
 
+def test_rank_state_refuses_what_changed_after_its_commit(tmp_path: Path):
+    """Issue 42: a truncated ``state.json``, a committed file edited, a captured input truncated: each one line
+    naming the file (a ``ResumeError``), never a bare ``JSONDecodeError`` or a replay of wrong inputs."""
+    from modelopt_k3.layerwise.state import LayerRecord
+
+    fp = {"recipe": "a"}
+    d = RankDir(tmp_path, 0, fp)
+    (d.path / "layer00000-r00000-00000.safetensors").write_bytes(b"x" * 64)
+    d.commit(LayerRecord(0, {"k": "layer00000-r00000-00000.safetensors"}, 64, {}), {"q": torch.ones(1)},
+             [Captured.of((torch.ones(2),), {})])
+    assert set(d.state.layers[0].files) == {"layer00000-r00000-00000.safetensors", "quant-00000.safetensors",
+                                            "inputs-00001.safetensors"}
+    inputs = d.path / "inputs-00001.safetensors"
+    good = inputs.read_bytes()
+    inputs.write_bytes(good[: len(good) - 3])
+    again = RankDir(tmp_path, 0, fp)
+    assert again.load() == 1
+    with pytest.raises(ResumeError, match="inputs-00001.safetensors changed since it was committed"):
+        again.inputs(1)
+    inputs.write_bytes(good)
+    (d.path / "quant-00000.safetensors").write_bytes(b"edited")
+    with pytest.raises(ResumeError, match="quant-00000.safetensors changed since it was committed"):
+        RankDir(tmp_path, 0, fp).load()
+    state = d.path / "state.json"
+    state.write_text(state.read_text()[:40])
+    with pytest.raises(ResumeError, match="state.json is not the JSON this package writes"):
+        RankDir(tmp_path, 0, fp).load()
+
+
 # --------------------------------------------------------------------------- end to end, one process
 
 MODELS = {
