@@ -74,12 +74,21 @@ class QuantPlan:
         return "\n".join(lines)
 
 
+def _tied_elsewhere(model: nn.Module, name: str, linear: nn.Linear) -> bool:
+    """``linear``'s weight is another module's parameter (``tie_word_embeddings``: a ``lm_head`` the checkpoint
+    does not store is the embedding, as transformers loads it): it has no tensor of its own to quantize or
+    export, and the export's config keeps the tie."""
+    own = f"{name}.weight"
+    return any(p is linear.weight and n != own for n, p in model.named_parameters(remove_duplicate=False))
+
+
 def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec) -> None:
     """The table classifies the checkpoint's tensors; the model's own Linears must be the same set."""
     carried = model.modelopt_k3.carried  # modules the model does not build (MTP layers): kept, never matched
     held = (lambda name: False) if carried is None else carried.holds
-    linears = {name for name, m in model.named_modules() if type(m) is nn.Linear}
     table_linears = {name for name in table.of_kind("linear") if not held(name)}
+    linears = {name for name, m in model.named_modules() if type(m) is nn.Linear
+               and (name in table_linears or not _tied_elsewhere(model, name, m))}
     experts = set(spec.experts_modules(model))
     table_experts = {name.rpartition(".*.")[0] for name in table.of_kind("experts") if not held(name)}
     if linears != table_linears or experts != table_experts:
