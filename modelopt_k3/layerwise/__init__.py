@@ -37,7 +37,7 @@ from ..quant.modules import iter_quantizers
 from ..run.plan import LayerwiseSettings, RunPlan
 from ..spec.names import is_under
 from .replay import InputCache, LayerReplay
-from .state import LayerRecord, RankDir, ResumeError, digest, producer, source_digest, tokens_digest
+from .state import LayerRecord, RankDir, ResumeError, digest, held, producer, source_digest, tokens_digest
 
 __all__ = ["LayerwiseSettings", "ResumeError", "run_layerwise"]
 
@@ -124,7 +124,8 @@ def run_layerwise(plan: RunPlan, batches: list[torch.Tensor], *, progress: bool 
         parent.mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix=f".{Path(plan.export_path).name}.layerwise-", dir=parent))
     try:
-        return _run(plan, batches, settings, Path(root), group, progress, say)
+        with held(Path(root), group.rank):
+            return _run(plan, batches, settings, Path(root), group, progress, say)
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)

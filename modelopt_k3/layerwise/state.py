@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..export.writer import write_json_atomic
+from ..files.locks import acquire_lock
 from .replay import Captured, load_captured, save_captured
 
 VERSION = 2  # state.json's layout (2: every committed file's sha256)
@@ -107,6 +110,22 @@ class RankState:
     def from_json(cls, data: dict[str, Any]) -> RankState:
         rec = lambda d: LayerRecord(d["index"], d["weight_map"], d["nbytes"], d["output_meta"], d["files"])  # noqa: E731
         return cls(data["fingerprint"], [rec(d) for d in data["layers"]], rec(data["rest"]) if data["rest"] else None)
+
+
+@contextmanager
+def held(root: Path, rank: int) -> Iterator[None]:
+    """This rank's lock on the checkpoint directory for the whole run (``files/locks``): a second run on it is
+    refused naming the live one instead of both writing the same layer files; a dead run's lock is taken over."""
+    root = Path(root)
+    if root.is_symlink():
+        raise ResumeError(f"{root} is a symbolic link; a layerwise checkpoint directory must be a real directory "
+                          "this run owns (give another --layerwise_checkpoint_dir)")
+    root.mkdir(parents=True, exist_ok=True)
+    lock = acquire_lock(root / f".rank{rank:05d}.lock", {"kind": "layerwise checkpoint"})
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class RankDir:

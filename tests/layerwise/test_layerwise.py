@@ -112,6 +112,21 @@ def test_rank_state_refuses_what_changed_after_its_commit(tmp_path: Path):
         RankDir(tmp_path, 0, fp).load()
 
 
+def test_a_second_run_on_a_checkpoint_dir_is_refused_while_the_first_holds_it(tmp_path: Path):
+    """Two runs on one checkpoint directory gave ``[Errno 17] File exists`` (no lock): now the second is refused
+    naming the live holder; another rank's lock is its own, and the lock goes with the run."""
+    from modelopt_k3.files.locks import LockHeld
+    from modelopt_k3.layerwise.state import held
+
+    with held(tmp_path, 0):
+        with pytest.raises(LockHeld, match=r"\.rank00000\.lock is held by another run"), held(tmp_path, 0):
+            pass
+        with held(tmp_path, 1):
+            pass
+    with held(tmp_path, 0):
+        pass
+
+
 # --------------------------------------------------------------------------- end to end, one process
 
 MODELS = {
