@@ -17,10 +17,10 @@ Semantics follow nvidia-modelopt 0.47 (``calib/mse.py`` ``MseCalibrator``/``NVFP
 
 Decisions (ours; issue 42): a search never loses to max. A candidate replaces the max rule's scale only
 where its error is strictly less, so every tie keeps max's scale: an all-zero block keeps 1.0; a block
-whose objective is zero for every candidate (a Linear whose calibration inputs are all zero gives a zero
-Hessian; subnormal weights whose squared errors underflow fp32) keeps max's scale, where ModelOpt's
-argmin takes the smallest candidate (2**-9) and zeroes the block; a block whose error is not a number (a
-NaN weight) keeps max's. Errors are fp32, summed over the 16 elements of a block.
+whose objective at max's scale cannot rank candidates keeps max's scale: zero (a Linear whose calibration
+inputs are all zero gives a zero Hessian; weights whose squared errors underflow fp32), fp32-subnormal (too
+coarse to rank), NaN or infinite; ModelOpt's argmin takes the smallest candidate there (2**-9) and zeroes the
+block. Errors are fp32, summed over the 16 elements of a block.
 """
 
 from __future__ import annotations
@@ -102,7 +102,10 @@ def _search(
         amax = _block_amax(xs)
         best = _scales_from_amax(amax, d)  # the max rule's scale: kept where nothing strictly beats it
         best_err = nvfp4_block_errors(xs, best, g, h)
-        best_err = torch.where(torch.isnan(best_err), -math.inf, best_err)  # NaN: nothing may replace max's
+        # An objective that cannot rank candidates keeps max's scale: NaN or inf (a NaN weight, an overflowing
+        # Hessian), or below fp32's smallest normal (zero: all-zero inputs or block; subnormal: tiny weights).
+        unrankable = ~torch.isfinite(best_err) | (best_err < torch.finfo(torch.float32).tiny)
+        best_err = torch.where(unrankable, -math.inf, best_err)
         for i in range(n_candidates):
             bs = candidate(i, amax, d)
             err = nvfp4_block_errors(xs, bs, g, h)

@@ -328,14 +328,14 @@ def test_the_hessian_grid_of_a_weight_only_linear_comes_from_its_weight():
     assert input_amax(linear) == 7.0
 
 
-def _one_linear(seed: int, in_f: int = 32, out_f: int = 8, inputs: bool = True):
+def _one_linear(seed: int, in_f: int = 32, out_f: int = 8, inputs: bool = True, scale: float = 1.0):
     from modelopt_k3.quant.modules import attach_linear
     from modelopt_k3.quant.schemes import NVFP4_TENSOR
 
     g = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=False))
     with torch.no_grad():
-        model[0].weight.copy_(torch.randn(out_f, in_f, generator=g) * torch.logspace(-1, 1, in_f))
+        model[0].weight.copy_(torch.randn(out_f, in_f, generator=g) * torch.logspace(-1, 1, in_f) * scale)
     attach_linear(model[0], NVFP4_TENSOR, NVFP4_TENSOR if inputs else None, None)
     return model, g
 
@@ -499,3 +499,69 @@ def test_subnormal_weights_keep_max_result(search):
         chosen = nvfp4_multiplier_block_scales(w, gs, FOUR_OVER_SIX_MULTIPLIERS)
     assert torch.equal(chosen.view(torch.uint8), _max_scales(w, gs))
     assert nvfp4_fake_quant(w, gs, block_scale=chosen).abs().amax() > 0
+
+
+def _export(model) -> tuple[torch.Tensor, ...]:
+    """The Linear's exported NVFP4 tensors (codes, block scales, global scale) and its input scale."""
+    from modelopt_k3.numerics import nvfp4_quantize
+
+    lin = model[0]
+    q = lin.weight_quantizer
+    out = nvfp4_quantize(lin.weight.detach(), q.scale(), **q.searched_scales())
+    return out.packed, out.block_scale.view(torch.uint8), out.global_scale, lin.input_quantizer.scale()
+
+
+def _exports_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_local_hessian_on_all_zero_inputs_exports_what_max_exports():
+    """Every calibration input 0: each block Hessian is 0 and every candidate ties at zero error; local_hessian
+    used to give every block 2**-9 (the weight exported as ~0, relative RMS error 1.0). It now keeps max's."""
+    x = torch.zeros(16, 32)
+
+    def loop(m):
+        with torch.no_grad():
+            m(x)
+
+    got, ref = _one_linear(12)[0], _one_linear(12)[0]
+    calibrator_for("local_hessian").calibrate(got, loop, {})
+    calibrator_for("max").calibrate(ref, loop, {})
+    assert got[0].weight_quantizer.block_scale is not None  # the search ran (and chose max's scales)
+    assert _exports_equal(_export(got), _export(ref))
+    lin = got[0]
+    w = lin.weight.detach()
+    dq = nvfp4_fake_quant(w, lin.weight_quantizer.scale(), block_scale=lin.weight_quantizer.block_scale)
+    assert float((dq - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()) < 0.2
+
+
+@pytest.mark.parametrize("algorithm", ["mse", "local_hessian", "four_over_six"])
+def test_weight_searches_keep_max_codes_on_a_subnormal_linear(algorithm):
+    """A Linear whose weights are fp32-subnormal: every search's errors underflow to ties; the export's codes and
+    block scales are max's (four-over-six's under its own 256-normalized global scale, where x1.0 is max's rule)."""
+    from modelopt_k3.numerics import nvfp4_global_scale, nvfp4_quantize
+
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(16, 32, generator=g)
+
+    def loop(m):
+        with torch.no_grad():
+            m(x)
+
+    got, ref = _one_linear(13, scale=1e-39)[0], _one_linear(13, scale=1e-39)[0]
+    spelled = {"four_over_six": {"method": "mse", "four_over_six": True, "start_multiplier": 1.0,
+                                 "stop_multiplier": 1.5, "step_size": 0.5},
+               "mse": {"method": "mse", "fp8_scale_sweep": True}}.get(algorithm, algorithm)
+    calibrator_for(spelled).calibrate(got, loop, {})
+    calibrator_for("max").calibrate(ref, loop, {})
+    w, q = got[0].weight.detach(), got[0].weight_quantizer
+    if algorithm == "four_over_six":
+        gs = nvfp4_global_scale_46(w.abs().amax())
+    else:
+        gs = nvfp4_global_scale(w.abs().amax())
+        assert _exports_equal(_export(got), _export(ref))
+    out = nvfp4_quantize(w, gs, **q.searched_scales())
+    want = nvfp4_quantize(w, gs)  # max's rule under that global scale
+    assert torch.equal(out.packed, want.packed) and torch.equal(out.block_scale.view(torch.uint8),
+                                                                want.block_scale.view(torch.uint8))
+    assert bool((want.packed != 0).any())
