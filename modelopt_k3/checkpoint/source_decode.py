@@ -51,6 +51,19 @@ class SourceDecode:
         return value.to(dtype)
 
 
+def declared_shape_mismatch(reader: CheckpointReader, op: DecodeOp, codes_key: str) -> str | None:
+    """Why the shape ``codes_key``'s format declares beside it (``DecodeOp.shape_field``: INT4's
+    ``weight_shape``) disagrees with the shape the codes decode to, or None (agreeing, or no declaration).
+    The load and the converter both ask this, so neither takes a checkpoint the other refuses."""
+    shape_key = op.shape_pattern(codes_key)
+    if shape_key is None or shape_key not in reader:
+        return None
+    declared, decoded = reader.get(shape_key), op.decoded_shape(tuple(reader.info(codes_key).shape))
+    if declared.numel() == len(decoded) and declared.tolist() == list(decoded):
+        return None
+    return f"{shape_key} declares shape {declared.tolist()}, but {codes_key} {list(reader.info(codes_key).shape)} decodes to {list(decoded)}"
+
+
 def carried_items(keys: Iterable[str], decode: SourceDecode, expert_re: re.Pattern) -> dict[str, tuple[str, tuple[str, ...]]]:
     """What an export writes for the stored ``keys`` of carried modules: output name -> (how, source keys).
     ``"dense"``: a weight the spec's dense converter decodes (``SourceDecode.dense_weight``, the model's dtype, as a

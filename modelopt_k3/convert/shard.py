@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import ReadLog
+from ..checkpoint import CheckpointError, ReadLog
 from ..checkpoint.nonfinite import source_refusal
+from ..checkpoint.source_decode import declared_shape_mismatch
 from ..export.modelopt_format import input_scale_tensor
 from ..export.writer import PlannedShard, write_json_atomic
 from ..files.paths import is_staging_name, staging_path
@@ -49,6 +50,9 @@ class _ShardConverter:
         if isinstance(job.decode, str):
             return self.plan.decode.dense_weight(job.decode, self._read, self.plan.dtype)
         if job.decode is not None:
+            why = declared_shape_mismatch(self.plan.reader, job.decode, job.sources[0])
+            if why:  # the load refuses the same checkpoint (one rule for both paths)
+                raise CheckpointError(why)
             return job.decode.decode(self._read(job.sources[0]), self._read(job.sources[1]), self.plan.dtype)
         if len(job.sources) == 2:
             return mxfp4_decode(self._read(job.sources[0]), self._read(job.sources[1]), dtype=self.plan.dtype)

@@ -27,7 +27,13 @@ from transformers.core_model_loading import WeightConverter
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.nonfinite import source_refusal, warn_passthrough
 from ..checkpoint.source_check import SourceLayout, check_config, check_dense, check_experts, check_present
-from ..checkpoint.source_decode import SourceDecode, decoded_dense, dense_decodes, plan_dense_conversions
+from ..checkpoint.source_decode import (
+    SourceDecode,
+    declared_shape_mismatch,
+    decoded_dense,
+    dense_decodes,
+    plan_dense_conversions,
+)
 from ..dist.collectives import run_together
 from ..dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from ..dist.group import current_group
@@ -281,17 +287,12 @@ def _decode_experts_into(reader: CheckpointReader, conv, by_pattern: dict, local
 def _check_declared_shapes(reader: CheckpointReader, op, by_pattern: dict, local: range,
                            shapes: dict[str, list[tuple[int, ...]]]) -> None:
     """Each stored declared shape (``DecodeOp.shape_field``, e.g. INT4's ``weight_shape``) equals the shape its
-    codes decode to: a checkpoint whose declaration disagrees is refused, naming the stored tensor."""
-    for pattern, decoded_shapes in shapes.items():
-        shape_pattern = op.shape_pattern(pattern)
-        if shape_pattern is None or shape_pattern not in by_pattern:
-            continue
-        for expert, decoded in zip(local, decoded_shapes, strict=True):
-            shape_key, codes_key = by_pattern[shape_pattern][expert], by_pattern[pattern][expert]
-            declared = reader.get(shape_key)
-            if declared.numel() != len(decoded) or declared.tolist() != list(decoded):
-                raise LoadError(f"{shape_key} declares shape {declared.tolist()}, but {codes_key} "
-                                f"{list(reader.info(codes_key).shape)} decodes to {list(decoded)}")
+    codes decode to (``declared_shape_mismatch``, the converter's check too): else refused, naming the tensor."""
+    for pattern in shapes:
+        for expert in local:
+            why = declared_shape_mismatch(reader, op, by_pattern[pattern][expert])
+            if why:
+                raise LoadError(why)
 
 
 def _expert_destinations(module: nn.Module, param: str, conv) -> dict[str | None, torch.Tensor]:

@@ -135,3 +135,36 @@ def test_each_rank_reads_only_its_shards_and_scale_partners(source: str, tmp_pat
     weight_shapes = {k for k in wmap if k.endswith(".weight_shape")}  # INT4's, consumed unread (as the model path)
     assert read_somewhere == set(wmap) - weight_shapes
     assert _differing(read_export(out), read_export(convert_checkpoint(ckpt, tmp_path / "one", W4A16).dst)) == []
+
+
+@pytest.mark.parametrize("lie", ["swapped", "negative", "three_d"])
+def test_the_converter_refuses_an_int4_weight_shape_the_load_refuses(deepseek_int4_ckpt: Path, tmp_path: Path,
+                                                                   lie: str) -> None:
+    """One rule for both paths (issue 42): an INT4 ``weight_shape`` that disagrees with its codes (swapped,
+    negative, 3-d) was converted by ``modelopt-k3-convert`` while ``hf_ptq`` refused it; now both refuse it,
+    naming the tensor, and nothing is published."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import modelopt_k3
+    from modelopt_k3.checkpoint import CheckpointError
+    from modelopt_k3.load import LoadError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(deepseek_int4_ckpt, broken)
+    key = "model.layers.2.mlp.experts.5.down_proj.weight_shape"
+    shard = broken / _json(broken / "model.safetensors.index.json")["weight_map"][key]
+    with safe_open(str(shard), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    good = tensors[key]
+    tensors[key] = {"swapped": good.flip(0), "negative": -good,
+                    "three_d": torch.cat([good.new_ones(1), good])}[lie].contiguous()
+    save_file(tensors, str(shard))
+    said = rf"{key} declares shape \[.*\], but .*experts\.5\.down_proj\.weight_packed"
+    with pytest.raises(CheckpointError, match=said):
+        convert_checkpoint(broken, tmp_path / "out", W4A16)
+    assert not (tmp_path / "out").exists() or not (tmp_path / "out" / "model.safetensors.index.json").exists()
+    with pytest.raises(LoadError, match=said):
+        modelopt_k3.load_pretrained(broken, progress=False)
