@@ -390,8 +390,8 @@ CURATED: tuple[Mutant, ...] = (
            "if not isinstance(v, typ) or (typ is not bool and isinstance(v, bool)):", "if not isinstance(v, typ):",
            "recipe algorithm: block_size: true accepted as 1"),
     Mutant("issue33:cal-lh-quantized-input", "modelopt_k3/quant/calibrators/local_hessian.py",
-           "moments = input_moments(model, forward_loop, blocks=True, raw_input=True)",
-           "moments = input_moments(model, forward_loop, blocks=True, raw_input=False)",
+           "moments = input_moments(model, forward_loop, blocks=True, raw_input=True, experts=experts)",
+           "moments = input_moments(model, forward_loop, blocks=True, raw_input=False, experts=experts)",
            "local_hessian: H from the Linear's fake-quantized input, not the input as it arrives"),
 )
 
