@@ -282,25 +282,30 @@ def _load_figures(ctx, ckpts: dict[str, Path], repeats: int) -> list[Figure]:
     # load's favour) is the stable reference. Both are recorded.
     raw_avg = med[large_name]["ref"] / large_bytes
     load_marginal = d_load / d_bytes
-    figures.append(Figure(
-        name="load/per_byte", area=AREA, title=f"load_pretrained per-byte cost ({small_name} -> {large_name})",
-        ours={"label": "load_pretrained marginal s/GB (difference between the two checkpoints)",
-              "value": load_marginal * GB, "unit": "s/GB"},
-        reference={"label": "safe_open read s/GB (total time / bytes)", "value": raw_avg * GB, "unit": "s/GB"},
-        ratio=raw_avg / load_marginal if d_load > 0 else 0.0, target=None,
-        target_text="report (was >= 0.5 of raw read speed)",
-        unit="s/GB",
-        details={
-            "method": "load: difference of median times between two checkpoints of identical structure"
-                      + ("" if d_load > 0 else " (undefined here: the larger one did not load slower, noise; 0)")
-                      + "; raw read: its median time / bytes on the larger checkpoint",
-            "raw_read_marginal_s_per_gb": d_raw / d_bytes * GB,
-            "ratio_vs_raw_marginal": d_raw / d_load if d_load > 0 else None,
-            "bytes_difference": d_bytes, "fixed_cost_estimate_s": fixed,
-            "one_time_first_load_s": first_load, "first_load_bytes_read": bytes_read,
-            "profile_large_load": profile, "bound": bound,
-        },
-    ))
+    title = f"load_pretrained per-byte cost ({small_name} -> {large_name})"
+    if d_load <= 0:  # a negative marginal cost is noise, not a measurement: listed as not measured, never a number
+        figures.append(Figure.not_measured(
+            "load/per_byte", AREA, title, f"the larger checkpoint did not load slower ({d_load:+.3f} s: noise at "
+            "these sizes; run without --quick)", target=None, target_text="report (was >= 0.5 of raw read speed)"))
+    else:
+        figures.append(Figure(
+            name="load/per_byte", area=AREA, title=title,
+            ours={"label": "load_pretrained marginal s/GB (difference between the two checkpoints)",
+                  "value": load_marginal * GB, "unit": "s/GB"},
+            reference={"label": "safe_open read s/GB (total time / bytes)", "value": raw_avg * GB, "unit": "s/GB"},
+            ratio=raw_avg / load_marginal, target=None,
+            target_text="report (was >= 0.5 of raw read speed)",
+            unit="s/GB",
+            details={
+                "method": "load: difference of median times between two checkpoints of identical structure"
+                          "; raw read: its median time / bytes on the larger checkpoint",
+                "raw_read_marginal_s_per_gb": d_raw / d_bytes * GB,
+                "ratio_vs_raw_marginal": d_raw / d_load,
+                "bytes_difference": d_bytes, "fixed_cost_estimate_s": fixed,
+                "one_time_first_load_s": first_load, "first_load_bytes_read": bytes_read,
+                "profile_large_load": profile, "bound": bound,
+            },
+        ))
     figures.append(timing_figure(
         f"load_vs_read_decode/{large_name}", AREA, f"load_pretrained vs read+mxfp4_decode floor {large_name}",
         "load_pretrained (experts bf16)", "safe_open every tensor + mxfp4_decode every expert (no fusing)", floor,

@@ -48,6 +48,9 @@ def test_benchmarks_quick_judges_every_figure(tmp_path):
     for fig in figures:
         name = fig["name"]
         assert fig["target_text"], name
+        if fig["verdict"] == "skipped":  # a noise-bound figure at quick sizes: said, with why, never a number
+            assert fig["skipped"] and fig["target"] is None and fig["passed"] is None, name
+            continue
         assert fig["verdict"] == {True: "met", False: "missed", None: "report"}[fig["passed"]], name
         assert (fig["verdict"] == "report") == (fig["target"] is None), name
         if fig["target"] is not None:
@@ -63,7 +66,8 @@ def test_benchmarks_quick_judges_every_figure(tmp_path):
     assert "| figure |" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| figure")]
     assert len(rows) >= len(figures)
-    assert all(line.rstrip(" |").endswith(("met", "**missed**", "report")) for line in rows[: len(figures)])
+    assert all(line.rstrip(" |").endswith(("met", "**missed**", "report")) or "**skipped: " in line
+               for line in rows[: len(figures)])
     missed = [f["title"] for f in figures if f["verdict"] == "missed"]
     assert all(f"**{title}**" in table for title in missed)  # listed with its bound under "Targets missed"
 
