@@ -44,6 +44,7 @@ class Hardware:
     the copy into the module). ``startup_s`` and ``layer_forward_s``: the fixed costs."""
 
     name: str
+    memory_bytes: int  # per GPU (the memory planner's budget)
     gpus_per_host: int
     nvlink_domain: int
     gemm_flop_per_s: float
@@ -83,12 +84,13 @@ class Hardware:
         return dataclasses.replace(self, **changes)
 
 
-def gpu_preset(name: str, *, gpus_per_host: int, nvlink_domain: int, bf16_tflops: float, hbm_tbps: float,
+def gpu_preset(name: str, *, memory_gb: float, gpus_per_host: int, nvlink_domain: int, bf16_tflops: float, hbm_tbps: float,
                host_link_gbps: float, nvlink_gbps: float, network_gbps: float, source: str) -> Hardware:
-    """A GPU preset from datasheet peaks (dense BF16 TFLOPS, HBM TB/s, one-direction link GB/s) x ``EFFICIENCY``."""
+    """A GPU preset from datasheet figures (memory GB, dense BF16 TFLOPS, HBM TB/s, one-direction link GB/s), the
+    rates x ``EFFICIENCY``."""
     hbm = hbm_tbps * 1e12 * EFFICIENCY["hbm"]
     return Hardware(
-        name=name, gpus_per_host=gpus_per_host, nvlink_domain=nvlink_domain,
+        name=name, memory_bytes=int(memory_gb * GB), gpus_per_host=gpus_per_host, nvlink_domain=nvlink_domain,
         gemm_flop_per_s=bf16_tflops * TFLOPS * EFFICIENCY["gemm"], hbm_bytes_per_s=hbm,
         host_link_bytes_per_s=host_link_gbps * GB * EFFICIENCY["host_link"],
         intra_node_bytes_per_s=nvlink_gbps * GB * EFFICIENCY["link"],
@@ -100,21 +102,21 @@ def gpu_preset(name: str, *, gpus_per_host: int, nvlink_domain: int, bf16_tflops
 
 
 PRESETS: dict[str, Hardware] = {
-    # NVIDIA H200 datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989 dense), HBM3e 4.8 TB/s, NVLink 900 GB/s
+    # NVIDIA H200 datasheet (SXM): 141 GB HBM3e, BF16 1,979 TFLOPS with sparsity (989 dense), HBM3e 4.8 TB/s, NVLink 900 GB/s
     # (both directions: 450 each), PCIe Gen5 x16 128 GB/s (64 each way); DGX H200: 8 GPUs, 8 x ConnectX-7
     # 400 Gb/s (50 GB/s per GPU).
-    "h200-node": gpu_preset("h200-node", gpus_per_host=8, nvlink_domain=8, bf16_tflops=989, hbm_tbps=4.8,
+    "h200-node": gpu_preset("h200-node", memory_gb=141, gpus_per_host=8, nvlink_domain=8, bf16_tflops=989, hbm_tbps=4.8,
                             host_link_gbps=64, nvlink_gbps=450, network_gbps=50,
                             source="H200 SXM datasheet; DGX H200 (8 GPUs, ConnectX-7 400 Gb/s per GPU)"),
-    # NVIDIA HGX/DGX B200 datasheet: BF16 36 PFLOPS per 8 GPUs with sparsity (2,250 dense per GPU), HBM3e 8 TB/s,
+    # NVIDIA HGX/DGX B200 datasheet: 1,440 GB HBM3e per 8 GPUs (180 each), BF16 36 PFLOPS per 8 GPUs with sparsity (2,250 dense per GPU), HBM3e 8 TB/s,
     # NVLink 5 1.8 TB/s (900 GB/s each way), PCIe Gen5, 8 x ConnectX-7 400 Gb/s.
-    "b200-node": gpu_preset("b200-node", gpus_per_host=8, nvlink_domain=8, bf16_tflops=2250, hbm_tbps=8.0,
+    "b200-node": gpu_preset("b200-node", memory_gb=180, gpus_per_host=8, nvlink_domain=8, bf16_tflops=2250, hbm_tbps=8.0,
                             host_link_gbps=64, nvlink_gbps=900, network_gbps=50,
                             source="HGX B200 datasheet (8 GPUs, ConnectX-7 400 Gb/s per GPU)"),
-    # NVIDIA GB200 NVL72 datasheet: BF16 360 PFLOPS per 72 GPUs with sparsity (2,500 dense per GPU), HBM3e 8 TB/s
+    # NVIDIA GB200 NVL72 datasheet: 13.4 TB HBM3e per 72 GPUs (186 each), BF16 360 PFLOPS per 72 GPUs with sparsity (2,500 dense per GPU), HBM3e 8 TB/s
     # per GPU, NVLink 5 1.8 TB/s per GPU across the 72-GPU domain, NVLink-C2C 900 GB/s per Grace shared by its two
     # GPUs (225 GB/s each way per GPU); a compute tray (one host, its disks) holds 4 GPUs.
-    "gb200": gpu_preset("gb200", gpus_per_host=4, nvlink_domain=72, bf16_tflops=2500, hbm_tbps=8.0,
+    "gb200": gpu_preset("gb200", memory_gb=186, gpus_per_host=4, nvlink_domain=72, bf16_tflops=2500, hbm_tbps=8.0,
                         host_link_gbps=225, nvlink_gbps=900, network_gbps=50,
                         source="GB200 NVL72 datasheet (4 GPUs per compute tray, 72 per NVLink domain)"),
 }

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("restore_remote_code")
 
 # Round rates so every term below is computed by hand.
 HW = Hardware(
-    name="hand", gpus_per_host=2, nvlink_domain=2, gemm_flop_per_s=1e12, hbm_bytes_per_s=1e11,
+    name="hand", memory_bytes=10**11, gpus_per_host=2, nvlink_domain=2, gemm_flop_per_s=1e12, hbm_bytes_per_s=1e11,
     host_link_bytes_per_s=1e10, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e8,
     host_disk_read_bytes_per_s=4e9, host_disk_write_bytes_per_s=2e9, process_read_bytes_per_s=1e9,
     process_write_bytes_per_s=2e9, decode_bytes_per_s=1e10, search_bytes_per_s=1e11, factor_flop_per_s=1e10,
