@@ -4,19 +4,16 @@ DeepSeek-R1 on 1, 8 and 16 GPUs of an H200 or B200 node type, layerwise and resi
 layerwise run as the reference each row's speed-up is taken against.
 
 ``reference_table(layouts)`` writes the markdown; ``tests/memory/test_reference_times.py`` checks that the
-docs' table equals it, on header-only full-size layouts (``testing.header_only``,
-``testing.header_only_deepseek_v3``). Regenerate with ``python -m modelopt_k3.memory.reference_times DIR``.
+docs' table equals it, on header-only full-size layouts (``testing.full_size``, which also regenerates it:
+``python -m modelopt_k3.testing.full_size DIR``).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from ..dist.plan import AUTO
 from ..recipe import load_recipe
-from .hardware import GB, PRESETS, Hardware
-from .inventory import CheckpointLayout, read_layout
+from .hardware import PRESETS, Hardware
+from .inventory import CheckpointLayout
 from .planner import Asked, GiB, RunShape, fit_plan, planned
 from .wall_time import WallTime, _duration, predict_run
 
@@ -80,20 +77,6 @@ def reference_table(layouts: dict[str, tuple[CheckpointLayout, str]]) -> str:
     return "\n".join(lines)
 
 
-def full_size_layouts(workdir: Path) -> dict[str, tuple[CheckpointLayout, str]]:
-    """Header-only Kimi-K3 and DeepSeek-R1 (DeepSeek-V3's layout) under ``workdir``, with their nvfp4 recipes."""
-    from ..run.plan import recipe_name
-    from ..testing.header_only import make_kimi_k3_layout
-    from ..testing.header_only_deepseek_v3 import make_deepseek_v3_layout
-
-    out = {}
-    for model, make in (("Kimi-K3", make_kimi_k3_layout), ("DeepSeek-R1", make_deepseek_v3_layout)):
-        path = workdir / model
-        layout = read_layout(path if (path / "config.json").exists() else make(path))
-        out[model] = (layout, recipe_name(layout.spec, "nvfp4"))
-    return out
-
-
-if __name__ == "__main__":
-    print(reference_table(full_size_layouts(Path(sys.argv[1]))))
-    print(f"\n(storage per host {PRESETS['h200-node'].host_disk_read_bytes_per_s / GB:.0f} GB/s read)")
+def nvfp4_recipe(layout: CheckpointLayout) -> str:
+    """The recipe ``--qformat nvfp4`` means for the layout's model (its spec's own, else the preset)."""
+    return layout.spec.recipes.qformat.get("nvfp4", "presets/nvfp4")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_k3.memory.reference_times import HEADER, full_size_layouts, reference_table
+from modelopt_k3.memory.reference_times import HEADER, reference_table
+from modelopt_k3.testing.full_size import full_size_layouts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_remote_code")]
 DOC = Path(__file__).resolve().parents[2] / "docs" / "MEMORY.md"
