@@ -17,9 +17,11 @@ What each phase counts, for the busiest rank (replica 0 of the EP group: it also
   decode of MXFP4/FP8 sources into the load dtype (after the read: ``load/pretrained.py`` decodes what it read).
 * **calibration**: ``forwards`` passes over this rank's ``calib_size / world`` sequences (max: 1; local_hessian
   and gptq one more; gptq ``true_sequential`` one per stage of a layer). Each pass is a roofline over the
-  batches (GEMM FLOPs of the dense Linears and top-k routed experts, against streaming the resident weights
+  batches (GEMM FLOPs of the dense Linears and top-k routed experts, plus every expert on every token of the EP
+  group under ``calibrate_all_experts``, against streaming the resident weights
   from HBM once per batch) plus the all-to-all bytes (dispatch and combine of every routed row that leaves the
-  rank, over NVLink within the domain, else the network), a fixed cost per decoder layer per batch, the
+  rank, over NVLink within the domain, else the network; ``calibrate_all_experts`` also gathers the group's
+  tokens), a fixed cost per decoder layer per batch, the
   packed experts' decode per batch, and under ``--layerwise`` each layer's captured inputs through the
   host link (out and back). Then the weight algorithm: the block-scale searches stream their candidates;
   GPTQ factorizes one ``[in, in]`` Hessian per Linear/expert (``4/3 in^3`` FLOPs: Cholesky and inverse) and
