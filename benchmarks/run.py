@@ -2,7 +2,8 @@
 
     python -m benchmarks                 # everything (< ~10 min on a 2-core CPU machine)
     python -m benchmarks --quick         # smoke run: small shapes, tiny checkpoints, no convert
-    python -m benchmarks --only numerics # one area (numerics, io, ep, memory, layerwise, calibrators, convert); repeat or
+    python -m benchmarks --only numerics # one area (numerics, io, ep, memory, layerwise, calibrators, convert,
+                                         # wall_time); repeat or
                                          # comma-join; writes results/<areas>.json and .md, not the full run's files
     python -m benchmarks --out DIR       # write results.json / RESULTS.md into DIR
     python -m benchmarks --only convert --convert_size multi-gb   # converter vs ModelOpt's on ~2.2 GB
@@ -45,8 +46,10 @@ AREAS = {
     "layerwise": "benchmarks.bench_layerwise",
     "calibrators": "benchmarks.bench_calibrators",
     "convert": "benchmarks.convert_area",
+    "wall_time": "benchmarks.bench_wall_time",
 }
-QUICK_SKIPS = {"convert": "bench_convert.py builds a ~0.5 GB checkpoint; run it with --only convert"}
+QUICK_SKIPS = {"convert": "bench_convert.py builds a ~0.5 GB checkpoint; run it with --only convert",
+               "wall_time": "bench_wall_time.py times eight hf_ptq runs (~1.5 min); run it with --only wall_time"}
 
 
 def build_parser() -> argparse.ArgumentParser:
