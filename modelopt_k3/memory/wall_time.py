@@ -196,27 +196,33 @@ def _local_experts(layout: CheckpointLayout, plan: DistributionPlan) -> int:
     return layout.num_experts
 
 
+def _options(recipe: Recipe):
+    """The recipe's algorithm as the registry types it (its defaults filled: ``quant.calibrators``)."""
+    from ..quant.calibrators import algorithm_config
+
+    return algorithm_config(recipe.algorithm)
+
+
 def _forwards(recipe: Recipe) -> int:
     """Calibration passes: max's one, plus the Hessian forward(s) of local_hessian and gptq."""
-    method = recipe.algorithm.method
+    method, config = recipe.algorithm.method, _options(recipe)
     if method == "local_hessian":
         return 2
     if method == "gptq":
-        return 1 + (TRUE_SEQUENTIAL_STAGES if recipe.algorithm.get("true_sequential") else 1)
+        return 1 + (TRUE_SEQUENTIAL_STAGES if getattr(config, "true_sequential", False) else 1)
     return 1
 
 
 def _candidates(recipe: Recipe) -> int:
     """Block-scale candidates a search tries per weight (mse, local_hessian; 0: no search)."""
-    alg = recipe.algorithm
-    if alg.method not in ("mse", "local_hessian"):
+    if recipe.algorithm.method not in ("mse", "local_hessian"):
         return 0
-    if alg.get("fp8_scale_sweep"):
+    config = _options(recipe)
+    if getattr(config, "fp8_scale_sweep", False):
         return E4M3_SCALES
-    if alg.method == "mse" and alg.get("four_over_six"):
+    if getattr(config, "four_over_six", False):
         return 2
-    start, stop, step = alg.get("start_multiplier"), alg.get("stop_multiplier"), alg.get("step_size")
-    return math.ceil((stop - start) / step) + 1
+    return math.ceil((config.stop_multiplier - config.start_multiplier) / config.step_size) + 1
 
 
 def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Recipe, calib_size: int,
