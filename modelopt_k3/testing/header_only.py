@@ -143,14 +143,9 @@ def _write_shard(path: Path, shard: list, sparse: bool) -> int:
     return offset
 
 
-def make_kimi_k3_layout(
-    path: str | Path, *, sizes: dict[str, Any] | None = None, sparse: bool = True, overwrite: bool = False,
-    shard_bytes: int = SHARD_BYTES,
-) -> Path:
-    """Write the header-only (or sparse) checkpoint of Kimi-K3 (``sizes`` overrides ``KIMI_K3_SIZES``)."""
-    path = fresh_dir(path, overwrite)
-    config, tensors, ignore = layout_tensors({**KIMI_K3_SIZES, **(sizes or {})})
-    config["text_config"]["quantization_config"] = mxfp4_quantization_config(ignore)
+def write_layout(path: Path, config: dict, tensors, *, sparse: bool, shard_bytes: int) -> None:
+    """``tensors`` (name, dtype, shape) cut into shards of about ``shard_bytes``, each written header-only or
+    sparse, with the index and ``config.json``: the files every full-size layout writes."""
     shards = list(_shards(tensors, shard_bytes))
     weight_map: dict[str, str] = {}
     total = 0
@@ -161,6 +156,17 @@ def make_kimi_k3_layout(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, separators=(",", ":")))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def make_kimi_k3_layout(
+    path: str | Path, *, sizes: dict[str, Any] | None = None, sparse: bool = True, overwrite: bool = False,
+    shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Write the header-only (or sparse) checkpoint of Kimi-K3 (``sizes`` overrides ``KIMI_K3_SIZES``)."""
+    path = fresh_dir(path, overwrite)
+    config, tensors, ignore = layout_tensors({**KIMI_K3_SIZES, **(sizes or {})})
+    config["text_config"]["quantization_config"] = mxfp4_quantization_config(ignore)
+    write_layout(path, config, tensors, sparse=sparse, shard_bytes=shard_bytes)
     for fname in REMOTE_CODE_FILES:
         (path / fname).write_text(remote_code_source(fname))
     make_byte_tokenizer(path, bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"],

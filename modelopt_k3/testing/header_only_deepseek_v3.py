@@ -10,7 +10,6 @@ The MTP layer of the hub checkpoint (layer 61, about 1.7% of the bytes) is left 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 
 from .deepseek_v3 import _EXPERT_RE, _LINEAR_RE, _meta_model, _persistent, _resolve_sizes, checkpoint_config
 from .deepseek_v3 import fp8_quantization_config as fp8_quantization_config
-from .header_only import SHARD_BYTES, _shards, _write_shard
+from .header_only import SHARD_BYTES, write_layout
 from .tiny import fresh_dir
 
 # deepseek-ai/DeepSeek-V3 (and -R1, the same architecture) config.json: 671B parameters, 61 layers (3 dense),
@@ -86,16 +85,7 @@ def make_deepseek_v3_layout(path: str | Path, *, sizes: dict[str, Any] | None = 
     it is the planners' input (``modelopt-k3-plan``), not a run's."""
     path = fresh_dir(path, overwrite)
     config, tensors = layout_tensors({**DEEPSEEK_V3_SIZES, **(sizes or {})})
-    shards = list(_shards(tensors, shard_bytes))
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(path / fname, shard, sparse)
-        weight_map.update(dict.fromkeys((name for name, _, _ in shard), fname))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, separators=(",", ":")))
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_layout(path, config, tensors, sparse=sparse, shard_bytes=shard_bytes)
     return path
 
 
