@@ -190,6 +190,37 @@ def test_pread_records_into_the_given_log_and_reads_no_other_bytes(tmp_path: Pat
     assert reader.log.keys == []
 
 
+def test_hashed_reads_name_what_was_read_and_sha256_rereads_the_same_bytes(tmp_path: Path) -> None:
+    """A layerwise resume's source identity: each read (whole tensor, or rows as ``key[a:b]``) hashed from the
+    bytes read, equal to ``sha256`` of the stored range, which changes when a byte of that range does."""
+    import hashlib
+
+    from modelopt_k3.checkpoint.reader import parse_read, rows_read
+
+    ckpt = _write(tmp_path / "ckpt")
+    want = TENSORS[SHARDS[0]]["a.weight"]
+    with CheckpointReader(ckpt) as reader:
+        reader.log.hashes = {}
+        reader.get("a.weight")
+        reader.get_rows("a.weight", 1, 3)
+        reader.pread("b.weight_scale")
+        hashes = dict(reader.log.hashes)
+        assert set(hashes) == {"a.weight", rows_read("a.weight", 1, 3), "b.weight_scale"}
+        assert parse_read(rows_read("a.weight", 1, 3)) == ("a.weight", (1, 3))
+        assert hashes["a.weight"] == hashlib.sha256(want.view(torch.uint8).numpy().tobytes()).hexdigest()
+        assert hashes["a.weight[1:3]"] == hashlib.sha256(want[1:3].contiguous().view(torch.uint8).numpy()).hexdigest()
+        assert all(reader.sha256(read) == sha for read, sha in hashes.items())
+        assert hashes["a.weight[1:3]"] != hashes["a.weight"]
+        info = reader.info("a.weight")
+    path = ckpt / info.file
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.nbytes // 3 * 2] ^= 1  # a byte of row 2
+    path.write_bytes(bytes(data))
+    with CheckpointReader(ckpt) as reader:
+        assert reader.sha256("a.weight[1:3]") != hashes["a.weight[1:3]"]
+        assert reader.sha256("a.weight[0:1]") == hashlib.sha256(want[0:1].contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
 def test_the_header_digest_covers_every_header_and_size(tmp_path: Path) -> None:
     """The converter's resume key: equal for equal headers, different when any header changes."""
     a, b = _write(tmp_path / "a"), _write(tmp_path / "b")

@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import struct
 import threading
@@ -338,6 +339,20 @@ def _check_listed(path: Path, header: dict, listed: set[str], weight_map: Mappin
 # --------------------------------------------------------------------------- reads
 
 
+_ROWS = re.compile(r"^(?P<key>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+
+
+def rows_read(key: str, start: int, stop: int) -> str:
+    """How a read of rows ``[start, stop)`` of ``key`` is named in ``ReadLog.hashes``."""
+    return f"{key}[{start}:{stop}]"
+
+
+def parse_read(read: str) -> tuple[str, tuple[int, int] | None]:
+    """``rows_read``'s inverse: (key, (start, stop)) for a rows read, (key, None) for a whole tensor."""
+    m = _ROWS.match(read)
+    return (m["key"], (int(m["start"]), int(m["stop"]))) if m else (read, None)
+
+
 @dataclass
 class ReadLog:
     """Every tensor read (key, bytes) and what in it is not a number. Thread-safe: converter workers share one."""
@@ -348,6 +363,14 @@ class ReadLog:
     # key -> sha256 of the bytes read (``pread`` only, when not None): the converter's source identity.
     hashes: dict[str, str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def hash_read(self, read: str, tensor: torch.Tensor) -> None:
+        """The sha256 of the bytes just read, under ``read`` (a key, or ``key[start:stop]`` for rows), when
+        hashing is on: what a resume compares the source against, computed once, with no second pass."""
+        if self.hashes is not None:
+            digest = hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+            with self._lock:
+                self.hashes[read] = digest
 
     def record(self, key: str, tensor: torch.Tensor, nbytes: int, check_values: bool,
                shown: Callable[[str], str] | None = None) -> None:
@@ -515,6 +538,7 @@ class CheckpointReader:
             return self.pread(key)
         info = self.info(key)
         tensor = self._handle(info.file).get_tensor(key)
+        self.log.hash_read(key, tensor)
         self.log.record(key, tensor, info.nbytes, self.check_values)
         return tensor
 
@@ -531,6 +555,7 @@ class CheckpointReader:
             tensor = buf.view(info.dtype).reshape(stop - start, *info.shape[1:])
         else:
             tensor = self._handle(info.file).get_slice(key)[start:stop]
+        self.log.hash_read(rows_read(key, start, stop), tensor)
         self.log.record(key, tensor, info.nbytes // info.shape[0] * (stop - start), self.check_values, self.describe)
         return tensor
 
@@ -560,23 +585,26 @@ class CheckpointReader:
             self.pread_into(info.file, memoryview(buf.numpy()), info.offset)
         tensor = buf.view(info.dtype).reshape(info.shape)
         log = self.log if log is None else log
-        if log.hashes is not None:  # from the bytes just read: no second pass over the source
-            digest = hashlib.sha256(buf.numpy()).hexdigest()
-            with log._lock:
-                log.hashes[key] = digest
+        log.hash_read(key, buf)
         log.record(key, tensor, info.nbytes, self.check_values, self.describe)
         return tensor
 
-    def sha256(self, key: str, chunk: int = 64 * 2**20) -> str:
-        """sha256 of tensor ``key``'s stored bytes, read in chunks (nothing recorded: a check, not a read)."""
+    def sha256(self, read: str, chunk: int = 64 * 2**20) -> str:
+        """sha256 of the stored bytes of ``read`` (a key, or ``key[start:stop]``: those rows of dim 0, as
+        ``ReadLog.hash_read`` names them), read in chunks (nothing recorded: a check, not a read)."""
+        key, rows = (read, None) if read in self._infos else parse_read(read)
         info = self.info(key)
+        offset, nbytes = info.offset, info.nbytes
+        if rows is not None:
+            row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+            offset, nbytes = offset + row * rows[0], row * (rows[1] - rows[0])
         h = hashlib.sha256()
-        buf = bytearray(min(chunk, max(info.nbytes, 1)))
+        buf = bytearray(min(chunk, max(nbytes, 1)))
         view = memoryview(buf)
         done = 0
-        while done < info.nbytes:
-            n = min(len(view), info.nbytes - done)
-            self.pread_into(info.file, view[:n], info.offset + done)
+        while done < nbytes:
+            n = min(len(view), nbytes - done)
+            self.pread_into(info.file, view[:n], offset + done)
             h.update(view[:n])
             done += n
         return h.hexdigest()

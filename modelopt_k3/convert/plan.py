@@ -19,6 +19,7 @@ from .. import __version__
 from ..checkpoint import CheckpointError, CheckpointReader, TensorInfo, read_config
 from ..checkpoint.source_check import SourceLayout, check_config, check_dense_against_config, check_experts
 from ..checkpoint.source_decode import SourceDecode, dense_decodes
+from ..files.paths import stat_identity
 from ..numerics.constants import MXFP4_BLOCK
 from ..quant.block_fp8_source import block_fp8_passthrough
 from ..quant.decisions import Decision, DecisionTable, InventoryError, decide
@@ -28,7 +29,7 @@ from ..spec import CarriedModules, ModelSpec, PrepareContext, SpecError, get_spe
 from ..spec.config import load_dtype
 from ..spec.conversion import decode_op
 from .jobs import _ModuleJob, _Plan
-from .state import RECORD_VERSION, stat_identity
+from .state import RECORD_VERSION
 
 _PACKED, _SCALE = "weight_packed", "weight_scale"
 

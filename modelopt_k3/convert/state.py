@@ -29,7 +29,7 @@ from ..export.writer import (
     write_index,
     write_json_atomic,
 )
-from ..files.paths import is_staging_name
+from ..files.paths import is_staging_name, stat_identity
 from ..recipe import Recipe
 from .jobs import _Plan
 from .report import ConvertStats
@@ -84,15 +84,6 @@ def source_identity(plan: _Plan, read: dict[str, str]) -> dict[str, list[int] | 
     says cheaply that it is unchanged."""
     files = sorted({plan.tensors[key].file for key in read})
     return {f: plan.identity[f] if f in plan.identity else stat_identity(plan.src / f) for f in files}
-
-
-def stat_identity(path: Path) -> list[int] | None:
-    """(size, mtime, ctime in ns, inode): any write to the file changes its ctime, which no one can set back."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
 def check_source(plan: _Plan, dst: Path, file: str, rec: dict, *, verify_hash: bool) -> None:

@@ -138,6 +138,16 @@ def fix_mode(path: Path) -> None:
 OWNED_RECORD = ".modelopt_k3_files.json"
 
 
+def stat_identity(path: Path) -> list[int] | None:
+    """(size, mtime, ctime in ns, inode): any write to the file changes its ctime, which no one can set back;
+    so an unchanged identity means unchanged bytes, and a changed one means "hash again", not "changed"."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def is_checkpoint_dir(path: Path) -> bool:
     """A checkpoint directory: ``config.json`` and safetensors shards (nothing of ours is written into one)."""
     path = Path(path)

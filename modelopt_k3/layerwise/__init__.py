@@ -132,7 +132,8 @@ def run_layerwise(plan: RunPlan, batches: list[torch.Tensor], *, progress: bool 
 
 
 def _run(plan: RunPlan, batches, settings: LayerwiseSettings, root: Path, group, progress: bool, say) -> Path:
-    loader = LayerwiseLoad(plan, progress=progress)
+    loader = LayerwiseLoad(plan, progress=progress, hash_reads=settings.checkpoint_dir is not None)
+    outside_reads = loader.take_reads()  # read at every start: the "rest" record keeps the ones it was written from
     model, layers = loader.model, loader.layers
     device = loader.info.plan.device
     qplan = start_quantization(model, plan.recipe, plan.table)
@@ -140,7 +141,7 @@ def _run(plan: RunPlan, batches, settings: LayerwiseSettings, root: Path, group,
     exporter = ExportInParts(model, plan.export_path, format=plan.export_format,
                              max_shard_bytes=plan.config.max_shard_size_mb * 2**20, progress=progress)
     work = RankDir(root, group.rank, fingerprint(plan, batches, qplan))
-    done = run_together("layerwise: read the checkpoint", work.load, group=group)
+    done = run_together("layerwise: read the checkpoint", work.load, loader.source_change, group=group)
     done = _agree_on_done(done, group)
     work.roll_back(done)
     if done == len(layers):  # killed after the last commit, before (or while) publishing
@@ -159,7 +160,7 @@ def _run(plan: RunPlan, batches, settings: LayerwiseSettings, root: Path, group,
             cache = _first_inputs(replay, batches, work, done, limit)
             for i in range(done, len(layers)):
                 cache = _calibrate_layer(i, plan, model, loader, replay, exporter, work, qplan, batches, cache,
-                                         settings, limit, outside, progress)
+                                         settings, limit, outside, progress, outside_reads)
                 say(f"[modelopt_k3] layerwise: layer {i + 1}/{len(layers)} done")
     finally:
         replay.restore()
@@ -197,11 +198,13 @@ def _first_inputs(replay: LayerReplay, batches, work: RankDir, done: int, limit:
 
 def _calibrate_layer(i: int, plan: RunPlan, model: nn.Module, loader: LayerwiseLoad, replay: LayerReplay,
                      exporter: ExportInParts, work: RankDir, qplan, batches, cache: InputCache,
-                     settings: LayerwiseSettings, limit: int, outside: LoadScope, progress: bool) -> InputCache:
+                     settings: LayerwiseSettings, limit: int, outside: LoadScope, progress: bool,
+                     outside_reads: tuple[dict, dict]) -> InputCache:
     name = loader.layers[i]
     last = i == len(loader.layers) - 1
     layer = model.get_submodule(name)
     loader.read_layer(name)
+    reads = loader.take_reads()
     scope = LoadScope((name,))
     attach_quantizers(model, qplan, within=scope.holds)
     replay.current = i
@@ -232,9 +235,10 @@ def _calibrate_layer(i: int, plan: RunPlan, model: nn.Module, loader: LayerwiseL
     rest = None
     if last:
         rest = _calibrate_outside(plan, model, qplan, outside, replay_all, layer, settings, work, exporter)
+        rest.source, rest.source_files = outside_reads
     _coverage_guard(plan, model, name)
     weight_map, nbytes = exporter.write_part(name, work.path, f"layer{i:05d}")
-    record = LayerRecord(i, weight_map, nbytes, replay.metas[i])
+    record = LayerRecord(i, weight_map, nbytes, replay.metas[i], source=reads[0], source_files=reads[1])
     _free_quantizer_copies(layer)
     release_decode_workspaces(m for n, m in loader.info.spec.experts_modules(model).items() if scope.holds(n))
     loader.release_layer(name)

@@ -4,9 +4,14 @@
 shards (``layer{i:05d}-r…``), its quantizer state (``quant-{i:05d}.safetensors``), the next layer's captured
 inputs (``inputs-{i+1:05d}.safetensors``), then ``state.json`` (written atomically: the commit point). A
 file ``state.json`` does not list is debris of an interrupted layer and is deleted on resume. The state
-carries the run's fingerprint (source files, recipe decisions, world size and plan, calibration tokens,
-export settings, the load dtype, the producer: package and layer-format version); a resume refuses any
-difference, naming it. Ranks may differ by one layer (a kill between two ranks' commits): all resume at the
+carries the run's fingerprint (source files' names and sizes and config.json, recipe decisions, world size
+and plan, calibration tokens, export settings, the load dtype, the producer: package and layer-format
+version); a resume refuses any difference, naming it. Each layer's record also holds the source's content
+identity as the converter's records do: the sha256 of every tensor (or row range) the layer read, hashed as
+it was read (no second pass), and the stat identity of the files it read from; a resume hashes again only
+what a file whose stat identity changed holds (``touch`` or a copy costs one read of it; an edit in place with
+the old size and mtime still changes the ctime) and refuses a layer whose source bytes changed, naming the
+tensor. Hashing runs only with ``--layerwise_checkpoint_dir`` (a temporary directory is never resumed). Ranks may differ by one layer (a kill between two ranks' commits): all resume at the
 smallest count, which is why the inputs of the last two counts stay.
 
 Nothing in the directory is trusted unchecked (issue 42): every file a layer commits is fsynced and its
@@ -23,7 +28,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +42,7 @@ from ..export.writer import write_json_atomic
 from ..files.locks import acquire_lock
 from .replay import Captured, load_captured, save_captured
 
-VERSION = 2  # state.json's layout (2: every committed file's sha256)
+VERSION = 3  # state.json's layout (2: every committed file's sha256; 3: the source each layer read)
 # Bump whenever what a layer writes changes (its export tensors, quantizer state or captured inputs): a resume
 # never mixes layers of two formats (a checkpoint dir from before a fix would republish the old bytes).
 LAYER_FORMAT_VERSION = 2
@@ -49,6 +54,10 @@ def producer() -> str:
     return f"modelopt_k3 {__version__}, layer format {LAYER_FORMAT_VERSION}"
 _OURS = re.compile(r"^(layer\d{5}-r\d{5}-\d{5}\.safetensors|model-r\d{5}-\d{5}\.safetensors|quant-\d{5}\.safetensors|"
                    r"inputs-\d{5}\.safetensors|spill-.*\.safetensors|\..*\.spill|\.?state\.json.*)$")
+
+
+# (a record's source reads, the stat identity of the files they came from) -> what changed, or None.
+SourceCheck = Callable[[dict[str, str], dict[str, list[int] | None]], str | None]
 
 
 class ResumeError(ValueError):
@@ -64,11 +73,11 @@ def digest(*parts: bytes | str) -> str:
 
 
 def source_digest(checkpoint: Path) -> str:
-    """config.json's bytes and every safetensors file's name, size and modification time."""
+    """config.json's bytes and every safetensors file's name and size: the source's shape. Its content is
+    checked per layer (``LayerRecord.source``), so a ``touch`` or a copy of the checkpoint still resumes."""
     parts: list[str | bytes] = [(checkpoint / "config.json").read_bytes()]
     for f in sorted(checkpoint.glob("*.safetensors")):
-        st = f.stat()
-        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+        parts.append(f"{f.name}:{f.stat().st_size}")
     return digest(*parts)
 
 
@@ -92,6 +101,8 @@ class LayerRecord:
     nbytes: int
     output_meta: dict[str, Any]  # what the layer returns, for skipping it on a resume
     files: dict[str, str] = field(default_factory=dict)  # every file it committed -> its sha256
+    source: dict[str, str] = field(default_factory=dict)  # every source read (key or key[a:b]) -> its sha256
+    source_files: dict[str, list[int] | None] = field(default_factory=dict)  # file read -> stat identity then
 
 
 @dataclass
@@ -102,13 +113,15 @@ class RankState:
 
     def to_json(self) -> dict[str, Any]:
         rec = lambda r: {"index": r.index, "weight_map": r.weight_map, "nbytes": r.nbytes,  # noqa: E731
-                         "output_meta": r.output_meta, "files": r.files}
+                         "output_meta": r.output_meta, "files": r.files, "source": r.source,
+                         "source_files": r.source_files}
         return {"version": VERSION, "fingerprint": self.fingerprint, "layers": [rec(r) for r in self.layers],
                 "rest": rec(self.rest) if self.rest else None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankState:
-        rec = lambda d: LayerRecord(d["index"], d["weight_map"], d["nbytes"], d["output_meta"], d["files"])  # noqa: E731
+        rec = lambda d: LayerRecord(d["index"], d["weight_map"], d["nbytes"], d["output_meta"], d["files"],  # noqa: E731
+                                    d["source"], d["source_files"])
         return cls(data["fingerprint"], [rec(d) for d in data["layers"]], rec(data["rest"]) if data["rest"] else None)
 
 
@@ -140,8 +153,9 @@ class RankDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.state = RankState(fingerprint)
 
-    def load(self) -> int:
-        """The completed layer count an earlier run left (0: none); refuses another run's checkpoint."""
+    def load(self, source_change: SourceCheck | None = None) -> int:
+        """The completed layer count an earlier run left (0: none); refuses another run's checkpoint, and
+        (``source_change``: what in a record's source reads differs now, or None) a layer whose source changed."""
         f = self.path / STATE
         if not f.is_file():
             return 0
@@ -166,6 +180,12 @@ class RankDir:
                               f"{', '.join(changed)}; rerun that command, or remove the directory to start over")
         self.state = old
         self.verify()
+        for record in self.records() if source_change is not None else ():
+            change = source_change(record.source, record.source_files)
+            if change is not None:
+                what = "the tensors outside the decoder layers" if record.index < 0 else f"layer {record.index}"
+                raise ResumeError(f"the source checkpoint changed since {what} was committed to {self.path}: "
+                                  f"{change}; remove the layerwise checkpoint directory to start over")
         return len(old.layers)
 
     def verify(self) -> None:

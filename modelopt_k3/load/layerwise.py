@@ -6,15 +6,19 @@ applied to one ``LoadScope`` at a time, plus the release of a layer's tensors ba
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..checkpoint import CheckpointError
+from ..checkpoint.reader import parse_read
 from ..checkpoint.source_decode import decoded_dense
 from ..dist.collectives import run_together
 from ..dist.group import current_group
+from ..files.paths import stat_identity
 from ..spec.names import enclosing, under_any
 from .pretrained import (
     LoadError,
@@ -59,7 +63,7 @@ class LayerwiseLoad:
     consumed, as a resident load does at its end.
     """
 
-    def __init__(self, run: RunPlan, *, progress: bool = True) -> None:
+    def __init__(self, run: RunPlan, *, progress: bool = True, hash_reads: bool = False) -> None:
         group = current_group()
         if run.distribution.fsdp_sharded:
             raise ValueError("layerwise loading reads whole layers per rank; FSDP2-sharded plans are not supported")
@@ -70,6 +74,11 @@ class LayerwiseLoad:
         self._converters = _prepare(src, run.checkpoint, plan)
         model = _build_placed_on_meta(src, plan, placement, run.dtype, group)
         self.model, self.reader, self.progress = model, src.reader, progress
+        self.checkpoint = Path(run.checkpoint)
+        # The source's content identity for a resumable run (``take_reads``): taken before any byte is read.
+        self._identity = {f: stat_identity(self.checkpoint / f) for f in src.reader.files} if hash_reads else {}
+        if hash_reads:
+            src.reader.log.hashes = {}
         self.layers = list(src.spec.decoder_layers(model))
         if not self.layers:
             raise ValueError(f"model_type {src.spec.model_type} names no decoder layers (ReportSpec.decoder_layer_regex)")
@@ -104,6 +113,33 @@ class LayerwiseLoad:
     def skip_layer(self, name: str) -> None:
         """A layer whose export an earlier run completed (a resume): its source keys count as consumed."""
         self._consumed.update(self._keys[name])
+
+    def take_reads(self) -> tuple[dict[str, str], dict[str, list[int] | None]]:
+        """The sha256 of every source read since the last call (key, or ``key[a:b]`` for rows) and the stat
+        identity of their files before the run read them: what a layer's record keeps (empty unless hashing)."""
+        log = self.reader.log
+        if log.hashes is None:
+            return {}, {}
+        reads, log.hashes = log.hashes, {}
+        files = {self.reader.info(parse_read(r)[0]).file for r in reads}
+        return reads, {f: self._identity[f] for f in sorted(files)}
+
+    def source_change(self, reads: dict[str, str], identity: dict[str, list[int] | None]) -> str | None:
+        """What of ``reads`` (a committed layer's) differs in the source now, or None: only the files whose
+        stat identity changed are read again (the converter's rule, ``convert/state.check_source``)."""
+        suspect = {f for f, ident in identity.items() if stat_identity(self.checkpoint / f) != ident}
+        if not suspect:
+            return None
+        with self.reader:
+            for read, sha in sorted(reads.items()):
+                key = parse_read(read)[0]
+                try:
+                    info = self.reader.info(key)
+                except CheckpointError:
+                    return f"tensor {key} is gone"
+                if info.file in suspect and self.reader.sha256(read) != sha:
+                    return f"tensor {key} in {info.file} no longer holds the bytes that layer read"
+        return None
 
     def finish(self) -> None:
         unexpected = set(self.reader.names()) - self._consumed

@@ -111,6 +111,16 @@ def _tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def _layer0_tensor(ckpt: Path) -> tuple[str, Path, int]:
+    """A tensor layer 0 reads: its key, its shard and the file offset of a byte in its middle."""
+    from modelopt_k3.checkpoint import CheckpointReader
+
+    with CheckpointReader(ckpt) as reader:
+        key = next(k for k in sorted(reader.names()) if ".layers.0.mlp.down_proj." in k)
+        info = reader.info(key)
+    return key, ckpt / info.file, info.offset + info.nbytes // 2
+
+
 def test_a_resume_never_trusts_what_it_has_not_checked(tmp_path: Path):
     """Issue 42, one killed run reused case by case: another load dtype, a flipped byte or a truncation in a
     committed layer file, and a symbolic link planted in the checkpoint directory are each refused naming what
@@ -126,6 +136,17 @@ def test_a_resume_never_trusts_what_it_has_not_checked(tmp_path: Path):
     layer.write_bytes(good[: len(good) // 2])
     assert f"{layer} changed since it was committed" in _refused(cmd)
     layer.write_bytes(good)
+
+    # The source edited in place with its old size and mtime (85 tensors differed after such a resume):
+    # the ctime changed, so layer 0's reads are hashed again and the changed tensor is named.
+    key, shard, offset = _layer0_tensor(ckpt)
+    st, data = shard.stat(), bytearray(shard.read_bytes())
+    data[offset] ^= 1
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f"tensor {key} in {shard.name} no longer holds the bytes" in _refused(cmd)
+    data[offset] ^= 1
+    shard.write_bytes(bytes(data))  # the same bytes again: hashed again, equal, so it resumes below
 
     planted = rank_dir / "layer00099-r00000-00000.safetensors"
     planted.symlink_to(next(ckpt.glob("*.safetensors")))

@@ -29,19 +29,41 @@ def test_a_resume_refuses_a_checkpoint_of_another_source(tmp_path: Path):
     assert RankDir(tmp_path, 0, fp).load() == 1
 
 
-def test_the_source_digest_changes_when_a_shard_is_rewritten_in_place(tmp_path: Path):
-    """Same name, same size, other bytes: only the modification time tells (no tensor is hashed)."""
+def test_the_source_digest_is_the_sources_shape_its_content_is_checked_per_layer(tmp_path: Path):
+    """A ``touch`` (or a copy) keeps the digest: the bytes are each layer's record's to check (``source``);
+    another size or config.json is another source at once."""
     (tmp_path / "config.json").write_text("{}")
     shard = tmp_path / "model-00001.safetensors"
     shard.write_bytes(b"a" * 64)
     before = source_digest(tmp_path)
     st = shard.stat()
-    shard.write_bytes(b"b" * 64)
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    assert shard.stat().st_size == st.st_size
+    assert source_digest(tmp_path) == before
+    shard.write_bytes(b"a" * 65)
     assert source_digest(tmp_path) != before
+    shard.write_bytes(b"a" * 64)
     (tmp_path / "config.json").write_text('{"a": 1}')
-    assert len({before, source_digest(tmp_path)}) == 2
+    assert source_digest(tmp_path) != before
+
+
+def test_a_layer_whose_source_changed_is_refused_naming_it(tmp_path: Path):
+    """``RankDir.load`` asks the loader about every committed record's reads; the first change is refused."""
+    fp = {"source checkpoint": "a"}
+    d = RankDir(tmp_path, 0, fp)
+    shard = "layer00000-r00000-00000.safetensors"
+    (d.path / shard).write_bytes(b"x")
+    d.commit(LayerRecord(0, {"k0": shard}, 1, {}, source={"w0": "s0"}, source_files={"m.safetensors": [1, 2, 3, 4]}),
+             {"q": torch.ones(1)}, [Captured.of((torch.ones(2),), {})])
+    seen = []
+
+    def unchanged(reads, files):
+        seen.append((reads, files))
+        return None
+
+    assert RankDir(tmp_path, 0, fp).load(unchanged) == 1
+    assert seen == [({"w0": "s0"}, {"m.safetensors": [1, 2, 3, 4]})]  # as committed, through state.json
+    with pytest.raises(ResumeError, match="changed since layer 0 was committed.*tensor w0 in m.safetensors"):
+        RankDir(tmp_path, 0, fp).load(lambda reads, files: "tensor w0 in m.safetensors no longer holds ...")
 
 
 def test_a_rank_one_layer_behind_can_resume_from_the_ones_before(tmp_path: Path):
