@@ -150,6 +150,8 @@ def _modules(inventory: Inventory, spec: ModelSpec):
             module, _, part = key.rpartition(".")
             dense.setdefault(module, {})[part] = info
     dense = {name: decoded_parts(parts) for name, parts in dense.items()}
+    for (module, proj), by in sorted(experts.items()):
+        _same_fields(module, proj, by)
     experts = {k: {e: decoded_parts(parts) for e, parts in by.items()} for k, by in experts.items()}
     return dense, experts
 
@@ -201,6 +203,22 @@ def _expert_shape(name: str, parts: Mapping[str, tuple[torch.dtype, tuple[int, .
     if set(parts) == {"weight"}:
         return tuple(parts["weight"][1]), False
     raise InventoryError(f"routed expert {name} has tensors {sorted(parts)}; expected {PACKED}+{SCALE} (MXFP4) or weight")
+
+
+def _same_fields(module: str, proj: str, by_expert: dict) -> None:
+    """Every expert of one projection stores the same tensors: one that lacks a field the others have (an INT4
+    ``weight_shape``) is named as missing it, not judged by the format its remaining fields would suggest."""
+    fields: dict[frozenset[str], list] = {}
+    for e, parts in sorted(by_expert.items()):
+        fields.setdefault(frozenset(parts), []).append(e)
+    if len(fields) > 1:
+        common, *_ = max(fields.items(), key=lambda kv: len(kv[1]))
+        odd = next(e for f, es in fields.items() if f != common for e in es)
+        missing, extra = sorted(common - set(by_expert[odd])), sorted(set(by_expert[odd]) - common)
+        raise InventoryError(f"{module}.{odd}.{proj} stores {sorted(by_expert[odd])}, unlike the other experts "
+                             f"({sorted(common)}): " + "; ".join(
+                                 [f"missing {', '.join(f'{module}.{odd}.{proj}.{m}' for m in missing)}"] * bool(missing)
+                                 + [f"extra {', '.join(extra)}"] * bool(extra)))
 
 
 def _expert_decisions(recipe: Recipe, spec: ModelSpec, experts: dict) -> dict[str, Decision]:

@@ -95,10 +95,13 @@ class BlockFp8Decode(DecodeOp):
             block = self.block_size or weight_block_size(model.config)
             weights, scales = input_dict[pattern], input_dict[scale_pattern]
             dtype = kwargs.get("dtype") or self.dtype  # the parameter's: fp8 x scale_inv in fp32, one cast to it
-            if isinstance(weights, list):
-                out[pattern] = [block_fp8_decode(w, s, block, dtype) for w, s in zip(weights, scales, strict=True)]
-            else:
-                out[pattern] = block_fp8_decode(weights, scales, block, dtype)
+            try:
+                if isinstance(weights, list):
+                    out[pattern] = [block_fp8_decode(w, s, block, dtype) for w, s in zip(weights, scales, strict=True)]
+                else:
+                    out[pattern] = block_fp8_decode(weights, scales, block, dtype)
+            except ValueError as e:  # a scale of the wrong shape: named by the layer it decodes
+                raise ValueError(f"{kwargs.get('full_layer_name')}: {e}") from None
         return out
 
     @property

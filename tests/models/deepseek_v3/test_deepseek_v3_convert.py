@@ -168,3 +168,54 @@ def test_the_converter_refuses_an_int4_weight_shape_the_load_refuses(deepseek_in
     assert not (tmp_path / "out").exists() or not (tmp_path / "out" / "model.safetensors.index.json").exists()
     with pytest.raises(LoadError, match=said):
         modelopt_k3.load_pretrained(broken, progress=False)
+
+
+def _edited_copy(src: Path, dst: Path, key: str, edit) -> Path:
+    """A copy of ``src`` with stored tensor ``key`` replaced by ``edit(tensor)`` (None: removed, with its index entry)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    index = _json(dst / "model.safetensors.index.json")
+    shard = dst / index["weight_map"][key]
+    with safe_open(str(shard), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    value = edit(tensors.pop(key))
+    if value is None:
+        del index["weight_map"][key]
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        tensors[key] = value.contiguous()
+    save_file(tensors, str(shard))
+    return dst
+
+
+def test_a_missing_int4_weight_shape_is_named_missing_by_both_paths(deepseek_int4_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 42: the converter said "not MXFP4-packed" (judging the two fields left by MXFP4's rule); both paths
+    now name the missing tensor."""
+    import modelopt_k3
+    from modelopt_k3.checkpoint import CheckpointError
+    from modelopt_k3.load import LoadError
+
+    key = "model.layers.2.mlp.experts.5.down_proj.weight_shape"
+    broken = _edited_copy(deepseek_int4_ckpt, tmp_path / "broken", key, lambda t: None)
+    with pytest.raises(CheckpointError, match=rf"missing {key}") as err:
+        convert_checkpoint(broken, tmp_path / "out", W4A16)
+    assert "MXFP4" not in str(err.value)
+    with pytest.raises(LoadError, match=key):
+        modelopt_k3.load_pretrained(broken, progress=False)
+
+
+def test_a_block_fp8_scale_of_the_wrong_shape_is_refused_naming_its_weight(deepseek_fp8_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 42: the shape error named no tensor; both paths now say which Linear's scale it is."""
+    import modelopt_k3
+
+    key = "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
+    broken = _edited_copy(deepseek_fp8_ckpt, tmp_path / "broken", key, lambda t: t[:-1])
+    said = r"model\.layers\.0\.self_attn\.q_b_proj\.weight: weight_scale_inv of a \[\d+, \d+\] weight .* must be"
+    with pytest.raises(ValueError, match=said):
+        convert_checkpoint(broken, tmp_path / "out", W4A16)
+    with pytest.raises(ValueError, match=said):
+        modelopt_k3.load_pretrained(broken, progress=False)
