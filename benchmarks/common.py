@@ -342,6 +342,7 @@ class Context:
     convert_size: str = "default"  # the convert area's checkpoint: default (~0.5 GB) or multi-gb (~2.2 GB)
     peer_python: str | None = None  # ModelOpt's Kimi-K3 converter (bench_convert_peer.py); None: from the env
     peer_script: str | None = None
+    llmc_python: str | None = None  # llm-compressor's interpreter (bench_peer_calibrators.py); None: from the env
 
 
 # ------------------------------------------------------------------------------ shared checkpoints

@@ -47,9 +47,12 @@ AREAS = {
     "calibrators": "benchmarks.bench_calibrators",
     "convert": "benchmarks.convert_area",
     "wall_time": "benchmarks.bench_wall_time",
+    "peer_calibrators": "benchmarks.bench_peer_calibrators",
 }
 QUICK_SKIPS = {"convert": "bench_convert.py builds a ~0.5 GB checkpoint; run it with --only convert",
-               "wall_time": "bench_wall_time.py times eight hf_ptq runs (~1.5 min); run it with --only wall_time"}
+               "wall_time": "bench_wall_time.py times eight hf_ptq runs (~1.5 min); run it with --only wall_time",
+               "peer_calibrators": "llm-compressor's oneshot takes minutes per method on CPU; run it with "
+                                   "--only peer_calibrators"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interpreter with nvidia-modelopt for the peer converter (default $MODELOPT_K3_PEER_PYTHON)")
     p.add_argument("--peer_script", default=None,
                    help="ModelOpt's examples/kimi/kimi_k3/quantize_to_nvfp4.py (default $MODELOPT_K3_PEER_SCRIPT)")
+    p.add_argument("--llmc_python", default=None,
+                   help="interpreter with llmcompressor==0.14.0.1 for the peer calibrators "
+                        "(default $MODELOPT_K3_LLMC_PYTHON)")
     return p
 
 
@@ -198,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for the subprocesses (EP ranks divide it)
     t0 = time.perf_counter()
     ctx = Context(quick=args.quick, repeats=repeats, workdir=workdir, out_dir=json_path.parent, log=log, threads=threads,
-                  convert_size=args.convert_size, peer_python=args.peer_python, peer_script=args.peer_script)
+                  convert_size=args.convert_size, peer_python=args.peer_python, peer_script=args.peer_script,
+                  llmc_python=args.llmc_python)
     busy = os.getloadavg()[0]
     if busy > 0.5 * (os.cpu_count() or 1):
         log(f"warning: load average {busy:.1f} on {os.cpu_count()} cores before starting: other jobs share the "
