@@ -276,7 +276,8 @@ def _figures(results: dict, methods: list[str], why: str) -> list[Figure]:
             noise = _spread(b)
             figures.append(Figure(
                 f"peer_calibrators/{kind}_{method}", AREA, f"{method}: {what}, ours / llm-compressor (mean of {len(a)} seeds)",
-                {"value": statistics.mean(a), "unit": ""}, {"value": statistics.mean(b), "unit": ""},
+                {"label": f"modelopt_k3.quantize({OURS[method]})", "value": statistics.mean(a), "unit": ""},
+                {"label": f"llmcompressor.oneshot ({method})", "value": statistics.mean(b), "unit": ""},
                 statistics.mean(a) / statistics.mean(b), ratio_range=(min(x / y for x, y in zip(a, b)),
                                                                    max(x / y for x, y in zip(a, b))),
                 target=1 + noise, target_text=f"<= 1 + the peer's own spread over seeds ({noise:.2f})",
