@@ -70,7 +70,7 @@ class NemotronHFusedExperts(FusedExperts, NemotronHExperts):
 
 
 def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
-    """``ExpertsSpec.place_experts``: every ``NemotronHExperts`` re-classed and narrowed to the placement."""
+    """``ExpertsSpec.place_experts``: every experts module narrowed to the placement."""
     for module in model.modules():
         if isinstance(module, NemotronHExperts):
             NemotronHFusedExperts.adopt(module)
@@ -78,13 +78,18 @@ def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
 
 
 class NemotronHBackboneForCausalLM(NemotronHForCausalLM):
-    """transformers' ``NemotronHForCausalLM`` holding its decoder as ``backbone`` (the hub's name)."""
+    """transformers' ``NemotronHForCausalLM`` holding its decoder as ``backbone`` (the hub's name) and its experts
+    as ``NemotronHFusedExperts`` from construction, so every build of the class (the loader's, the export's
+    completeness check, the probe) has the same parameter names."""
 
     base_model_prefix = "backbone"
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self._modules = {("backbone" if k == "model" else k): v for k, v in self._modules.items()}
+        for module in self.modules():
+            if isinstance(module, NemotronHExperts):
+                NemotronHFusedExperts.adopt(module)
 
     @property
     def model(self) -> nn.Module:
