@@ -33,9 +33,9 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from ...dist.placement import ExpertPlacement
 from ...experts.base import FusedExperts
 from ...spec import PrepareContext, SpecError
+from ...spec.probe import random_probe_model
 from ..common.experts import combine_in_expert_order
 from ..common.probe import tiny_config
-from ...spec.probe import random_probe_model
 
 # The Mamba-2 widths the common probe table does not know (the mixer's inner width is heads x head_dim).
 MAMBA_PROBE_WIDTHS = {"mamba_num_heads": 2, "mamba_head_dim": 8, "n_groups": 1, "ssm_state_size": 8,
