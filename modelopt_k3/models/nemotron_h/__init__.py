@@ -37,8 +37,10 @@ from .source_layout import (
     check_config_fields,
 )
 
-# Per-expert checkpoint Linears of the decoder's and the MTP block's MoE layers.
-EXPERT_KEY_RE = r"^(?P<module>.+\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)\.(?P<tensor>\w+)$"
+# Per-expert checkpoint Linears of the decoder's MoE layers (the MTP block's are carried as stored, never read as
+# experts: the loader, the planner and EP see only the decoder's).
+EXPERT_KEY_RE = (r"^(?P<module>backbone\.layers\.\d+\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)"
+                 r"\.(?P<tensor>\w+)$")
 
 
 def serving_rules() -> Mapping[str, Any]:

@@ -167,3 +167,34 @@ def test_export_equals_modelopt_0_47_bit_for_bit(nemotron_h_ckpt, nemotron_h_exp
             continue
         assert str(got.dtype).removeprefix("torch.") == want["dtype"] and _sha(got) == want["sha256"], key
     assert GOLDEN["hf_quant_config"]["quantization"]["quant_algo"] == "NVFP4"
+
+
+@pytest.mark.slow
+def test_source_check_refuses_a_layer_count_off_the_pattern_and_a_missing_mtp_tensor(nemotron_h_ckpt, tmp_path):
+    """transformers silently takes the layer kinds from hybrid_override_pattern; a num_hidden_layers that disagrees
+    is refused by name, and so is an MTP block missing a tensor its pattern needs (before any weight is read)."""
+    from safetensors.torch import save_file
+
+    from modelopt_k3 import load_pretrained
+    from modelopt_k3.checkpoint.source_check import SourceMismatchError
+    from modelopt_k3.spec import SpecError
+
+    bad_config = tmp_path / "layers"
+    shutil.copytree(nemotron_h_ckpt, bad_config)
+    cfg = json.loads((bad_config / "config.json").read_text())
+    (bad_config / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 5}))
+    with pytest.raises(SpecError, match="num_hidden_layers = 5 but hybrid_override_pattern has 4 layers"):
+        load_pretrained(bad_config, progress=False)
+
+    no_mtp_norm = tmp_path / "mtp"
+    no_mtp_norm.mkdir()
+    for f in nemotron_h_ckpt.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, no_mtp_norm / f.name)
+    tensors = {k: v for k, v in _source(nemotron_h_ckpt).items() if k != "mtp.layers.1.final_layernorm.weight"}
+    index = json.loads((nemotron_h_ckpt / "model.safetensors.index.json").read_text())
+    save_file(tensors, no_mtp_norm / "model.safetensors")
+    index["weight_map"] = dict.fromkeys(tensors, "model.safetensors")
+    (no_mtp_norm / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(SourceMismatchError, match=r"mtp\.layers\.1\.final_layernorm\.weight"):
+        load_pretrained(no_mtp_norm, progress=False)
