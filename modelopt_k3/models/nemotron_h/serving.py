@@ -1,23 +1,25 @@
 """How each serving engine's Nemotron-H class loads a checkpoint: the rules ``modelopt-k3-check`` replays.
 
-Read from the engines' code as the search tools store it (vLLM main @ 00b08dc, SGLang main @ 02c6032), not at
-the vLLM 0.33.0 / SGLang 0.5.23 tags: re-read there before relying on a verdict.
+Read from the PyPI wheels vLLM 0.33.0 and SGLang 0.5.23 (and the same in their main branches as the search tools
+store them: vLLM @ 00b08dc, SGLang @ 02c6032).
 
-* vLLM ``vllm/model_executor/models/nemotron_h.py``: ``NemotronHForCausalLM.hf_to_vllm_mapper`` renames the
+* vLLM 0.33.0 ``vllm/model_executor/models/nemotron_h.py``: ``NemotronHForCausalLM.hf_to_vllm_mapper`` renames the
   prefix ``backbone`` -> ``model``, drops ``mtp`` (the main model never sees the MTP block), and the substrings
   ``A_log`` -> ``A``, ``embeddings`` -> ``embed_tokens``; it stacks ``q_proj``/``k_proj``/``v_proj`` into
   ``qkv_proj`` (``packed_modules_mapping``: only ``qkv_proj``). ``NemotronHMoE``: the router ``gate`` is a
   ``GateLinear`` built without the quant config (fp32 output); ``fc1_latent_proj``/``fc2_latent_proj`` are
   ``ReplicatedLinear`` and the shared expert a ``NemotronHMLP`` (``up_proj``/``down_proj``), all built WITH the
   quant config; the routed experts one non-gated ``FusedMoE`` over the latent width (``ckpt_names = ("up_proj",
-  "down_proj", "")``: ``w1`` is ``up_proj``, no ``w3``). Mamba layers are ``MambaMixer2`` with the quant config
-  (``in_proj``, ``out_proj``); attention ``qkv_proj``/``o_proj`` with it; ``lm_head`` a ``ParallelLMHead`` with it.
-* SGLang ``python/sglang/srt/models/nemotron_h.py``: ``hf_to_sglang_mapper`` ``backbone.`` -> ``model.`` (what
+  "down_proj", None)``: ``w1`` is ``up_proj``, no ``w3``). Mamba layers are ``MambaMixer2``
+  (``layers/mamba/mamba_mixer2.py``): ``in_proj``/``out_proj`` with the quant config, ``conv1d`` a Linear built
+  with ``quant_config=None``; attention ``qkv_proj``/``o_proj`` with it; ``lm_head`` a ``ParallelLMHead`` with it.
+* SGLang 0.5.23 ``sglang/srt/models/nemotron_h.py``: ``hf_to_sglang_mapper`` ``backbone.`` -> ``model.`` (what
   its ModelOpt config applies to the exclude list); ``load_weights`` also rewrites ``A_log``/``embeddings`` and
   skips every name containing ``mtp`` unless it is the MTP draft (``is_mtp``); ``stacked_params_mapping`` and
   ``packed_modules_mapping`` only ``qkv_proj``. ``NemotronHMoE``: the router ``gate`` a ``ReplicatedLinear`` with
   ``quant_config=None``; latent projections and the shared expert with the quant config; experts non-gated
-  (``is_gated=False``; ``make_expert_params_mapping(ckpt_gate_proj_name="up_proj", ckpt_up_proj_name="")``).
+  (``is_gated=False``; ``make_expert_params_mapping(ckpt_gate_proj_name="up_proj", ckpt_up_proj_name="")``);
+  ``MambaMixer2`` (``layers/attention/mamba/mamba.py``) as vLLM's: ``conv1d`` with ``quant_config=None``.
 * TensorRT-LLM: its Nemotron-H loader was not read: not verified (the check refuses to say "loads").
 
 Not verified on either engine: the MTP drafter's load of ``mtp.*`` (vLLM ``nemotron_h_mtp.py``, SGLang
@@ -40,6 +42,7 @@ EXPERT_RE = r"(?P<module>.+\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|
 W1_ONLY = ("up_proj", "")  # non-gated: w1 is the up projection, there is no w3
 QKV = Fused("qkv_proj", ("q_proj", "k_proj", "v_proj"))
 ROUTER = r"\.mixer\.gate$"
+CONV1D = r"\.mixer\.conv1d$"
 MTP_PREFIX = "mtp."
 
 VLLM_NEMOTRON_H = ModelServing(
@@ -49,7 +52,8 @@ VLLM_NEMOTRON_H = ModelServing(
     strip_prefix="",
     fused=(QKV,),
     unquantized=((ROUTER, "vLLM's Nemotron-H router is a GateLinear built without the quant config "
-                          "(nemotron_h.py NemotronHMoE.__init__)"),),
+                          "(nemotron_h.py NemotronHMoE.__init__)"),
+                 (CONV1D, "vLLM's MambaMixer2 builds conv1d with quant_config=None (mamba_mixer2.py)")),
     formats_only=(),
     packed_modules_mapping={"qkv_proj": QKV.pieces},
     expert_re=EXPERT_RE,
@@ -65,7 +69,8 @@ SGLANG_NEMOTRON_H = ModelServing(
     strip_prefix="",
     fused=(QKV,),
     unquantized=((ROUTER, "SGLang's Nemotron-H router is a ReplicatedLinear built with quant_config=None "
-                          "(nemotron_h.py NemotronHMoE.__init__)"),),
+                          "(nemotron_h.py NemotronHMoE.__init__)"),
+                 (CONV1D, "SGLang's MambaMixer2 builds conv1d with quant_config=None (attention/mamba/mamba.py)")),
     formats_only=(),
     packed_modules_mapping={"qkv_proj": QKV.pieces},
     expert_re=EXPERT_RE,
