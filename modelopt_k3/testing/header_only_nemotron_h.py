@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from .header_only import SHARD_BYTES, write_layout
-from .nemotron_h import NEMOTRON_H_TINY_DEFAULTS, _model, checkpoint_config, hub_layout, hub_shapes, mtp_shapes
+from .hub_standin import hub_shapes
+from .nemotron_h import NEMOTRON_H_TINY_DEFAULTS, _model, checkpoint_config, hub_layout, mtp_shapes
 from .tiny import fresh_dir
 
 SUPER_PATTERN = "MEMEM*EMEME" * 8  # 40 M, 40 E, 8 * (the release's counts; its order not known here)
