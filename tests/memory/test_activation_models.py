@@ -26,6 +26,10 @@ def _stand_in(model: str, root: Path) -> Path:
         from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
 
         return make_tiny_qwen3_moe(root / model)
+    if model == "nemotron_h":
+        from modelopt_k3.testing.nemotron_h import make_tiny_nemotron_h
+
+        return make_tiny_nemotron_h(root / model)
     from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
 
     return make_tiny_gpt_oss(root / model)
@@ -38,7 +42,7 @@ def _planned_forward(ckpt: Path, batch: int, seq: int) -> int:
     return est.stages["calibration"] - est.resident - est.runtime - est.fsdp_gathered - est.workspace
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_the_planned_activations_bound_the_stand_ins_forward(model: str, tmp_path: Path) -> None:
     from modelopt_k3.load import load_pretrained
 

@@ -22,6 +22,8 @@ import transformers
 from ...spec import ExpertsLayout
 
 LAYER_RE = r"model\.layers\.(?P<layer>\d+)\."
+# A fused experts parameter of the built model -> the checkpoint's per-expert projections its rows hold, in order.
+GATED_FUSION = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 Dense = tuple[tuple[str, tuple[int, ...] | None, str], ...]
 
 
@@ -42,11 +44,26 @@ def _meta_shapes(model_class: str, config_json: str) -> tuple[tuple[str, tuple[i
     return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items())
 
 
+def meta_tensor_shapes(model_class: str, config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every persistent tensor of transformers' ``model_class`` built from ``config`` on meta."""
+    return _meta_shapes(model_class, _frozen(config))
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
 def meta_layouts(model_class: str, fields: tuple[str, ...] = ("num_hidden_layers",),
-                 experts_re: str = r"\.mlp\.experts$") -> tuple[
+                 experts_re: str = r"\.mlp\.experts$", *, fusion: Mapping[str, tuple[str, ...]] = GATED_FUSION,
+                 checkpoint_name: Callable[[str], str] = _same_name, layer_re: str = LAYER_RE) -> tuple[
         Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]], Callable[[Mapping[str, Any]], Dense]]:
     """(expert_layout, dense_layout) for ``SourceCheckSpec``, both read off ``model_class`` built on meta; an error
-    quotes the config ``fields`` that place the layers (the ones a user would edit)."""
+    quotes the config ``fields`` that place the layers (the ones a user would edit).
+
+    ``fusion``: each fused experts parameter of transformers' class -> the checkpoint projections stacked in its
+    rows (a non-gated model: ``{"up_proj": ("up_proj",), ...}``); ``checkpoint_name``: transformers' name -> the
+    checkpoint's (a hub prefix transformers renames, e.g. Nemotron-H's ``backbone.``); ``layer_re``: a decoder
+    layer's checkpoint keys, group ``layer``."""
 
     def quoted(config: Mapping[str, Any]) -> str:
         return f"{model_class} built from config.json: " + ", ".join(f"{k}={config.get(k)}" for k in fields)
@@ -54,26 +71,30 @@ def meta_layouts(model_class: str, fields: tuple[str, ...] = ("num_hidden_layers
     def experts(config: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
         found: dict[str, dict[str, tuple[int, ...]]] = {}
         for name, shape in _meta_shapes(model_class, _frozen(config)):
-            module, _, param = name.rpartition(".")
-            if re.search(experts_re, module) and param in ("gate_up_proj", "down_proj"):
+            module, _, param = checkpoint_name(name).rpartition(".")
+            if re.search(experts_re, module) and param in fusion:
                 found.setdefault(module, {})[param] = shape
         return found
 
     def expert_layout(config: Mapping[str, Any]) -> tuple[ExpertsLayout, ...]:
         layouts = []
         for module, params in experts(config).items():
-            e, two_i, h = params["gate_up_proj"]
-            i = two_i // 2
-            layouts.append(ExpertsLayout(module, e, {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)},
-                                         f"{quoted(config)}; {module}.gate_up_proj {[e, two_i, h]}"))
+            projections: dict[str, tuple[int, int]] = {}
+            for param, projs in fusion.items():
+                e, rows, cols = params[param]
+                projections.update((proj, (rows // len(projs), cols)) for proj in projs)
+            first = next(iter(fusion))
+            layouts.append(ExpertsLayout(module, params[first][0], projections,
+                                         f"{quoted(config)}; {module}.{first} {list(params[first])}"))
         return tuple(layouts)
 
     def dense_layout(config: Mapping[str, Any]) -> Dense:
         fused = set(experts(config))
         shapes = _meta_shapes(model_class, _frozen(config))
         rules: list[tuple[str, tuple[int, ...] | None, str]] = [
-            (re.escape(name), shape, quoted(config)) for name, shape in shapes if name.rpartition(".")[0] not in fused]
-        rules.append((LAYER_RE, None, f"num_hidden_layers={config.get('num_hidden_layers')}"))
+            (re.escape(name), shape, quoted(config)) for name, shape in ((checkpoint_name(n), s) for n, s in shapes)
+            if name.rpartition(".")[0] not in fused]
+        rules.append((layer_re, None, f"num_hidden_layers={config.get('num_hidden_layers')}"))
         return tuple(rules)
 
     return expert_layout, dense_layout

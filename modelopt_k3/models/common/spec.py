@@ -14,6 +14,7 @@ differs: the config's expert-count attribute, its recipes, serving rules, source
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,13 @@ GATED_PROJECTIONS = (
 GATE_UP_SHARED = (("gate_proj", "up_proj"),)
 DECODER_UNIT_KEY_RE = r"^(?P<unit>model\.layers\.\d+)\."
 DECODER_LAYER_RE = r"(?:^|\.)model\.layers\.\d+$"
+LAYERS = "model.layers"
+
+
+def decoder_regexes(layers: str) -> tuple[str, str]:
+    """(FSDP2-unit checkpoint key regex, report decoder-layer regex) of the decoder layers under ``layers``."""
+    escaped = re.escape(layers)
+    return rf"^(?P<unit>{escaped}\.\d+)\.", rf"(?:^|\.){escaped}\.\d+$"
 
 
 def experts_class(model_class: str) -> type:
@@ -94,6 +102,7 @@ def transformers_moe_spec(
     activation_memory: Callable[..., Any] | None = None,
     check_config: Callable[[Any], None] | None = None,
     layout_fields: tuple[str, ...] = ("num_hidden_layers",),
+    layers: str = LAYERS,
     min_transformers: str = "5.0.0",
     **groups: Any,
 ) -> ModelSpec:
@@ -105,7 +114,8 @@ def transformers_moe_spec(
     class. ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields. ``groups``: the other
     ``ModelSpec`` fields (``recipes``, ``serving``, ``stand_in``, ``source_check``). Without ``source_check`` the
     checkpoint's layout is read off the model built on meta (``layout.py``; its errors quote ``layout_fields``)
-    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s.
+    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s. ``layers``: the
+    decoder layers' module list as the checkpoint names it (Nemotron-H's ``backbone.layers``).
     """
     if experts_spec is None:
         if num_experts_attr is None:
@@ -124,6 +134,8 @@ def transformers_moe_spec(
         groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                                  check_config=check_config)
 
+    unit_re, layer_re = decoder_regexes(layers)
+
     def own_conversion(ctx: PrepareContext) -> list:
         return transformers_conversion(model_type)
 
@@ -138,8 +150,8 @@ def transformers_moe_spec(
                             converters=converters or own_conversion, **(loading or {})),
         experts=experts_spec,
         quant=QuantSpec(**quant_fields),
-        memory=MemorySpec(fsdp_unit_key_regex=DECODER_UNIT_KEY_RE, activation_memory=activation_memory),
-        report=ReportSpec(decoder_layer_regex=DECODER_LAYER_RE),
+        memory=MemorySpec(fsdp_unit_key_regex=unit_re, activation_memory=activation_memory),
+        report=ReportSpec(decoder_layer_regex=layer_re),
         **groups,
     )
 
