@@ -146,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
 def _preflight(config: PtqConfig, fmt, group, ckpt: Path, trust: bool, made: list | None = None):
     """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``); the
     context holds what the checks decided (``PreflightContext.run_plan`` freezes it)."""
-    from .. import check  # noqa: F401  registers the "serving engines" check (--target_engines)
-    from ..memory import preflight as _memory  # noqa: F401 - registers the "memory plan fits" check
     from ..run.preflight import PreflightContext, run_preflight
 
     ctx = PreflightContext(config, ckpt, trust, fmt, rank=group.rank, world_size=group.world_size,

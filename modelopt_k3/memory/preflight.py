@@ -1,16 +1,19 @@
-"""hf_ptq's memory check, one of the preflight checks (``modelopt_k3.run.preflight``): before any weight is
-read, the planner's verdict on the run's distribution plan."""
+"""hf_ptq's memory checks, two of the preflight checks (``modelopt_k3.run.preflight.CHECKS`` lists them):
+before any weight is read, the planner's verdict on the run's distribution plan, and its predicted wall time."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..run.preflight import PreflightContext, register_check
 from .inventory import layout_of
 from .planner import RunShape, fit_plan
 
+if TYPE_CHECKING:
+    from ..run.preflight import PreflightContext
 
-@register_check("memory plan fits", after="layerwise")
+
 def memory_plan_fits(ctx: PreflightContext) -> None:
     """Refuse a run that cannot fit (``MemoryPlanError``: the numbers and a configuration that would); else
     set the run's experts residency on its distribution plan (``--experts auto`` resolved: packed when bf16
@@ -28,7 +31,6 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
 HARDWARE_ENV = "MODELOPT_K3_HARDWARE"
 
 
-@register_check("wall time", after="memory plan fits")
 def predicted_wall_time(ctx: PreflightContext) -> None:
     """A note with the run's predicted wall time (``wall_time.py``) on the hardware preset ``$MODELOPT_K3_HARDWARE``
     names, by default ``h200-node`` on a CUDA device; on a CPU none (no preset describes a host's cores: the
