@@ -47,6 +47,7 @@ from ..dist.plan import (
     Residency,
     allowed_residencies,
     decide_plan,
+    default_local_implementation,
 )
 from ..export.writer import DEFAULT_SPILL_BYTES
 from ..recipe import Recipe, load_recipe
@@ -100,6 +101,20 @@ class Asked(NamedTuple):
     ep_degree: int | None = None  # None: as the run decides it (MODELOPT_K3_EP_DEGREE, else the world size)
 
 
+# The compute capability of the accelerator the planner plans for when it is not this machine's (H100/H200).
+PLANNED_CAPABILITY = (9, 0)
+
+
+def planned_local_implementation(layout: CheckpointLayout, shape: RunShape) -> str | None:
+    """What would run a rank's own experts on ``shape.device`` at the run's load dtype (the run's rule,
+    ``default_local_implementation``, for a ``PLANNED_CAPABILITY`` device); None on the host (decide_plan's
+    own default, eager, which queries nothing)."""
+    if shape.device == "cpu":
+        return None
+    dtype = shape.dtype or layout.config_dtype
+    return default_local_implementation(torch.device(shape.device), dtype, capability=PLANNED_CAPABILITY)
+
+
 def plan_label(kind: str, dense: str, ep_degree: int, world_size: int) -> str:
     if kind == PlanKind.EXPERT_PARALLEL:
         return f"expert_parallel, dense {dense}" + (f", EP {ep_degree}" if ep_degree != world_size else "")
@@ -112,9 +127,9 @@ def planned(layout: CheckpointLayout, asked: Asked, shape: RunShape | None = Non
     ``with_residency``; raises ``PlanError`` for what the run would refuse."""
     shape = shape or RunShape()
     device = torch.device(shape.device)
-    # The owner's implementation on the device planned for (decide_plan would query a CUDA device that may
-    # not be this machine's: the planner plans GPU runs from anywhere).
-    impl = "grouped_mm" if device.type != "cpu" else None
+    # The owner's implementation on the device planned for, by the run's own rule (decide_plan would query a
+    # CUDA device that may not be this machine's: the planner plans GPU runs from anywhere).
+    impl = planned_local_implementation(layout, shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # settings a plan ignores are the run's to warn about
         plan = decide_plan(asked.kind, spec=layout.spec, num_experts=layout.num_experts, rank=0,
@@ -297,8 +312,9 @@ def estimate_asked(layout: CheckpointLayout, asked: Asked, shape: RunShape = Run
     plan, why = _refusal(layout, asked, shape)
     if plan is None:
         return Estimate(asked, None, refused=why)
-    if shape.layerwise and plan.fsdp_sharded:
-        return Estimate(asked, None, refused="layerwise reads whole layers per rank (no FSDP2)")
+    why = plan.layerwise_refusal() if shape.layerwise else None
+    if why is not None:
+        return Estimate(asked, None, refused=why)
     return estimate(layout, plan, shape, **kw)
 
 
@@ -310,18 +326,17 @@ def estimate(
     recipe: Recipe | None = None,
     budget: int | None = None,
     decode_chunk: int | None = None,
-    local_implementation: str | None = None,
 ) -> Estimate:
     """Per-rank bytes of the run's ``plan`` (see the module docstring; ``planned`` makes one). With ``budget``
     (bytes per rank), packed experts decode the largest chunk of experts that fits (a whole layer when it
-    does). ``local_implementation``: what runs the owner's experts (default: the plan's)."""
+    does). The owner's experts run the plan's implementation (``local_experts_implementation``)."""
     asked = Asked(plan.kind, plan.dense, plan.experts_residency, plan.world_size, plan.ep_degree)
     est = Estimate(asked, plan)
     recipe = recipe or load_recipe(shape.recipe)
     dtype = shape.dtype or layout.config_dtype
     accel = shape.device != "cpu"
     run = _Run(layout, plan, recipe, _prepare(layout, recipe, dtype), dtype.itemsize, accel,
-               local_implementation or plan.local_experts_implementation)
+               plan.local_experts_implementation)
     est.runtime = DEVICE_RUNTIME_BYTES if accel else HOST_RUNTIME_BYTES
     _resident(est, run)
     if shape.layerwise:
@@ -766,19 +781,18 @@ def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape
 
 
 def resolve_experts(layout: CheckpointLayout, plan: DistributionPlan, shape: RunShape, *, recipe: Recipe,
-                    budget: int | None, local_implementation: str | None = None) -> Estimate:
+                    budget: int | None) -> Estimate:
     """``experts="auto"`` resolved (once, for the CLI's run shape or the loader's defaults): the first
     residency the plan allows (``allowed_residencies``: bf16) when it fits or no budget is known, else
     packed when the plan allows it (not under fsdp2, only for an MXFP4 source: the layout's, which is the
     source check's decision), with its decode chunk."""
     packed_source = layout.packed_source
     allowed = allowed_residencies(plan.kind, packed_source=packed_source)
-    est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget,
-                   local_implementation=local_implementation)
+    est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget)
     if budget is None or est.fits(budget) or len(allowed) == 1:
         return est
     return estimate(layout, plan.with_residency(allowed[1], packed_source=packed_source), shape,
-                    recipe=recipe, budget=budget, local_implementation=local_implementation)
+                    recipe=recipe, budget=budget)
 
 
 def fit_plan(layout: CheckpointLayout, plan: DistributionPlan, experts: str, shape: RunShape, *, recipe: Recipe,
@@ -786,14 +800,13 @@ def fit_plan(layout: CheckpointLayout, plan: DistributionPlan, experts: str, sha
     """The run's ``plan`` (decided once, by the preflight) with its experts residency (``experts``: a residency
     or ``auto``, resolved here) and decode chunk, and the estimate of it; raises ``MemoryPlanError`` (the
     numbers and a configuration that would fit) when it cannot fit. Without a known budget nothing is refused.
-    The owner's implementation is the one planned for on ``shape.device`` (as ``planned`` does)."""
+    The owner's implementation is the plan's (``DistributionPlan.local_experts_implementation``, decided once)."""
     budget = device_budget(shape.device, plan.world_size, gpu_mem_gib)
-    impl = "grouped_mm" if shape.device != "cpu" else None
     if experts == AUTO:
-        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, local_implementation=impl)
+        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget)
     else:
         est = estimate(layout, plan.with_residency(experts, packed_source=layout.packed_source), shape,
-                       recipe=recipe, budget=budget, local_implementation=impl)
+                       recipe=recipe, budget=budget)
     if budget is not None and not est.fits(budget):
         raise MemoryPlanError(_refusal_message(layout, est, budget, shape, recipe, gpu_mem_gib))
     # The decode chunk the estimate chose is one the plan can hold: packed, at least 1 (``estimate``).

@@ -293,9 +293,9 @@ def _layerwise(ctx: PreflightContext) -> None:
         raise PreflightError(str(e)) from None
     if ctx.layerwise is None:
         return
-    if ctx.distribution.fsdp_sharded:
-        raise PreflightError(f"--layerwise reads whole layers per rank; the plan {ctx.distribution.describe()} "
-                             "shards them with FSDP2: use --plan expert_parallel with --dense replicated, or --plan whole")
+    why = ctx.distribution.layerwise_refusal()
+    if why is not None:
+        raise PreflightError(why)
     if cfg.eval_kl or cfg.report_heldout:
         raise PreflightError("--eval_kl and --report_heldout run the whole model on held-out data, which a "
                              "--layerwise run never holds; leave them out (the report is not written either)")

@@ -3,6 +3,7 @@ layout without the bytes, and hf_ptq's refusal before loading."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -271,3 +272,27 @@ def test_the_eager_owners_planned_bytes_bound_its_measured_allocations_closely(t
     assert (act.tokens, act.latent_dim, act.top_k) == (tokens, hidden, top_k)
     planned = owner_bytes("eager", tokens * top_k, act, layout.experts[0], 2, num)
     assert 1.0 <= planned / live.peak <= 1.3, (planned, live.peak)
+
+
+def test_the_planner_plans_the_owner_implementation_the_run_decides(tiny_ckpt: Path) -> None:
+    """One rule for the owner's experts implementation: grouped_mm for a bf16 load on a GPU, eager for an fp32
+    one (torch's kernel takes bf16 only: ``default_local_implementation``); ``fit_plan`` sizes the plan's own."""
+    import torch
+
+    from modelopt_k3.dist.plan import decide_plan
+    from modelopt_k3.memory.planner import fit_plan
+
+    layout, asked = read_layout(tiny_ckpt), Asked("whole", "replicated", "bf16", 1)
+    gpu = RunShape(batch_size=2, calib_seq=32, device="cuda")
+    assert planned(layout, asked, gpu).local_experts_implementation == "grouped_mm"
+    fp32 = RunShape(batch_size=2, calib_seq=32, device="cuda", dtype=torch.float32)
+    assert planned(layout, asked, fp32).local_experts_implementation == "eager"
+    # A GPU run whose plan runs its experts eager (fp32, or a device before sm80) is sized as eager.
+    plan = decide_plan("whole", spec=layout.spec, num_experts=layout.num_experts, rank=0, world_size=1,
+                       device=torch.device("cuda"), experts_implementation="eager")
+    _, est = fit_plan(layout, plan, "bf16", gpu, recipe=load_recipe(gpu.recipe), gpu_mem_gib=64)
+    assert est.moe_detail.startswith("eager on "), est.moe_detail
+    _, est = fit_plan(layout, dataclasses.replace(plan, experts_implementation="grouped_mm",
+                                                  local_experts_implementation="grouped_mm"),
+                      "bf16", gpu, recipe=load_recipe(gpu.recipe), gpu_mem_gib=64)
+    assert est.moe_detail.startswith("grouped_mm on "), est.moe_detail

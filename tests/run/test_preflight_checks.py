@@ -136,3 +136,34 @@ def test_the_checks_are_one_ordered_list():
     for before, after in (("export format", "serving engines"), ("distribution plan", "layerwise"),
                           ("layerwise", "memory plan fits"), ("memory plan fits", "wall time")):
         assert names.index(before) < names.index(after), (before, after)
+
+
+@pytest.mark.parametrize(("kind", "dense"), [("fsdp2", "replicated"), ("expert_parallel", "fsdp2")])
+def test_the_layerwise_fsdp2_refusal_is_one_and_said_alike_everywhere(tiny_ckpt: Path, kind, dense):
+    """The preflight, the layerwise loader and the planner's table refuse a layerwise run on an FSDP2-sharded
+    plan with the plan's one refusal (``DistributionPlan.layerwise_refusal``); an unsharded plan passes."""
+    from modelopt_k3.dist.plan import decide_plan
+    from modelopt_k3.load.layerwise import LayerwiseLoad
+    from modelopt_k3.memory.inventory import read_layout
+    from modelopt_k3.memory.planner import Asked, RunShape, estimate_asked
+
+    layout = read_layout(tiny_ckpt)
+    plan = decide_plan(kind, spec=layout.spec, num_experts=layout.num_experts, rank=0, world_size=2,
+                       device=torch.device("cpu"), dense=dense)
+    why = plan.layerwise_refusal()
+    assert why is not None and "FSDP2" in why and "--plan whole" in why
+    whole = decide_plan("whole", spec=layout.spec, num_experts=layout.num_experts, rank=0, world_size=1,
+                        device=torch.device("cpu"))
+    assert whole.layerwise_refusal() is None
+
+    ctx = _ctx(PtqConfig(layerwise=True), {})
+    ctx.recipe = SimpleNamespace(algorithm=parse_algorithm("max"))
+    ctx.distribution = plan
+    with pytest.raises(PreflightError) as refused:
+        preflight._layerwise(ctx)
+    assert str(refused.value) == why
+    with pytest.raises(ValueError) as refused:
+        LayerwiseLoad(SimpleNamespace(distribution=plan))
+    assert str(refused.value) == why
+    shape = RunShape(batch_size=2, calib_seq=32, device="cpu", layerwise=True)
+    assert estimate_asked(layout, Asked(kind, dense, "bf16", 2), shape).refused == why
