@@ -25,7 +25,7 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
     shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda" if torch.cuda.is_available() else "cpu",
                      ctx.dtype, layerwise=ctx.layerwise is not None)  # the plan's dtype, decided once
     ctx.distribution, ctx.memory = fit_plan(ctx.layout, ctx.distribution, cfg.experts, shape, recipe=ctx.recipe,
-                                            gpu_mem_gib=cfg.gpu_mem_gib)
+                                            gpu_mem_gib=cfg.gpu_mem_gib, table=ctx.table)  # the run's table
 
 
 HARDWARE_ENV = "MODELOPT_K3_HARDWARE"
@@ -52,7 +52,7 @@ def predicted_wall_time(ctx: PreflightContext) -> None:
     shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda", getattr(torch, cfg.dtype) if cfg.dtype
                      else None, layerwise=ctx.layerwise is not None)
     t = predict_run(ctx.layout, ctx.distribution, shape, recipe=ctx.recipe, calib_size=cfg.calib_size,
-                    hardware=hardware)
+                    hardware=hardware, table=ctx.table)
     phases = ", ".join(f"{n} {p.seconds:.0f}s" for n, p in t.phases.items())
     ctx.notes.append(f"predicted wall time on {hardware.name}: {t.total:.0f}s ({phases}; bottleneck {t.bottleneck}; "
                      "first-order, modelopt-k3-plan --time shows the terms)")
