@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
+from ..dist.kinds import DENSE_MODES, EP_DEGREE_ENV, EXPERTS_CHOICES, PLAN_KINDS
 from ..export.format_names import EXPORT_FORMAT_NAMES
 from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan, qformat_names
 from ._common import non_negative_int, positive_float, positive_int, run_cli
@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: expert_parallel under torchrun, else whole; fsdp2: dense and experts FSDP2-sharded")
     p.add_argument("--dense", default="replicated", choices=DENSE_MODES,
                    help="expert_parallel: keep the dense part on every rank, or shard it with FSDP2")
-    p.add_argument("--ep_degree", type=positive_int, default=None,
-                   help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
+    # The launcher's $MODELOPT_K3_EP_DEGREE is the flag's default, read here once (argparse checks it as the flag).
+    p.add_argument("--ep_degree", type=positive_int, default=os.environ.get(EP_DEGREE_ENV) or None,
+                   help="expert-parallel degree (default: $MODELOPT_K3_EP_DEGREE, else the world size); must divide it")
     p.add_argument("--experts", default="auto", choices=EXPERTS_CHOICES,
                    help="routed experts held decoded (bf16) or as their MXFP4 source bytes, decoded per layer "
                         "inside the forward (packed); auto: packed when the memory planner says bf16 does not fit")

@@ -7,7 +7,6 @@ environment.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -26,8 +25,6 @@ from .kinds import (
     residency_refusal,
 )
 from .placement import ExpertPlacement, Placement, PlanError, ResidencyError
-
-EP_DEGREE_ENV = "MODELOPT_K3_EP_DEGREE"
 
 __all__ = [
     "AUTO", "DENSE_MODES", "EXPERTS_CHOICES", "PLAN_KINDS", "DenseMode", "DistributionPlan",
@@ -234,8 +231,8 @@ def _expert_parallel_choice(
     dense: DenseMode, device: torch.device, dtype: torch.dtype | None,
 ) -> tuple[int, ExpertPlacement, str, str]:
     """(EP degree, this rank's placement, ``torch_a2a``, the owner's implementation) for expert parallelism."""
-    if ep_degree is None:
-        ep_degree = int(os.environ.get(EP_DEGREE_ENV, world_size))
+    if ep_degree is None:  # the whole world (a command line may have read $MODELOPT_K3_EP_DEGREE for it)
+        ep_degree = world_size
     if ep_degree < 1 or world_size % ep_degree:
         raise PlanError(
             f"expert-parallel degree {ep_degree} must divide the world size {world_size}; choose one of "

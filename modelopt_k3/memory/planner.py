@@ -99,7 +99,7 @@ class Asked(NamedTuple):
     dense: str
     residency: str
     world_size: int
-    ep_degree: int | None = None  # None: as the run decides it (MODELOPT_K3_EP_DEGREE, else the world size)
+    ep_degree: int | None = None  # None: the world size (decide_plan's default)
 
 
 # The compute capability of the accelerator the planner plans for when it is not this machine's (H100/H200).

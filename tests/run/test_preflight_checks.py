@@ -58,7 +58,7 @@ def test_a_layerwise_checkpoint_dir_overlapping_the_export_either_way_is_refused
     ctx = _ctx(PtqConfig(layerwise=True, layerwise_checkpoint_dir=tmp_path / ckpt), {})
     ctx.checkpoint, ctx.export_path = tmp_path / "src", tmp_path / export
     ctx.recipe = SimpleNamespace(algorithm=parse_algorithm("max"))
-    ctx.distribution = SimpleNamespace(fsdp_sharded=False, describe=lambda: "whole")
+    ctx.distribution = SimpleNamespace(layerwise_refusal=lambda: None)  # an unsharded plan
     with pytest.raises(PreflightError, match="overlaps the export path"):
         preflight._layerwise(ctx)
     ctx.config = PtqConfig(layerwise=True, layerwise_checkpoint_dir=tmp_path / "beside")
