@@ -31,6 +31,9 @@ from ..export.format_names import EXPORT_FORMAT_NAMES
 from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan, qformat_names
 from ._common import non_negative_int, positive_float, positive_int, run_cli
 
+# The launcher's default for ``--hardware`` (the wall-time note's preset): read by the command line, not a stage.
+HARDWARE_ENV = "MODELOPT_K3_HARDWARE"
+
 TINY_CACHE_ENV = "MODELOPT_K3_CACHE"
 
 
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_mem_gib", type=positive_float, default=None,
                    help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
                         "per local rank on CPU)")
+    p.add_argument("--hardware", default=os.environ.get(HARDWARE_ENV) or None,  # the launcher's, read here once
+                   help="hardware preset the preflight prices the predicted wall time on (modelopt-k3-plan --time "
+                        "--hardware lists them; default: $MODELOPT_K3_HARDWARE, else h200-node on CUDA, none on CPU)")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a checkpoint at --export_path (deleted once the new export is complete; a "

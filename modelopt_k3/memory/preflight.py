@@ -28,29 +28,24 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
                                             gpu_mem_gib=cfg.gpu_mem_gib, table=ctx.table)  # the run's table
 
 
-HARDWARE_ENV = "MODELOPT_K3_HARDWARE"
-
-
 def predicted_wall_time(ctx: PreflightContext) -> None:
-    """A note with the run's predicted wall time (``wall_time.py``) on the hardware preset ``$MODELOPT_K3_HARDWARE``
-    names, by default ``h200-node`` on a CUDA device; on a CPU none (no preset describes a host's cores: the
-    benchmark measures them). Refuses nothing: an unknown preset name is said in the note."""
-    import os
-
+    """A note with the run's predicted wall time (``wall_time.py``) on the hardware preset ``--hardware`` names
+    (the run's config), by default ``h200-node`` on a CUDA device; on a CPU none (no preset describes a host's
+    cores: the benchmark measures them). Refuses nothing: an unknown preset name is said in the note."""
     from .hardware import get_hardware
     from .wall_time import predict_run
 
-    name = os.environ.get(HARDWARE_ENV) or ("h200-node" if torch.cuda.is_available() else None)
+    name = ctx.config.hardware or ("h200-node" if torch.cuda.is_available() else None)
     if name is None:
         return
     try:
         hardware = get_hardware(name)
     except ValueError as err:
-        ctx.notes.append(f"no wall-time prediction: ${HARDWARE_ENV}: {err}")
+        ctx.notes.append(f"no wall-time prediction: --hardware: {err}")
         return
     cfg = ctx.config
-    shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda", getattr(torch, cfg.dtype) if cfg.dtype
-                     else None, layerwise=ctx.layerwise is not None)
+    shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda", ctx.dtype,  # the plan's dtype
+                     layerwise=ctx.layerwise is not None)
     t = predict_run(ctx.layout, ctx.distribution, shape, recipe=ctx.recipe, calib_size=cfg.calib_size,
                     hardware=hardware, table=ctx.table)
     phases = ", ".join(f"{n} {p.seconds:.0f}s" for n, p in t.phases.items())
