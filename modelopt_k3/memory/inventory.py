@@ -27,6 +27,7 @@ from ..spec.config import load_dtype
 if TYPE_CHECKING:
     from ..quant.decisions import Inventory
     from ..recipe import QuantFormat, Recipe
+    from ..spec.contract import CarriedModules
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
 PACKED_CODES, PACKED_SCALES = "weight_packed", "weight_scale"
@@ -93,7 +94,7 @@ class CheckpointLayout:
     # What ``decide`` reads, for a caller with no run's decision table: the headers' inventory (through the
     # checkpoint view) and the modules carried unquantized (``SourceLayout.carried``).
     inventory: Inventory = field(default_factory=dict, repr=False)
-    carried: object = None
+    carried: CarriedModules | None = None
 
     @property
     def text_config(self) -> dict:
