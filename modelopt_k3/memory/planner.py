@@ -750,23 +750,19 @@ def check_fits(
 ) -> Estimate:
     """The estimate of the run hf_ptq was asked for, with ``experts="auto"`` resolved (packed when bf16
     does not fit); raises ``MemoryPlanError`` before any weight is read when it cannot fit, naming the
-    numbers and a configuration that would. Without a known budget nothing is refused."""
+    numbers and a configuration that would. Without a known budget nothing is refused. The run's own path:
+    the plan ``decide_plan`` makes of the request, then ``fit_plan`` (the preflight's memory check)."""
     layout = read_layout(path)
     the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     shape = RunShape(batch_size, calib_seq, the_recipe.name, device, dtype)
-    budget = device_budget(device, world_size, gpu_mem_gib)
-
-    if experts == AUTO:
-        asked = Asked(plan, dense, Residency.BF16, world_size, ep_degree)
-        the_plan, why = _refusal(layout, asked, shape)
-        est = Estimate(asked, None, refused=why) if the_plan is None else resolve_experts(
-            layout, the_plan, shape, recipe=the_recipe, budget=budget)
-    else:
-        est = estimate_asked(layout, Asked(plan, dense, experts, world_size, ep_degree), shape, recipe=the_recipe,
-                             budget=budget)
-    if est.refused or budget is None or est.fits(budget):
-        return est
-    raise MemoryPlanError(_refusal_message(layout, est, budget, shape, the_recipe, gpu_mem_gib))
+    asked = Asked(plan, dense, Residency.BF16 if experts == AUTO else experts, world_size, ep_degree)
+    the_plan, why = _refusal(layout, asked._replace(residency=Residency.BF16), shape)
+    if the_plan is None:
+        return Estimate(asked, None, refused=why)
+    try:
+        return fit_plan(layout, the_plan, experts, shape, recipe=the_recipe, gpu_mem_gib=gpu_mem_gib)[1]
+    except PlanError as err:  # a residency the plan cannot hold (ResidencyError)
+        return Estimate(asked, None, refused=str(err))
 
 
 def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape: RunShape, recipe: Recipe,

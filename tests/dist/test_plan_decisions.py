@@ -54,6 +54,8 @@ def test_fsdp2_cannot_hold_packed_experts_one_rule_everywhere(tiny_ckpt: Path):
     # ... the planner reports the same refusal ...
     refused = estimate_asked(read_layout(tiny_ckpt), Asked("fsdp2", "replicated", "packed", 2))
     assert refused.refused == why and refused.plan is None
+    fits = check_fits(tiny_ckpt, plan="fsdp2", world_size=2, experts="packed", device="cpu")  # fit_plan's path
+    assert fits.refused == why and fits.plan is None and fits.asked.residency == "packed"
     # ... and auto never considers it: bf16, decided without reading the checkpoint.
     assert choose_residency(Path("/nonexistent"), _plan("fsdp2", 2), packed_source=True) == (Residency.BF16, None)
 
