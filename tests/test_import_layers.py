@@ -24,9 +24,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory", ("modelopt_k3.memory",)),
     ("plan", ("modelopt_k3.run", "modelopt_k3.run.plan")),
     ("load", ("modelopt_k3.load",)),
-    ("run", ("modelopt_k3.run.preflight", "modelopt_k3.memory.preflight", "modelopt_k3.convert", "modelopt_k3.report",
-             "modelopt_k3.layerwise")),
+    ("run", ("modelopt_k3.convert", "modelopt_k3.report", "modelopt_k3.layerwise")),
     ("check", ("modelopt_k3.check",)),
+    ("preflight", ("modelopt_k3.run.preflight", "modelopt_k3.memory.preflight")),
     ("models", ("modelopt_k3.models", "modelopt_k3.testing")),
     ("tools", ("modelopt_k3.cli",)),
 )

@@ -27,7 +27,6 @@ from ..checkpoint.serving_rules import (
     implausible_input_scales,
 )
 from ..recipe import Recipe, load_recipe
-from ..run.preflight import PreflightContext, PreflightError, register_check
 from ..spec import ModelSpec, ServingSpec
 from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
 from .layout import Layout, planned_layout, scan_export
@@ -169,20 +168,3 @@ def final_check(export_dir: str | Path, target_engines=(), *, say=print, source:
     if failed:
         say(f"modelopt-k3-check: target engine(s) {', '.join(failed)} would not serve {export_dir} as calibrated")
     return 1 if failed else 0
-
-
-@register_check("serving engines", after="export format")
-def _serving_engines(ctx: PreflightContext) -> None:
-    """hf_ptq's ``--target_engines``: the recipe against each named engine's Kimi-K3 rules (names only)."""
-    engines = ctx.config.target_engines
-    if not engines:
-        return
-    fmt = ctx.export_format  # the ExportFormat hf_ptq resolved, once
-    if not fmt.engine_checked:
-        raise PreflightError(f"--target_engines replays the engines' ModelOpt loaders, not {fmt}'s; "
-                             "it needs --export_format modelopt")
-    try:
-        check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines, reader=ctx.reader, table=ctx.table,
-                                 config=ctx.raw_config, spec=ctx.spec)
-    except EngineRefusal as e:
-        raise PreflightError(str(e)) from None

@@ -26,10 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from ..dist.kinds import DENSE_MODES, EXPERTS_CHOICES, PLAN_KINDS
+from ..dist.kinds import DENSE_MODES, EP_DEGREE_ENV, EXPERTS_CHOICES, PLAN_KINDS
 from ..export.format_names import EXPORT_FORMAT_NAMES
 from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan, qformat_names
 from ._common import non_negative_int, positive_float, positive_int, run_cli
+
+# The launcher's default for ``--hardware`` (the wall-time note's preset): read by the command line, not a stage.
+HARDWARE_ENV = "MODELOPT_K3_HARDWARE"
 
 TINY_CACHE_ENV = "MODELOPT_K3_CACHE"
 
@@ -60,14 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: expert_parallel under torchrun, else whole; fsdp2: dense and experts FSDP2-sharded")
     p.add_argument("--dense", default="replicated", choices=DENSE_MODES,
                    help="expert_parallel: keep the dense part on every rank, or shard it with FSDP2")
-    p.add_argument("--ep_degree", type=positive_int, default=None,
-                   help="expert-parallel degree (default: world size, or $MODELOPT_K3_EP_DEGREE); must divide it")
+    # The launcher's $MODELOPT_K3_EP_DEGREE is the flag's default, read here once (argparse checks it as the flag).
+    p.add_argument("--ep_degree", type=positive_int, default=os.environ.get(EP_DEGREE_ENV) or None,
+                   help="expert-parallel degree (default: $MODELOPT_K3_EP_DEGREE, else the world size); must divide it")
     p.add_argument("--experts", default="auto", choices=EXPERTS_CHOICES,
                    help="routed experts held decoded (bf16) or as their MXFP4 source bytes, decoded per layer "
                         "inside the forward (packed); auto: packed when the memory planner says bf16 does not fit")
     p.add_argument("--gpu_mem_gib", type=positive_float, default=None,
                    help="memory per rank the planner checks against (default: the accelerator's, or host RAM "
                         "per local rank on CPU)")
+    p.add_argument("--hardware", default=os.environ.get(HARDWARE_ENV) or None,  # the launcher's, read here once
+                   help="hardware preset the preflight prices the predicted wall time on (modelopt-k3-plan --time "
+                        "--hardware lists them; default: $MODELOPT_K3_HARDWARE, else h200-node on CUDA, none on CPU)")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="default: the config's dtype")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a checkpoint at --export_path (deleted once the new export is complete; a "
@@ -146,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
 def _preflight(config: PtqConfig, fmt, group, ckpt: Path, trust: bool, made: list | None = None):
     """Recipe and every check that can refuse the run, before any weight is read (``preflight.py``); the
     context holds what the checks decided (``PreflightContext.run_plan`` freezes it)."""
-    from .. import check  # noqa: F401  registers the "serving engines" check (--target_engines)
-    from ..memory import preflight as _memory  # noqa: F401 - registers the "memory plan fits" check
     from ..run.preflight import PreflightContext, run_preflight
 
     ctx = PreflightContext(config, ckpt, trust, fmt, rank=group.rank, world_size=group.world_size,

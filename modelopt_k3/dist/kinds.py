@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+# The expert-parallel degree a launcher may set for ``hf_ptq`` (its ``--ep_degree`` default): read by the command
+# line once, never by a stage (``decide_plan``'s None is the world size).
+EP_DEGREE_ENV = "MODELOPT_K3_EP_DEGREE"
+
 
 class _StrEnum(str, Enum):
     """A str-valued enum: equal to, formatted and JSON-encoded as its value, so CLI strings, JSON and

@@ -7,7 +7,6 @@ environment.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -26,8 +25,6 @@ from .kinds import (
     residency_refusal,
 )
 from .placement import ExpertPlacement, Placement, PlanError, ResidencyError
-
-EP_DEGREE_ENV = "MODELOPT_K3_EP_DEGREE"
 
 __all__ = [
     "AUTO", "DENSE_MODES", "EXPERTS_CHOICES", "PLAN_KINDS", "DenseMode", "DistributionPlan",
@@ -64,6 +61,15 @@ class DistributionPlan:
     def fsdp_sharded(self) -> bool:
         """Whether FSDP2 shards anything (the fsdp2 plan, or the dense part under expert parallelism)."""
         return self.kind is PlanKind.FSDP2 or self.dense is DenseMode.FSDP2
+
+    def layerwise_refusal(self) -> str | None:
+        """Why a layerwise run cannot use this plan, None when it can: it reads whole decoder layers per rank,
+        which FSDP2 shards. The one wording the preflight, the layerwise loader and the planner's table say."""
+        if not self.fsdp_sharded:
+            return None
+        named = f"expert_parallel with dense {self.dense}" if self.expert_parallel else str(self.kind)
+        return (f"--layerwise reads whole layers per rank; plan {named} shards them with FSDP2: use --plan "
+                "expert_parallel with --dense replicated, or --plan whole")
 
     @property
     def expert_parallel(self) -> bool:
@@ -116,17 +122,20 @@ class DistributionPlan:
         return dataclasses.replace(self, experts_residency=residency, decode_chunk=decode_chunk)
 
 
-def default_local_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
+def default_local_implementation(device: torch.device, dtype: torch.dtype | None = None, *,
+                                 capability: tuple[int, int] | None = None) -> str:
     """The implementation that runs a rank's own experts when the user names none.
 
     grouped_mm for bf16 weights on CUDA where transformers would use the kernel (compute capability
     >= 8.0 with ``torch.nn.functional.grouped_mm``; transformers integrations/moe.py
     ``_can_use_grouped_mm``; the kernel takes bf16 only, per torch's ``grouped_mm`` docs), else eager.
     Never batched_mm: it gathers one weight matrix per (token, expert) pair, a calibration batch's worth
-    of expert matrices. On CPU grouped_mm runs a per-group loop, no faster than eager.
+    of expert matrices. On CPU grouped_mm runs a per-group loop, no faster than eager. ``capability``: the
+    compute capability of a device planned for that is not this machine's (the memory planner's
+    ``PLANNED_CAPABILITY``); None queries ``device``.
     """
     if device.type == "cuda" and hasattr(torch.nn.functional, "grouped_mm") and dtype in (None, torch.bfloat16):
-        if torch.cuda.get_device_capability(device) >= (8, 0):
+        if (capability or torch.cuda.get_device_capability(device)) >= (8, 0):
             return "grouped_mm"
     return "eager"
 
@@ -222,8 +231,8 @@ def _expert_parallel_choice(
     dense: DenseMode, device: torch.device, dtype: torch.dtype | None,
 ) -> tuple[int, ExpertPlacement, str, str]:
     """(EP degree, this rank's placement, ``torch_a2a``, the owner's implementation) for expert parallelism."""
-    if ep_degree is None:
-        ep_degree = int(os.environ.get(EP_DEGREE_ENV, world_size))
+    if ep_degree is None:  # the whole world (a command line may have read $MODELOPT_K3_EP_DEGREE for it)
+        ep_degree = world_size
     if ep_degree < 1 or world_size % ep_degree:
         raise PlanError(
             f"expert-parallel degree {ep_degree} must divide the world size {world_size}; choose one of "

@@ -65,8 +65,9 @@ class LayerwiseLoad:
 
     def __init__(self, run: RunPlan, *, progress: bool = True, hash_reads: bool = False) -> None:
         group = current_group()
-        if run.distribution.fsdp_sharded:
-            raise ValueError("layerwise loading reads whole layers per rank; FSDP2-sharded plans are not supported")
+        why = run.distribution.layerwise_refusal()
+        if why is not None:
+            raise ValueError(why)
         src = run_together("load: check the checkpoint", _planned_source, run, group=group)
         plan = run.distribution
         _register_dispatch(plan)

@@ -14,13 +14,20 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.source_check import SourceLayout, check_experts
+from ..quant.decisions import DecisionTable, decide
 from ..spec import ModelSpec, get_spec
 from ..spec.config import load_dtype
+
+if TYPE_CHECKING:
+    from ..quant.decisions import Inventory
+    from ..recipe import QuantFormat, Recipe
+    from ..spec.contract import CarriedModules
 
 # compressed-tensors' names for an MXFP4 ("pack-quantized") weight's codes and block scales.
 PACKED_CODES, PACKED_SCALES = "weight_packed", "weight_scale"
@@ -84,6 +91,10 @@ class CheckpointLayout:
     dense: list[TensorMeta]
     experts: list[ExpertGroup]
     cache: dict = field(default_factory=dict, repr=False)  # the planner's per-recipe precomputation
+    # What ``decide`` reads, for a caller with no run's decision table: the headers' inventory (through the
+    # checkpoint view) and the modules carried unquantized (``SourceLayout.carried``).
+    inventory: Inventory = field(default_factory=dict, repr=False)
+    carried: CarriedModules | None = None
 
     @property
     def text_config(self) -> dict:
@@ -119,6 +130,15 @@ class CheckpointLayout:
             units[m["unit"] if m else ""].append(t)
         return units
 
+    def decision_table(self, recipe: Recipe) -> DecisionTable:
+        """The recipe against this checkpoint's modules: ``decide`` on the same headers as hf_ptq's preflight
+        decides the run's table (no shared-input groups: sizes do not depend on them). Once per recipe; a run
+        passes its own table instead (``fit_plan(table=)``)."""
+        key = ("table", id(recipe))
+        if key not in self.cache:
+            self.cache[key] = (recipe, decide(self.inventory, self.spec, recipe, None, self.carried))
+        return self.cache[key][1]
+
     def linear_weights(self) -> dict[str, tuple[int, int]]:
         """Dense 2-D ``.weight`` tensors by module name, with their [out, in] (recipe matching)."""
         return {t.module: (t.shape[0], t.shape[1]) for t in self.dense if t.name.endswith(".weight") and len(t.shape) == 2}
@@ -141,7 +161,27 @@ def layout_of(reader: CheckpointReader, config: dict, spec: ModelSpec, source: S
     checkpoint view: GPT-OSS's fused MXFP4 experts count as the per-expert tensors the pipeline reads (a raw
     header walk saw "0 MoE layers", "stored decoded")."""
     stored = [(name, info.dtype, tuple(info.shape)) for name, info in reader.headers().items()]
-    return _layout(reader.path, config, spec, stored, source.packed_experts)
+    layout = _layout(reader.path, config, spec, stored, source.packed_experts)
+    layout.inventory, layout.carried = reader.inventory(), source.carried
+    return layout
+
+
+def dense_format(table: DecisionTable, module: str) -> QuantFormat | None:
+    """The format the decision table gives a dense Linear's weight (None: kept as stored: unquantized by the
+    recipe, a router, an embedding, a carried module)."""
+    d = table.decisions.get(module)
+    return d.format if d is not None and d.kind == "linear" else None
+
+
+def experts_formats(table: DecisionTable, group: ExpertGroup, spec: ModelSpec) -> dict[str, QuantFormat | None]:
+    """fused parameter -> the format the decision table gives its projections (projections fused into one
+    parameter share a format: ``decide`` refuses a recipe that splits a shared-scale group)."""
+    decided = table.experts(group.module)
+    out: dict[str, QuantFormat | None] = {}
+    for proj in spec.experts.projections:
+        if proj.name in decided and proj.fused_param not in out:
+            out[proj.fused_param] = decided[proj.name].format
+    return out
 
 
 def _layout(path: Path, config: dict, spec: ModelSpec, stored: list[tuple[str, torch.dtype, tuple[int, ...]]],

@@ -47,12 +47,14 @@ from ..dist.plan import (
     Residency,
     allowed_residencies,
     decide_plan,
+    default_local_implementation,
 )
 from ..export.writer import DEFAULT_SPILL_BYTES
-from ..recipe import Recipe, load_recipe
+from ..quant.decisions import DecisionTable
+from ..recipe import QuantFormat, Recipe, load_recipe
 from ..spec.names import enclosing
 from .activations import ActivationModel
-from .inventory import CheckpointLayout, ExpertGroup, TensorMeta, read_layout
+from .inventory import CheckpointLayout, ExpertGroup, TensorMeta, dense_format, experts_formats, read_layout
 
 GiB = 2**30
 # RSS of a rank's process besides weights and activations through calibration and export: torch 2.13
@@ -97,7 +99,21 @@ class Asked(NamedTuple):
     dense: str
     residency: str
     world_size: int
-    ep_degree: int | None = None  # None: as the run decides it (MODELOPT_K3_EP_DEGREE, else the world size)
+    ep_degree: int | None = None  # None: the world size (decide_plan's default)
+
+
+# The compute capability of the accelerator the planner plans for when it is not this machine's (H100/H200).
+PLANNED_CAPABILITY = (9, 0)
+
+
+def planned_local_implementation(layout: CheckpointLayout, shape: RunShape) -> str | None:
+    """What would run a rank's own experts on ``shape.device`` at the run's load dtype (the run's rule,
+    ``default_local_implementation``, for a ``PLANNED_CAPABILITY`` device); None on the host (decide_plan's
+    own default, eager, which queries nothing)."""
+    if shape.device == "cpu":
+        return None
+    dtype = shape.dtype or layout.config_dtype
+    return default_local_implementation(torch.device(shape.device), dtype, capability=PLANNED_CAPABILITY)
 
 
 def plan_label(kind: str, dense: str, ep_degree: int, world_size: int) -> str:
@@ -112,9 +128,9 @@ def planned(layout: CheckpointLayout, asked: Asked, shape: RunShape | None = Non
     ``with_residency``; raises ``PlanError`` for what the run would refuse."""
     shape = shape or RunShape()
     device = torch.device(shape.device)
-    # The owner's implementation on the device planned for (decide_plan would query a CUDA device that may
-    # not be this machine's: the planner plans GPU runs from anywhere).
-    impl = "grouped_mm" if device.type != "cpu" else None
+    # The owner's implementation on the device planned for, by the run's own rule (decide_plan would query a
+    # CUDA device that may not be this machine's: the planner plans GPU runs from anywhere).
+    impl = planned_local_implementation(layout, shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # settings a plan ignores are the run's to warn about
         plan = decide_plan(asked.kind, spec=layout.spec, num_experts=layout.num_experts, rank=0,
@@ -203,25 +219,33 @@ def _dense_bytes(t: TensorMeta, size: int, world: int) -> int:
 
 @dataclass
 class _Prepared:
-    """What every estimate of one layout, recipe and dtype shares (computed once)."""
+    """What every estimate of one layout, decision table and dtype shares (computed once)."""
 
     sizes: list[tuple[TensorMeta, int]]  # dense tensors with their loaded element size
-    quantized: list[TensorMeta]  # dense Linear weights the recipe quantizes
+    quantized: list[TensorMeta]  # dense Linear weights the decision table quantizes
+    formats: dict[str, QuantFormat]  # their formats, by module
+    experts_formats: dict[str, dict[str, QuantFormat | None]]  # experts module -> fused param -> format
     calibrates: bool  # the recipe takes some input scale from data
     unit_bytes: dict[str, int]  # FSDP2 unit prefix ("" = root) -> full bytes once loaded
 
 
-def _prepare(layout: CheckpointLayout, recipe: Recipe, dtype: torch.dtype) -> _Prepared:
-    key = ("prepared", recipe.name, recipe.calibrate_all_experts, recipe.kv_cache, dtype)
+def _prepare(layout: CheckpointLayout, table: DecisionTable, dtype: torch.dtype) -> _Prepared:
+    """The sizes, and what the run's decision table (made once: the preflight's, else the layout's own) does
+    to each weight: no recipe is matched to modules here."""
+    key = ("prepared", id(table), dtype)
     if key not in layout.cache:
         sizes = [(t, layout.load_dtype(t, dtype).itemsize) for t in layout.dense]
         size_of = {t.name: n for t, n in sizes}
-        quantized = [t for t in layout.dense if t.name.endswith(".weight") and len(t.shape) == 2
-                     and recipe.resolve(t.module)[0] is not None]
-        names = list(layout.linear_weights()) + [f"{g.module}.0.{p}" for g in layout.experts for p in g.projections]
+        formats = {t.module: dense_format(table, t.module) for t in layout.dense
+                   if t.name.endswith(".weight") and len(t.shape) == 2}
+        quantized = [t for t in layout.dense if formats.get(t.module) is not None and t.name.endswith(".weight")]
+        experts = {g.module: experts_formats(table, g, layout.spec) for g in layout.experts}
+        calibrates = table.recipe.kv_cache is not None or any(
+            d.format.needs_calibration for d in table.quantized().values())
         units = {u: sum(t.numel * size_of[t.name] for t in ts) for u, ts in layout.fsdp_units().items()}
-        layout.cache[key] = _Prepared(sizes, quantized, recipe.needs_calibration(names), units)
-    return layout.cache[key]
+        layout.cache[key] = (table, _Prepared(sizes, quantized, {t.module: formats[t.module] for t in quantized},
+                                              experts, calibrates, units))
+    return layout.cache[key][1]
 
 
 def _local_experts(group: ExpertGroup, plan: DistributionPlan) -> int:
@@ -297,9 +321,22 @@ def estimate_asked(layout: CheckpointLayout, asked: Asked, shape: RunShape = Run
     plan, why = _refusal(layout, asked, shape)
     if plan is None:
         return Estimate(asked, None, refused=why)
-    if shape.layerwise and plan.fsdp_sharded:
-        return Estimate(asked, None, refused="layerwise reads whole layers per rank (no FSDP2)")
+    why = plan.layerwise_refusal() if shape.layerwise else None
+    if why is not None:
+        return Estimate(asked, None, refused=why)
     return estimate(layout, plan, shape, **kw)
+
+
+def _recipe_and_table(layout: CheckpointLayout, shape: RunShape, recipe: Recipe | None,
+                      table: DecisionTable | None) -> tuple[Recipe, DecisionTable]:
+    """The run's recipe and decision table: the table given (a run's, decided once by its preflight), else the
+    recipe's (``shape.recipe`` by default) decided on the layout's headers, as the preflight would."""
+    if table is not None:
+        if recipe is not None and table.recipe is not recipe:
+            raise ValueError(f"the decision table is for recipe {table.recipe.name}, not {recipe.name}")
+        return table.recipe, table
+    recipe = recipe or load_recipe(shape.recipe)
+    return recipe, layout.decision_table(recipe)
 
 
 def estimate(
@@ -310,18 +347,19 @@ def estimate(
     recipe: Recipe | None = None,
     budget: int | None = None,
     decode_chunk: int | None = None,
-    local_implementation: str | None = None,
+    table: DecisionTable | None = None,
 ) -> Estimate:
     """Per-rank bytes of the run's ``plan`` (see the module docstring; ``planned`` makes one). With ``budget``
     (bytes per rank), packed experts decode the largest chunk of experts that fits (a whole layer when it
-    does). ``local_implementation``: what runs the owner's experts (default: the plan's)."""
+    does). The owner's experts run the plan's implementation (``local_experts_implementation``); what is
+    quantized, and how, is the run's decision ``table`` (default: ``recipe`` decided on the layout's headers)."""
     asked = Asked(plan.kind, plan.dense, plan.experts_residency, plan.world_size, plan.ep_degree)
     est = Estimate(asked, plan)
-    recipe = recipe or load_recipe(shape.recipe)
+    recipe, table = _recipe_and_table(layout, shape, recipe, table)
     dtype = shape.dtype or layout.config_dtype
     accel = shape.device != "cpu"
-    run = _Run(layout, plan, recipe, _prepare(layout, recipe, dtype), dtype.itemsize, accel,
-               local_implementation or plan.local_experts_implementation)
+    run = _Run(layout, plan, recipe, _prepare(layout, table, dtype), dtype.itemsize, accel,
+               plan.local_experts_implementation)
     est.runtime = DEVICE_RUNTIME_BYTES if accel else HOST_RUNTIME_BYTES
     _resident(est, run)
     if shape.layerwise:
@@ -520,14 +558,14 @@ def _algorithm_state(run: _Run, layerwise: bool) -> tuple[int, int]:
     config = algorithm_config(run.recipe.algorithm)
     weights: list[tuple[str, int, int, int]] = []  # (module, copies, out, in)
     for t in run.prep.quantized:
-        fmt = run.recipe.resolve(t.module)[0]
-        if fmt is not None and fmt.weights is NVFP4_TENSOR:
+        if run.prep.formats[t.module].weights is NVFP4_TENSOR:
             weights.append((t.module, 1, *t.shape))
     for g in run.layout.experts:
-        fmt = run.recipe.resolve(g.module)[0]
-        if g.packed or fmt is None or fmt.weights is not NVFP4_TENSOR:
+        if g.packed:
             continue
-        weights += [(g.module, run.local_e[g.module], o, i) for o, i in g.fused_shapes(run.layout.spec).values()]
+        formats = run.prep.experts_formats[g.module]
+        weights += [(g.module, run.local_e[g.module], o, i) for param, (o, i) in g.fused_shapes(run.layout.spec).items()
+                    if formats.get(param) is not None and formats[param].weights is NVFP4_TENSOR]
     by_layer: dict[str | None, list[int]] = {}
     regex = run.layout.spec.report.decoder_layer_regex
     for module, n, out, inp in weights:
@@ -712,23 +750,19 @@ def check_fits(
 ) -> Estimate:
     """The estimate of the run hf_ptq was asked for, with ``experts="auto"`` resolved (packed when bf16
     does not fit); raises ``MemoryPlanError`` before any weight is read when it cannot fit, naming the
-    numbers and a configuration that would. Without a known budget nothing is refused."""
+    numbers and a configuration that would. Without a known budget nothing is refused. The run's own path:
+    the plan ``decide_plan`` makes of the request, then ``fit_plan`` (the preflight's memory check)."""
     layout = read_layout(path)
     the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     shape = RunShape(batch_size, calib_seq, the_recipe.name, device, dtype)
-    budget = device_budget(device, world_size, gpu_mem_gib)
-
-    if experts == AUTO:
-        asked = Asked(plan, dense, Residency.BF16, world_size, ep_degree)
-        the_plan, why = _refusal(layout, asked, shape)
-        est = Estimate(asked, None, refused=why) if the_plan is None else resolve_experts(
-            layout, the_plan, shape, recipe=the_recipe, budget=budget)
-    else:
-        est = estimate_asked(layout, Asked(plan, dense, experts, world_size, ep_degree), shape, recipe=the_recipe,
-                             budget=budget)
-    if est.refused or budget is None or est.fits(budget):
-        return est
-    raise MemoryPlanError(_refusal_message(layout, est, budget, shape, the_recipe, gpu_mem_gib))
+    asked = Asked(plan, dense, Residency.BF16 if experts == AUTO else experts, world_size, ep_degree)
+    the_plan, why = _refusal(layout, asked._replace(residency=Residency.BF16), shape)
+    if the_plan is None:
+        return Estimate(asked, None, refused=why)
+    try:
+        return fit_plan(layout, the_plan, experts, shape, recipe=the_recipe, gpu_mem_gib=gpu_mem_gib)[1]
+    except PlanError as err:  # a residency the plan cannot hold (ResidencyError)
+        return Estimate(asked, None, refused=str(err))
 
 
 def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape: RunShape, recipe: Recipe,
@@ -766,34 +800,33 @@ def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape
 
 
 def resolve_experts(layout: CheckpointLayout, plan: DistributionPlan, shape: RunShape, *, recipe: Recipe,
-                    budget: int | None, local_implementation: str | None = None) -> Estimate:
+                    budget: int | None, table: DecisionTable | None = None) -> Estimate:
     """``experts="auto"`` resolved (once, for the CLI's run shape or the loader's defaults): the first
     residency the plan allows (``allowed_residencies``: bf16) when it fits or no budget is known, else
     packed when the plan allows it (not under fsdp2, only for an MXFP4 source: the layout's, which is the
     source check's decision), with its decode chunk."""
     packed_source = layout.packed_source
     allowed = allowed_residencies(plan.kind, packed_source=packed_source)
-    est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget,
-                   local_implementation=local_implementation)
+    est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget, table=table)
     if budget is None or est.fits(budget) or len(allowed) == 1:
         return est
     return estimate(layout, plan.with_residency(allowed[1], packed_source=packed_source), shape,
-                    recipe=recipe, budget=budget, local_implementation=local_implementation)
+                    recipe=recipe, budget=budget, table=table)
 
 
 def fit_plan(layout: CheckpointLayout, plan: DistributionPlan, experts: str, shape: RunShape, *, recipe: Recipe,
-             gpu_mem_gib: float | None = None) -> tuple[DistributionPlan, Estimate]:
+             gpu_mem_gib: float | None = None, table: DecisionTable | None = None) -> tuple[DistributionPlan, Estimate]:
     """The run's ``plan`` (decided once, by the preflight) with its experts residency (``experts``: a residency
     or ``auto``, resolved here) and decode chunk, and the estimate of it; raises ``MemoryPlanError`` (the
     numbers and a configuration that would fit) when it cannot fit. Without a known budget nothing is refused.
-    The owner's implementation is the one planned for on ``shape.device`` (as ``planned`` does)."""
+    The owner's implementation is the plan's (``DistributionPlan.local_experts_implementation``), what is
+    quantized the run's decision ``table`` (the preflight's): each decided once."""
     budget = device_budget(shape.device, plan.world_size, gpu_mem_gib)
-    impl = "grouped_mm" if shape.device != "cpu" else None
     if experts == AUTO:
-        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, local_implementation=impl)
+        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, table=table)
     else:
         est = estimate(layout, plan.with_residency(experts, packed_source=layout.packed_source), shape,
-                       recipe=recipe, budget=budget, local_implementation=impl)
+                       recipe=recipe, budget=budget, table=table)
     if budget is not None and not est.fits(budget):
         raise MemoryPlanError(_refusal_message(layout, est, budget, shape, recipe, gpu_mem_gib))
     # The decode chunk the estimate chose is one the plan can hold: packed, at least 1 (``estimate``).

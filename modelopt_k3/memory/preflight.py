@@ -1,16 +1,19 @@
-"""hf_ptq's memory check, one of the preflight checks (``modelopt_k3.run.preflight``): before any weight is
-read, the planner's verdict on the run's distribution plan."""
+"""hf_ptq's memory checks, two of the preflight checks (``modelopt_k3.run.preflight.CHECKS`` lists them):
+before any weight is read, the planner's verdict on the run's distribution plan, and its predicted wall time."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..run.preflight import PreflightContext, register_check
 from .inventory import layout_of
 from .planner import RunShape, fit_plan
 
+if TYPE_CHECKING:
+    from ..run.preflight import PreflightContext
 
-@register_check("memory plan fits", after="layerwise")
+
 def memory_plan_fits(ctx: PreflightContext) -> None:
     """Refuse a run that cannot fit (``MemoryPlanError``: the numbers and a configuration that would); else
     set the run's experts residency on its distribution plan (``--experts auto`` resolved: packed when bf16
@@ -22,35 +25,29 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
     shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda" if torch.cuda.is_available() else "cpu",
                      ctx.dtype, layerwise=ctx.layerwise is not None)  # the plan's dtype, decided once
     ctx.distribution, ctx.memory = fit_plan(ctx.layout, ctx.distribution, cfg.experts, shape, recipe=ctx.recipe,
-                                            gpu_mem_gib=cfg.gpu_mem_gib)
+                                            gpu_mem_gib=cfg.gpu_mem_gib, table=ctx.table)  # the run's table
 
 
-HARDWARE_ENV = "MODELOPT_K3_HARDWARE"
-
-
-@register_check("wall time", after="memory plan fits")
 def predicted_wall_time(ctx: PreflightContext) -> None:
-    """A note with the run's predicted wall time (``wall_time.py``) on the hardware preset ``$MODELOPT_K3_HARDWARE``
-    names, by default ``h200-node`` on a CUDA device; on a CPU none (no preset describes a host's cores: the
-    benchmark measures them). Refuses nothing: an unknown preset name is said in the note."""
-    import os
-
+    """A note with the run's predicted wall time (``wall_time.py``) on the hardware preset ``--hardware`` names
+    (the run's config), by default ``h200-node`` on a CUDA device; on a CPU none (no preset describes a host's
+    cores: the benchmark measures them). Refuses nothing: an unknown preset name is said in the note."""
     from .hardware import get_hardware
     from .wall_time import predict_run
 
-    name = os.environ.get(HARDWARE_ENV) or ("h200-node" if torch.cuda.is_available() else None)
+    name = ctx.config.hardware or ("h200-node" if torch.cuda.is_available() else None)
     if name is None:
         return
     try:
         hardware = get_hardware(name)
     except ValueError as err:
-        ctx.notes.append(f"no wall-time prediction: ${HARDWARE_ENV}: {err}")
+        ctx.notes.append(f"no wall-time prediction: --hardware: {err}")
         return
     cfg = ctx.config
-    shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda", getattr(torch, cfg.dtype) if cfg.dtype
-                     else None, layerwise=ctx.layerwise is not None)
+    shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda", ctx.dtype,  # the plan's dtype
+                     layerwise=ctx.layerwise is not None)
     t = predict_run(ctx.layout, ctx.distribution, shape, recipe=ctx.recipe, calib_size=cfg.calib_size,
-                    hardware=hardware)
+                    hardware=hardware, table=ctx.table)
     phases = ", ".join(f"{n} {p.seconds:.0f}s" for n, p in t.phases.items())
     ctx.notes.append(f"predicted wall time on {hardware.name}: {t.total:.0f}s ({phases}; bottleneck {t.bottleneck}; "
                      "first-order, modelopt-k3-plan --time shows the terms)")

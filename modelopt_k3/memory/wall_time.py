@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..dist.plan import DistributionPlan, PlanKind, Residency
-from ..recipe import Recipe
+from ..quant.decisions import DecisionTable
+from ..recipe import QuantFormat, Recipe
 from .hardware import Hardware
-from .inventory import CheckpointLayout
+from .inventory import CheckpointLayout, dense_format, experts_formats
 from .planner import MemoryReport, RunShape
 
 # NVFP4 output: 4-bit codes plus one E4M3 scale per 16 weights (4.5 bits a weight).
@@ -226,10 +227,13 @@ def _candidates(recipe: Recipe) -> int:
 
 
 def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Recipe, calib_size: int,
-                batch_size: int, calib_seq: int, layerwise: bool, dtype: torch.dtype = torch.bfloat16) -> Workload:
+                batch_size: int, calib_seq: int, layerwise: bool, dtype: torch.dtype = torch.bfloat16,
+                table: DecisionTable | None = None) -> Workload:
     """The ``Workload`` of ``plan`` (the run's distribution plan, residency set) on ``layout`` with this recipe
     and calibration: ``calib_size`` sequences of ``calib_seq`` tokens for the whole run, ``batch_size`` per
-    batch per rank; ``dtype``: the load dtype."""
+    batch per rank; ``dtype``: the load dtype; ``table``: the run's decision table (default: the recipe's,
+    decided on the layout's headers as the preflight does)."""
+    table = table if table is not None else layout.decision_table(recipe)
     world, b = plan.world_size, dtype.itemsize
     e_local = _local_experts(layout, plan)
     packed = plan.experts_residency is Residency.PACKED
@@ -264,20 +268,20 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
     hidden = int(text.get("hidden_size", 0))
 
     algorithm = recipe.algorithm.method
-    weights = _searched_weights(layout, recipe, e_local)
+    weights = _searched_weights(layout, table, e_local)
     search = sum(n * o * i for o, i, n in weights) * _candidates(recipe) * F32
     factor = update = 0.0
     if algorithm == "gptq":
         factor = sum(n * 4 / 3 * i ** 3 for o, i, n in weights)
         update = sum(n * 2.0 * o * i * i for o, i, n in weights)
     writes_experts = not plan.expert_parallel or plan.expert_placement.writes_experts
-    out_experts = sum(e_local * g.decoded_numel_per_expert * _output_bytes_per_weight(recipe, g.module, b)
-                      for g in layout.experts)
+    out_experts = sum(e_local * o * i * _output_bytes_per_weight(experts_formats(table, g, layout.spec).get(p), b)
+                      for g in layout.experts for p, (o, i) in g.fused_shapes(layout.spec).items())
     return Workload(
         world_size=world, ep_degree=ep, layerwise=layerwise,
         read_bytes=dense_stored // dense_share + experts_stored,
         decode_bytes=decode_dense // dense_share + decode_experts,
-        write_bytes=int((out_experts if writes_experts else 0) + _dense_output(layout, recipe, dtype) / world),
+        write_bytes=int((out_experts if writes_experts else 0) + _dense_output(layout, table, dtype) / world),
         writers=world, tokens=tokens, batches=batches, forwards=_forwards(recipe), layers=layers,
         resident_weight_bytes=dense_loaded // dense_share + (experts_stored if packed else experts_decoded),
         forward_decode_bytes=experts_decoded if packed else 0,
@@ -286,41 +290,42 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
         search_bytes=int(search), factor_flop=factor, update_flop=update, algorithm=algorithm)
 
 
-def _searched_weights(layout: CheckpointLayout, recipe: Recipe, e_local: int) -> list[tuple[int, int, int]]:
+def _searched_weights(layout: CheckpointLayout, table: DecisionTable, e_local: int) -> list[tuple[int, int, int]]:
     """(out, in, copies on this rank) of every NVFP4 weight the weight algorithm visits: dense NVFP4 Linears and
     this rank's routed experts that are not the lossless MXFP4 cast (the planner's ``_algorithm_state`` rule)."""
     from ..quant.schemes import NVFP4_TENSOR
 
     out: list[tuple[int, int, int]] = []
     for module, (o, i) in layout.linear_weights().items():
-        fmt = recipe.resolve(module)[0]
+        fmt = dense_format(table, module)
         if fmt is not None and fmt.weights is NVFP4_TENSOR:
             out.append((o, i, 1))
     for g in layout.experts:
-        fmt = recipe.resolve(g.module)[0]
-        if not g.packed and fmt is not None and fmt.weights is NVFP4_TENSOR:
-            out += [(o, i, e_local) for o, i in g.fused_shapes(layout.spec).values()]
+        if g.packed:
+            continue
+        formats = experts_formats(table, g, layout.spec)
+        out += [(o, i, e_local) for p, (o, i) in g.fused_shapes(layout.spec).items()
+                if formats.get(p) is not None and formats[p].weights is NVFP4_TENSOR]
     return out
 
 
-def _output_bytes_per_weight(recipe: Recipe, module: str, unquantized: float) -> float:
-    """Exported bytes per weight of ``module``'s weight: NVFP4 4.5 bits, FP8 one byte (its scales are
-    negligible), ``unquantized`` where the recipe leaves it."""
+def _output_bytes_per_weight(fmt: QuantFormat | None, unquantized: float) -> float:
+    """Exported bytes per weight in ``fmt`` (the decision table's): NVFP4 4.5 bits, FP8 one byte (its scales
+    are negligible), ``unquantized`` where it stays as loaded."""
     from ..quant.schemes import NVFP4_TENSOR
 
-    fmt = recipe.resolve(module)[0]
     if fmt is None:
         return unquantized
     return NVFP4_BYTES_PER_WEIGHT if fmt.weights is NVFP4_TENSOR else 1.0
 
 
-def _dense_output(layout: CheckpointLayout, recipe: Recipe, dtype: torch.dtype) -> float:
-    """Bytes of the dense part in the export: the recipe's format for Linear weights, the rest as loaded."""
+def _dense_output(layout: CheckpointLayout, table: DecisionTable, dtype: torch.dtype) -> float:
+    """Bytes of the dense part in the export: the table's format for Linear weights, the rest as loaded."""
     total = 0.0
     for t in layout.dense:
         loaded = layout.load_dtype(t, dtype).itemsize
         linear = t.name.endswith(".weight") and len(t.shape) == 2
-        total += t.numel * (_output_bytes_per_weight(recipe, t.module, loaded) if linear else loaded)
+        total += t.numel * (_output_bytes_per_weight(dense_format(table, t.module), loaded) if linear else loaded)
     return total
 
 
@@ -328,12 +333,12 @@ def _dense_output(layout: CheckpointLayout, recipe: Recipe, dtype: torch.dtype) 
 
 
 def predict_run(layout: CheckpointLayout, plan: DistributionPlan, shape: RunShape, *, recipe: Recipe,
-                calib_size: int, hardware: Hardware) -> WallTime:
+                calib_size: int, hardware: Hardware, table: DecisionTable | None = None) -> WallTime:
     """The wall time of one planned run: ``shape`` (the memory planner's: batch, sequence, dtype, layerwise)
-    with ``calib_size`` sequences in all, on ``hardware``."""
+    with ``calib_size`` sequences in all, on ``hardware``; ``table``: the run's decision table."""
     dtype = shape.dtype or layout.config_dtype
     work = workload_of(layout, plan, recipe=recipe, calib_size=calib_size, batch_size=shape.batch_size,
-                       calib_seq=shape.calib_seq, layerwise=shape.layerwise, dtype=dtype)
+                       calib_seq=shape.calib_seq, layerwise=shape.layerwise, dtype=dtype, table=table)
     return predict(work, hardware)
 
 

@@ -114,6 +114,7 @@ class PtqConfig:
     ep_degree: int | None = None
     experts: str = "auto"
     gpu_mem_gib: float | None = None
+    hardware: str | None = None  # the wall-time note's preset (None: h200-node on a CUDA device, none on a CPU)
     dtype: str | None = None
     overwrite: bool = False
     export_format: ExportFormatName = ExportFormatName.MODELOPT

@@ -3,12 +3,11 @@
 ``hf_ptq`` runs ``run_preflight`` on every rank as one agreed step, after the recipe is loaded and
 before ``load_pretrained``: on the tiny model it takes well under a second, so what would otherwise
 fail after hours of loading and calibration fails in seconds, each with one line that says what to do.
-A check is a function of the ``PreflightContext`` that raises ``PreflightError``; a feature adds its
-own with ``register_check`` (in the module that owns the feature), e.g.::
-
-    @register_check("memory plan fits", after="calibration data")
-    def _fits(ctx: PreflightContext) -> None:
-        ...
+A check is a function of the ``PreflightContext`` that raises ``PreflightError``. ``CHECKS`` lists every
+check, in order, explicitly: the feature checks too (the memory plan and wall time from ``memory/preflight.py``,
+the serving engines from ``check``), so a library caller of ``run_preflight`` runs the same checks as
+``hf_ptq`` whatever it imported (they used to register themselves on import). That is why this module sits
+above ``check`` in the layers (docs/ARCHITECTURE.md): it composes the checks of the features below it.
 
 What the checks decide on the way (the spec, the one reader of the headers, the experts' source layout,
 the decision table, the distribution plan, the memory estimate) they keep on the context, each decided
@@ -19,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,13 @@ from typing import Any
 from ..checkpoint import CheckpointReader, read_config
 from ..export.staging import sweep_stale
 from ..files.paths import check_writable, refuse_overlap
+from ..memory.preflight import memory_plan_fits, predicted_wall_time
 from ..recipe import Recipe, load_recipe
 from ..spec import ModelSpec, get_spec
 from ..spec.config import load_dtype
 from .plan import PtqConfig, RunPlan
 
-__all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "register_check", "run_preflight"]
+__all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "run_preflight"]
 
 
 class PreflightError(ValueError):
@@ -91,30 +91,9 @@ class PreflightCheck:
     run: Callable[[PreflightContext], None]
 
 
-CHECKS: list[PreflightCheck] = []
-
-
-def register_check(name: str, *, after: str | None = None) -> Callable:
-    """Decorator: add ``fn(ctx)`` as check ``name``, at the end or right after check ``after``."""
-
-    def add(fn: Callable[[PreflightContext], None]) -> Callable[[PreflightContext], None]:
-        if any(c.name == name for c in CHECKS):
-            raise ValueError(f"a preflight check named {name!r} is already registered")
-        check = PreflightCheck(name, fn)
-        if after is None:
-            CHECKS.append(check)
-        else:
-            index = next((i for i, c in enumerate(CHECKS) if c.name == after), None)
-            if index is None:
-                raise ValueError(f"no preflight check named {after!r} to add {name!r} after")
-            CHECKS.insert(index + 1, check)
-        return fn
-
-    return add
-
-
-def run_preflight(ctx: PreflightContext, checks: list[PreflightCheck] | None = None) -> float:
-    """Run every check in order; the first refusal raises (``PreflightError``). Returns the seconds taken."""
+def run_preflight(ctx: PreflightContext, checks: Sequence[PreflightCheck] | None = None) -> float:
+    """Run every check of ``CHECKS`` (or ``checks``) in order; the first refusal raises (``PreflightError``).
+    Returns the seconds taken."""
     t0 = time.perf_counter()
     try:
         for check in CHECKS if checks is None else checks:
@@ -128,7 +107,6 @@ def run_preflight(ctx: PreflightContext, checks: list[PreflightCheck] | None = N
 # --------------------------------------------------------------------------- the checks
 
 
-@register_check("source checkpoint")
 def _source_checkpoint(ctx: PreflightContext) -> None:
     """The run's spec, from config.json (decided here, once). The spec says whether its model class is the
     checkpoint's own code (``LoadingSpec.model_class``)."""
@@ -141,12 +119,10 @@ def _source_checkpoint(ctx: PreflightContext) -> None:
     ctx.export_path = ctx.config.export_path or Path(f"{ctx.checkpoint.name}-{Path(ctx.recipe.name).name}")
 
 
-@register_check("export path is not the source")
 def _not_the_source(ctx: PreflightContext) -> None:
     refuse_overlap(ctx.checkpoint, ctx.export_path)
 
 
-@register_check("checkpoint matches config.json")
 def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it.
     The reader made here is the run's one reader of the source (its headers are never read again)."""
@@ -157,7 +133,6 @@ def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     ctx.source = check_experts(ctx.reader.headers(), ctx.raw_config, ctx.spec, ctx.reader.stored_name)
 
 
-@register_check("export path free")
 def _export_path_free(ctx: PreflightContext) -> None:
     from ..export.writer import refuse_replacing_a_non_checkpoint
 
@@ -172,12 +147,10 @@ def _export_path_free(ctx: PreflightContext) -> None:
             raise PreflightError(f"--export_path --overwrite: {e}") from None
 
 
-@register_check("export path writable")
 def _export_path_writable(ctx: PreflightContext) -> None:
     check_writable(ctx.export_path)
 
 
-@register_check("no other run exports here")
 def _stale_temp_data(ctx: PreflightContext) -> None:
     """Remove what dead runs left next to the export path (rank 0); refuse if a live run writes there."""
     notes = sweep_stale(ctx.export_path) if ctx.rank == 0 else []
@@ -201,7 +174,6 @@ def _lock_export_path(ctx: PreflightContext) -> None:
         raise PreflightError(f"another run is exporting to {ctx.export_path}: {e}") from None
 
 
-@register_check("export format")
 def _export_format(ctx: PreflightContext) -> None:
     """The recipe against the checkpoint's modules (the run's decision table, from headers, decided here
     once), and what the export format can hold."""
@@ -215,7 +187,6 @@ def _export_format(ctx: PreflightContext) -> None:
         raise PreflightError(f"--export_format {fmt}: {why}; use --export_format modelopt")
 
 
-@register_check("calibration reaches every calibrated module")
 def _calibration_reaches(ctx: PreflightContext) -> None:
     """A recipe that needs activations of modules a text forward never runs (a vision tower) would fail only
     after calibration ("no calibration data reached"): refused here, naming them."""
@@ -235,7 +206,6 @@ def _calibration_reaches(ctx: PreflightContext) -> None:
         )
 
 
-@register_check("calibration data")
 def _calibration_data(ctx: PreflightContext) -> None:
     from ..data import DataError, load_texts, read_budget
 
@@ -253,14 +223,12 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model",
 CALIB_MEMORY_SHARE = 0.25
 
 
-@register_check("tokenizer present", after="calibration data")
 def _tokenizer_present(ctx: PreflightContext) -> None:
     if not any((ctx.checkpoint / name).is_file() for name in TOKENIZER_FILES):
         raise PreflightError(f"{ctx.checkpoint} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); calibration "
                              "tokenizes its texts with the checkpoint's own tokenizer: copy its tokenizer files there")
 
 
-@register_check("calibration size", after="tokenizer present")
 def _calibration_size(ctx: PreflightContext) -> None:
     """The token ids of ``(--calib_size + --eval_kl) x --calib_seq`` are held in memory (8 bytes each, twice
     while they are cut): refused when that passes a quarter of this host's memory, before any is made."""
@@ -294,7 +262,6 @@ def _calib_seq_within_positions(ctx: PreflightContext) -> None:
                              f"= {limit} (config.json); choose --calib_seq <= {limit}")
 
 
-@register_check("distribution plan", after="calibration data")
 def _distribution_plan(ctx: PreflightContext) -> None:
     """The run's ``DistributionPlan`` for this rank (``decide_plan``: refuses what cannot work), decided here,
     once; the memory check then sets its experts residency."""
@@ -312,7 +279,6 @@ def _distribution_plan(ctx: PreflightContext) -> None:
     )
 
 
-@register_check("layerwise", after="distribution plan")
 def _layerwise(ctx: PreflightContext) -> None:
     """``--layerwise`` (or the recipe's ``algorithm.layerwise``), decided once; refused where a layerwise run
     cannot do what was asked: FSDP2-sharded layers, the held-out passes (they need the whole model), a resume
@@ -327,9 +293,9 @@ def _layerwise(ctx: PreflightContext) -> None:
         raise PreflightError(str(e)) from None
     if ctx.layerwise is None:
         return
-    if ctx.distribution.fsdp_sharded:
-        raise PreflightError(f"--layerwise reads whole layers per rank; the plan {ctx.distribution.describe()} "
-                             "shards them with FSDP2: use --plan expert_parallel with --dense replicated, or --plan whole")
+    why = ctx.distribution.layerwise_refusal()
+    if why is not None:
+        raise PreflightError(why)
     if cfg.eval_kl or cfg.report_heldout:
         raise PreflightError("--eval_kl and --report_heldout run the whole model on held-out data, which a "
                              "--layerwise run never holds; leave them out (the report is not written either)")
@@ -344,3 +310,44 @@ def _layerwise(ctx: PreflightContext) -> None:
         if here == export or export in here.parents or here in export.parents:
             raise PreflightError(f"--layerwise_checkpoint_dir {ckpt} overlaps the export path {ctx.export_path}; "
                                  "choose a directory beside it")
+
+
+def _serving_engines(ctx: PreflightContext) -> None:
+    """hf_ptq's ``--target_engines``: the recipe against each named engine's rules (names and headers only)."""
+    from ..check import EngineRefusal, check_recipe_for_engines
+
+    engines = ctx.config.target_engines
+    if not engines:
+        return
+    fmt = ctx.export_format  # the ExportFormat hf_ptq resolved, once
+    if not fmt.engine_checked:
+        raise PreflightError(f"--target_engines replays the engines' ModelOpt loaders, not {fmt}'s; "
+                             "it needs --export_format modelopt")
+    try:
+        check_recipe_for_engines(ctx.checkpoint, ctx.recipe, engines, reader=ctx.reader, table=ctx.table,
+                                 config=ctx.raw_config, spec=ctx.spec)
+    except EngineRefusal as e:
+        raise PreflightError(str(e)) from None
+
+
+# Every check, in the order it runs: each one reads what the ones before it decided (the spec and recipe
+# first; the memory plan after the distribution plan and the layerwise choice it sizes). The cheap refusals
+# about files and flags come before the ones that read data (the calibration texts) or plan memory.
+CHECKS: tuple[PreflightCheck, ...] = (
+    PreflightCheck("source checkpoint", _source_checkpoint),
+    PreflightCheck("export path is not the source", _not_the_source),
+    PreflightCheck("checkpoint matches config.json", _checkpoint_matches_config),
+    PreflightCheck("export path free", _export_path_free),
+    PreflightCheck("export path writable", _export_path_writable),
+    PreflightCheck("no other run exports here", _stale_temp_data),
+    PreflightCheck("export format", _export_format),
+    PreflightCheck("serving engines", _serving_engines),
+    PreflightCheck("calibration reaches every calibrated module", _calibration_reaches),
+    PreflightCheck("calibration data", _calibration_data),
+    PreflightCheck("distribution plan", _distribution_plan),
+    PreflightCheck("layerwise", _layerwise),
+    PreflightCheck("memory plan fits", memory_plan_fits),
+    PreflightCheck("wall time", predicted_wall_time),
+    PreflightCheck("tokenizer present", _tokenizer_present),
+    PreflightCheck("calibration size", _calibration_size),
+)

@@ -1,6 +1,6 @@
 """Each plan decision is made once and passed on (issue 22): plan kinds and residencies as str enums, the
 fsdp2-vs-packed rule in one place, ``--experts auto`` resolved once, and the memory planner planning
-the placement the run will use (``MODELOPT_K3_EP_DEGREE`` included)."""
+the placement the run will use (``MODELOPT_K3_EP_DEGREE`` read by the command line only)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from modelopt_k3.dist.kinds import EP_DEGREE_ENV
 from modelopt_k3.dist.plan import (
-    EP_DEGREE_ENV,
     EXPERTS_CHOICES,
     PLAN_KINDS,
     PlanKind,
@@ -54,21 +54,31 @@ def test_fsdp2_cannot_hold_packed_experts_one_rule_everywhere(tiny_ckpt: Path):
     # ... the planner reports the same refusal ...
     refused = estimate_asked(read_layout(tiny_ckpt), Asked("fsdp2", "replicated", "packed", 2))
     assert refused.refused == why and refused.plan is None
+    fits = check_fits(tiny_ckpt, plan="fsdp2", world_size=2, experts="packed", device="cpu")  # fit_plan's path
+    assert fits.refused == why and fits.plan is None and fits.asked.residency == "packed"
     # ... and auto never considers it: bf16, decided without reading the checkpoint.
     assert choose_residency(Path("/nonexistent"), _plan("fsdp2", 2), packed_source=True) == (Residency.BF16, None)
 
 
-def test_the_planner_plans_the_placement_the_run_uses(tiny_ckpt: Path, monkeypatch):
+def test_the_planner_plans_the_placement_the_run_uses(tiny_ckpt: Path, tmp_path: Path, monkeypatch):
     kw = dict(plan="expert_parallel", world_size=4, experts="bf16", batch_size=2, calib_seq=32, device="cpu",
               gpu_mem_gib=64)
     default = check_fits(tiny_ckpt, **kw)
+    two = check_fits(tiny_ckpt, ep_degree=2, **kw)
+    run = decide_plan("expert_parallel", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=4, device=CPU,
+                      ep_degree=2)  # what load_pretrained(ep_degree=2) decides
+    assert two.plan.ep_degree == run.ep_degree == 2 and two.plan.expert_placement == run.expert_placement
+    # 8 experts over EP 2 is 4 a rank, over EP 4 (the world) 2: the estimate follows the placement.
+    assert two.resident_experts == 2 * default.resident_experts > 0
+    assert "EP 2" in two.label()
+    # $MODELOPT_K3_EP_DEGREE is hf_ptq's --ep_degree default, read by the command line; no stage reads it.
     monkeypatch.setenv(EP_DEGREE_ENV, "2")
-    env = check_fits(tiny_ckpt, **kw)
-    run = _plan("expert_parallel", 4)  # what load_pretrained decides under the same environment
-    assert env.plan.ep_degree == run.ep_degree == 2 and env.plan.expert_placement == run.expert_placement
-    # 8 experts over EP 2 is 4 a rank, over EP 4 (no environment) 2: the estimate follows the placement.
-    assert env.resident_experts == 2 * default.resident_experts > 0
-    assert "EP 2" in env.label()
+    assert _plan("expert_parallel", 4).ep_degree == 4
+    assert check_fits(tiny_ckpt, **kw).plan.ep_degree == 4
+    for flags, want in (((), 2), (("--ep_degree", "4"), 4)):  # the flag wins over the environment
+        ctx = _preflight(tiny_ckpt, tmp_path / f"out{want}", *flags, world_size=4)
+        ctx.close()
+        assert ctx.distribution.ep_degree == want
 
 
 def _preflight(ckpt: Path, out: Path, *flags: str, world_size: int = 1):

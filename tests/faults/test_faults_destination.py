@@ -177,25 +177,22 @@ def test_debug_keeps_the_traceback(tiny_ckpt, tmp_path, run_tool) -> None:
     assert err.rstrip().splitlines()[-1].startswith("modelopt-k3-ptq: error: --export_path")
 
 
-def test_a_feature_adds_its_own_preflight_check(tiny_ckpt, tmp_path, run_tool, no_weight_reads) -> None:
+def test_a_check_added_to_the_preflight_list_sees_the_context(tiny_ckpt, tmp_path, run_tool, no_weight_reads,
+                                                             monkeypatch) -> None:
     from modelopt_k3.run import preflight
 
     seen = []
 
-    @preflight.register_check("test: sees the context", after="export format")
     def _check(ctx: preflight.PreflightContext) -> None:
         seen.append((ctx.checkpoint, ctx.export_path, ctx.recipe.name, ctx.config.qformat))
         raise preflight.PreflightError("test refusal; do something else")
 
-    try:
-        names = [c.name for c in preflight.CHECKS]
-        assert names.index("test: sees the context") == names.index("export format") + 1
-        with pytest.raises(ValueError, match="already registered"):
-            preflight.register_check("test: sees the context")(_check)
-        rc, _, err = run_tool("ptq", ["--pyt_ckpt_path", tiny_ckpt, "--trust_remote_code", "--export_path",
-                                      tmp_path / "out", *SMALL])
-    finally:
-        preflight.CHECKS[:] = [c for c in preflight.CHECKS if c.name != "test: sees the context"]
+    names = [c.name for c in preflight.CHECKS]
+    at = names.index("export format") + 1
+    monkeypatch.setattr(preflight, "CHECKS", (*preflight.CHECKS[:at], preflight.PreflightCheck("test", _check),
+                                              *preflight.CHECKS[at:]))
+    rc, _, err = run_tool("ptq", ["--pyt_ckpt_path", tiny_ckpt, "--trust_remote_code", "--export_path",
+                                  tmp_path / "out", *SMALL])
     assert rc == 2 and "test refusal; do something else" in _one_line(err)
     assert seen == [(tiny_ckpt, tmp_path / "out", "presets/nvfp4", "nvfp4")]
 

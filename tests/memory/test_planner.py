@@ -3,6 +3,7 @@ layout without the bytes, and hf_ptq's refusal before loading."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -271,3 +272,59 @@ def test_the_eager_owners_planned_bytes_bound_its_measured_allocations_closely(t
     assert (act.tokens, act.latent_dim, act.top_k) == (tokens, hidden, top_k)
     planned = owner_bytes("eager", tokens * top_k, act, layout.experts[0], 2, num)
     assert 1.0 <= planned / live.peak <= 1.3, (planned, live.peak)
+
+
+def test_the_planner_plans_the_owner_implementation_the_run_decides(tiny_ckpt: Path) -> None:
+    """One rule for the owner's experts implementation: grouped_mm for a bf16 load on a GPU, eager for an fp32
+    one (torch's kernel takes bf16 only: ``default_local_implementation``); ``fit_plan`` sizes the plan's own."""
+    import torch
+
+    from modelopt_k3.dist.plan import decide_plan
+    from modelopt_k3.memory.planner import fit_plan
+
+    layout, asked = read_layout(tiny_ckpt), Asked("whole", "replicated", "bf16", 1)
+    gpu = RunShape(batch_size=2, calib_seq=32, device="cuda")
+    assert planned(layout, asked, gpu).local_experts_implementation == "grouped_mm"
+    fp32 = RunShape(batch_size=2, calib_seq=32, device="cuda", dtype=torch.float32)
+    assert planned(layout, asked, fp32).local_experts_implementation == "eager"
+    # A GPU run whose plan runs its experts eager (fp32, or a device before sm80) is sized as eager.
+    plan = decide_plan("whole", spec=layout.spec, num_experts=layout.num_experts, rank=0, world_size=1,
+                       device=torch.device("cuda"), experts_implementation="eager")
+    _, est = fit_plan(layout, plan, "bf16", gpu, recipe=load_recipe(gpu.recipe), gpu_mem_gib=64)
+    assert est.moe_detail.startswith("eager on "), est.moe_detail
+    _, est = fit_plan(layout, dataclasses.replace(plan, experts_implementation="grouped_mm",
+                                                  local_experts_implementation="grouped_mm"),
+                      "bf16", gpu, recipe=load_recipe(gpu.recipe), gpu_mem_gib=64)
+    assert est.moe_detail.startswith("grouped_mm on "), est.moe_detail
+
+
+def test_the_planner_sizes_the_runs_decision_table(tiny_ckpt: Path) -> None:
+    """What is quantized is the run's decision table (the preflight's, passed on), not the planner's own match
+    of the recipe: a table keeping every dense Linear unquantized plans no dense quantization work, and the
+    layout's own table (no run's given) is the one ``decide`` makes of the same headers."""
+    from modelopt_k3.quant.decisions import DecisionTable
+
+    shape = RunShape(batch_size=2, calib_seq=32, device="cpu", recipe="presets/nvfp4_mse")
+    layout = read_layout(tiny_ckpt)
+    plan = planned(layout, Asked("whole", "replicated", "bf16", 1), shape)
+    recipe = load_recipe(shape.recipe)
+    table = layout.decision_table(recipe)
+    assert any(d.kind == "linear" and d.quantized for d in table.decisions.values())
+    kept = DecisionTable(recipe, {n: dataclasses.replace(d, format=None, reason="kept") if d.kind == "linear" else d
+                                  for n, d in table.decisions.items()})
+    own, run = estimate(layout, plan, shape, recipe=recipe), estimate(layout, plan, shape, table=kept)
+    assert own.stages["export"] > run.stages["export"]  # no dense Linear's searched block scales held
+    assert estimate(layout, plan, shape, table=table).peak == own.peak
+    with pytest.raises(ValueError, match="decision table is for recipe"):
+        estimate(layout, plan, shape, recipe=load_recipe("presets/fp8"), table=table)
+
+
+def test_a_recipe_the_run_refuses_is_refused_by_the_plan(tmp_path: Path) -> None:
+    """The planner decides the table as the run's preflight does (``decide``), so a recipe that does not fit the
+    model (a ``must_match`` pattern matching nothing) is refused by ``modelopt-k3-plan`` too, not planned."""
+    from modelopt_k3.recipe import RecipeError
+    from modelopt_k3.testing import make_tiny
+
+    ckpt = make_tiny("qwen3_moe", tmp_path / "qwen3")
+    with pytest.raises(RecipeError, match="must_match"):
+        plan_memory(ckpt, world_size=1, device="cpu", batch_size=2, calib_seq=32, recipe="presets/nvfp4_experts_only")

@@ -226,31 +226,39 @@ def test_plan_cli_time_table_and_json(tiny_ckpt: Path, capsys) -> None:
 
 
 def test_hf_ptq_preflight_says_the_predicted_total(tiny_ckpt: Path, tmp_path: Path, monkeypatch) -> None:
-    from modelopt_k3.memory.preflight import HARDWARE_ENV, predicted_wall_time
+    from modelopt_k3.cli.hf_ptq import HARDWARE_ENV, build_parser
+    from modelopt_k3.memory.preflight import predicted_wall_time
     from modelopt_k3.run.plan import PtqConfig
 
-    monkeypatch.setenv(HARDWARE_ENV, "gb200")
     layout = read_layout(tiny_ckpt)
+    monkeypatch.setenv(HARDWARE_ENV, "gb200")  # the command line's --hardware default, read when it is built
+    argv = ["--pyt_ckpt_path", str(tiny_ckpt), "--calib_size", "8", "--batch_size", "2", "--calib_seq", "64"]
+    assert build_parser().parse_args(argv).hardware == "gb200"
 
     class Ctx:  # what the check reads off the preflight context, decided by the checks before it
-        config = PtqConfig(pyt_ckpt_path=tiny_ckpt, calib_size=8, batch_size=2, calib_seq=64)
+        config = PtqConfig.from_namespace(build_parser().parse_args(argv))
         recipe = load_recipe("presets/nvfp4")
         distribution = _plan(layout, 1)
         layerwise = None
+        dtype = layout.config_dtype
         notes: list[str] = []
 
     ctx = Ctx()
-    ctx.layout = layout
+    ctx.layout, ctx.table = layout, layout.decision_table(ctx.recipe)
     predicted_wall_time(ctx)
     shape = RunShape(2, 64, ctx.recipe.name, "cuda", None)
     want = predict_run(layout, ctx.distribution, shape, recipe=ctx.recipe, calib_size=8, hardware=PRESETS["gb200"])
     assert ctx.notes == [f"predicted wall time on gb200: {want.total:.0f}s (start-up 60s, load 0s, calibration 0s, "
                          f"export 0s; bottleneck start-up: fixed start-up; first-order, modelopt-k3-plan --time "
                          "shows the terms)"]
-    monkeypatch.setenv(HARDWARE_ENV, "h100")
+    monkeypatch.delenv(HARDWARE_ENV)  # a stage never reads the environment: the config says the preset
     ctx.notes = []
     predicted_wall_time(ctx)
-    assert ctx.notes[0].startswith("no wall-time prediction: $MODELOPT_K3_HARDWARE: unknown hardware preset 'h100'")
+    assert ctx.notes[0].startswith("predicted wall time on gb200")
+    ctx.config = PtqConfig(pyt_ckpt_path=tiny_ckpt, hardware="h100")
+    ctx.notes = []
+    predicted_wall_time(ctx)
+    assert ctx.notes[0].startswith("no wall-time prediction: --hardware: unknown hardware preset 'h100'")
 
 
 # ------------------------------------------------------------------------------ the anchor: ModelOpt #2008
