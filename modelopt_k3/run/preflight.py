@@ -315,8 +315,8 @@ def _distribution_plan(ctx: PreflightContext) -> None:
 @register_check("layerwise", after="distribution plan")
 def _layerwise(ctx: PreflightContext) -> None:
     """``--layerwise`` (or the recipe's ``algorithm.layerwise``), decided once; refused where a layerwise run
-    cannot do what was asked: FSDP2-sharded layers, the held-out passes (they need the whole model), a resume
-    directory inside the source or the export."""
+    cannot do what was asked: FSDP2-sharded layers, a resume directory inside the source or the export. The
+    held-out passes and the report stream with the layers (``layerwise/heldout.py``)."""
     from ..files.paths import refuse_overlap
     from .plan import layerwise_settings
 
@@ -330,12 +330,6 @@ def _layerwise(ctx: PreflightContext) -> None:
     if ctx.distribution.fsdp_sharded:
         raise PreflightError(f"--layerwise reads whole layers per rank; the plan {ctx.distribution.describe()} "
                              "shards them with FSDP2: use --plan expert_parallel with --dense replicated, or --plan whole")
-    if cfg.eval_kl or cfg.report_heldout:
-        raise PreflightError("--eval_kl and --report_heldout run the whole model on held-out data, which a "
-                             "--layerwise run never holds; leave them out (the report is not written either)")
-    if cfg.report not in (None, "none"):
-        raise PreflightError("--report: a --layerwise run writes no quantization report yet (its weight statistics "
-                             "need every layer resident); leave --report out")
     ckpt = ctx.layerwise.checkpoint_dir
     if ckpt is not None:
         refuse_overlap(ctx.checkpoint, ckpt, flag="--layerwise_checkpoint_dir")
