@@ -63,7 +63,7 @@ def _check_contents(data: dict[str, Any], layers: int, held_out: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["kimi_k3", "qwen3_moe"])
-def test_layerwise_report_equals_the_resident_report(model, tmp_path: Path):
+def test_layerwise_report_equals_the_resident_report(model, tmp_path: Path, capsys):
     ckpt = MODELS[model](tmp_path / "src")
     extra = ["--kv_cache_qformat", "fp8", "--eval_kl", "3"] if model == "kimi_k3" else ["--report_heldout", "2"]
     base = ["--pyt_ckpt_path", ckpt, "--trust_remote_code", *extra]
@@ -73,6 +73,9 @@ def test_layerwise_report_equals_the_resident_report(model, tmp_path: Path):
     data = assert_same_report(tmp_path / "resident", tmp_path / "layerwise")
     _check_contents(data, layers=len(data["layers"]), held_out=3 if model == "kimi_k3" else 2)
     assert len(data["layers"]) >= 2
+    if model == "kimi_k3":  # --eval_kl prints the same line for both
+        said = [line for line in capsys.readouterr().out.splitlines() if "KL(original || quantized)" in line]
+        assert len(said) == 2 and said[0] == said[1] and "on 3 held-out sequences" in said[0], said
 
 
 def _ptq(argv: list[str]) -> int:
