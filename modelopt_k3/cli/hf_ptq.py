@@ -236,9 +236,9 @@ def _layerwise(plan: RunPlan, sequences, group, say, progress: bool, t0: float) 
     say(f"[modelopt_k3] exported {result.export} layerwise in {time.perf_counter() - t0:.1f}s")
     if result.resumed_at:
         if plan.report_dir is not None or config.eval_kl:
-            say(f"[modelopt_k3] no quantization report and no held-out evaluation: this run resumed at layer "
-                f"{result.resumed_at + 1}, and layers 1-{result.resumed_at} were calibrated by an earlier one "
-                "(remove --layerwise_checkpoint_dir's directory to run every layer, with the report)")
+            say(f"[modelopt_k3] no quantization report and no held-out evaluation: this run resumed a layerwise "
+                f"checkpoint whose first {result.resumed_at} layer(s) an earlier run calibrated (their figures are "
+                "not kept); remove the --layerwise_checkpoint_dir directory to run every layer, with the report")
     else:
         run_together("held-out evaluation and report", _evaluate_and_report, plan, result.model, sequences,
                      result.coverage, group, say, streamed=result, group=group)
