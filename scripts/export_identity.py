@@ -64,6 +64,10 @@ MATRIX = (
     Config("gpt_oss_nvfp4", 1, ("--qformat", "nvfp4"), model="gpt_oss"),
     Config("deepseek_v3_nvfp4_kv_fp8", 1, ("--qformat", "nvfp4", "--kv_cache_qformat", "fp8"), model="deepseek_v3"),
     Config("deepseek_v3_convert", 0, (), model="deepseek_v3"),
+    # Layerwise (one layer resident at a time): the same exports; the report it now writes sits in a subfolder.
+    Config("layerwise_nvfp4_kv_fp8", 1, ("--qformat", "nvfp4", "--kv_cache_qformat", "fp8", "--layerwise")),
+    Config("layerwise_ep2_nvfp4", 2, ("--qformat", "nvfp4", "--layerwise")),
+    Config("qwen3_moe_layerwise_nvfp4", 1, ("--qformat", "nvfp4", "--layerwise"), model="qwen3_moe"),
 )
 
 

@@ -191,14 +191,9 @@ def run(config: PtqConfig | argparse.Namespace) -> int:
         try:
             for note in ctx.notes:
                 say(f"[modelopt_k3] {note}")
-            # A layerwise run never holds the whole model: no held-out passes, no report (the preflight refused
-            # asking for them).
-            resident = ctx.layerwise is None
-            report_dir = run_together("report path", _report_dir, config, ctx.export_path, ckpt,
-                                      group=group) if resident else None
+            report_dir = run_together("report path", _report_dir, config, ctx.export_path, ckpt, group=group)
             # Decided once, with the preflight's decisions: the stages below take the plan.
-            plan = ctx.run_plan(held_out=_held_out_count(config, group.world_size) if resident else 0,
-                                report_dir=report_dir)
+            plan = ctx.run_plan(held_out=_held_out_count(config, group.world_size), report_dir=report_dir)
             return _after_preflight(plan, group, say, progress, t0)
         finally:
             ctx.close()  # the export path's lock (rank 0), however the run ends
@@ -226,22 +221,33 @@ def _after_preflight(plan: RunPlan, group, say, progress: bool, t0: float) -> in
     say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
     # After the export: the held-out pass is a fake-quant forward, after which (under FSDP2) the export
     # could no longer index MXFP4-sourced experts' scales; the report reads the weights before it.
-    run_together("held-out evaluation and report", _evaluate_and_report, plan, model, out, sequences, coverage,
+    run_together("held-out evaluation and report", _evaluate_and_report, plan, model, sequences, coverage,
                  group, say, group=group)
     return _check_served(plan, out, say) if group.is_main else 0
 
 
 def _layerwise(plan: RunPlan, sequences, group, say, progress: bool, t0: float) -> int:
-    """``--layerwise``: load, calibrate and export one decoder layer at a time (``modelopt_k3.layerwise``)."""
+    """``--layerwise``: load, calibrate and export one decoder layer at a time (``modelopt_k3.layerwise``); the
+    held-out passes stream through each layer, and the report is the resident run's, from what each layer left."""
     from ..data import rank_batches
+    from ..dist.collectives import run_together
     from ..layerwise import run_layerwise
 
-    batches = rank_batches(sequences[: plan.config.calib_size], batch_size=plan.config.batch_size, rank=group.rank,
+    config = plan.config
+    batches = rank_batches(sequences[: config.calib_size], batch_size=config.batch_size, rank=group.rank,
                            world_size=group.world_size)
-    out = run_layerwise(plan, batches, progress=progress, say=say)
-    say(f"[modelopt_k3] exported {out} layerwise in {time.perf_counter() - t0:.1f}s; no quantization report "
-        "(it needs every layer resident)")
-    return _check_served(plan, out, say) if group.is_main else 0
+    result = run_layerwise(plan, batches, held_out=_held_out_batches(plan, sequences, group),
+                           report=plan.report_dir is not None, progress=progress, say=say)
+    say(f"[modelopt_k3] exported {result.export} layerwise in {time.perf_counter() - t0:.1f}s")
+    if result.resumed_at:
+        if plan.report_dir is not None or config.eval_kl:
+            say(f"[modelopt_k3] no quantization report and no held-out evaluation: this run resumed a layerwise "
+                f"checkpoint whose first {result.resumed_at} layer(s) an earlier run calibrated (their figures are "
+                "not kept); remove the --layerwise_checkpoint_dir directory to run every layer, with the report")
+    else:
+        run_together("held-out evaluation and report", _evaluate_and_report, plan, result.model, sequences,
+                     result.coverage, group, say, streamed=result, group=group)
+    return _check_served(plan, result.export, say) if group.is_main else 0
 
 
 def _calibration_sequences(plan: RunPlan):
@@ -309,33 +315,41 @@ def _held_out_count(config: PtqConfig, world_size: int) -> int:
 
 def _coverage_guard(config: PtqConfig, model, say):
     """Experts below ``--min_expert_tokens`` under ``--uncovered_experts``: refuse before the export, or note."""
-    from ..quant.coverage import check_coverage, expert_coverage
+    from ..quant.coverage import guard_coverage
 
-    coverage = expert_coverage(model, model.modelopt_k3.spec)
-    for note in check_coverage(coverage, min_tokens=config.min_expert_tokens, policy=config.uncovered_experts):
-        say(f"[modelopt_k3] uncovered experts: {note}")
-    return coverage
+    return guard_coverage(model, model.modelopt_k3.spec, min_tokens=config.min_expert_tokens,
+                          policy=config.uncovered_experts, say=say)
 
 
-def _evaluate_and_report(plan: RunPlan, model, export_path: Path, packed, coverage, group, say) -> None:
-    """The held-out pass (the sequences after the calibration ones in the token stream: per-layer
-    hidden-state error, KL and top-1 agreement; the KL printed with ``--eval_kl``) and the report."""
+def _held_out_batches(plan: RunPlan, packed, group):
+    """This rank's held-out batches: the sequences after the calibration ones in the token stream (None: none)."""
     from ..data import rank_batches
+
+    config = plan.config
+    return rank_batches(packed[config.calib_size :], batch_size=config.batch_size, rank=group.rank,
+                        world_size=group.world_size) if plan.held_out else None
+
+
+def _evaluate_and_report(plan: RunPlan, model, packed, coverage, group, say, streamed=None) -> None:
+    """The held-out pass (per-layer hidden-state error, KL and top-1 agreement; the KL printed with
+    ``--eval_kl``) and the report. ``streamed``: a layerwise run's ``LayerwiseResult``, whose held-out passes
+    and weight rows were taken layer by layer; else the resident model runs them here."""
     from ..quant.evaluate import evaluate_fidelity
     from ..report import report
 
     config = plan.config
-    held_out = rank_batches(packed[config.calib_size :], batch_size=config.batch_size, rank=group.rank,
-                            world_size=group.world_size) if plan.held_out else None
+    held_out = _held_out_batches(plan, packed, group) if streamed is None else None
+    fidelity, weights = (None, None) if streamed is None else (streamed.fidelity, streamed.weights)
     t0 = time.perf_counter()
-    fidelity = None
     if plan.report_dir is None:
-        fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device) if held_out else None
+        if fidelity is None and held_out:
+            fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device)
     else:
         run = {"calibration_sequences": config.calib_size, "calibration_seq_len": config.calib_seq,
                "held_out_sequences": plan.held_out}
-        data = report(model, plan.report_dir, held_out=held_out, coverage=coverage,
-                      min_expert_tokens=config.min_expert_tokens, uncovered_experts=config.uncovered_experts, run=run)
+        data = report(model, plan.report_dir, held_out=held_out, fidelity=fidelity, coverage=coverage,
+                      min_expert_tokens=config.min_expert_tokens, uncovered_experts=config.uncovered_experts, run=run,
+                      weights=weights)
         say(f"[modelopt_k3] wrote the quantization report {plan.report_dir} in {time.perf_counter() - t0:.1f}s")
         final = data["final"] if data is not None else None
         if final is not None:

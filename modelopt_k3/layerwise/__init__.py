@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,16 +30,17 @@ from ..dist.group import current_group
 from ..experts.packed import release_decode_workspaces
 from ..export.model_export import ExportInParts
 from ..load import LayerwiseLoad, LoadScope
-from ..quant.api import attach_quantizers, start_quantization
-from ..quant.calibrators import calibrator_for
-from ..quant.coverage import check_coverage, expert_coverage
+from ..quant.api import attach_quantizers, calibrate_scope, start_quantization
+from ..quant.coverage import LayerCoverage, guard_coverage
+from ..quant.evaluate import Fidelity
 from ..quant.modules import iter_quantizers
+from ..report.collect import weight_summary
 from ..run.plan import LayerwiseSettings, RunPlan
-from ..spec.names import is_under
+from .heldout import HeldOutStreams, quantizer_modes
 from .replay import InputCache, LayerReplay
 from .state import LayerRecord, RankDir, ResumeError, digest, held, producer, source_digest, tokens_digest
 
-__all__ = ["LayerwiseSettings", "ResumeError", "run_layerwise"]
+__all__ = ["LayerwiseResult", "LayerwiseSettings", "ResumeError", "run_layerwise"]
 
 CACHE_LIMIT_ENV = "MODELOPT_K3_LAYERWISE_CACHE_MIB"
 DEFAULT_CACHE_LIMIT_MIB = 4096
@@ -77,29 +78,6 @@ class _Scope(nn.Module):
         return head.replace(":", ".") + (f".{rest}" if rest else "")
 
 
-def _scoped_groups(groups: dict[str, tuple[str, ...]], rename) -> dict[str, tuple[str, ...]]:
-    """Shared-input groups whose members all lie in a scope, named as the scope names them."""
-    out = {}
-    for g, members in groups.items():
-        names = [rename(m) for m in members]
-        if all(n is not None for n in names):
-            out[g] = tuple(names)
-    return out
-
-
-@contextmanager
-def _modes(module: nn.Module, mode: str):
-    """Every quantizer under ``module`` in ``mode`` for the block, then back as it was."""
-    saved = [(q, q.mode) for _, q in iter_quantizers(module)]
-    for q, _ in saved:
-        q.mode = mode
-    try:
-        yield
-    finally:
-        for q, m in saved:
-            q.mode = m
-
-
 def _free_quantizer_copies(module: nn.Module) -> None:
     """What a layer's quantizers hold only for its export (GPTQ's updated weight, searched block scales,
     cached fake-quant weights): dropped once the layer is written."""
@@ -113,8 +91,27 @@ def _quant_state(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     return {f"{prefix}.{name}.amax": q.amax for name, q in iter_quantizers(module)}
 
 
-def run_layerwise(plan: RunPlan, batches: list[torch.Tensor], *, progress: bool = True, say=print) -> Path:
-    """Calibrate and export ``plan`` one decoder layer at a time on this rank's ``batches``; returns the export."""
+@dataclass
+class LayerwiseResult:
+    """What a layerwise run hands on: the export, and what the quantization report needs, taken layer by layer
+    while each was resident (empty for a resumed run: its earlier layers were calibrated by another process)."""
+
+    export: Path
+    model: nn.Module  # the model, its layers released: quantizers, counters and the quantization plan remain
+    resumed_at: int = 0  # the first layer this run calibrated (0: every layer; then the fields below are complete)
+    weights: dict[str, list] | None = None  # this rank's ``report.collect.weight_summary`` rows (asked for)
+    coverage: list[LayerCoverage] = field(default_factory=list)  # the guard's coverage, in layer order
+    fidelity: Fidelity | None = None  # the held-out passes' sums over all ranks (held-out batches given)
+
+
+def run_layerwise(plan: RunPlan, batches: list[torch.Tensor], *, held_out: list[torch.Tensor] | None = None,
+                  report: bool = False, progress: bool = True, say=print) -> LayerwiseResult:
+    """Calibrate and export ``plan`` one decoder layer at a time on this rank's ``batches``.
+
+    ``held_out``: this rank's held-out batches, streamed through each layer for the original and the quantized
+    model (``heldout.py``: the resident ``evaluate_fidelity``'s figures); ``report``: take each layer's weight
+    rows for the quantization report before the layer is released. A resumed run takes neither (the layers an
+    earlier process calibrated are not re-run) and says so."""
     group = current_group()
     settings: LayerwiseSettings = plan.layerwise
     root = settings.checkpoint_dir
@@ -125,13 +122,35 @@ def run_layerwise(plan: RunPlan, batches: list[torch.Tensor], *, progress: bool 
         root = Path(tempfile.mkdtemp(prefix=f".{Path(plan.export_path).name}.layerwise-", dir=parent))
     try:
         with held(Path(root), group.rank):
-            return _run(plan, batches, settings, Path(root), group, progress, say)
+            return _run(plan, batches, held_out, report, settings, Path(root), group, progress, say)
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _run(plan: RunPlan, batches, settings: LayerwiseSettings, root: Path, group, progress: bool, say) -> Path:
+@dataclass
+class _Layers:
+    """One layerwise run's parts, as every layer's step uses them."""
+
+    plan: RunPlan
+    model: nn.Module
+    loader: LayerwiseLoad
+    replay: LayerReplay
+    exporter: ExportInParts
+    work: RankDir
+    qplan: object
+    batches: list[torch.Tensor]
+    settings: LayerwiseSettings
+    limit: int
+    outside: LoadScope
+    result: LayerwiseResult
+    heldout: HeldOutStreams | None = None
+    say: object = print
+    outside_reads: tuple[dict, dict] = ({}, {})  # the source reads outside the layers, for the "rest" record
+
+
+def _run(plan: RunPlan, batches, held_out, report: bool, settings: LayerwiseSettings, root: Path, group,
+         progress: bool, say) -> LayerwiseResult:
     loader = LayerwiseLoad(plan, progress=progress, hash_reads=settings.checkpoint_dir is not None)
     outside_reads = loader.take_reads()  # read at every start: the "rest" record keeps the ones it was written from
     model, layers = loader.model, loader.layers
@@ -152,22 +171,43 @@ def _run(plan: RunPlan, batches, settings: LayerwiseSettings, root: Path, group,
     attach_quantizers(model, qplan, within=outside.holds)
     replay = LayerReplay(model, layers, device)
     limit = int(os.environ.get(CACHE_LIMIT_ENV, DEFAULT_CACHE_LIMIT_MIB)) * 2**20
+    result = LayerwiseResult(plan.export_path, model, resumed_at=done, weights=_no_rows() if report and not done
+                             else None)
+    run = _Layers(plan, model, loader, replay, exporter, work, qplan, batches, settings, limit, outside, result,
+                  say=say, outside_reads=outside_reads)
     try:
         for record in work.state.layers:
             replay.metas[record.index] = record.output_meta
             loader.skip_layer(layers[record.index])
         if done < len(layers):
             cache = _first_inputs(replay, batches, work, done, limit)
+            if held_out and not done:
+                run.heldout = HeldOutStreams(model, replay, held_out, work.path, limit)
+                run.heldout.capture_first()
             for i in range(done, len(layers)):
-                cache = _calibrate_layer(i, plan, model, loader, replay, exporter, work, qplan, batches, cache,
-                                         settings, limit, outside, progress, outside_reads)
+                cache = _calibrate_layer(i, run, cache, progress)
                 say(f"[modelopt_k3] layerwise: layer {i + 1}/{len(layers)} done")
     finally:
         replay.restore()
     loader.finish()
     work.verify()  # nothing reaches the export that does not match what was committed
     parts = [(work.path, r.weight_map, r.nbytes) for r in work.records()]
-    return exporter.publish(parts, overwrite=plan.config.overwrite)
+    result.export = exporter.publish(parts, overwrite=plan.config.overwrite)
+    if run.heldout is not None:
+        result.fidelity = run.heldout.result()
+    return result
+
+
+def _no_rows() -> dict[str, list]:
+    return {"dense": [], "experts": []}
+
+
+def _add_rows(result: LayerwiseResult, model: nn.Module, within) -> None:
+    """The report's weight rows of the modules ``within`` holds, taken while their weights are resident."""
+    if result.weights is not None:
+        rows = weight_summary(model, within)
+        for kind in ("dense", "experts"):
+            result.weights[kind] += rows[kind]
 
 
 def _agree_on_done(done: int, group) -> int:
@@ -196,23 +236,21 @@ def _first_inputs(replay: LayerReplay, batches, work: RankDir, done: int, limit:
     return cache
 
 
-def _calibrate_layer(i: int, plan: RunPlan, model: nn.Module, loader: LayerwiseLoad, replay: LayerReplay,
-                     exporter: ExportInParts, work: RankDir, qplan, batches, cache: InputCache,
-                     settings: LayerwiseSettings, limit: int, outside: LoadScope, progress: bool,
-                     outside_reads: tuple[dict, dict]) -> InputCache:
+def _calibrate_layer(i: int, run: _Layers, cache: InputCache, progress: bool) -> InputCache:
+    loader, model, replay, work, settings = run.loader, run.model, run.replay, run.work, run.settings
     name = loader.layers[i]
     last = i == len(loader.layers) - 1
     layer = model.get_submodule(name)
     loader.read_layer(name)
     reads = loader.take_reads()
     scope = LoadScope((name,))
-    attach_quantizers(model, qplan, within=scope.holds)
+    attach_quantizers(model, run.qplan, within=scope.holds)
     replay.current = i
-    next_cache = InputCache(work.path, limit, f"{i + 1:05d}")
+    next_cache = InputCache(work.path, run.limit, f"{i + 1:05d}")
 
     def replay_all(into: InputCache | None) -> None:
-        replay.capture = into is not None
-        for b, batch in enumerate(batches):
+        replay.current, replay.capture = i, into is not None
+        for b, batch in enumerate(run.batches):
             out = replay.step(batch, cache[b])
             if into is not None:
                 into.append(out)
@@ -224,21 +262,24 @@ def _calibrate_layer(i: int, plan: RunPlan, model: nn.Module, loader: LayerwiseL
         replay_all(next_cache if first else None)
 
     prefix = f"{name}."
-    _calibrate_scope(qplan, layer, forward_loop,
-                     lambda m: m[len(prefix):] if m.startswith(prefix) else None, lambda q: prefix + q)
+    calibrate_scope(run.qplan, layer, forward_loop, rename=lambda m: m[len(prefix):] if m.startswith(prefix) else None,
+                    original=lambda q: prefix + q)
     if not last and len(next_cache) == 0:  # quantized propagation, or no pass needed data
         if settings.qdq_inputs:
             replay_all(next_cache)
         else:
-            with _modes(layer, "off"):
+            with quantizer_modes(layer, "off"):
                 replay_all(next_cache)
     rest = None
     if last:
-        rest = _calibrate_outside(plan, model, qplan, outside, replay_all, layer, settings, work, exporter)
-        rest.source, rest.source_files = outside_reads
-    _coverage_guard(plan, model, name)
-    weight_map, nbytes = exporter.write_part(name, work.path, f"layer{i:05d}")
+        rest = _calibrate_outside(run, replay_all, layer)
+        rest.source, rest.source_files = run.outside_reads
+    _guard(run, scope.holds)
+    weight_map, nbytes = run.exporter.write_part(name, work.path, f"layer{i:05d}")
     record = LayerRecord(i, weight_map, nbytes, replay.metas[i], source=reads[0], source_files=reads[1])
+    _add_rows(run.result, model, scope.holds)  # after the write, as a resident report reads the exported model
+    if run.heldout is not None:
+        run.heldout.advance(i)
     _free_quantizer_copies(layer)
     release_decode_workspaces(m for n, m in loader.info.spec.experts_modules(model).items() if scope.holds(n))
     loader.release_layer(name)
@@ -248,18 +289,10 @@ def _calibrate_layer(i: int, plan: RunPlan, model: nn.Module, loader: LayerwiseL
     return next_cache
 
 
-def _calibrate_scope(qplan, module: nn.Module, forward_loop, rename_member, original_name) -> None:
-    """The recipe's calibrator on ``module`` alone; its labels under the model's names."""
-    calibrator = calibrator_for(qplan.recipe.algorithm)
-    calibrator.calibrate(module, forward_loop, _scoped_groups(qplan.table.groups, rename_member))
-    qplan.calibration.update({original_name(k): v for k, v in calibrator.labels.items()})
-    qplan.weight_algorithms.update({original_name(k): v for k, v in calibrator.weight_algorithms.items()})
-
-
-def _calibrate_outside(plan, model, qplan, outside: LoadScope, replay_all, last_layer: nn.Module,
-                       settings: LayerwiseSettings, work: RankDir, exporter: ExportInParts) -> LayerRecord:
+def _calibrate_outside(run: _Layers, replay_all, last_layer: nn.Module) -> LayerRecord:
     """With the last layer: the quantized modules outside the decoder layers (e.g. a quantized ``lm_head``)
     calibrate on the forward's tail, then everything outside the layers is written (the "rest" part)."""
+    model, qplan, outside = run.model, run.qplan, run.outside
     modules = dict(model.named_modules())
     quantized = {n: modules[n] for n in (*qplan.dense, *qplan.experts) if outside.holds(n)}
     if quantized:
@@ -270,22 +303,22 @@ def _calibrate_outside(plan, model, qplan, outside: LoadScope, replay_all, last_
             return f"parts.{m.replace('.', ':')}" if m.replace(".", ":") in members else None
 
         def forward_loop(_module: nn.Module) -> None:
-            if settings.qdq_inputs:
+            if run.settings.qdq_inputs:
                 replay_all(None)
             else:
-                with _modes(last_layer, "off"):
+                with quantizer_modes(last_layer, "off"):
                     replay_all(None)
 
-        _calibrate_scope(qplan, scope, forward_loop, rename, _Scope.original)
-    weight_map, nbytes = exporter.write_outside(outside.outside, work.path, "model")
+        calibrate_scope(qplan, scope, forward_loop, rename=rename, original=_Scope.original)
+    _guard(run, outside.holds)
+    weight_map, nbytes = run.exporter.write_outside(outside.outside, run.work.path, "model")
+    _add_rows(run.result, model, outside.holds)
     return LayerRecord(-1, weight_map, nbytes, {})
 
 
-def _coverage_guard(plan: RunPlan, model: nn.Module, layer: str) -> None:
-    """``--min_expert_tokens``/``--uncovered_experts`` for this layer's experts, before it is written."""
-    coverage = [c for c in expert_coverage(model, model.modelopt_k3.spec)
-                if is_under(c.module, layer)]
-    for note in check_coverage(coverage, min_tokens=plan.config.min_expert_tokens,
-                               policy=plan.config.uncovered_experts):
-        if current_group().is_main:
-            print(f"[modelopt_k3] uncovered experts: {note}")
+def _guard(run: _Layers, within) -> None:
+    """The one coverage guard (``--min_expert_tokens``/``--uncovered_experts``) on the experts ``within`` holds,
+    before they are written; their coverage kept for the report."""
+    config = run.plan.config
+    run.result.coverage += guard_coverage(run.model, run.model.modelopt_k3.spec, min_tokens=config.min_expert_tokens,
+                                          policy=config.uncovered_experts, within=within, say=run.say)

@@ -86,6 +86,8 @@ class LayerReplay:
         self.capture = True
         self._inputs: Captured | None = None
         self._captured: Captured | None = None
+        self.output: torch.Tensor | None = None  # the last step's output of layer ``current`` (its first tensor)
+        self.result: Any = None  # the last step's model output (its logits), when the forward ran to the end
         self._originals = [m.forward for m in self.modules]
         for i, module in enumerate(self.modules):
             module.forward = self._patched(i)
@@ -106,6 +108,7 @@ class LayerReplay:
                 args, kwargs = self._inputs.call_args(self.device)
                 out = original(*args, **kwargs)
                 self.metas[i] = output_meta(out)
+                self.output = out[0] if isinstance(out, tuple) else out
                 if not self.capture and i + 1 < len(self.modules):
                     raise StopForward  # nothing to capture: the layers after it are not needed
                 return out
@@ -120,10 +123,11 @@ class LayerReplay:
     @torch.no_grad()
     def step(self, batch: torch.Tensor, inputs: Captured | None) -> Captured | None:
         """One forward of ``batch`` with layer ``current`` run on ``inputs``; returns the next layer's
-        arguments (when capturing and a next layer exists)."""
-        self._inputs, self._captured = inputs, None
+        arguments (when capturing and a next layer exists). ``output`` then holds the layer's output, and
+        ``result`` the model's output when the forward ran to its end (the last layer), else None."""
+        self._inputs, self._captured, self.output, self.result = inputs, None, None, None
         try:
-            self.model(input_ids=batch.to(self.device), use_cache=False)
+            self.result = self.model(input_ids=batch.to(self.device), use_cache=False)
         except StopForward:
             pass
         finally:

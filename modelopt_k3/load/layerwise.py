@@ -1,7 +1,8 @@
 """``LayerwiseLoad``: a planned load one decoder layer at a time (``--layerwise``; ``modelopt_k3.layerwise`` drives it).
 
-It is the resident load's pieces (``pretrained``: the placed model on meta, this rank's reads, the read log)
-applied to one ``LoadScope`` at a time, plus the release of a layer's tensors back to meta after its export.
+It is the resident load with another residency: the same ``pretrained.build_planned`` (the placed model on
+meta, checked against the headers) and ``read_scope`` (this rank's reads, the read log), applied to one
+``LoadScope`` at a time, plus the release of a layer's tensors back to meta after its export.
 """
 
 from __future__ import annotations
@@ -11,31 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..checkpoint import CheckpointError
 from ..checkpoint.reader import parse_read
 from ..checkpoint.source_decode import decoded_dense
-from ..dist.collectives import run_together
-from ..dist.group import current_group
 from ..files.paths import stat_identity
 from ..spec.names import enclosing, under_any
-from .pretrained import (
-    LoadError,
-    LoadInfo,
-    LoadScope,
-    _build_placed_on_meta,
-    _fill_own,
-    _names,
-    _planned_source,
-    _prepare,
-    _record_reads,
-    _register_dispatch,
-    carried_fields,
-    materialize,
-    persistent_tensors,
-    tie_as_stored,
-)
+from .pretrained import LoadScope, build_planned, materialize, read_scope, tie_as_stored
 
 if TYPE_CHECKING:
     from ..run.plan import RunPlan
@@ -64,43 +47,34 @@ class LayerwiseLoad:
     """
 
     def __init__(self, run: RunPlan, *, progress: bool = True, hash_reads: bool = False) -> None:
-        group = current_group()
         why = run.distribution.layerwise_refusal()
         if why is not None:
             raise ValueError(why)
-        src = run_together("load: check the checkpoint", _planned_source, run, group=group)
-        plan = run.distribution
-        _register_dispatch(plan)
-        placement = plan.build_placement()
-        self._converters = _prepare(src, run.checkpoint, plan)
-        model = _build_placed_on_meta(src, plan, placement, run.dtype, group)
-        self.model, self.reader, self.progress = model, src.reader, progress
+        self.build = build = build_planned(run)
+        model, reader, info = build.model, build.reader, build.info
+        self.model, self.reader, self.info, self.progress = model, reader, info, progress
         self.checkpoint = Path(run.checkpoint)
         # The source's content identity for a resumable run (``take_reads``): taken before any byte is read.
-        self._identity = {f: stat_identity(self.checkpoint / f) for f in src.reader.files} if hash_reads else {}
+        self._identity = {f: stat_identity(self.checkpoint / f) for f in reader.files} if hash_reads else {}
         if hash_reads:
-            src.reader.log.hashes = {}
-        self.layers = list(src.spec.decoder_layers(model))
+            reader.log.hashes = {}
+        self.layers = list(info.spec.decoder_layers(model))
         if not self.layers:
-            raise ValueError(f"model_type {src.spec.model_type} names no decoder layers (ReportSpec.decoder_layer_regex)")
-        carried = src.layout.carried_keys  # modules the model does not build (MTP layers): the export writes them
-        read = [k for k in src.reader.names() if k not in carried]
+            raise ValueError(f"model_type {info.spec.model_type} names no decoder layers (ReportSpec.decoder_layer_regex)")
+        carried = info.carried_keys  # modules the model does not build (MTP layers): the export writes them
+        read = [k for k in reader.names() if k not in carried]
         self._keys = keys_by_layer(read, self.layers)
         self._consumed: set[str] = set(carried)
         self._allow_nonfinite = run.config.allow_nonfinite_passthrough
-        self.info = LoadInfo(checkpoint=run.checkpoint, spec=src.spec, plan=plan, placement=placement,
-                             model_cls=src.model_cls, packed_experts=src.layout.packed_experts, _source=src.reader,
-                             **carried_fields(src.layout, src.reader, src.spec, self._converters, src.config,
-                                              run.dtype))
         # Every dense name a source format decodes, from the headers, before any layer is read: the export's
         # items (``ExportInParts``) are listed up front and must write those from the model, not copy the keys.
-        self.info.decoded_dense.update(decoded_dense(src.reader, src.spec.loading.dense_converters, read))
+        info.decoded_dense.update(decoded_dense(reader, info.spec.loading.dense_converters, read))
         outside = LoadScope(("",), tuple(self.layers), self._keys[None])
-        materialize(model, plan.device, outside)
-        tie_as_stored(model, src.reader)
+        materialize(model, info.plan.device, outside)
+        tie_as_stored(model, reader)
         self._read(outside, "outside the decoder layers")
         model.eval()
-        model.modelopt_k3 = self.info
+        model.modelopt_k3 = info
 
     def read_layer(self, name: str) -> None:
         scope = LoadScope((name,), keys=self._keys[name])
@@ -143,19 +117,11 @@ class LayerwiseLoad:
         return None
 
     def finish(self) -> None:
-        unexpected = set(self.reader.names()) - self._consumed
-        if unexpected:
-            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
+        self.build.refuse_unconsumed(self._consumed)
 
     def _read(self, scope: LoadScope, what: str) -> None:
-        run_together(f"load {what}", self._read_scope, scope, what, group=current_group())
-
-    def _read_scope(self, scope: LoadScope, what: str) -> None:
-        reader, model = self.reader, self.model
-        tensors = [n for n in persistent_tensors(model) if scope.holds(n)]
-        with reader, tqdm(total=len(tensors), desc=f"load {what}", disable=not self.progress, leave=False) as bar:
-            self._consumed |= _fill_own(model, reader, self._converters, self.info, bar, scope)
-        _record_reads(self.info, reader, self._allow_nonfinite, scope.keys)
+        self._consumed |= read_scope(self.build, scope, allow_nonfinite_passthrough=self._allow_nonfinite,
+                                     progress=self.progress, what=what)
 
 
 def is_quantizer_state(module: nn.Module) -> bool:

@@ -553,35 +553,89 @@ def load_pretrained(
                             experts_implementation=experts_implementation, dense=dense)
     the_plan = _decide_residency(experts, packed_source=src.layout.packed_experts, plan=the_plan, path=path,
                                  dtype=dtype, decode_chunk=decode_chunk)
-    return _load_with_plan(path, src, the_plan, dtype, group, progress, allow_nonfinite_passthrough)
+    return _load_whole(_build(path, src, the_plan, dtype, group), progress, allow_nonfinite_passthrough)
 
 
 def load_planned(run: RunPlan, *, progress: bool = True) -> nn.Module:
     """``load_pretrained`` of a run the preflight planned (``RunPlan``, hf_ptq): its spec, its one reader of
     the source (headers read once), the experts' source layout and the distribution plan with its residency
-    and decode chunk are taken as decided; only the model class is resolved here."""
+    and decode chunk are taken as decided; only the model class is resolved here. The resident residency of
+    ``build_planned`` + ``read_scope``: everything materialised, then read at once."""
+    return _load_whole(build_planned(run), progress, run.config.allow_nonfinite_passthrough)
+
+
+@dataclass
+class PlacedBuild:
+    """A planned load up to its reads (stages 1-4): the placed model on meta, checked against the headers, with
+    the reader, the spec's converters and the ``LoadInfo`` the reads fill. The one load path: a resident load
+    materialises it all and reads everything (``load_planned``); a layerwise one (``LayerwiseLoad``) reads one
+    ``LoadScope`` at a time (``read_scope``)."""
+
+    model: nn.Module
+    reader: CheckpointReader
+    converters: list
+    info: LoadInfo
+    group: object  # the run's process group (``dist.group``): the reads are agreed steps over it
+
+    def refuse_unconsumed(self, consumed: set[str]) -> None:
+        """Source tensors no read consumed (carried modules aside: the export writes them) are refused."""
+        unexpected = set(self.reader.names()) - consumed - self.info.carried_keys
+        if unexpected:
+            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
+
+
+def build_planned(run: RunPlan) -> PlacedBuild:
+    """Stages 1-4 of a run the preflight planned: the model class, the transformers dispatch, placement, the
+    spec's prepare, the placed model on meta (nothing read, nothing materialised)."""
     group = current_group()
     src = run_together("load: check the checkpoint", _planned_source, run, group=group)
-    dtype = run.dtype  # decided by the preflight, with the distribution plan
     _register_dispatch(run.distribution)
-    return _load_with_plan(run.checkpoint, src, run.distribution, dtype, group, progress,
-                           run.config.allow_nonfinite_passthrough)
+    return _build(run.checkpoint, src, run.distribution, run.dtype, group)
 
 
-def _load_with_plan(path: Path, src: _Source, the_plan: DistributionPlan, dtype: torch.dtype, group,
-                    progress: bool, allow_nonfinite_passthrough: bool) -> nn.Module:
-    """Stages 3-5 for a decided plan: placement, prepare, the placed model, this rank's tensors."""
+def read_scope(build: PlacedBuild, scope: LoadScope | None, *, allow_nonfinite_passthrough: bool,
+               progress: bool = True, what: str | None = None) -> set[str]:
+    """Fill this rank's tensors of ``scope`` (materialised; None: the whole model, whose leftovers are then
+    refused) from the checkpoint and record the reads; every rank agrees on the outcome. Returns the source
+    keys consumed."""
+    what = what or f"rank {build.info.plan.rank}"
+    return run_together(f"load {what}" if scope is not None else "load checkpoint", _read_scope, build, scope,
+                        allow_nonfinite_passthrough, progress, what, group=build.group)
+
+
+def _read_scope(build: PlacedBuild, scope: LoadScope | None, allow_nonfinite_passthrough: bool, progress: bool,
+                what: str) -> set[str]:
+    model, reader, info = build.model, build.reader, build.info
+    total = len([n for n in persistent_tensors(model) if scope is None or scope.holds(n)])
+    with reader:
+        with tqdm(total=total, desc=f"load {what}", disable=not progress, leave=False) as bar:
+            consumed = _fill_own(model, reader, build.converters, info, bar, scope)
+        if scope is None:
+            build.refuse_unconsumed(consumed)
+        _record_reads(info, reader, allow_nonfinite_passthrough, None if scope is None else scope.keys)
+    return consumed
+
+
+def _build(path: Path, src: _Source, the_plan: DistributionPlan, dtype: torch.dtype, group) -> PlacedBuild:
+    """Stages 3-4 for a decided plan: placement, prepare, the placed model on meta, its ``LoadInfo``."""
     placement = the_plan.build_placement()  # the run's mesh and expert placement: built here, passed on
     converters = _prepare(src, path, the_plan)
-    model = _build_placed_model(src, the_plan, placement, dtype, group)
+    model = _build_placed_on_meta(src, the_plan, placement, dtype, group)
     info = LoadInfo(checkpoint=path, spec=src.spec, plan=the_plan, placement=placement, model_cls=src.model_cls,
                     packed_experts=src.layout.packed_experts, _source=src.reader,
                     **carried_fields(src.layout, src.reader, src.spec, converters, src.config, dtype))
+    return PlacedBuild(model, src.reader, converters, info, group)
+
+
+def _load_whole(build: PlacedBuild, progress: bool, allow_nonfinite_passthrough: bool) -> nn.Module:
+    """Stage 5, resident: the whole placed model materialised on the plan's device, this rank's tensors read."""
+    model, info = build.model, build.info
+    materialize(model, info.plan.device)
+    tie_as_stored(model, build.reader)
     # A rank whose own tensors are missing or wrong makes every rank fail here, naming it, instead of
     # its peers waiting in the first all-to-all until the timeout.
-    run_together("load checkpoint", _read_own_tensors, model, src.reader, converters, info, progress,
-                 allow_nonfinite_passthrough, group=group)
-    if the_plan.fsdp_sharded:
+    read_scope(build, None, allow_nonfinite_passthrough=allow_nonfinite_passthrough, progress=progress)
+    if info.plan.fsdp_sharded:
         check_partition(model)  # every element of every sharded parameter held (and so filled) by one rank
     model.eval()
     model.modelopt_k3 = info
@@ -670,16 +724,6 @@ def _prepare(src: _Source, path: Path, plan: DistributionPlan) -> list:
     return src.spec.loading.converters(ctx)
 
 
-def _build_placed_model(
-    src: _Source, plan: DistributionPlan, placement: Placement, dtype: torch.dtype, group
-) -> nn.Module:
-    """Stage 4: ``_build_placed_on_meta``, materialised empty on the plan's device."""
-    model = _build_placed_on_meta(src, plan, placement, dtype, group)
-    materialize(model, plan.device)
-    tie_as_stored(model, src.reader)
-    return model
-
-
 def _build_placed_on_meta(
     src: _Source, plan: DistributionPlan, placement: Placement, dtype: torch.dtype, group
 ) -> nn.Module:
@@ -695,20 +739,6 @@ def _build_placed_on_meta(
         shard_model(model, placement.fsdp_mesh, spec, shard_experts=not plan.expert_parallel)
     set_experts_implementation(model, spec, plan)
     return model
-
-
-def _read_own_tensors(model: nn.Module, reader: CheckpointReader, converters: list, info: LoadInfo,
-                      progress: bool, allow_nonfinite_passthrough: bool) -> None:
-    """Stage 5: fill every parameter and buffer this rank holds from its checkpoint tensor; refuse gaps,
-    leftovers and (unless allowed) non-finite values."""
-    with reader:
-        total = len(persistent_tensors(model))
-        with tqdm(total=total, desc=f"load rank {info.plan.rank}", disable=not progress, leave=False) as bar:
-            consumed = _fill_own(model, reader, converters, info, bar)
-        unexpected = set(reader.names()) - consumed - info.carried_keys  # carried: the export writes them
-        if unexpected:
-            raise LoadError(f"checkpoint tensors the model has no place for: {_names(unexpected)}")
-        _record_reads(info, reader, allow_nonfinite_passthrough)
 
 
 def _fill_own(model: nn.Module, reader: CheckpointReader, converters: list, info: LoadInfo, bar: tqdm,

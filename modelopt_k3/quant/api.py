@@ -225,6 +225,35 @@ def _use_block_fp8_source(model: nn.Module, qplan: QuantPlan, name: str, module:
     qplan.source_labels[name] = label
 
 
+def scoped_groups(groups: dict[str, tuple[str, ...]],
+                  rename: Callable[[str], str | None]) -> dict[str, tuple[str, ...]]:
+    """Shared-input groups whose members all lie in a scope (``rename``: a member's name in the scope, None
+    outside it), named as the scope names them."""
+    out = {}
+    for g, members in groups.items():
+        names = [rename(m) for m in members]
+        if all(n is not None for n in names):
+            out[g] = tuple(names)
+    return out
+
+
+def calibrate_scope(qplan: QuantPlan, module: nn.Module, forward_loop: Callable[[nn.Module], None] | None, *,
+                    calibrator=None, rename: Callable[[str], str | None] | None = None,
+                    original: Callable[[str], str] | None = None) -> None:
+    """Calibrate-and-record, the one step ``quantize`` (the whole model) and a layerwise run (one layer, or the
+    modules outside the layers) share: the recipe's calibrator on ``module`` with the shared-input groups
+    inside it, then its labels and weight algorithms recorded in ``qplan`` under the model's names.
+
+    ``rename``: a model name -> its name inside ``module`` (None: outside); ``original``: the reverse, for
+    the calibrator's labels. Both default to the identity (``module`` is the model)."""
+    calibrator = calibrator or calibrator_for(qplan.recipe.algorithm)
+    groups = qplan.table.groups if rename is None else scoped_groups(qplan.table.groups, rename)
+    calibrator.calibrate(module, forward_loop, groups)
+    original = original or (lambda name: name)
+    qplan.calibration.update({original(k): v for k, v in calibrator.labels.items()})
+    qplan.weight_algorithms.update({original(k): v for k, v in calibrator.weight_algorithms.items()})
+
+
 def quantize(
     model: nn.Module,
     recipe: Recipe | str,
@@ -243,9 +272,7 @@ def quantize(
     qplan = start_quantization(model, recipe, table)
     calibrator = calibrator_for(qplan.recipe.algorithm)  # its options checked before any quantizer is attached
     attach_quantizers(model, qplan)
-    calibrator.calibrate(model, forward_loop, qplan.table.groups)
-    qplan.calibration = calibrator.labels
-    qplan.weight_algorithms = calibrator.weight_algorithms
+    calibrate_scope(qplan, model, forward_loop, calibrator=calibrator)
     model.modelopt_k3_quant = qplan
     if verbose and model.modelopt_k3.plan.rank == 0:
         print(qplan.summary())

@@ -20,6 +20,7 @@ tokens routed to its other experts. The guard (``check_coverage``) turns that in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,10 +104,12 @@ def scale_dependence(state: ExpertsQuantState) -> dict[str, dict[str, str]]:
     return out
 
 
-def expert_coverage(model: nn.Module, spec) -> list[LayerCoverage]:
-    """Every MoE layer's coverage, totals summed over ranks (one all-reduce; call on every rank). Layers no
-    calibration forward was counted in (a recipe whose expert inputs need no data) are left out."""
-    layers = [(name, m) for name, m in spec.experts_modules(model).items() if hasattr(m, "token_counter")]
+def expert_coverage(model: nn.Module, spec, within: Callable[[str], bool] | None = None) -> list[LayerCoverage]:
+    """Every MoE layer's coverage (of the experts modules ``within`` holds, default all), totals summed over
+    ranks (one all-reduce; call on every rank). Layers no calibration forward was counted in (a recipe whose
+    expert inputs need no data) are left out."""
+    layers = [(name, m) for name, m in spec.experts_modules(model).items()
+              if hasattr(m, "token_counter") and (within is None or within(name))]
     if not layers:
         return []
     group = current_group()
@@ -180,3 +183,16 @@ def check_coverage(coverage: list[LayerCoverage], *, min_tokens: int, policy: st
             "scale) or calibrate_all (every expert sees every token)"
         )
     return notes
+
+
+def guard_coverage(model: nn.Module, spec, *, min_tokens: int, policy: str,
+                   within: Callable[[str], bool] | None = None, say=print) -> list[LayerCoverage]:
+    """``--min_expert_tokens``/``--uncovered_experts`` before an export is written: the coverage of the experts
+    ``within`` holds (a resident run: all, once; a layerwise run: one layer's, before that layer is written),
+    refused (``CoverageError``) or noted through ``say``; returns the coverage for the report. Counters count
+    only calibration forwards, so a layer's counts are final once it calibrated: the layerwise lists, in layer
+    order, are the resident list."""
+    coverage = expert_coverage(model, spec, within)
+    for note in check_coverage(coverage, min_tokens=min_tokens, policy=policy):
+        say(f"[modelopt_k3] uncovered experts: {note}")
+    return coverage

@@ -49,14 +49,43 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+class FidelitySums:
+    """The held-out sums of one run, added batch by batch in one order whoever drives the forwards (the
+    resident ``evaluate_fidelity`` or a layerwise run streaming each layer): per layer, its batches' hidden
+    error sums in batch order; the logits' KL/top-1 sums in batch order. Same order, same float64 sums,
+    so a layerwise run's figures equal the resident run's bit for bit when the layer outputs do."""
+
+    def __init__(self, layers: list[str], device: torch.device) -> None:
+        self.layers, self.device = layers, device
+        self.hidden = torch.zeros(len(layers), 2, dtype=torch.float64, device=device)
+        self.final = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def add_layer(self, index: int, reference: torch.Tensor, quantized: torch.Tensor) -> None:
+        """One batch's output of decoder layer ``index``: the original pass's and the quantized pass's."""
+        self.hidden[index] += hidden_error_sums(reference, quantized).to(self.device)
+
+    def add_logits(self, reference: torch.Tensor, quantized: torch.Tensor) -> None:
+        self.final += kl_and_top1(reference, quantized).to(self.device)
+
+    def result(self) -> Fidelity:
+        """Sums over every rank's tokens (one all-reduce: call on every rank)."""
+        group = current_group()
+        both = torch.cat([self.hidden.reshape(-1), self.final])
+        if group.world_size > 1:
+            dist.all_reduce(both, group=group.pg)  # a sum over ranks' tokens
+        both = both.cpu().tolist()
+        n = len(self.layers)
+        pairs = [(both[2 * i], both[2 * i + 1]) for i in range(n)]
+        kl_sum, agree, tokens = both[2 * n:]
+        return Fidelity(list(self.layers), pairs, kl_sum, agree, tokens)
+
+
 @torch.no_grad()
 def evaluate_fidelity(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> Fidelity:
     """Hidden-state error per decoder layer, KL and top-1 agreement of quantized vs original on ``batches``."""
     layers = model.modelopt_k3.spec.decoder_layers(model)
-    names = list(layers)
-    index = {name: i for i, name in enumerate(names)}
-    hidden = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
-    final = torch.zeros(3, dtype=torch.float64, device=device)
+    index = {name: i for i, name in enumerate(layers)}
+    sums = FidelitySums(list(layers), device)
     reference: dict[str, torch.Tensor] = {}
     phase = {"quant": False}
 
@@ -66,7 +95,7 @@ def evaluate_fidelity(model: nn.Module, batches: list[torch.Tensor], device: tor
             if not phase["quant"]:
                 reference[name] = out.detach().clone()
             else:
-                hidden[index[name]] += hidden_error_sums(reference.pop(name), out).to(device)
+                sums.add_layer(index[name], reference.pop(name), out)
 
         return record
 
@@ -83,7 +112,7 @@ def evaluate_fidelity(model: nn.Module, batches: list[torch.Tensor], device: tor
             held_out_counting(model, True)
             quant = model(input_ids=ids, use_cache=False).logits
             held_out_counting(model, False)
-            final += kl_and_top1(ref, quant).to(device)
+            sums.add_logits(ref, quant)
             reference.clear()
     finally:
         held_out_counting(model, False)
@@ -91,14 +120,7 @@ def evaluate_fidelity(model: nn.Module, batches: list[torch.Tensor], device: tor
             h.remove()
         for name, q in iter_quantizers(model):
             q.mode = modes[name]
-    group = current_group()
-    both = torch.cat([hidden.reshape(-1), final])
-    if group.world_size > 1:
-        dist.all_reduce(both, group=group.pg)  # a sum over ranks' tokens
-    both = both.cpu().tolist()
-    pairs = [(both[2 * i], both[2 * i + 1]) for i in range(len(names))]
-    kl_sum, agree, tokens = both[2 * len(names):]
-    return Fidelity(names, pairs, kl_sum, agree, tokens)
+    return sums.result()
 
 
 def kl_to_unquantized(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:

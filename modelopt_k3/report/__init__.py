@@ -30,13 +30,17 @@ def report(
     min_expert_tokens: int = 1,
     uncovered_experts: str = "refuse",
     run: dict[str, Any] | None = None,
+    weights: dict[str, list] | None = None,
 ) -> dict[str, Any] | None:
     """Build the report of a quantized ``model`` and (rank 0) write it into ``out_dir``.
 
     Call on every rank (it gathers). ``held_out``: this rank's held-out batches of token ids, for the
     per-layer hidden-state error, KL and top-1 agreement (two forwards per batch); or ``fidelity``, an
     ``evaluate_fidelity`` result already computed (hf_ptq shares the ``--eval_kl`` pass). ``coverage``:
-    ``expert_coverage``'s result when already computed. ``out_dir`` None: only return the data.
+    ``expert_coverage``'s result when already computed. ``weights``: this rank's ``collect.weight_summary``
+    rows when already taken (a layerwise run takes them layer by layer, before releasing each; with
+    ``fidelity`` and ``coverage`` from its streamed passes, nothing here reads a weight or runs a forward).
+    ``out_dir`` None: only return the data.
     Returns the report's data on rank 0, None on the other ranks.
     """
     from ..dist.group import current_group
@@ -51,7 +55,7 @@ def report(
         coverage = expert_coverage(model, info.spec)
     # Weights first: under FSDP2 a fake-quant forward leaves MXFP4-sourced experts' scales unusable for
     # indexing by module row (seen in the fsdp2 hf_ptq test; not root-caused), so nothing reads them after it.
-    summary = collect.rank_summary(model)
+    summary = collect.rank_summary(model, weights)
     if fidelity is None and held_out:
         fidelity = evaluate_fidelity(model, held_out, info.plan.device)
     summary["activations"] = collect.activation_counts(model)  # with the held-out pass's counts

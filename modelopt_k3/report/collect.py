@@ -10,7 +10,7 @@ Rank 0 merges them in name and expert order, so the result does not depend on th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,13 +46,17 @@ def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[
             "weight_scale": None if scale is None else float(scale)}
 
 
-def dense_rows(model: nn.Module) -> list[dict[str, Any]]:
-    """This rank's share of the quantized dense Linears (collective under FSDP2: every rank joins every gather)."""
+def dense_rows(model: nn.Module, within: Callable[[str], bool] | None = None) -> list[dict[str, Any]]:
+    """This rank's share of the quantized dense Linears (of those ``within`` holds, default all; collective under
+    FSDP2: every rank joins every gather). The owner is the Linear's place among *all* of them, so a layerwise
+    run's rows, taken layer by layer, are the rows each rank takes at once in a resident run."""
     qplan = model.modelopt_k3_quant
     group = current_group()
     modules = dict(model.named_modules())
     rows = []
     for i, name in enumerate(sorted(qplan.dense)):
+        if within is not None and not within(name):
+            continue
         owner = i % group.world_size
         weight = gather_to_owner(modules[name].weight, owner)
         if owner == group.rank:
@@ -146,8 +150,10 @@ def weight_algorithm(qplan, quantizer_name: str) -> str | None:
     return qplan.weight_algorithms.get(quantizer_name)
 
 
-def rank_summary(model: nn.Module) -> dict[str, Any]:
-    """What this rank contributes to the report (call on every rank: dense rows may gather under FSDP2)."""
+def weight_summary(model: nn.Module, within: Callable[[str], bool] | None = None) -> dict[str, list]:
+    """This rank's weight rows (``dense``, ``experts``) of the quantized modules ``within`` holds (default all):
+    what needs the weights resident. A layerwise run takes them per layer, before the layer is released, and
+    hands their concatenation to ``report`` (the merge sorts by name and expert, so the order does not matter)."""
     info, qplan = model.modelopt_k3, model.modelopt_k3_quant
     spec = info.spec
     experts = []
@@ -155,13 +161,23 @@ def rank_summary(model: nn.Module) -> dict[str, Any]:
         modules = spec.experts_modules(model)
         fused = {p.name: p.fused_param for p in spec.experts.projections}
         for name, projs in sorted(qplan.experts.items()):
+            if within is not None and not within(name):
+                continue
             for row in expert_rows(name, modules[name], spec, projs):
                 row["calibration"] = calibration_label(qplan, f"{name}.{fused[row['projection']]}")
                 row["weight_algorithm"] = weight_algorithm(qplan, f"{name}.{fused[row['projection']]}")
                 experts.append(row)
+    return {"dense": dense_rows(model, within), "experts": experts}
+
+
+def rank_summary(model: nn.Module, weights: dict[str, list] | None = None) -> dict[str, Any]:
+    """What this rank contributes to the report (call on every rank: dense rows may gather under FSDP2);
+    ``weights``: ``weight_summary``'s rows already taken (a layerwise run, whose weights are released)."""
+    spec = model.modelopt_k3.spec
+    weights = weight_summary(model) if weights is None else weights
     routed = {name: m.token_counter.routed.tolist() for name, m in spec.experts_modules(model).items()
               if hasattr(m, "token_counter")}
-    return {"rank": current_group().rank, "dense": dense_rows(model), "experts": experts,
+    return {"rank": current_group().rank, "dense": weights["dense"], "experts": weights["experts"],
             "activations": activation_counts(model), "routed": routed}
 
 
@@ -208,4 +224,4 @@ def sum_counts(parts: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return dict(sorted(total.items()))
 
 
-__all__ = ["WEIGHT_FIELDS", "gather_to_main", "input_settings", "merge_experts", "rank_summary", "sum_counts"]
+__all__ = ["WEIGHT_FIELDS", "gather_to_main", "input_settings", "merge_experts", "rank_summary", "sum_counts", "weight_summary"]

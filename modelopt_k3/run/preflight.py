@@ -281,8 +281,8 @@ def _distribution_plan(ctx: PreflightContext) -> None:
 
 def _layerwise(ctx: PreflightContext) -> None:
     """``--layerwise`` (or the recipe's ``algorithm.layerwise``), decided once; refused where a layerwise run
-    cannot do what was asked: FSDP2-sharded layers, the held-out passes (they need the whole model), a resume
-    directory inside the source or the export."""
+    cannot do what was asked: FSDP2-sharded layers, a resume directory inside the source or the export. The
+    held-out passes and the report stream with the layers (``layerwise/heldout.py``)."""
     from ..files.paths import refuse_overlap
     from .plan import layerwise_settings
 
@@ -296,12 +296,6 @@ def _layerwise(ctx: PreflightContext) -> None:
     why = ctx.distribution.layerwise_refusal()
     if why is not None:
         raise PreflightError(why)
-    if cfg.eval_kl or cfg.report_heldout:
-        raise PreflightError("--eval_kl and --report_heldout run the whole model on held-out data, which a "
-                             "--layerwise run never holds; leave them out (the report is not written either)")
-    if cfg.report not in (None, "none"):
-        raise PreflightError("--report: a --layerwise run writes no quantization report yet (its weight statistics "
-                             "need every layer resident); leave --report out")
     ckpt = ctx.layerwise.checkpoint_dir
     if ckpt is not None:
         refuse_overlap(ctx.checkpoint, ckpt, flag="--layerwise_checkpoint_dir")

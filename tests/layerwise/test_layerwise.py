@@ -176,8 +176,6 @@ def test_layerwise_refusals_name_the_flag(stand_ins, tmp_path: Path):
 
     ckpt = stand_ins["kimi_k3"]
     base = ["--pyt_ckpt_path", ckpt, "--trust_remote_code", "--export_path", tmp_path / "out"]
-    with pytest.raises(PreflightError, match="--eval_kl"):
-        ptq(*base, "--layerwise", "--eval_kl", "2")
     with pytest.raises(PreflightError, match="needs --layerwise"):
         ptq(*base, "--layerwise_checkpoint_dir", tmp_path / "ck")
     with pytest.raises(PreflightError, match="overlaps the export path"):

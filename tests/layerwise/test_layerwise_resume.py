@@ -75,6 +75,10 @@ def test_killed_layerwise_run_resumes_and_exports_the_same(model, nproc, tmp_pat
     assert "layerwise: resuming at layer " in out, out[-3000:]
     assert out.count("layerwise: resuming") == 1  # one line, rank 0 only
     assert_same_export(tmp_path / "whole", tmp_path / "resumed")
+    # The report covers every layer or is not written: a resumed run says so (the whole run wrote its own).
+    assert (tmp_path / "whole" / "quant_report" / "report.json").is_file()
+    assert "no quantization report and no held-out evaluation: this run resumed a layerwise checkpoint" in out, out[-3000:]
+    assert not (tmp_path / "resumed" / "quant_report").exists()
 
 
 def test_a_resume_of_another_run_is_refused_naming_what_changed(tmp_path: Path):

@@ -63,7 +63,7 @@ def test_hf_ptq_guard_passes_min_expert_tokens_on(monkeypatch):
     from modelopt_k3.quant import coverage
 
     layer = _layer([5, 2, 8, 7])
-    monkeypatch.setattr(coverage, "expert_coverage", lambda model, spec: [layer])
+    monkeypatch.setattr(coverage, "expert_coverage", lambda model, spec, within=None: [layer])
     model = types.SimpleNamespace(modelopt_k3=types.SimpleNamespace(spec=None))
     said = []
     args = argparse.Namespace(min_expert_tokens=4, uncovered_experts="shared")
