@@ -16,6 +16,12 @@ result is the dequantized weight, whose export with the same scales gives its co
 model's ``X`` (earlier Linears quantized), ``||W X - Ŵ X̃||²`` equals ``(ŵ - w')ᵀ H̃ (ŵ - w')`` plus a constant
 for each row, with ``w' = w + H̃⁻¹ X̃ᵀ (X - X̃) w``: GPTQ on the target ``W'`` with ``X̃``'s Hessian aims at the
 unquantized output (the asymmetric objective of GPTAQ, Li et al. 2025), compensating the inputs' error too.
+
+``nvfp4_gptq_batched`` (ours; llm-compressor 0.14 batches its MoE experts alike): ``E`` same-shape experts in one
+pass, every step a batched tensor op, so the per-column loop runs once for all of them instead of once per expert.
+Each expert's result equals ``nvfp4_gptq``'s on it bit for bit (tests/numerics/test_gptq_batched.py): the batched
+steps are elementwise, or per-matrix LAPACK/BLAS calls that PyTorch's CPU backend makes matrix by matrix, and the
+one reduction (``mean(diag H)``) runs on a contiguous copy of each diagonal as ``torch.diag`` gives it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from torch import Tensor
 from .constants import NVFP4_BLOCK
 from .e2m1 import _e2m1_keys, _table
 
-__all__ = ["asymmetric_target", "gptq_hessian_inverse", "nvfp4_gptq"]
+__all__ = [
+    "asymmetric_target",
+    "gptq_batch_bytes",
+    "gptq_hessian_inverse",
+    "gptq_hessian_inverse_batched",
+    "nvfp4_gptq",
+    "nvfp4_gptq_batched",
+]
 
 
 def gptq_hessian_inverse(hessian: Tensor, weight: Tensor, perc_damp: float) -> Tensor:
@@ -82,6 +95,75 @@ def nvfp4_gptq(
             w[:, j + 1:stop] -= err[:, None] * h_blk[i, i + 1:][None, :]
             errs[:, i] = err
         w[:, stop:] -= errs @ h_inv[start:stop, stop:]
+    return w
+
+
+def gptq_hessian_inverse_batched(hessian: Tensor, weight: Tensor, perc_damp: float) -> Tensor:
+    """``gptq_hessian_inverse`` of each of ``E`` experts at once: ``hessian [E, in, in]``, ``weight [E, out, in]``
+    -> ``[E, in, in]`` fp32. Dead columns and damping per expert; an expert whose Hessian (or the inverse) has no
+    Cholesky factor (``cholesky_ex``'s ``info``) gets the identity, the others are unaffected."""
+    h = hessian.float().clone()
+    dead = weight.eq(0).all(dim=-2)  # [E, in]
+    h.masked_fill_(dead[:, :, None] | dead[:, None, :], 0)
+    diag = h.diagonal(dim1=-2, dim2=-1)  # a view: writes go to h
+    diag.masked_fill_(dead, 1)
+    # The mean over a contiguous copy: the strided diagonal would be summed in another order than torch.diag's.
+    diag += perc_damp * diag.contiguous().mean(dim=-1, keepdim=True)
+    eye = torch.eye(h.shape[-1], device=h.device, dtype=h.dtype)
+    lower, info = torch.linalg.cholesky_ex(h)
+    failed = info.ne(0)
+    lower = torch.where(failed[:, None, None], eye, lower)  # no NaNs from a partial factor into the inverse
+    upper, info_inv = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    failed |= info_inv.ne(0)
+    return torch.where(failed[:, None, None], eye, upper)
+
+
+def gptq_batch_bytes(out_features: int, in_features: int, block_size: int = 128) -> int:
+    """Working memory of ``nvfp4_gptq_batched`` per expert (bytes, fp32), beside its inputs: the updated weight
+    and the effective scales (``2 x [out, in]``), the Hessian's copy, its factor, inverse and the inverse's factor
+    (``4 x [in, in]``, at most at once), and the column block's errors and update (``2 x [out, block]``)."""
+    return 4 * (2 * out_features * in_features + 4 * in_features * in_features + 2 * out_features * block_size)
+
+
+def nvfp4_gptq_batched(
+    weight: Tensor, hessian: Tensor, global_scale: Tensor, block_scale: Tensor,
+    perc_damp: float = 0.01, block_size: int = 128,
+) -> Tensor:
+    """``nvfp4_gptq`` of ``E`` same-shape experts in one pass: ``weight [E, out, in]``, ``hessian [E, in, in]``,
+    ``global_scale`` one per expert (``[E]``, any shape of ``E`` elements), e4m3 ``block_scale [E, out, in/16]``
+    -> the dequantized updated weights ``[E, out, in]`` fp32, each equal to ``nvfp4_gptq`` of its expert.
+
+    Memory: ``gptq_batch_bytes(out, in, block_size)`` per expert beside the inputs; callers bound it by chunking
+    the experts."""
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be [experts, out, in], got {tuple(weight.shape)}")
+    n_exp, out_f, in_f = weight.shape
+    if in_f % NVFP4_BLOCK or tuple(block_scale.shape) != (n_exp, out_f, in_f // NVFP4_BLOCK):
+        raise ValueError(f"block_scale must be [{n_exp}, {out_f}, {in_f // NVFP4_BLOCK}] for weight "
+                         f"{tuple(weight.shape)}, got {tuple(block_scale.shape)}")
+    if tuple(hessian.shape) != (n_exp, in_f, in_f):
+        raise ValueError(f"hessian must be [{n_exp}, {in_f}, {in_f}], got {tuple(hessian.shape)}")
+    if global_scale.numel() != n_exp:
+        raise ValueError(f"global_scale must hold one scale per expert ({n_exp}), got {tuple(global_scale.shape)}")
+    if block_size <= 0 or block_size % NVFP4_BLOCK:
+        raise ValueError(f"block_size must be a positive multiple of {NVFP4_BLOCK}, got {block_size}")
+    w = weight.detach().float().clone()
+    h_inv = gptq_hessian_inverse_batched(hessian.to(w.device), w, perc_damp)
+    gs = global_scale.float().reshape(n_exp, 1, 1).to(w.device)
+    eff = (block_scale.float() * gs).repeat_interleave(NVFP4_BLOCK, dim=-1)  # [E, out, in]
+    for start in range(0, in_f, block_size):
+        stop = min(start + block_size, in_f)
+        h_blk = h_inv[:, start:stop, start:stop]
+        errs = torch.zeros(n_exp, out_f, stop - start, device=w.device)
+        for i in range(stop - start):
+            j = start + i
+            col = w[:, :, j].clone()
+            qcol = _round_columns(col, eff[:, :, j])
+            w[:, :, j] = qcol
+            err = (col - qcol) / h_blk[:, i, i, None]
+            w[:, :, j + 1:stop] -= err[:, :, None] * h_blk[:, i, None, i + 1:]
+            errs[:, :, i] = err
+        w[:, :, stop:] -= errs @ h_inv[:, start:stop, stop:]
     return w
 
 
