@@ -147,24 +147,29 @@ def nvfp4_gptq_batched(
         raise ValueError(f"global_scale must hold one scale per expert ({n_exp}), got {tuple(global_scale.shape)}")
     if block_size <= 0 or block_size % NVFP4_BLOCK:
         raise ValueError(f"block_size must be a positive multiple of {NVFP4_BLOCK}, got {block_size}")
-    w = weight.detach().float().clone()
+    w = weight.detach().float()
     h_inv = gptq_hessian_inverse_batched(hessian.to(w.device), w, perc_damp)
     gs = global_scale.float().reshape(n_exp, 1, 1).to(w.device)
-    eff = (block_scale.float() * gs).repeat_interleave(NVFP4_BLOCK, dim=-1)  # [E, out, in]
+    # Columns as rows ([E, in, out]): a column's reads and writes, and the rank-1 updates, run over contiguous
+    # memory. Elementwise ops give the same bits in any layout; the block products below keep the loop's layout.
+    w_t = w.transpose(1, 2).contiguous()
+    eff_t = (block_scale.float() * gs).repeat_interleave(NVFP4_BLOCK, dim=-1).transpose(1, 2).contiguous()
     for start in range(0, in_f, block_size):
         stop = min(start + block_size, in_f)
         h_blk = h_inv[:, start:stop, start:stop]
-        errs = torch.zeros(n_exp, out_f, stop - start, device=w.device)
+        errs_t = torch.empty(n_exp, stop - start, out_f, device=w.device)
         for i in range(stop - start):
             j = start + i
-            col = w[:, :, j].clone()
-            qcol = _round_columns(col, eff[:, :, j])
-            w[:, :, j] = qcol
+            col = w_t[:, j].clone()
+            qcol = _round_columns(col, eff_t[:, j])
+            w_t[:, j] = qcol
             err = (col - qcol) / h_blk[:, i, i, None]
-            w[:, :, j + 1:stop] -= err[:, :, None] * h_blk[:, i, None, i + 1:]
-            errs[:, :, i] = err
-        w[:, :, stop:] -= errs @ h_inv[:, start:stop, stop:]
-    return w
+            w_t[:, j + 1:stop] -= h_blk[:, i, i + 1:, None] * err[:, None, :]
+            errs_t[:, i] = err
+        # The loop's product on the loop's layouts (errors [E, out, block] contiguous), so the same bits.
+        errs = errs_t.transpose(1, 2).contiguous()
+        w_t[:, stop:] -= (errs @ h_inv[:, start:stop, stop:]).transpose(1, 2)
+    return w_t.transpose(1, 2).contiguous()
 
 
 def asymmetric_target(weight: Tensor, sum_yy: Tensor, sum_xy: Tensor, perc_damp: float = 0.01) -> Tensor:
