@@ -110,19 +110,27 @@ def gptq_hessian_inverse_batched(hessian: Tensor, weight: Tensor, perc_damp: flo
     # The mean over a contiguous copy: the strided diagonal would be summed in another order than torch.diag's.
     diag += perc_damp * diag.contiguous().mean(dim=-1, keepdim=True)
     eye = torch.eye(h.shape[-1], device=h.device, dtype=h.dtype)
-    lower, info = torch.linalg.cholesky_ex(h)
+    # Each step frees the one before (``del``): at most two [E, in, in] beside the input, LAPACK's copies aside.
+    factor, info = torch.linalg.cholesky_ex(h)
+    del h, diag
     failed = info.ne(0)
-    lower = torch.where(failed[:, None, None], eye, lower)  # no NaNs from a partial factor into the inverse
-    upper, info_inv = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
-    failed |= info_inv.ne(0)
-    return torch.where(failed[:, None, None], eye, upper)
+    factor[failed] = eye  # no NaNs from a partial factor into the inverse
+    inverse = torch.cholesky_inverse(factor)
+    del factor
+    factor, info = torch.linalg.cholesky_ex(inverse, upper=True)
+    del inverse
+    failed |= info.ne(0)
+    factor[failed] = eye
+    return factor
 
 
 def gptq_batch_bytes(out_features: int, in_features: int, block_size: int = 128) -> int:
-    """Working memory of ``nvfp4_gptq_batched`` per expert (bytes, fp32), beside its inputs: the updated weight
-    and the effective scales (``2 x [out, in]``), the Hessian's copy, its factor, inverse and the inverse's factor
-    (``4 x [in, in]``, at most at once), and the column block's errors and update (``2 x [out, block]``)."""
-    return 4 * (2 * out_features * in_features + 4 * in_features * in_features + 2 * out_features * block_size)
+    """Peak working memory of ``nvfp4_gptq_batched`` per expert (bytes), beside its inputs, from the fp32 tensors
+    it holds at once: three ``[in, in]`` while factorizing (the damped copy and a factor, LAPACK's copy of it);
+    then the inverse's factor with three ``[out, in]`` (the updated weight, the effective scales and the column
+    block's update of the later columns, or the scales' untransposed copy), and two ``[out, block]`` errors."""
+    square, rect = in_features * in_features, out_features * in_features
+    return 4 * (max(3 * square, square + 3 * rect) + 2 * out_features * block_size)
 
 
 def nvfp4_gptq_batched(
@@ -147,17 +155,18 @@ def nvfp4_gptq_batched(
         raise ValueError(f"global_scale must hold one scale per expert ({n_exp}), got {tuple(global_scale.shape)}")
     if block_size <= 0 or block_size % NVFP4_BLOCK:
         raise ValueError(f"block_size must be a positive multiple of {NVFP4_BLOCK}, got {block_size}")
-    w = weight.detach().float()
-    h_inv = gptq_hessian_inverse_batched(hessian.to(w.device), w, perc_damp)
-    gs = global_scale.float().reshape(n_exp, 1, 1).to(w.device)
+    device = weight.device
+    h_inv = gptq_hessian_inverse_batched(hessian.to(device), weight.detach(), perc_damp)
+    gs = global_scale.float().reshape(n_exp, 1, 1).to(device)
     # Columns as rows ([E, in, out]): a column's reads and writes, and the rank-1 updates, run over contiguous
     # memory. Elementwise ops give the same bits in any layout; the block products below keep the loop's layout.
-    w_t = w.transpose(1, 2).contiguous()
+    # Always a copy (``clone``), never the caller's storage, whatever its layout.
+    w_t = weight.detach().float().transpose(1, 2).clone(memory_format=torch.contiguous_format)
     eff_t = (block_scale.float() * gs).repeat_interleave(NVFP4_BLOCK, dim=-1).transpose(1, 2).contiguous()
     for start in range(0, in_f, block_size):
         stop = min(start + block_size, in_f)
         h_blk = h_inv[:, start:stop, start:stop]
-        errs_t = torch.empty(n_exp, stop - start, out_f, device=w.device)
+        errs_t = torch.empty(n_exp, stop - start, out_f, device=device)
         for i in range(stop - start):
             j = start + i
             col = w_t[:, j].clone()

@@ -112,6 +112,19 @@ def test_an_expert_whose_inverse_has_no_factor_falls_back_alone():
     _assert_bitwise(nvfp4_gptq_batched(w, h, gs, bs, 0.0, 16), want)
 
 
+def test_the_callers_weight_is_never_written_whatever_its_layout():
+    """A weight that is a transposed view of ``[E, in, out]`` storage (the layout the solve works in) stays as it
+    was; bf16 weights give their fp32 values' result."""
+    w, h, gs, bs = _experts(3, 16, 48, seed=2)
+    stored = w.transpose(1, 2).contiguous()
+    view = stored.transpose(1, 2)
+    before = stored.clone()
+    got = nvfp4_gptq_batched(view, h, gs, bs, 0.01, 16)
+    assert torch.equal(stored, before)
+    _assert_bitwise(got, _loop(w, h, gs, bs, 16))
+    _assert_bitwise(nvfp4_gptq_batched(w.bfloat16(), h, gs, bs, 0.01, 16), got)  # w holds bf16 values
+
+
 def test_batched_input_checks():
     w, h, gs, bs = _experts(2, 8, 32, seed=1)
     with pytest.raises(ValueError, match="weight must be"):
@@ -127,4 +140,5 @@ def test_batched_input_checks():
 
 
 def test_batch_bytes_counts_the_working_tensors():
-    assert gptq_batch_bytes(4096, 7168, 128) == 4 * (2 * 4096 * 7168 + 4 * 7168 * 7168 + 2 * 4096 * 128)
+    assert gptq_batch_bytes(4096, 7168, 128) == 4 * (3 * 7168 * 7168 + 2 * 4096 * 128)  # factorizing dominates
+    assert gptq_batch_bytes(7168, 2048, 128) == 4 * (2048 * 2048 + 3 * 7168 * 2048 + 2 * 7168 * 128)
