@@ -156,12 +156,14 @@ def nvfp4_gptq_batched(
     if block_size <= 0 or block_size % NVFP4_BLOCK:
         raise ValueError(f"block_size must be a positive multiple of {NVFP4_BLOCK}, got {block_size}")
     device = weight.device
-    h_inv = gptq_hessian_inverse_batched(hessian.to(device), weight.detach(), perc_damp)
+    w = weight.detach().float()  # dead columns as the loop finds them: on the fp32 values
+    h_inv = gptq_hessian_inverse_batched(hessian.to(device), w, perc_damp)
     gs = global_scale.float().reshape(n_exp, 1, 1).to(device)
     # Columns as rows ([E, in, out]): a column's reads and writes, and the rank-1 updates, run over contiguous
     # memory. Elementwise ops give the same bits in any layout; the block products below keep the loop's layout.
     # Always a copy (``clone``), never the caller's storage, whatever its layout.
-    w_t = weight.detach().float().transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    w_t = w.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    del w
     eff_t = (block_scale.float() * gs).repeat_interleave(NVFP4_BLOCK, dim=-1).transpose(1, 2).contiguous()
     for start in range(0, in_f, block_size):
         stop = min(start + block_size, in_f)

@@ -123,6 +123,9 @@ def test_the_callers_weight_is_never_written_whatever_its_layout():
     assert torch.equal(stored, before)
     _assert_bitwise(got, _loop(w, h, gs, bs, 16))
     _assert_bitwise(nvfp4_gptq_batched(w.bfloat16(), h, gs, bs, 0.01, 16), got)  # w holds bf16 values
+    w64 = w.double()
+    w64[1, :, 9] = 1e-50  # zero in fp32: a dead column for the loop, so for the batch too
+    _assert_bitwise(nvfp4_gptq_batched(w64, h, gs, bs, 0.01, 16), _loop(w64, h, gs, bs, 16))
 
 
 def test_batched_input_checks():
