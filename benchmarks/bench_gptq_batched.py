@@ -17,6 +17,11 @@ per MoE layer on 64 experts, is issue 43's. What bounds it: the batch removes th
 dispatch cost of the column loop (in columns x ~15 small ops per expert), not arithmetic, which is the same
 (the column updates are memory-bound elementwise ops); the larger the experts, the smaller the gain on a CPU.
 --quick: 8 experts of 64 x 64, report only.
+
+Both sides run on one torch thread (set here, restored after): the conservative figure, as the batch's larger
+ops are the ones more threads speed up, and the stable one on a shared CPU, where two threads' ops stalled
+(this machine, two runs at load ~2: ours 0.5-10.6 s for the same call, the loop 3.0-12.5 s; one thread: paired
+ratios 3.3-3.9).
 """
 
 from __future__ import annotations
@@ -104,7 +109,12 @@ def run(ctx):
         for name, p in projections.items():
             got["ref"][name] = _loop(p, damp, block)
 
-    times = time_interleaved({"ours": ours, "ref": ref}, ctx.repeats, warmup=0 if ctx.quick else 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = time_interleaved({"ours": ours, "ref": ref}, ctx.repeats, warmup=0 if ctx.quick else 1)
+    finally:
+        torch.set_num_threads(threads)
     differing_values = sum(int((got["ours"][k].view(torch.int16) != got["ref"][k].view(torch.int16)).sum())
                            for k in projections)
     differing_codes = 0
@@ -123,7 +133,7 @@ def run(ctx):
         target_text="report only (quick sizes)" if ctx.quick else ">= 3x per MoE layer on 64 experts (issue 43)",
         bound="" if ctx.quick else "the per-expert Python/dispatch cost of the column loop removed, the same "
               "memory-bound column arithmetic left (larger experts gain less on a CPU)",
-        details={"shapes": shapes, "threads": torch.get_num_threads(), "batch_bytes": BATCH_BYTES,
+        details={"shapes": shapes, "threads": 1, "batch_bytes": BATCH_BYTES,
                  "differing_values": differing_values, "differing_e2m1_codes": differing_codes},
         checks={"bit_equal_to_the_per_expert_loop": differing_values == 0,
                 "exported_codes_equal": differing_codes == 0,
