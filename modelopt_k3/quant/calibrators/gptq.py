@@ -21,7 +21,8 @@ Dense Hessians are summed over ranks (``moments.reduce_moments``: exact integer-
 experts: each expert's Hessian is accumulated by its owner from the (token, slot) pairs routed to it, as they
 reach it (``experts.dispatch.owner_inputs``: after ``torch_a2a``'s exchange), nothing per expert travels; the
 down projection's input is recomputed there from those tokens (gate/up in effect, the model's activation, the
-down input quantizer); replicated expert groups add up their replicas' sums. Skipped, keeping max:
+down input quantizer); replicated expert groups add up their replicas' sums. A projection's local experts are
+then solved together (``nvfp4_gptq_batched``, bit for bit the per-expert loop's; decision 0008). Skipped, keeping max:
 MXFP4-sourced experts (the lossless cast), packed-resident experts.
 The updated weight lives in the quantizer (``updated_weight``): fake quant and export use it, the module keeps
 the original (the report's and the KL evaluation's reference).
