@@ -2,7 +2,7 @@
 
     python -m benchmarks                 # everything (< ~10 min on a 2-core CPU machine)
     python -m benchmarks --quick         # smoke run: small shapes, tiny checkpoints, no convert
-    python -m benchmarks --only numerics # one area (numerics, io, ep, memory, layerwise, calibrators, convert,
+    python -m benchmarks --only numerics # one area (numerics, io, ep, memory, layerwise, calibrators, gptq_batched, convert,
                                          # wall_time); repeat or
                                          # comma-join; writes results/<areas>.json and .md, not the full run's files
     python -m benchmarks --out DIR       # write results.json / RESULTS.md into DIR
@@ -45,6 +45,7 @@ AREAS = {
     "memory": "benchmarks.bench_memory",
     "layerwise": "benchmarks.bench_layerwise",
     "calibrators": "benchmarks.bench_calibrators",
+    "gptq_batched": "benchmarks.bench_gptq_batched",
     "convert": "benchmarks.convert_area",
     "wall_time": "benchmarks.bench_wall_time",
     "peer_calibrators": "benchmarks.bench_peer_calibrators",

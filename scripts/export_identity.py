@@ -61,6 +61,9 @@ MATRIX = (
     # DeepSeek-V3 covers the shared MLA site, EP 2 on Qwen3-MoE the shared expert-order combine.
     Config("qwen3_moe_nvfp4", 1, ("--qformat", "nvfp4"), model="qwen3_moe"),
     Config("qwen3_moe_ep2_nvfp4", 2, ("--qformat", "nvfp4"), model="qwen3_moe"),
+    # GPTQ's routed experts (solved in batches since decision 0008), one process and EP 2.
+    Config("qwen3_moe_nvfp4_gptq", 1, ("--qformat", "nvfp4_gptq"), model="qwen3_moe"),
+    Config("qwen3_moe_ep2_nvfp4_gptq", 2, ("--qformat", "nvfp4_gptq"), model="qwen3_moe"),
     Config("gpt_oss_nvfp4", 1, ("--qformat", "nvfp4"), model="gpt_oss"),
     Config("deepseek_v3_nvfp4_kv_fp8", 1, ("--qformat", "nvfp4", "--kv_cache_qformat", "fp8"), model="deepseek_v3"),
     Config("deepseek_v3_convert", 0, (), model="deepseek_v3"),

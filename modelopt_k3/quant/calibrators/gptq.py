@@ -21,7 +21,8 @@ Dense Hessians are summed over ranks (``moments.reduce_moments``: exact integer-
 experts: each expert's Hessian is accumulated by its owner from the (token, slot) pairs routed to it, as they
 reach it (``experts.dispatch.owner_inputs``: after ``torch_a2a``'s exchange), nothing per expert travels; the
 down projection's input is recomputed there from those tokens (gate/up in effect, the model's activation, the
-down input quantizer); replicated expert groups add up their replicas' sums. Skipped, keeping max:
+down input quantizer); replicated expert groups add up their replicas' sums. A projection's local experts are
+then solved together (``nvfp4_gptq_batched``, bit for bit the per-expert loop's; decision 0008). Skipped, keeping max:
 MXFP4-sourced experts (the lossless cast), packed-resident experts.
 The updated weight lives in the quantizer (``updated_weight``): fake quant and export use it, the module keeps
 the original (the report's and the KL evaluation's reference).
@@ -40,7 +41,7 @@ from torch.utils import _pytree as pytree
 from ...dist.collectives import run_together
 from ...dist.fsdp import is_sharded
 from ...experts.dispatch import owner_inputs
-from ...numerics.gptq import asymmetric_target, nvfp4_gptq
+from ...numerics.gptq import asymmetric_target, gptq_batch_bytes, nvfp4_gptq, nvfp4_gptq_batched
 from ...numerics.nvfp4 import nvfp4_block_scales
 from ...recipe.algorithm import AlgorithmError
 from ..modules import set_mode
@@ -59,6 +60,10 @@ from .moments import (
     reduce_moments,
 )
 from .weights import SKIPPED_MXFP4, weight_sites
+
+# Working memory one batched expert solve may take (bytes): within the planner's device runtime allowance
+# (memory/planner.py DEVICE_RUNTIME_BYTES), enough to batch the 64 experts of the tiny models' MoE layers.
+BATCH_BYTES = 2**30
 
 
 class _Cross(Accumulator):
@@ -371,31 +376,54 @@ class GptqCalibrator(MaxCalibrator):
             q.updated_weight = nvfp4_gptq(target, h, gs, q.block_scale, damp, block).to(w.dtype)
             label = str(self.algorithm)
         else:
-            # Each local expert from its own routed tokens, one at a time (the same arithmetic whichever
-            # rank owns it); an expert no token reached keeps max's values.
             t.experts.reduce_over_replicas(t.module)  # replicated expert groups: every replica's tokens
             weight = getattr(t.module, t.param).detach()
             gs = q.scale().to(weight.device)
-            scales, updated, idle = [], weight.clone(), 0
-            for e in range(weight.shape[0]):
-                scales.append(nvfp4_block_scales(weight[e], gs[e]))
-                moments = t.experts.pop(e)
-                if moments is None:
-                    idle += 1
-                    continue
-                sums, tokens = moments
-                h = (2.0 * sums / tokens).to(torch.float32).to(weight.device)
-                updated[e] = nvfp4_gptq(weight[e], h, gs[e], scales[e], damp, block).to(weight.dtype)
-            t.experts.clear()
+            scales = torch.stack([nvfp4_block_scales(weight[e], gs[e]) for e in range(weight.shape[0])])
+            updated, idle = self._update_experts(t.experts, weight, gs, scales)
             if idle == weight.shape[0]:
                 self.labels[t.name] = "max (no calibration tokens reached its experts)"
                 return
-            q.block_scale = torch.stack(scales)
+            q.block_scale = scales
             q.updated_weight = updated
             label = str(self.algorithm) if not idle else \
                 f"{self.algorithm} ({idle} of {weight.shape[0]} local experts got no tokens: max's values)"
         self.labels[t.name] = label
         self.weight_algorithms[t.name] = "gptq"  # max's scales, GPTQ's values: the update is the weight's
+
+    def _update_experts(self, sums: ExpertSums, weight: torch.Tensor, gs: torch.Tensor,
+                        scales: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The GPTQ values of one fused projection's local experts ``weight [E, out, in]`` (in its dtype), each from
+        its own routed tokens (the same arithmetic whichever rank owns it), and how many got no token (they keep
+        max's values). The experts with tokens are solved together (``nvfp4_gptq_batched``, equal to one at a time
+        bit for bit), in chunks of as many experts as ``BATCH_BYTES`` holds (at least one): a chunk's working
+        memory is at most ``max(BATCH_BYTES, one expert's)``, its Hessians, weight copy and
+        ``gptq_batch_bytes`` included."""
+        damp, block = self.config.perc_damp, self.config.block_size
+        out_f, in_f = weight.shape[-2:]
+        per_expert = gptq_batch_bytes(out_f, in_f, block) + 4 * in_f * in_f + 4 * out_f * in_f
+        chunk = max(1, BATCH_BYTES // per_expert)
+        updated, idle, pending = weight.clone(), 0, {}
+
+        def solve() -> None:
+            idx = torch.tensor(list(pending), device=weight.device)
+            hessians = torch.stack(list(pending.values()))
+            updated[idx] = nvfp4_gptq_batched(weight[idx], hessians, gs[idx], scales[idx], damp, block).to(weight.dtype)
+            pending.clear()
+
+        for e in range(weight.shape[0]):
+            moments = sums.pop(e)
+            if moments is None:
+                idle += 1
+                continue
+            total, tokens = moments
+            pending[e] = (2.0 * total / tokens).to(torch.float32).to(weight.device)
+            if len(pending) == chunk:
+                solve()
+        if pending:
+            solve()
+        sums.clear()
+        return updated, idle
 
     def calibrate(self, model: nn.Module, forward_loop: ForwardLoop | None,
                   groups: dict[str, tuple[str, ...]]) -> None:
