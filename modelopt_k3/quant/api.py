@@ -55,6 +55,8 @@ class QuantPlan:
     # dense Linear -> whether its weight is written as its block-FP8 source bytes, or why it is requantized
     # (quant/block_fp8_source.py); the report's ``calibration`` for those Linears
     source_labels: dict[str, str] = field(default_factory=dict)
+    # source tensors the calibrator changed in the model (awq's folded norms, router weights): exported from it
+    rewritten: set[str] = field(default_factory=set)
     _dense_decodes: dict | None = field(default=None, repr=False)
 
     def summary(self) -> str:
@@ -246,6 +248,7 @@ def quantize(
     calibrator.calibrate(model, forward_loop, qplan.table.groups)
     qplan.calibration = calibrator.labels
     qplan.weight_algorithms = calibrator.weight_algorithms
+    qplan.rewritten = calibrator.rewritten
     model.modelopt_k3_quant = qplan
     if verbose and model.modelopt_k3.plan.rank == 0:
         print(qplan.summary())
