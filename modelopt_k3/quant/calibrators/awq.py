@@ -342,7 +342,7 @@ class AwqCalibrator(Calibrator):
             def hook(mod, args, kwargs):
                 x = _first_input(args, kwargs)
                 if x is not None and x.numel():
-                    gr.losses += self._member_losses(mem.module.weight, x, plan, mem, None)
+                    gr.losses += self._member_losses(mem.module.weight, x, plan, mem)
             return hook
 
         def routed(gr: _Group, plan, mem: _Member):
@@ -352,9 +352,9 @@ class AwqCalibrator(Calibrator):
                 k = local_ids.shape[-1]
                 flat = local_ids.reshape(-1)
                 rows = torch.arange(local_ids.shape[0], device=flat.device).repeat_interleave(k)
-                for e in torch.unique(flat[(flat >= 0) & (flat < module.num_experts)]).tolist():
-                    gr.losses += self._member_losses(getattr(module, GATE_UP)[e], hidden[rows[flat == e]], plan,
-                                                     mem, e)
+                tokens = {e: hidden[rows[flat == e]] for e in
+                          torch.unique(flat[(flat >= 0) & (flat < module.num_experts)]).tolist()}
+                gr.losses += self._experts_losses(getattr(module, GATE_UP), tokens, plan, mem)
             return hook
 
         handles = []
@@ -402,7 +402,7 @@ class AwqCalibrator(Calibrator):
         return plans
 
     @staticmethod
-    def _member_losses(weight: torch.Tensor, x: torch.Tensor, plan, mem: _Member, expert: int | None) -> torch.Tensor:
+    def _member_losses(weight: torch.Tensor, x: torch.Tensor, plan, mem: _Member) -> torch.Tensor:
         """``[alphas]`` float64: ``|| fq(W diag(s)) (x / s) - W x ||²`` summed over ``x``'s tokens."""
         w = weight.detach().float()
         x = x.detach().reshape(-1, x.shape[-1]).float().to(w.device)
@@ -410,10 +410,27 @@ class AwqCalibrator(Calibrator):
         out = torch.empty(len(plan), dtype=torch.float64)
         for i, (s, scales) in enumerate(plan):
             s = s.to(w.device)
-            gs = scales[id(mem)]
-            gs = gs if expert is None else gs[expert]
-            wq = nvfp4_fake_quant(w * s, gs.to(w.device))
+            wq = nvfp4_fake_quant(w * s, scales[id(mem)].to(w.device))
             out[i] = ((x / s) @ wq.T - ref).double().pow(2).sum().cpu()
+        return out
+
+    @staticmethod
+    def _experts_losses(weight: torch.Tensor, tokens: dict[int, torch.Tensor], plan, mem: _Member) -> torch.Tensor:
+        """``_member_losses`` summed over the local experts ``tokens`` names (local id -> its routed tokens), each
+        alpha's smoothed weights fake-quantized for all of them at once (each expert with its own global scale)."""
+        out = torch.zeros(len(plan), dtype=torch.float64)
+        if not tokens:
+            return out
+        w = weight.detach().float()
+        xs = {e: x.detach().reshape(-1, x.shape[-1]).float().to(w.device) for e, x in tokens.items()}
+        refs = {e: x @ w[e].T for e, x in xs.items()}
+        for i, (s, scales) in enumerate(plan):
+            s = s.to(w.device)
+            wq = nvfp4_fake_quant(w * s, scales[id(mem)].to(w.device).view(-1, 1, 1))
+            total = torch.zeros((), dtype=torch.float64, device=w.device)
+            for e, x in xs.items():  # in ascending expert order: the same order on any rank that owns them
+                total += ((x / s) @ wq[e].T - refs[e]).double().pow(2).sum()
+            out[i] = total.cpu()
         return out
 
     # ------------------------------------------------------------------ the fold

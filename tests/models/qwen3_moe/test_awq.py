@@ -156,3 +156,31 @@ def test_awq_lowers_every_layers_held_out_error_below_max_on_the_outlier_stand_i
     assert all(a < m for a, m in zip(awq, mx)), (awq, mx)
     gptq, both = errors["presets/nvfp4_default_gptq"], errors["presets/nvfp4_default_awq_gptq"]
     assert all(b < g for b, g in zip(both, gptq)), (both, gptq)
+
+
+AWQ_RECIPES = ("presets/nvfp4_default_awq", "presets/nvfp4_default_awq_gptq")
+
+
+@pytest.mark.multiprocess
+def test_ep2_awq_equals_one_process(qwen3_moe_outlier_ckpt, tmp_path):
+    """AWQ and AWQ+GPTQ on 2 gloo ranks, each calibrating on its own half of the tokens: the ``mean|x|`` limbs and
+    the loss sums (routed experts' on their owners) reduced over ranks choose one process's alphas and fold its
+    bits, so both exports are the one-process exports byte for byte; the norms were smoothed."""
+    from _mp import run_ranks
+
+    from modelopt_k3.testing.reference import read_checkpoint
+
+    from .test_calibrators_ep import _ep_runs
+    from .test_qwen3_moe_ep import EP_ENV
+
+    outs = [str(tmp_path / f"ep2_{i}") for i in range(len(AWQ_RECIPES))]
+    results = run_ranks(2, _ep_runs, str(qwen3_moe_outlier_ckpt), outs, AWQ_RECIPES, timeout=900, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0, 0], [r.traceback for r in results]
+    source = read_checkpoint(qwen3_moe_outlier_ckpt)
+    for recipe, out in zip(AWQ_RECIPES, outs):
+        single = quantize_and_export(qwen3_moe_outlier_ckpt, tmp_path / f"one_{recipe.rsplit('/', 1)[1]}", recipe)
+        ours, theirs = read_export(out), read_export(single)
+        assert set(ours) == set(theirs), recipe
+        for key, t in theirs.items():
+            assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (recipe, key)
+        assert all(not torch.equal(theirs[f"{n}.weight"], source[f"{n}.weight"]) for n in NORMS + ROUTERS), recipe
