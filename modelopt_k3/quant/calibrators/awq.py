@@ -151,6 +151,17 @@ def _norm_candidates(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
+def _without_containers(readers: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """``readers`` less the modules that pass the input on to readers of their own (GPT-OSS's attention, whose
+    own parameter, the sinks, never meets it) and hold no 2-D ``weight`` that could read it themselves."""
+    def container(name: str, m: nn.Module) -> bool:
+        w = getattr(m, "weight", None)
+        own = isinstance(w, nn.Parameter) and w.dim() == 2
+        return not own and any(other.startswith(f"{name}.") for other in readers)
+
+    return {name: m for name, m in readers.items() if not container(name, m)}
+
+
 def _is_nvfp4_linear(m: nn.Module) -> bool:
     q = getattr(m, "weight_quantizer", None)
     return type(m) is nn.Linear and q is not None and q.fmt is NVFP4_TENSOR and q.block_source is None
@@ -265,8 +276,13 @@ class AwqCalibrator(Calibrator):
             if not n.readers:
                 continue
             members, others, why = [], [], []
-            for name, m in n.readers.items():
+            quantized = []  # every quantized reader's weight quantizer name: the labels say why it was not smoothed
+            for name, m in _without_containers(n.readers).items():
                 state = getattr(m, "quant", None)
+                if isinstance(state, ExpertsQuantState) and GATE_UP in state.weight:
+                    quantized.append(f"{name}.{GATE_UP}")
+                elif getattr(m, "weight_quantizer", None) is not None:
+                    quantized.append(name)
                 if name in n.partial:
                     why.append(f"{name} reads only part of its output")
                 elif _is_nvfp4_linear(m):
@@ -291,7 +307,7 @@ class AwqCalibrator(Calibrator):
                     others.append((name, m))
                 else:
                     why.append(f"{name} ({type(m).__name__}) cannot take the scales")
-            if not members:
+            if not members and not why:
                 continue  # nothing quantized reads it (the final norm before a BF16 lm_head)
             if not n.scales_exactly:
                 why.append(f"its output is not its weight times a function of its input ({type(n.module).__name__})")
@@ -299,8 +315,8 @@ class AwqCalibrator(Calibrator):
                 why.append(f"{n.name}.weight is no source tensor the export can rewrite")
             if why:
                 self.smoothing[n.name] = (None, "not smoothed: " + "; ".join(why))
-                for mem in members:
-                    self.labels[mem.name] = f"not smoothed by awq: {why[0]}"
+                for name in quantized:
+                    self.labels[name] = f"not smoothed by awq: {why[0]}"
                 continue
             groups.append(_Group(n, members, others))
         return groups
@@ -470,6 +486,8 @@ class AwqCalibrator(Calibrator):
             members = ", ".join(m.name for m in gr.members)
             if gr.alpha == 0.0:
                 self.smoothing[gr.norm.name] = (None, f"not smoothed: alpha 0 erred least ({members})")
+                for m in gr.members:
+                    self.labels[m.name] = "not smoothed by awq: alpha 0 erred least"
                 continue
             self._fold(gr, awq_scales(gr.mean, gr.alpha))
             gain = float(gr.losses[alphas.index(gr.alpha)] / gr.losses[0]) if gr.losses[0] > 0 else 1.0
