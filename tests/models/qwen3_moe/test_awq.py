@@ -79,17 +79,6 @@ def test_the_fold_alone_leaves_the_fp32_models_outputs_unchanged(qwen3_moe_outli
     assert not torch.equal(got, want)  # the fold did act (fp32 rounding differs), the comparison is not vacuous
 
 
-def test_awq_refuses_options_it_does_not_have():
-    from modelopt_k3.quant.calibrators import algorithm_config
-    from modelopt_k3.recipe.algorithm import AlgorithmError
-
-    assert algorithm_config({"method": "awq", "then": "gptq"}).then_algorithm().method == "gptq"
-    assert algorithm_config("awq").then_algorithm() == "max"
-    for bad in ({"then": "mse"}, {"alpha_step": 0.0}, {"alpha_step": 1.5}, {"pre_quant_scale": True}):
-        with pytest.raises(AlgorithmError, match="awq"):
-            algorithm_config({"method": "awq", **bad})
-
-
 @pytest.mark.slow
 def test_awq_export_has_no_pre_quant_scale_and_loads_where_maxs_does(qwen3_moe_outlier_ckpt, tmp_path):
     """The export writes the folded norms and router weights (BF16, the model's values) and no ``pre_quant_scale``;
