@@ -234,13 +234,15 @@ def _write_dense_items(job: _ExportJob, items: list[tuple[int, str, str]], reade
         # A passed-through weight is written from its source bytes: nothing to gather (the same on every rank).
         gather = linear is not None and not linear.weight_quantizer.passes_through
         weight = gather_to_owner(linear.weight, owner) if gather else None
-        if kind == "decoded":
-            module, _, attr = name.rpartition(".")
-            weight = gather_to_owner(getattr(job.modules[module], attr), owner)
+        rewritten = kind == "copy" and name in job.qplan.rewritten
+        if kind == "decoded" or rewritten:
+            weight = gather_to_owner(_model_tensor(job, name), owner)
         if owner != group.rank or failed is not None:
             continue
         try:
-            if kind == "copy":
+            if rewritten:  # a calibrator changed it in the model (awq's fold): the model's value, the source dtype
+                writer.add(name, weight.detach().to(reader.inventory()[name][0]).contiguous())
+            elif kind == "copy":
                 writer.add(name, reader.get(name))
             elif kind == "carried":
                 info = job.info
@@ -259,6 +261,14 @@ def _write_dense_items(job: _ExportJob, items: list[tuple[int, str, str]], reade
         bar.update(1)
     if failed is not None:
         raise failed
+
+
+def _model_tensor(job: _ExportJob, name: str) -> torch.Tensor:
+    """The model's tensor of checkpoint key ``name`` (a dense module's parameter: its name is the key)."""
+    module, _, attr = name.rpartition(".")
+    if module not in job.modules or not isinstance(getattr(job.modules[module], attr, None), torch.Tensor):
+        raise KeyError(f"the export writes {name} from the model, which has no such tensor")
+    return getattr(job.modules[module], attr)
 
 
 def _write_experts(job: _ExportJob, writer: ShardWriter, bar: tqdm,

@@ -55,6 +55,8 @@ class QuantPlan:
     # dense Linear -> whether its weight is written as its block-FP8 source bytes, or why it is requantized
     # (quant/block_fp8_source.py); the report's ``calibration`` for those Linears
     source_labels: dict[str, str] = field(default_factory=dict)
+    # source tensors the calibrator changed in the model (awq's folded norms, router weights): exported from it
+    rewritten: set[str] = field(default_factory=set)
     _dense_decodes: dict | None = field(default=None, repr=False)
 
     def summary(self) -> str:
@@ -252,6 +254,7 @@ def calibrate_scope(qplan: QuantPlan, module: nn.Module, forward_loop: Callable[
     original = original or (lambda name: name)
     qplan.calibration.update({original(k): v for k, v in calibrator.labels.items()})
     qplan.weight_algorithms.update({original(k): v for k, v in calibrator.weight_algorithms.items()})
+    qplan.rewritten |= {original(k) for k in calibrator.rewritten}  # tensors a calibrator changed (AWQ's folds)
 
 
 def quantize(

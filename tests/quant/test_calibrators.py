@@ -136,8 +136,8 @@ def test_registry_covers_every_recipe_method_and_spellings_parse():
         parse_algorithm({"method": "max", "layerwise": {"checkpoint_dir": "/ck"}})
     with pytest.raises(AlgorithmError, match="layerwise has no option 'save_every'"):
         parse_algorithm({"method": "gptq", "layerwise": {"enable": True, "save_every": 2}})
-    with pytest.raises(AlgorithmError, match="'awq' is not supported"):
-        calibrator_for({"method": "awq"})
+    with pytest.raises(AlgorithmError, match="'smoothquant' is not supported"):
+        calibrator_for({"method": "smoothquant"})
     with pytest.raises(AlgorithmError, match="fp8_scale_sweep must be bool"):
         algorithm_config({"method": "mse", "fp8_scale_sweep": "yes"})
     with pytest.raises(AlgorithmError, match="must be a name with a scalar value"):

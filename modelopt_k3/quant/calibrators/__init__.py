@@ -8,7 +8,8 @@ A handler has three steps over a quantized model: ``observe`` (statistics from t
 ``gptq`` (gptq.py: dense Linears and routed experts, each expert by its owner; ModelOpt's one Hessian forward,
 or with ``true_sequential``/``asymmetric`` in stages within a layer; under ``modelopt_k3.layerwise`` each
 layer's inputs from the quantized layers before it), ``nvfp4_act_headroom`` (act_headroom.py: NVFP4 input
-global scales with headroom above the calibrated range).
+global scales with headroom above the calibrated range), ``awq`` (awq.py: activation-aware smoothing folded
+into the norms, then max or gptq).
 
 Each algorithm's module is imported here by name (nothing in the package is found by its file name:
 tests/spec/test_whole_contract.py), in the order the registry lists them: adding one is its file, its line below
@@ -33,7 +34,7 @@ from .base import (
 
 # The algorithms, registered on import in this order (the registry's order: its messages and lists).
 # isort: off
-from . import max, mse, local_hessian, gptq, act_headroom  # noqa: F401
+from . import max, mse, local_hessian, gptq, act_headroom, awq  # noqa: F401
 # isort: on
 
 __all__ = [

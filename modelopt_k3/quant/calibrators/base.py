@@ -93,7 +93,9 @@ class Calibrator:
     override the steps. ``config``: its typed options; ``algorithm``: the recipe's spelling (the labels'
     text). ``labels``: quantizer name -> what chose its scales, in words (the summary's lines);
     ``weight_algorithms``: weight quantizer name -> which of ``weight_algorithm_names()`` produced its scales
-    (the report's ``weight_algorithm``), filled by max's finalize and overwritten where a search ran."""
+    (the report's ``weight_algorithm``), filled by max's finalize and overwritten where a search ran.
+    ``rewritten``: source tensors (norm and router weights) whose value in the model the calibration changed
+    (``awq``'s fold): the export writes the model's value, in the source dtype, where it would copy the source."""
 
     config_type: ClassVar[type[AlgorithmConfig]]
 
@@ -104,6 +106,7 @@ class Calibrator:
         self.config = config
         self.labels: dict[str, str] = {}
         self.weight_algorithms: dict[str, str] = {}
+        self.rewritten: set[str] = set()
 
     def observe(self, model: nn.Module, forward_loop: ForwardLoop | None) -> None:
         raise NotImplementedError

@@ -1,0 +1,77 @@
+"""AWQ's per-input-channel smoothing scales (pure): the statistic, the scale rule and the alpha grid.
+
+AWQ (Lin et al. 2023; ModelOpt's ``awq_lite``, llm-compressor's ``AWQModifier``) multiplies a Linear's weight
+columns by ``s`` and divides its input channels by ``s``: the product is unchanged, but channels whose inputs
+are large get their weights scaled up, so the weight quantizer spends its resolution where the output is most
+sensitive. ``s = mean|x|^alpha`` normalised so that ``sqrt(max(s) * min(s)) = 1``, ``alpha`` chosen on a grid in
+[0, 1] by the output error of the fake-quantized group (the calibrator's part; ``alpha = 0`` gives ``s = 1``
+exactly: no smoothing).
+
+``mean|x|`` must be the same bits whatever way the tokens are split over ranks or batches (the scales are folded
+into exported weights, and EP 2 must export one process's bytes). Float sums are order-dependent, so each
+``|x|`` is cut into integer-valued limbs on fixed power-of-two grids (``abs_sum_limbs``): sums of integers below
+2**53 are exact in float64 in any order, and the limbs are combined once, after the reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# |x| is split as sum_k l_k * 2**(TOP_EXP - LIMB_BITS * (k + 1)), 0 <= l_k < 2**LIMB_BITS: values up to 2**TOP_EXP,
+# down to 2**(TOP_EXP - LIMB_BITS * LIMBS) (below that a value's remainder is dropped, the same on every rank).
+TOP_EXP = 20
+LIMB_BITS = 24
+LIMBS = 4
+MAX_EXACT_TOKENS = 1 << (53 - LIMB_BITS)  # integer-valued limb sums stay below 2**53 up to here
+SCALE_FLOOR = 1e-4  # a channel never seen (mean 0) must not give s = 0 (llm-compressor's and ModelOpt's clamp)
+
+
+def limb_grids(device: torch.device | None = None) -> Tensor:
+    """``[LIMBS]`` float64 powers of two: the value of one unit of each limb."""
+    exps = torch.tensor([TOP_EXP - LIMB_BITS * (k + 1) for k in range(LIMBS)], dtype=torch.float64, device=device)
+    return torch.exp2(exps)
+
+
+def abs_sum_limbs(x: Tensor) -> Tensor:
+    """``[LIMBS, C]`` integer-valued float64 sums over every row of ``x [..., C]`` of ``|x|``'s limbs.
+
+    Exact (integers below 2**53) for up to ``MAX_EXACT_TOKENS`` rows in all, in any order or split, so
+    ``limbs_to_sum`` of a reduction over ranks is one process's value bit for bit. Refuses ``|x| >= 2**TOP_EXP``
+    and non-finite values (no exact limb)."""
+    a = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).abs()
+    if a.numel() and not bool((a < 2.0**TOP_EXP).all()):
+        raise ValueError(f"awq: an activation is not finite or at least 2**{TOP_EXP} in magnitude "
+                         f"(max {float(a.max()):.4g}): its mean cannot be summed exactly")
+    out = []
+    for g in limb_grids(a.device).tolist():
+        limb = torch.floor(a / g)
+        a = a - limb * g  # exact: limb * g is a's leading bits
+        out.append(limb.sum(0))
+    return torch.stack(out)
+
+
+def limbs_to_sum(limbs: Tensor) -> Tensor:
+    """``[C]`` float64 sums from ``abs_sum_limbs``' (reduced) limbs, combined in one fixed order."""
+    grids = limb_grids(limbs.device)
+    total = torch.zeros(limbs.shape[1:], dtype=torch.float64, device=limbs.device)
+    for k in range(LIMBS):
+        total = total + limbs[k] * grids[k]
+    return total
+
+
+def alpha_grid(step: float) -> list[float]:
+    """``0, step, 2 step, ..., 1`` (1 included when ``step`` divides it; ModelOpt's ``alpha_step`` grid)."""
+    n = int(round(1.0 / step))
+    points = [round(i * step, 12) for i in range(n + 1) if i * step <= 1.0 + 1e-12]
+    return points
+
+
+def awq_scales(mean_abs: Tensor, alpha: float) -> Tensor:
+    """``[C]`` float32 smoothing scales ``mean|x|^alpha`` (floored at ``SCALE_FLOOR``), divided by
+    ``sqrt(max * min)`` so they straddle 1. ``alpha = 0``: ones exactly."""
+    if alpha == 0.0:
+        return torch.ones(mean_abs.shape, dtype=torch.float32, device=mean_abs.device)
+    s = mean_abs.to(torch.float64).clamp(min=SCALE_FLOOR).pow(alpha)
+    s = s / torch.sqrt(s.max() * s.min())
+    return s.to(torch.float32)

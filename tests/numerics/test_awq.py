@@ -1,0 +1,71 @@
+"""AWQ's pure numerics (numerics/awq.py): the exact, split-independent ``mean|x|`` limbs, the scale rule, the grid."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from modelopt_k3.numerics.awq import (
+    LIMB_BITS,
+    LIMBS,
+    TOP_EXP,
+    abs_sum_limbs,
+    alpha_grid,
+    awq_scales,
+    limbs_to_sum,
+)
+
+
+def _wide(rows: int, seed: int) -> torch.Tensor:
+    """|x| over ~60 binades (2**-40 .. 2**19): a float64 running sum of it depends on the order."""
+    g = torch.Generator().manual_seed(seed)
+    mant = torch.rand(rows, 8, generator=g) + 0.5
+    exps = torch.randint(-40, 19, (rows, 8), generator=g).float()
+    sign = torch.where(torch.rand(rows, 8, generator=g) < 0.5, -1.0, 1.0)
+    return sign * mant * torch.exp2(exps)
+
+
+def test_limb_sums_are_the_same_bits_however_the_rows_are_split_or_ordered():
+    x = _wide(600, 0)
+    whole = abs_sum_limbs(x)
+    assert whole.shape == (LIMBS, 8) and whole.dtype == torch.float64
+    parts = sum(abs_sum_limbs(p) for p in x.split([1, 99, 200, 300]))  # as ranks / batches would split it
+    shuffled = abs_sum_limbs(x[torch.randperm(600, generator=torch.Generator().manual_seed(1))])
+    assert torch.equal(parts, whole) and torch.equal(shuffled, whole)
+    assert torch.equal(whole, torch.round(whole)) and bool((whole < 2.0**53).all())  # integer-valued: exact
+    # The float sum these replace is order-dependent on such data (what made them necessary) ...
+    a = x.abs().double()
+    assert not torch.equal(a.sum(0), a.flip(0).cumsum(0)[-1])
+    # ... and their value is the exact sum (math.fsum: correctly rounded) to float64 rounding of the combine.
+    for c in range(8):
+        exact = math.fsum(a[:, c].tolist())
+        assert abs(float(limbs_to_sum(whole)[c]) - exact) <= 4 * math.ulp(exact), c
+
+
+def test_limbs_keep_values_down_to_their_last_grid_and_refuse_what_they_cannot_hold():
+    tiny = 2.0 ** (TOP_EXP - LIMB_BITS * LIMBS)
+    x = torch.tensor([[2.0**TOP_EXP - 1.0, tiny, tiny / 2]], dtype=torch.float64)
+    total = limbs_to_sum(abs_sum_limbs(x))
+    assert total.tolist() == [2.0**TOP_EXP - 1.0, tiny, 0.0]  # below the last grid: dropped, on every rank alike
+    for bad in (2.0**TOP_EXP, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="awq"):
+            abs_sum_limbs(torch.tensor([[1.0, bad]]))
+
+
+def test_alpha_grid_is_modelopts_step_grid_over_0_1():
+    assert alpha_grid(0.1) == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    assert alpha_grid(0.25) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert alpha_grid(1.0) == [0.0, 1.0]
+
+
+def test_awq_scales_are_mean_to_alpha_normalised_to_straddle_one():
+    mean = torch.tensor([0.5, 2.0, 8.0, 0.0], dtype=torch.float64)
+    assert torch.equal(awq_scales(mean, 0.0), torch.ones(4))  # alpha 0: no smoothing, exactly
+    s = awq_scales(mean, 0.5)
+    floored = torch.tensor([0.5, 2.0, 8.0, 1e-4], dtype=torch.float64).sqrt()
+    want = floored / torch.sqrt(floored.max() * floored.min())
+    assert s.dtype == torch.float32 and torch.allclose(s.double(), want, rtol=1e-7, atol=0)
+    assert math.isclose(float(s.max()) * float(s.min()), 1.0, rel_tol=1e-6)
+    assert torch.allclose(awq_scales(mean, 1.0)[:3] / awq_scales(mean, 1.0)[0], torch.tensor([1.0, 4.0, 16.0]))

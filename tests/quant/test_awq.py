@@ -1,0 +1,39 @@
+"""``awq``'s config and handler refusals (quant/calibrators/awq.py); the algorithm on models is tested on the tiny
+stand-ins (tests/models/qwen3_moe/test_awq.py, tests/models/gpt_oss/test_awq.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from modelopt_k3.quant.calibrators import algorithm_config, calibrator_for, qformat_presets
+from modelopt_k3.recipe.algorithm import AlgorithmError
+
+
+def test_awq_options_presets_and_refusals():
+    assert algorithm_config({"method": "awq", "then": "gptq"}).then_algorithm() == qformat_presets()["nvfp4_gptq"][1]
+    assert algorithm_config("awq").then_algorithm() == "max"
+    assert algorithm_config(qformat_presets()["nvfp4_awq_gptq"][1]).then == "gptq"
+    assert algorithm_config(qformat_presets()["nvfp4_awq"][1]) == algorithm_config("awq")
+    for bad in ({"then": "mse"}, {"alpha_step": 0.0}, {"alpha_step": 1.5}, {"pre_quant_scale": True}):
+        with pytest.raises(AlgorithmError, match="awq"):
+            algorithm_config({"method": "awq", **bad})
+
+
+def test_awq_state_is_its_limb_sums_plus_what_then_holds():
+    plain, both = algorithm_config("awq"), algorithm_config({"method": "awq", "then": "gptq"})
+    gptq = algorithm_config(qformat_presets()["nvfp4_gptq"][1])
+    assert plain.state_bytes(32, 64, 2) == (32 * 64, 0)
+    held, kept = gptq.state_bytes(32, 64, 2)
+    assert both.state_bytes(32, 64, 2) == (held + 32 * 64, kept)
+
+
+def test_awq_refuses_what_it_cannot_fold():
+    """Without calibration data, and under layerwise (a decoder layer handed over alone: its norms would be written
+    before the export learned they changed)."""
+    layer = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="needs calibration data"):
+        calibrator_for("awq").calibrate(layer, None, {})
+    with pytest.raises(ValueError, match="layerwise is not built"):
+        calibrator_for("awq").calibrate(layer, lambda m: m(torch.zeros(1, 16)), {})
