@@ -14,6 +14,7 @@ differs: the config's expert-count attribute, its recipes, serving rules, source
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,12 @@ GATED_PROJECTIONS = (
 GATE_UP_SHARED = (("gate_proj", "up_proj"),)
 DECODER_UNIT_KEY_RE = r"^(?P<unit>model\.layers\.\d+)\."
 DECODER_LAYER_RE = r"(?:^|\.)model\.layers\.\d+$"
+
+
+def decoder_unit_key_re(layers: str) -> str:
+    """The FSDP2 unit of a checkpoint key: decoder layer ``{layers}.N`` (``model.layers``, or a VLM's
+    ``language_model.model.layers``)."""
+    return rf"^(?P<unit>{re.escape(layers)}\.\d+)\."
 
 
 def experts_class(model_class: str) -> type:
@@ -95,6 +102,7 @@ def transformers_moe_spec(
     check_config: Callable[[Any], None] | None = None,
     layout_fields: tuple[str, ...] = ("num_hidden_layers",),
     min_transformers: str = "5.0.0",
+    layers: str = "model.layers",
     **groups: Any,
 ) -> ModelSpec:
     """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring).
@@ -105,7 +113,8 @@ def transformers_moe_spec(
     class. ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields. ``groups``: the other
     ``ModelSpec`` fields (``recipes``, ``serving``, ``stand_in``, ``source_check``). Without ``source_check`` the
     checkpoint's layout is read off the model built on meta (``layout.py``; its errors quote ``layout_fields``)
-    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s.
+    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s. ``layers``: the
+    decoder layers' checkpoint prefix (the FSDP2 unit; a VLM's text model sits under its own prefix).
     """
     if experts_spec is None:
         if num_experts_attr is None:
@@ -138,7 +147,7 @@ def transformers_moe_spec(
                             converters=converters or own_conversion, **(loading or {})),
         experts=experts_spec,
         quant=QuantSpec(**quant_fields),
-        memory=MemorySpec(fsdp_unit_key_regex=DECODER_UNIT_KEY_RE, activation_memory=activation_memory),
+        memory=MemorySpec(fsdp_unit_key_regex=decoder_unit_key_re(layers), activation_memory=activation_memory),
         report=ReportSpec(decoder_layer_regex=DECODER_LAYER_RE),
         **groups,
     )
