@@ -22,6 +22,7 @@ from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25PreTrainedMod
 from ...spec import PrepareContext, SpecError
 from ..common.compressed_sources import experts_converters, source_kind
 from ..common.probe import tiny_config
+from ..common.spec import eager_experts
 
 TEXT_PREFIX = "language_model."
 
@@ -57,16 +58,15 @@ def _text(config: Any) -> Any:
 
 
 def prepare(ctx: PrepareContext) -> None:
-    """The declared source (BF16 or INT4 pack-quantized routed experts: the released formats) and eager experts
-    at build, set on the text config the experts read."""
+    """The declared source (BF16 or INT4 pack-quantized routed experts: the released formats); eager experts at
+    build (the loader installs the plan's implementation on the built experts)."""
     kind = source_kind(_text(ctx.config), "Kimi-K2.5")
     if kind == "block_fp8":
         raise SpecError("Kimi-K2.5 checkpoints are released BF16 or with INT4 pack-quantized experts; a block-FP8 "
                         "source is DeepSeek-V3's format (model_type deepseek_v3), not read under kimi_k25")
     if ctx.packed_experts:
         raise SpecError("the routed experts are stored packed in a format Kimi-K2.5 does not use")
-    for cfg in (ctx.config, _text(ctx.config)):
-        cfg._experts_implementation = "eager"
+    eager_experts(ctx)
 
 
 def checkpoint_converters(ctx: PrepareContext) -> list:
