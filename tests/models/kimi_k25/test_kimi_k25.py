@@ -109,3 +109,23 @@ def test_layerwise_export_equals_the_resident_export(kimi_k25_ckpt, kimi_k25_exp
     ptq("--pyt_ckpt_path", kimi_k25_ckpt, "--layerwise", "--export_path", tmp_path / "layerwise",
         "--target_engines", "vllm")
     assert_same_export(kimi_k25_export, tmp_path / "layerwise")
+
+
+def test_carried_vision_tensors_read_the_hubs_vt_spelling(kimi_k25_ckpt):
+    """The real config.json spells the tower's sizes ``vt_*`` / ``init_pos_emb_*`` only (transformers 5.25 reads
+    neither and silently builds its defaults): the carried layout maps them, so a config spelled as the hub does
+    gives the stored tensors, and one whose ``vt_*`` disagree with the shards is refused before any read."""
+    from modelopt_k3.checkpoint.source_check import SourceMismatchError, check_carried
+    from modelopt_k3.models.kimi_k25.vision import vision_tensors
+    from modelopt_k3.spec import get_spec
+
+    config = json.loads((kimi_k25_ckpt / "config.json").read_text())
+    hub_only = {**config, "vision_config": {k: v for k, v in config["vision_config"].items() if k not in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "pos_emb_height",
+        "pos_emb_width", "pos_emb_time")}}
+    source = stored(kimi_k25_ckpt)
+    assert vision_tensors(hub_only) == {k: tuple(t.shape) for k, t in source.items()
+                                        if k.startswith(("vision_tower.", "mm_projector."))}
+    wrong = {**hub_only, "vision_config": {**hub_only["vision_config"], "vt_num_hidden_layers": 3}}
+    with pytest.raises(SourceMismatchError, match=r"vision tower.*12 missing: vision_tower\.encoder\.blocks\.2\."):
+        check_carried(source, wrong, get_spec("kimi_k25"))
