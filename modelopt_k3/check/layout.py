@@ -28,7 +28,9 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 # Suffixes a quantized Linear may carry besides ``weight`` (ModelOpt and compressed-tensors MXFP4 names).
 # weight_scale_inv: a block-FP8 source Linear (DeepSeek-V3's hub checkpoints): planned layouts read such sources.
-_LINEAR_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_2", "input_scale", "bias", "weight_scale_inv")
+# ``weight_shape``: a compressed-tensors pack-quantized INT4 source Linear (Kimi-K2.5's experts) stores it.
+_LINEAR_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_2", "input_scale", "bias", "weight_scale_inv",
+                 "weight_shape")
 _EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings)$")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -54,10 +56,13 @@ class Linear:
 
     @property
     def fmt(self) -> str:
-        """How it is stored: bf16, nvfp4, w4a16_nvfp4, fp8, fp8_pb, mxfp4, or unknown."""
+        """How it is stored: bf16, nvfp4, w4a16_nvfp4, fp8, fp8_pb, mxfp4, int4 (a pack-quantized source), or
+        unknown."""
         t = self.tensors
         weight, scale = t.get("weight"), t.get("weight_scale")
         if "weight_packed" in t:
+            if t["weight_packed"].dtype == torch.int32 and "weight_shape" in t:
+                return "int4"
             return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "unknown"
         if weight is None:
             return "unknown"
@@ -75,8 +80,8 @@ class Linear:
     def shape(self) -> tuple[int, int]:
         """Logical ``(out_features, in_features)``."""
         if "weight_packed" in self.tensors:
-            out_f, half = self.tensors["weight_packed"].shape
-            return out_f, half * 2
+            out_f, words = self.tensors["weight_packed"].shape
+            return out_f, words * (8 if self.tensors["weight_packed"].dtype == torch.int32 else 2)  # int4 | mxfp4
         out_f, cols = self.tensors["weight"].shape
         return out_f, cols * 2 if self.tensors["weight"].dtype == torch.uint8 else cols
 
@@ -196,7 +201,7 @@ def scan_export(export_dir: str | Path) -> tuple[Layout, CheckpointReader]:
 def _planned_tensors(linear: Linear, fmt) -> dict[str, TensorMeta]:
     """The tensors the exporters write for ``linear`` in ``fmt`` (``Scheme.layout``)."""
     if fmt is None:
-        if linear.fmt == "mxfp4":  # a routed expert left unquantized is decoded and written as BF16
+        if linear.fmt in ("mxfp4", "int4"):  # a routed expert left unquantized is decoded and written as BF16
             return {"weight": TensorMeta(torch.bfloat16, linear.shape)}
         if "weight_scale_inv" in linear.tensors:  # a kept block-FP8 source Linear is written decoded, BF16
             kept = {"weight": TensorMeta(torch.bfloat16, linear.tensors["weight"].shape)}

@@ -30,10 +30,12 @@ CANNOT_START = "server cannot start"
 REFUSES = "refuses"
 GARBAGE = "loads silently but serves garbage"
 NO_DRAFTER = "loads, but the MTP drafter does not load"
+# The check has no rule it could observe for that engine and model: never reported as "loads".
+NOT_VERIFIED = "not verified"
 DIFFERENT = "loads but serves different numbers"
 WARNS = "loads correctly, with a warning"
 LOADS = "loads correctly"
-SEVERITY = (CANNOT_START, REFUSES, GARBAGE, NO_DRAFTER, DIFFERENT, WARNS, LOADS)
+SEVERITY = (CANNOT_START, REFUSES, GARBAGE, NO_DRAFTER, NOT_VERIFIED, DIFFERENT, WARNS, LOADS)
 ALL_ENGINES = ("vllm", "sglang", "trtllm")
 
 

@@ -16,13 +16,13 @@ the hub's spelling."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..models.kimi_k25.vision import hub_name
 from .deepseek_v3 import _int4_fields, int4_quantization_config
 from .hub_standin import bf16_tensors, draw, hub_shapes, meta_model, per_expert
 from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, MEDIA_TOKEN_ID, PAD_TOKEN_ID, fresh_dir, write_stand_in
@@ -60,10 +60,6 @@ KIMI_K25_VISION_DEFAULTS: dict[str, Any] = {
 }
 
 _EXPERT_PROJS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-_VISION_BLOCK_RE = re.compile(r"^model\.vision_tower\.layers\.(?P<i>\d+)\.(?P<rest>.+)$")
-# transformers' vision block names -> the original MoonViT names (the inverse of its kimi_k25 renames).
-_VISION_BLOCK_NAMES = {"norm1": "norm0", "norm2": "norm1", "mlp.fc1": "mlp.fc0", "mlp.fc2": "mlp.fc1",
-                       "attn.proj": "wo"}
 
 
 # moonshotai/Kimi-K2.5's text quantization_config ``ignore`` list, verbatim (regexes over module names).
@@ -158,23 +154,7 @@ def hub_layout(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, 
         return [(name, shape)]
     if name.startswith("lm_head."):
         return [("language_model." + name, shape)]
-    if name.startswith("model.mm_projector."):
-        rest = name.removeprefix("model.mm_projector.")
-        rest = rest.replace("in_proj.", "proj.0.").replace("out_proj.", "proj.2.")
-        return [("mm_projector." + rest, shape)]
-    if name == "model.vision_tower.patch_embed.pos_emb.position_embeddings":
-        return [("vision_tower.patch_embed.pos_emb.weight", shape)]
-    m = _VISION_BLOCK_RE.match(name)
-    if m is None:  # patch_embed.proj, final_layernorm
-        rest = name.removeprefix("model.vision_tower.")
-        prefix = "vision_tower." if rest.startswith("patch_embed.") else "vision_tower.encoder."
-        return [(prefix + rest, shape)]
-    block, rest = f"vision_tower.encoder.blocks.{m['i']}", m["rest"]
-    qkv = re.match(r"attn\.(?P<p>[qkv])_proj\.(?P<t>weight|bias)$", rest)
-    if qkv is not None:  # one fused wqkv (transformers chunks it in three and permutes q/k for its rope)
-        return [(f"{block}.wqkv.{qkv['t']}", (3 * shape[0], *shape[1:]))] if qkv["p"] == "q" else []
-    module, _, tensor = rest.rpartition(".")
-    return [(f"{block}.{_VISION_BLOCK_NAMES.get(module, module)}.{tensor}", shape)]
+    return hub_name(name, shape)  # the vision tower and projector (models/kimi_k25/vision.py)
 
 
 def _is_routed_expert(name: str) -> bool:

@@ -38,15 +38,18 @@ QWEN3_WIDE_SIZES = {"mlp_only_layers": [], "hidden_size": 128}
 # for Kimi-K3 above); its other widths are the generator's (kv_a_proj_with_mqa 128 + 64 = 192 rows: a partial
 # 128-row FP8 block, as DeepSeek-V3's 576).
 DEEPSEEK_V3_SIZES = {"source": "block_fp8", **MLA_SIZES}
+# Kimi-K2.5 (hub layout: INT4 experts, MoonViT) with the real model's MLA head sizes in its text model.
+KIMI_K25_SIZES = {"text": MLA_SIZES}
 TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
                  "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES,
                  # Nemotron-H (issue 40): its drivers exist, but no cell yet: a cell needs a row of engine
                  # observations in tests/data/engine_conformance.json (run the engines, then add the hf_ptq
                  # --qformat nvfp4 cell, recipe models/nvidia/Nemotron-3/nvfp4_experts).
-                 "nemotron_h": {}}
+                 "nemotron_h": {},
+                 "kimi_k25": KIMI_K25_SIZES}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
-               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h"}
+               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h", "kimi_k25": "kimi_k25"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
@@ -117,6 +120,9 @@ CELLS: tuple[Cell, ...] = (
     Cell("deepseek_v3-qformat-nvfp4-kv_fp8", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
          qformat="nvfp4", kv_cache_qformat="fp8",
          about="DeepSeek-V3: hf_ptq --qformat nvfp4 --kv_cache_qformat fp8 (one MLA KV scale per layer)"),
+    # Kimi-K2.5 (issue 40): the INT4 stand-in through its --qformat nvfp4 recipe (routed experts only; vision carried).
+    Cell("kimi_k25-qformat-nvfp4", "hf_ptq", "models/moonshotai/Kimi-K2.5/nvfp4", tiny="kimi_k25", qformat="nvfp4",
+         about="Kimi-K2.5: hf_ptq --qformat nvfp4 on the INT4 stand-in (routed experts NVFP4; vision tower as stored)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 

@@ -115,7 +115,8 @@ def transformers_moe_spec(
     ``ModelSpec`` fields (``recipes``, ``serving``, ``stand_in``, ``source_check``). Without ``source_check`` the
     checkpoint's layout is read off the model built on meta (``layout.py``; its errors quote ``layout_fields``)
     after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s. ``layers``: the
-    decoder layers' module list as the checkpoint names it (Nemotron-H's ``backbone.layers``).
+    decoder layers' module list as the checkpoint names it (Nemotron-H's ``backbone.layers``, a VLM's text model
+    under its own prefix: Kimi-K2.5's ``language_model.model.layers``).
     """
     if experts_spec is None:
         if num_experts_attr is None:

@@ -2,8 +2,7 @@
 transformers' own ``DeepseekV3*`` classes, BF16, block-FP8 or INT4 pack-quantized sources decoded as they load.
 
 Built by ``models/common``'s ``transformers_moe_spec`` (fused ``DeepseekV3Experts``, the gate/up layout, the
-layer regexes) and its MLA KV-cache site. What is DeepSeek-V3's own: ``source`` (the source formats as
-converter chains: block-FP8 dense Linears and experts, INT4 experts), ``prepare`` (the source kind and its
+layer regexes) and its MLA KV-cache site. What is DeepSeek-V3's own: ``prepare`` (the source kind and its
 experts converters), recipes, serving rules and memory model. Facts: docs/DESIGN_NOTES.md "DeepSeek-V3".
 """
 
@@ -16,12 +15,12 @@ from typing import Any
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
 from ...spec import RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
+from ..common.compressed_sources import DENSE_FP8_CONVERTERS
 from ..common.experts import fused_experts_class
+from ..common.mla_memory import activation_memory
 from ..common.spec import transformers_moe_spec
 from .kv_cache import kv_cache_sites, kv_scale_names
-from .memory import activation_memory
 from .prepare import checkpoint_converters, prepare
-from .source import DENSE_FP8_CONVERTERS
 from .source_layout import carried_modules, check_config_fields
 
 DeepseekV3FusedExperts = fused_experts_class(DeepseekV3Experts)

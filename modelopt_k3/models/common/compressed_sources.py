@@ -1,5 +1,6 @@
-"""DeepSeek-V3 family source formats, decoded as they load: block-FP8 (DeepSeek-V3/R1, Kimi-K2) and INT4
-pack-quantized routed experts (Kimi-K2.5/K2.6), as transformers ``WeightConverter`` chains.
+"""Compressed source formats of the DeepSeek-V3 text family, decoded as they load: block-FP8 (DeepSeek-V3/R1,
+Kimi-K2) and INT4 pack-quantized routed experts (Kimi-K2.5/K2.6), as transformers ``WeightConverter`` chains.
+Shared by ``deepseek_v3`` and ``kimi_k25`` (whose text model is DeepSeek-V3's): no model package imports another.
 
 - ``quant_method: fp8`` (``weight_block_size [bm, bn]``): every decoder Linear stores ``weight`` float8_e4m3fn
   + ``weight_scale_inv``; embeddings, lm_head, norms, the router and its bias are stored plain. Dense
@@ -148,6 +149,24 @@ class Int4PackedDecode(DecodeOp):
     @property
     def reverse_op(self) -> ConversionOps:
         raise NotImplementedError("modelopt_k3 exports through its own writer, never by reversing the load")
+
+
+def source_kind(config: Any, model: str = "DeepSeek-V3") -> str:
+    """``"bf16"`` (no quantization_config), ``"block_fp8"`` or ``"int4"`` (compressed-tensors
+    pack-quantized experts); any other declared format is refused (``model`` names the spec in the message)."""
+    qcfg = quantization_config(config)
+    if qcfg is None:
+        return "bf16"
+    method = qcfg.get("quant_method")
+    if method == FP8_QUANT_METHOD:
+        weight_block_size(config)
+        return "block_fp8"
+    if method == "compressed-tensors" and qcfg.get("format") == "pack-quantized":
+        int4_group_size(config)
+        return "int4"
+    raise SpecError(f"the {model} spec reads BF16, block-FP8 (quant_method 'fp8') and compressed-tensors "
+                    f"pack-quantized INT4 checkpoints; this one declares quant_method {method!r}, format "
+                    f"{qcfg.get('format')!r}")
 
 
 def experts_converters(source: str, config: Any) -> list[WeightConverter]:

@@ -1,4 +1,5 @@
-"""DeepSeek-V3's calibration activations for the memory planner (transformers' ``DeepseekV3*`` forward).
+"""The calibration activations of the DeepSeek-V3 text model (DeepSeek-V3, Kimi-K2.5's text model) for the memory
+planner (transformers' ``DeepseekV3*`` forward; shared: no model package imports another).
 
 Counted from transformers 5.24's ``modeling_deepseek_v3.py`` as this project runs it: MLA attention with the
 latent ``kv_b_proj`` expansion (``expand_kv``), the attention interface over ``[B, H, S, S]`` scores (counted

@@ -1,0 +1,83 @@
+"""Kimi-K2.5's text model under the hub's names: transformers' ``DeepseekV3ForCausalLM`` as ``language_model``.
+
+transformers' own ``Kimi_K25ForConditionalGeneration`` holds the text model as ``model.language_model`` and
+``lm_head``, renaming the hub's ``language_model.model.*`` / ``language_model.lm_head`` as it loads. The
+pipeline reads and writes each tensor under its module name, so the class here is a ``Kimi_K25PreTrainedModel``
+whose one child, ``language_model``, is transformers' ``DeepseekV3ForCausalLM`` built from ``text_config``:
+every text module's name is its hub name (an export needs no renaming back), its forward is transformers'
+own (``tests/models/kimi_k25`` holds its logits to ``Kimi_K25ForConditionalGeneration``'s), and the vision tower
+and projector are not built (``vision.py``: carried as stored). No checkpoint code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from transformers import AutoConfig, DeepseekV3ForCausalLM
+from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25PreTrainedModel
+
+from ...spec import PrepareContext, SpecError
+from ..common.compressed_sources import experts_converters, source_kind
+from ..common.probe import tiny_config
+from ..common.spec import eager_experts
+
+TEXT_PREFIX = "language_model."
+
+
+class KimiK25TextForCausalLM(Kimi_K25PreTrainedModel):
+    """``language_model``: transformers' ``DeepseekV3ForCausalLM`` of ``config.text_config`` (module docstring)."""
+
+    _no_split_modules = ["DeepseekV3DecoderLayer"]
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.language_model = DeepseekV3ForCausalLM(config.text_config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def forward(self, input_ids=None, **kwargs):
+        return self.language_model(input_ids=input_ids, **kwargs)
+
+
+class TransformersKimiK25:
+    """The spec's model class source: ``KimiK25TextForCausalLM`` with transformers' own config (no checkpoint code)."""
+
+    remote_code = False
+
+    def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
+        return KimiK25TextForCausalLM, AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def _text(config: Any) -> Any:
+    return getattr(config, "text_config", config)
+
+
+def prepare(ctx: PrepareContext) -> None:
+    """The declared source (BF16 or INT4 pack-quantized routed experts: the released formats); eager experts at
+    build (the loader installs the plan's implementation on the built experts)."""
+    kind = source_kind(_text(ctx.config), "Kimi-K2.5")
+    if kind == "block_fp8":
+        raise SpecError("Kimi-K2.5 checkpoints are released BF16 or with INT4 pack-quantized experts; a block-FP8 "
+                        "source is DeepSeek-V3's format (model_type deepseek_v3), not read under kimi_k25")
+    if ctx.packed_experts:
+        raise SpecError("the routed experts are stored packed in a format Kimi-K2.5 does not use")
+    eager_experts(ctx)
+
+
+def checkpoint_converters(ctx: PrepareContext) -> list:
+    """The experts chain for the declared source (INT4 decoded as it loads, straight into this rank's rows)."""
+    text = _text(ctx.config)
+    return experts_converters(source_kind(text, "Kimi-K2.5"), text)
+
+
+def probe_model(model_cls: type, config: Any, device: Any) -> tuple[nn.Module, str]:
+    """``QuantSpec.probe_model``: a tiny ``DeepseekV3ForCausalLM`` of the text config (every layer kind kept); its
+    names sit under ``language_model.`` in the checkpoint."""
+    from ...spec.probe import random_probe_model
+
+    return random_probe_model(lambda: DeepseekV3ForCausalLM(tiny_config(_text(config))), device), TEXT_PREFIX
