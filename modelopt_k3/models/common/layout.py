@@ -30,10 +30,11 @@ def _frozen(config: Mapping[str, Any]) -> str:
 
 
 @lru_cache(maxsize=4)
-def _meta_shapes(model_class: str, config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of every persistent tensor of ``model_class`` built from the config on meta (cached by the
-    config's JSON: the loader and the converter ask for both layouts of one config)."""
-    cls = getattr(transformers, model_class)
+def _meta_shapes(model_class: str | type, config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every persistent tensor of ``model_class`` (transformers' class by name, or a package's
+    subclass of it) built from the config on meta (cached by the config's JSON: the loader and the converter ask
+    for both layouts of one config)."""
+    cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
     raw = {k: v for k, v in json.loads(config_json).items() if k != "quantization_config"}
     config = cls.config_class(**raw)
     config._experts_implementation = "eager"
@@ -42,14 +43,18 @@ def _meta_shapes(model_class: str, config_json: str) -> tuple[tuple[str, tuple[i
     return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items())
 
 
-def meta_layouts(model_class: str, fields: tuple[str, ...] = ("num_hidden_layers",),
-                 experts_re: str = r"\.mlp\.experts$") -> tuple[
+def meta_layouts(model_class: str | type, fields: tuple[str, ...] = ("num_hidden_layers",),
+                 experts_re: str = r"\.mlp\.experts$",
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[
         Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]], Callable[[Mapping[str, Any]], Dense]]:
     """(expert_layout, dense_layout) for ``SourceCheckSpec``, both read off ``model_class`` built on meta; an error
-    quotes the config ``fields`` that place the layers (the ones a user would edit)."""
+    quotes the config ``fields`` that place the layers (the ones a user would edit). ``names``: the checkpoint's
+    per-expert gate, up and down Linears (Mixtral's ``w1``, ``w3``, ``w2`` for MiniMax-M2)."""
+    gate, up, down = names
+    shown = model_class if isinstance(model_class, str) else model_class.__name__
 
     def quoted(config: Mapping[str, Any]) -> str:
-        return f"{model_class} built from config.json: " + ", ".join(f"{k}={config.get(k)}" for k in fields)
+        return f"{shown} built from config.json: " + ", ".join(f"{k}={config.get(k)}" for k in fields)
 
     def experts(config: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
         found: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -64,7 +69,7 @@ def meta_layouts(model_class: str, fields: tuple[str, ...] = ("num_hidden_layers
         for module, params in experts(config).items():
             e, two_i, h = params["gate_up_proj"]
             i = two_i // 2
-            layouts.append(ExpertsLayout(module, e, {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)},
+            layouts.append(ExpertsLayout(module, e, {gate: (i, h), up: (i, h), down: (h, i)},
                                          f"{quoted(config)}; {module}.gate_up_proj {[e, two_i, h]}"))
         return tuple(layouts)
 

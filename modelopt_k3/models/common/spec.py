@@ -14,8 +14,11 @@ differs: the config's expert-count attribute, its recipes, serving rules, source
 
 from __future__ import annotations
 
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import transformers
@@ -39,24 +42,42 @@ from .experts import experts_placer
 from .layout import meta_layouts
 from .probe import probe_model as default_probe
 
-# Per-expert checkpoint Linears of a gated experts module: ``...mlp.experts.<id>.<proj>.<tensor>``.
-EXPERT_KEY_RE = r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)\.(?P<tensor>\w+)$"
-# gate_proj/up_proj are the two halves of ``gate_up_proj`` (transformers' ``Concatenate`` on dim 0 of [E, 2I, H]).
-GATED_PROJECTIONS = (
-    ExpertProjection("gate_proj", "gate_up_proj", chunk=0, n_chunks=2),
-    ExpertProjection("up_proj", "gate_up_proj", chunk=1, n_chunks=2),
-    ExpertProjection("down_proj", "down_proj"),
-)
-# vLLM, SGLang and TensorRT-LLM fuse each expert's gate/up into w13: one weight_scale_2 and one input_scale.
-GATE_UP_SHARED = (("gate_proj", "up_proj"),)
+# The checkpoint's per-expert gate, up and down Linears of a gated experts module (transformers' own names).
+GATED_NAMES = ("gate_proj", "up_proj", "down_proj")
+EXPERTS_MODULE = "mlp.experts"
+
+
+def expert_key_regex(experts_module: str = EXPERTS_MODULE, names: tuple[str, str, str] = GATED_NAMES) -> str:
+    """Per-expert checkpoint Linears ``...{experts_module}.<id>.<proj>.<tensor>`` (``ExpertsSpec.key_regex``)."""
+    projs = "|".join(re.escape(n) for n in names)
+    return rf"^(?P<module>.+\.{re.escape(experts_module)})\.(?P<expert>\d+)\.(?P<proj>(?:{projs}))\.(?P<tensor>\w+)$"
+
+
+def gated_projections(names: tuple[str, str, str] = GATED_NAMES) -> tuple[ExpertProjection, ...]:
+    """gate/up are the two halves of ``gate_up_proj`` (transformers' ``Concatenate`` on dim 0 of [E, 2I, H])."""
+    gate, up, down = names
+    return (ExpertProjection(gate, "gate_up_proj", chunk=0, n_chunks=2),
+            ExpertProjection(up, "gate_up_proj", chunk=1, n_chunks=2),
+            ExpertProjection(down, "down_proj"))
+
+
+EXPERT_KEY_RE = expert_key_regex()
+GATED_PROJECTIONS = gated_projections()
 DECODER_UNIT_KEY_RE = r"^(?P<unit>model\.layers\.\d+)\."
 DECODER_LAYER_RE = r"(?:^|\.)model\.layers\.\d+$"
 
 
-def experts_class(model_class: str) -> type:
+def transformers_base(model_class: str | type) -> type:
+    """transformers' class ``model_class`` names, or the transformers class a package's subclass derives from."""
+    if isinstance(model_class, str):
+        return getattr(transformers, model_class)
+    return next(c for c in model_class.__mro__ if c.__module__.startswith("transformers.models."))
+
+
+def experts_class(model_class: str | type) -> type:
     """The experts class of transformers' ``model_class``: the one class of its modeling module decorated by
     transformers' experts interface (SpecError unless exactly one)."""
-    module = sys.modules[getattr(transformers, model_class).__module__]  # imported by that getattr
+    module = sys.modules[transformers_base(model_class).__module__]  # imported by that getattr
     found = [obj for name, obj in vars(module).items()
              if isinstance(obj, type) and obj.__module__ == module.__name__ and name.endswith("Experts")
              and hasattr(obj, "_apply_gate")]
@@ -79,9 +100,22 @@ def eager_experts(ctx: PrepareContext) -> None:
     ctx.config._experts_implementation = "eager"
 
 
+@dataclass(frozen=True)
+class TransformersSubclass:
+    """A package's subclass of transformers' own model class (the checkpoint's names on transformers' modules,
+    MiniMax-M2's ``block_sparse_moe``); the config is read with transformers' own config class, no checkpoint
+    code runs."""
+
+    cls: type
+    remote_code: bool = field(default=False, init=False)
+
+    def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
+        return self.cls, transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
 def transformers_moe_spec(
     model_type: str,
-    model_class: str,
+    model_class: str | type,
     *,
     num_experts_attr: str | None = None,
     prepare: Callable[[PrepareContext], None] = eager_experts,
@@ -94,12 +128,17 @@ def transformers_moe_spec(
     activation_memory: Callable[..., Any] | None = None,
     check_config: Callable[[Any], None] | None = None,
     layout_fields: tuple[str, ...] = ("num_hidden_layers",),
+    experts_module: str = EXPERTS_MODULE,
+    expert_names: tuple[str, str, str] = GATED_NAMES,
     min_transformers: str = "5.0.0",
     **groups: Any,
 ) -> ModelSpec:
     """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring).
 
-    ``converters``: the checkpoint conversion (default: transformers' own for ``model_type``). ``experts``:
+    ``model_class``: transformers' class by name, or a package's subclass of it (``TransformersSubclass``).
+    ``experts_module``/``expert_names``: where the experts live and the checkpoint's per-expert gate, up and
+    down Linears, when the model's modules carry the checkpoint's names (MiniMax-M2: ``block_sparse_moe.experts``,
+    ``w1``/``w3``/``w2``). ``converters``: the checkpoint conversion (default: transformers' own for ``model_type``). ``experts``:
     transformers' experts class where it cannot be derived. ``experts_spec``/``model_source``: a model whose
     experts are our own module in another layout (GPT-OSS: interleaved gate/up, biases, MXFP4), built by its own
     class. ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields. ``groups``: the other
@@ -112,15 +151,16 @@ def transformers_moe_spec(
             raise SpecError(f"{model_type}: the config attribute holding the routed-expert count is needed "
                             "(num_experts_attr)")
         experts_spec = ExpertsSpec(
-            module_regex=r"\.mlp\.experts$",
+            module_regex=rf"\.{re.escape(experts_module)}$",
             sharded_params={"gate_up_proj": 0, "down_proj": 0},
-            projections=GATED_PROJECTIONS,
+            projections=gated_projections(expert_names),
             num_experts_attr=num_experts_attr,
-            key_regex=EXPERT_KEY_RE,
+            key_regex=expert_key_regex(experts_module, expert_names),
             place_experts=experts_placer(experts or experts_class(model_class)),
         )
     if "source_check" not in groups:
-        expert_layout, dense_layout = meta_layouts(model_class, layout_fields)
+        expert_layout, dense_layout = meta_layouts(model_class, layout_fields, rf"\.{re.escape(experts_module)}$",
+                                                   expert_names)
         groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                                  check_config=check_config)
 
@@ -128,13 +168,13 @@ def transformers_moe_spec(
         return transformers_conversion(model_type)
 
     # Separate gate and up projections share their scales; one gate_up projection shares them by itself.
-    split = {p.name for p in experts_spec.projections} >= {"gate_proj", "up_proj"}
-    quant_fields = {"shared_scale_groups": GATE_UP_SHARED if split else (), "probe_model": default_probe,
+    halves = tuple(p.name for p in experts_spec.projections if p.fused_param == "gate_up_proj" and p.n_chunks == 2)
+    quant_fields = {"shared_scale_groups": (halves,) if halves else (), "probe_model": default_probe,
                     **(quant or {})}
     return ModelSpec(
         model_type=model_type,
         min_transformers=min_transformers,
-        loading=LoadingSpec(model_class=model_source or TransformersClass(model_class), prepare=prepare,
+        loading=LoadingSpec(model_class=model_source or _class_source(model_class), prepare=prepare,
                             converters=converters or own_conversion, **(loading or {})),
         experts=experts_spec,
         quant=QuantSpec(**quant_fields),
@@ -142,6 +182,10 @@ def transformers_moe_spec(
         report=ReportSpec(decoder_layer_regex=DECODER_LAYER_RE),
         **groups,
     )
+
+
+def _class_source(model_class: str | type) -> ModelClassSource:
+    return TransformersClass(model_class) if isinstance(model_class, str) else TransformersSubclass(model_class)
 
 
 __all__ = ["EXPERT_KEY_RE", "GATED_PROJECTIONS", "experts_class", "transformers_conversion",

@@ -12,14 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...spec import PrepareContext, SpecError
+from ..common.block_fp8 import FP8_QUANT_METHOD, quantization_config, weight_block_size
 from ..common.spec import eager_experts
-from .source import (
-    FP8_QUANT_METHOD,
-    experts_converters,
-    int4_group_size,
-    quantization_config,
-    weight_block_size,
-)
+from .source import experts_converters, int4_group_size
 
 
 def source_kind(config: Any) -> str:
