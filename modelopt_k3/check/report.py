@@ -18,6 +18,7 @@ from ..checkpoint.serving_rules import (  # noqa: F401 (the verdicts' one home; 
     GARBAGE,
     LOADS,
     NO_DRAFTER,
+    NOT_VERIFIED,
     REFUSES,
     SEVERITY,
 )

@@ -31,9 +31,11 @@ REFUSES = "refuses"
 GARBAGE = "loads silently but serves garbage"
 NO_DRAFTER = "loads, but the MTP drafter does not load"
 DIFFERENT = "loads but serves different numbers"
+# No rule of this check was read from that engine's loader for the model: neither "loads" nor "refuses" is claimed.
+NOT_VERIFIED = "not verified (this engine's loader for the model was not read)"
 WARNS = "loads correctly, with a warning"
 LOADS = "loads correctly"
-SEVERITY = (CANNOT_START, REFUSES, GARBAGE, NO_DRAFTER, DIFFERENT, WARNS, LOADS)
+SEVERITY = (CANNOT_START, REFUSES, GARBAGE, NO_DRAFTER, DIFFERENT, NOT_VERIFIED, WARNS, LOADS)
 ALL_ENGINES = ("vllm", "sglang", "trtllm")
 
 

@@ -39,10 +39,11 @@ QWEN3_WIDE_SIZES = {"mlp_only_layers": [], "hidden_size": 128}
 # 128-row FP8 block, as DeepSeek-V3's 576).
 DEEPSEEK_V3_SIZES = {"source": "block_fp8", **MLA_SIZES}
 TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
-                 "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES}
+                 "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES,
+                 "minimax_m2": {}}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
-               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"}
+               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "minimax_m2": "minimax_m2"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
@@ -113,6 +114,9 @@ CELLS: tuple[Cell, ...] = (
     Cell("deepseek_v3-qformat-nvfp4-kv_fp8", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
          qformat="nvfp4", kv_cache_qformat="fp8",
          about="DeepSeek-V3: hf_ptq --qformat nvfp4 --kv_cache_qformat fp8 (one MLA KV scale per layer)"),
+    # MiniMax-M2 (issue 40): the block-FP8 stand-in through its --qformat nvfp4 recipe (routed experts only).
+    Cell("minimax_m2-qformat-nvfp4", "hf_ptq", "models/MiniMaxAI/MiniMax-M2/nvfp4", tiny="minimax_m2", qformat="nvfp4",
+         about="MiniMax-M2: hf_ptq --qformat nvfp4 on the block-FP8 stand-in (routed experts NVFP4, w1/w3/w2)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 

@@ -19,7 +19,8 @@ tags: re-check there.
   ``lm_head`` a ``ParallelLMHead`` with ``quant_config=None`` (always unquantized), experts by
   ``FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2", ckpt_up_proj_name="w3")``
   under ``block_sparse_moe`` (its quant prefix too); ``load_weights`` skips names not in ``params_dict``.
-* TensorRT-LLM: no rules (its MiniMax-M2 loader was not read); ``modelopt-k3-check`` says it knows none.
+* TensorRT-LLM: its MiniMax-M2 loader (``tensorrt_llm/_torch/models/modeling_minimax_m2.py``) was not read:
+  ``replay_trtllm`` says "not verified" for every export, never "loads" or "refuses".
 
 KV-cache scales: the spec declares no KV-cache sites (no ``--kv_cache_qformat`` for MiniMax-M2 yet); both engines
 would take them on ``self_attn.attn``.
@@ -28,6 +29,8 @@ would take them on ``self_attn.attn``.
 from __future__ import annotations
 
 from ...check.engines.base import Fused, ModelServing, WeightsMapper
+from ...check.layout import Layout
+from ...check.report import NOT_VERIFIED, EngineResult, Refusal
 
 EXPERT_RE = r"(?P<module>.+\.block_sparse_moe\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])"
 GATE_UP = ("w1", "w3")  # w13 in both engines' expert mapping
@@ -57,5 +60,15 @@ VLLM_MINIMAX_M2 = _serving("vllm", ())
 SGLANG_MINIMAX_M2 = _serving("sglang", ((r"^lm_head$", "SGLang's MiniMaxM2ForCausalLM builds lm_head as a "
                                                        "ParallelLMHead with quant_config=None (minimax_m2.py)"),))
 
+
+
+def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """TensorRT-LLM: not verified (module docstring)."""
+    result = EngineResult("trtllm")
+    result.refusals.append(Refusal("config.json", "TensorRT-LLM's MiniMax-M2 loader was not read by this check",
+                                   verdict=NOT_VERIFIED))
+    return result
+
+
 # The spec's ``ServingSpec.rules``: engine -> rules.
-SERVING = {"vllm": VLLM_MINIMAX_M2, "sglang": SGLANG_MINIMAX_M2}
+SERVING = {"vllm": VLLM_MINIMAX_M2, "sglang": SGLANG_MINIMAX_M2, "trtllm": replay_trtllm}
