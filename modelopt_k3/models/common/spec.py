@@ -127,6 +127,7 @@ def transformers_moe_spec(
     quant: dict[str, Any] | None = None,
     activation_memory: Callable[..., Any] | None = None,
     check_config: Callable[[Any], None] | None = None,
+    carried: Callable[[Any], Any] | None = None,
     layout_fields: tuple[str, ...] = ("num_hidden_layers",),
     experts_module: str = EXPERTS_MODULE,
     expert_names: tuple[str, str, str] = GATED_NAMES,
@@ -144,7 +145,8 @@ def transformers_moe_spec(
     class. ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields. ``groups``: the other
     ``ModelSpec`` fields (``recipes``, ``serving``, ``stand_in``, ``source_check``). Without ``source_check`` the
     checkpoint's layout is read off the model built on meta (``layout.py``; its errors quote ``layout_fields``)
-    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s.
+    after ``check_config``, ``carried`` the modules it stores that the class does not build (MTP layers:
+    ``common/mtp.py``); without a ``probe_model`` the shared-input probe is ``probe.py``'s.
     """
     if experts_spec is None:
         if num_experts_attr is None:
@@ -162,7 +164,7 @@ def transformers_moe_spec(
         expert_layout, dense_layout = meta_layouts(model_class, layout_fields, rf"\.{re.escape(experts_module)}$",
                                                    expert_names)
         groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
-                                                 check_config=check_config)
+                                                 check_config=check_config, carried=carried)
 
     def own_conversion(ctx: PrepareContext) -> list:
         return transformers_conversion(model_type)
