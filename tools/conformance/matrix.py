@@ -40,10 +40,11 @@ QWEN3_WIDE_SIZES = {"mlp_only_layers": [], "hidden_size": 128}
 DEEPSEEK_V3_SIZES = {"source": "block_fp8", **MLA_SIZES}
 TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
                  "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES,
-                 "minimax_m2": {}}
+                 "minimax_m2": {}, "glm_moe_dsa": {}}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
-               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "minimax_m2": "minimax_m2"}
+               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "minimax_m2": "minimax_m2",
+               "glm_moe_dsa": "glm_moe_dsa"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
@@ -117,6 +118,9 @@ CELLS: tuple[Cell, ...] = (
     # MiniMax-M2 (issue 40): the block-FP8 stand-in through its --qformat nvfp4 recipe (routed experts only).
     Cell("minimax_m2-qformat-nvfp4", "hf_ptq", "models/MiniMaxAI/MiniMax-M2/nvfp4", tiny="minimax_m2", qformat="nvfp4",
          about="MiniMax-M2: hf_ptq --qformat nvfp4 on the block-FP8 stand-in (routed experts NVFP4, w1/w3/w2)"),
+    # GLM-5 (issue 40): the BF16 stand-in with its MTP layer through its --qformat nvfp4 recipe (routed experts only).
+    Cell("glm_moe_dsa-qformat-nvfp4", "hf_ptq", "models/zai-org/GLM-5/nvfp4", tiny="glm_moe_dsa", qformat="nvfp4",
+         about="GLM-5: hf_ptq --qformat nvfp4 (routed experts NVFP4; MLA, DSA indexer, shared experts, MTP BF16)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 
