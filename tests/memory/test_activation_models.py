@@ -26,9 +26,13 @@ def _stand_in(model: str, root: Path) -> Path:
         from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
 
         return make_tiny_qwen3_moe(root / model)
-    from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
+    if model == "gpt_oss":
+        from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
 
-    return make_tiny_gpt_oss(root / model)
+        return make_tiny_gpt_oss(root / model)
+    from modelopt_k3.testing import make_tiny
+
+    return make_tiny(model, root / model)
 
 
 def _planned_forward(ckpt: Path, batch: int, seq: int) -> int:
@@ -38,7 +42,13 @@ def _planned_forward(ckpt: Path, batch: int, seq: int) -> int:
     return est.stages["calibration"] - est.resident - est.runtime - est.fsdp_gathered - est.workspace
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "gpt_oss"])
+# GLM-5's model is known short: the peak is inside the DSA indexer (modeling_glm_moe_dsa.py, index_scores) with the
+# MLA tensors alive; measured 0.63 (2 x 64) and 0.98 (1 x 512) of the stand-in's peak, a term not yet found.
+GLM_SHORT = pytest.mark.xfail(strict=True, reason="GLM-5's activation model under-counts the DSA indexer phase")
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "gpt_oss", "minimax_m2",
+                                   pytest.param("glm_moe_dsa", marks=GLM_SHORT)])
 def test_the_planned_activations_bound_the_stand_ins_forward(model: str, tmp_path: Path) -> None:
     from modelopt_k3.load import load_pretrained
 

@@ -18,13 +18,12 @@ F32 = 4
 
 
 def indexer_bytes(text: Mapping, batch: int, seq: int, b: int) -> int:
-    """The DSA indexer's tensors alive at its peak (module docstring)."""
+    """The DSA indexer's tensors alive at its peak (module docstring); freed, but for the top-k indices and the
+    index mask, before the attention's own scores exist."""
     n, heads, dim = batch * seq, text.get("index_n_heads") or 32, text.get("index_head_dim") or 128
-    topk = min(text.get("index_topk") or 2048, seq)
     return (n * heads * dim * 3 * b + n * dim * 3 * b  # queries (projected, rotated, concatenated), key likewise
             + 2 * batch * heads * seq * seq * F32  # fp32 scores and their ReLU
-            + n * heads * F32 + 2 * batch * seq * seq * F32  # head weights; index scores and the masked copy
-            + n * topk * 4 + batch * seq * seq)  # int32 top-k indices; the boolean index mask
+            + n * heads * F32 + 2 * batch * seq * seq * F32)  # head weights; index scores and the masked copy
 
 
 def activation_memory(text: Mapping, batch: int, seq: int, dtype_bytes: int) -> ActivationModel:
@@ -39,10 +38,12 @@ def activation_memory(text: Mapping, batch: int, seq: int, dtype_bytes: int) -> 
     norm = n * d * 2 * F32
     mla = (
         n * q_lora * (b + 2 * F32) + n * heads * dq * 3 * b + n * (kv_lora + rope) * (b + 2 * F32)
-        + n * heads * ((nope + dv) + dq + dv) * b + scores_bytes(batch, heads, seq, b)
-        + n * heads * dv * 2 * b + n * d * b
+        + n * heads * ((nope + dv) + dq + dv) * b + n * heads * dv * 2 * b + n * d * b
     )
-    phases = {"MLA + DSA indexer": norm + mla + indexer_bytes(text, batch, seq, b),
+    topk = min(text.get("index_topk") or 2048, seq)
+    selected = n * topk * 4 + batch * seq * seq * (1 + b)  # int32 top-k indices, the boolean mask, the masked copy
+    peak = max(scores_bytes(batch, heads, seq, b), indexer_bytes(text, batch, seq, b))
+    phases = {"MLA + DSA indexer": norm + mla + selected + peak,
               "embedding + logits": n * vocab * b}
     if (text.get("first_k_dense_replace") or 0) > 0:
         phases["dense MLP"] = norm + gated_mlp_bytes(n, text["intermediate_size"], b) + n * d * b
