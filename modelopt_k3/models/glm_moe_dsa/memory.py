@@ -1,18 +1,20 @@
 """GLM-5's calibration activations for the memory planner (transformers' ``GlmMoeDsa*`` forward).
 
 Counted from transformers 5.25's ``modeling_glm_moe_dsa.py``: DeepSeek-V3's MLA (latent ``kv_b_proj``
-expansion, ``[B, H, S, S]`` scores counted as eager's) plus the DSA indexer of every layer: its ``wq_b``
-queries and ``wk`` key, the fp32 ``[B, H_idx, S, S]`` scores and their ReLU, the fp32 head weights and the
-``[B, S, S]`` index scores, the top-k indices and the boolean index mask the eager/SDPA path scatters them into;
-dense first layers' SiLU MLP; the router's fp32 logits and scores; the shared experts. Upper-bound style, as
-DeepSeek-V3's (``models/deepseek_v3/memory.py``).
+expansion) under the indexer's boolean mask, which sends SDPA down its math path (fp32 copies and scores), and
+the DSA indexer of every layer, whose peak comes first and is freed before the attention's: its ``wq_b`` queries
+and ``wk`` key, the fp32 key ``torch.matmul`` broadcasts to ``[B, S, index_head_dim, S]`` when B > 1 (the largest
+tensor: 8 GiB per 4096-token sequence at GLM-5's 128), the fp32 ``[B, S, H_idx, S]`` scores and their ReLU, the
+``[B, S, S]`` index scores; then the top-k indices and the boolean masks; dense first layers' SiLU MLP; the
+router's fp32 logits and scores; the shared experts. Upper-bound style, measured against the stand-in's own
+forward by ``tests/memory/test_activation_models.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ...memory.activations import ActivationModel, gated_mlp_bytes, scores_bytes
+from ...memory.activations import ActivationModel, gated_mlp_bytes
 
 F32 = 4
 
@@ -22,6 +24,9 @@ def indexer_bytes(text: Mapping, batch: int, seq: int, b: int) -> int:
     index mask, before the attention's own scores exist."""
     n, heads, dim = batch * seq, text.get("index_n_heads") or 32, text.get("index_head_dim") or 128
     return (n * heads * dim * 3 * b + n * dim * 3 * b  # queries (projected, rotated, concatenated), key likewise
+            # the fp32 key [B, 1, D, S] that matmul broadcasts to [B, S, D, S]: a copy for B > 1 (measured; for
+            # B = 1 torch folds the query's batch dims instead)
+            + (batch * seq * dim * seq * F32 if batch > 1 else 0)
             + 2 * batch * heads * seq * seq * F32  # fp32 scores and their ReLU
             + n * heads * F32 + 2 * batch * seq * seq * F32)  # head weights; index scores and the masked copy
 
@@ -41,8 +46,11 @@ def activation_memory(text: Mapping, batch: int, seq: int, dtype_bytes: int) -> 
         + n * heads * ((nope + dv) + dq + dv) * b + n * heads * dv * 2 * b + n * d * b
     )
     topk = min(text.get("index_topk") or 2048, seq)
-    selected = n * topk * 4 + batch * seq * seq * (1 + b)  # int32 top-k indices, the boolean mask, the masked copy
-    peak = max(scores_bytes(batch, heads, seq, b), indexer_bytes(text, batch, seq, b))
+    selected = n * topk * 4 + 3 * batch * seq * seq  # int32 top-k indices; the index mask, its negation, the new mask
+    # SDPA under that boolean mask (measured on CPU: its math path): fp32 q/k/v copies, two fp32 [B, H, S, S]
+    # score tensors and the mask as an additive one in the weight dtype.
+    attention = n * heads * (2 * dq + dv) * F32 + 2 * batch * heads * seq * seq * F32 + batch * seq * seq * b
+    peak = max(attention, indexer_bytes(text, batch, seq, b))
     phases = {"MLA + DSA indexer": norm + mla + selected + peak,
               "embedding + logits": n * vocab * b}
     if (text.get("first_k_dense_replace") or 0) > 0:
