@@ -25,9 +25,9 @@ def stored_names(ckpt: Path) -> list[str]:
     return list(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"])
 
 
-def dequantized_copy(ckpt: Path, dst: Path) -> Path:
-    """``ckpt`` unchanged when unquantized; else a copy with every quantized weight decoded to BF16 by the
-    format's own library and quantization_config dropped (what transformers' CPU model is given)."""
+def dequantized_copy(ckpt: Path, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """``ckpt`` unchanged when unquantized; else a copy with every quantized weight decoded to ``dtype`` (BF16 by
+    default) by the format's own library and quantization_config dropped (what transformers' CPU model is given)."""
     config = json.loads((ckpt / "config.json").read_text())
     qcfg = config.pop("quantization_config", None)
     if qcfg is None:
@@ -42,14 +42,14 @@ def dequantized_copy(ckpt: Path, dst: Path) -> Path:
     for key, t in tensors.items():
         if t.dtype == torch.float8_e4m3fn:
             scale = tensors[key + "_scale_inv"]
-            out[key] = _dequantize_fp8_weight(t, scale, qcfg["weight_block_size"], torch.float32).bfloat16()
+            out[key] = _dequantize_fp8_weight(t, scale, qcfg["weight_block_size"], torch.float32).to(dtype)
         elif key.endswith(".weight_packed"):
             head = key.removesuffix(".weight_packed")
             w = qcfg["config_groups"]["group_0"]["weights"]
             scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**{
                 k: w[k] for k in ("num_bits", "type", "strategy", "group_size", "symmetric")}))
             state = {n: tensors[f"{head}.{n}"] for n in ("weight_packed", "weight_scale", "weight_shape")}
-            out[f"{head}.weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].bfloat16()
+            out[f"{head}.weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].to(dtype)
         elif not key.endswith(("_scale_inv", ".weight_scale", ".weight_shape")):
             out[key] = t
     dst.mkdir()

@@ -30,7 +30,8 @@ CANNOT_START = "server cannot start"
 REFUSES = "refuses"
 GARBAGE = "loads silently but serves garbage"
 NO_DRAFTER = "loads, but the MTP drafter does not load"
-# The check has no rule it could observe for that engine and model: never reported as "loads".
+# The check has no rule it could observe for that engine and model (its loader was not read): neither "loads" nor
+# "refuses" is claimed.
 NOT_VERIFIED = "not verified"
 DIFFERENT = "loads but serves different numbers"
 WARNS = "loads correctly, with a warning"

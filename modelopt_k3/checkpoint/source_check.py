@@ -33,6 +33,7 @@ from .reader import CheckpointError
 __all__ = ["SourceLayout", "SourceMismatchError", "check_carried", "check_dense", "check_experts"]
 
 PACKED, SCALE, PLAIN = "weight_packed", "weight_scale", "weight"
+FP8_SCALE = "weight_scale_inv"  # a block-FP8 expert's per-block scales beside its float8 ``weight``
 _SHOWN = 12
 
 
@@ -82,13 +83,24 @@ def _count_hint(layouts: dict[str, ExpertsLayout], stored: dict[str, set[int]]) 
     return ""
 
 
-def _want(kind: str, out_f: int, in_f: int) -> tuple[torch.dtype | None, tuple[int, int]]:
-    """The dtype (None: any floating dtype) and shape of one expert tensor kind."""
+def _want(kind: str, out_f: int, in_f: int, block: tuple[int, int] | None = None
+          ) -> tuple[torch.dtype | None, tuple[int, int]]:
+    """The dtype (None: any floating dtype) and shape of one expert tensor kind (``block``: the block-FP8 source's
+    ``weight_block_size``)."""
     if kind == PACKED:
         return torch.uint8, (out_f, in_f // 2)
     if kind == SCALE:
         return torch.uint8, (out_f, in_f // MXFP4_BLOCK)
+    if kind == FP8_SCALE and block is not None:
+        return torch.float32, (-(-out_f // block[0]), -(-in_f // block[1]))
     return None, (out_f, in_f)
+
+
+def _fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The declared block-FP8 ``weight_block_size`` (None: the config declares none)."""
+    qcfg = config.get("quantization_config") or {}
+    block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == "fp8" else None
+    return (int(block[0]), int(block[1])) if isinstance(block, list) and len(block) == 2 else None
 
 
 def check_config(config: Mapping[str, Any], spec: ModelSpec) -> None:
@@ -118,6 +130,8 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
     unexpected: list[str] = []
     kinds: set[str] = set()
     stored: dict[str, set[int]] = {}
+    block = _fp8_block(config)  # block-FP8 experts store a weight_scale_inv beside each float8 weight
+    tensor_kinds = (PACKED, SCALE, PLAIN, FP8_SCALE) if block else (PACKED, SCALE, PLAIN)
     for key in sorted(expert_keys):
         m = key_re.match(key)
         stored.setdefault(m["module"], set()).add(int(m["expert"]))
@@ -126,8 +140,8 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
             unexpected.append(f"{key} (config.json has no MoE layer {m['module']})")
         elif int(m["expert"]) >= layout.num_experts:
             unexpected.append(f"{key} (expert {m['expert']} >= num_experts={layout.num_experts})")
-        elif m["proj"] not in layout.projections or m["tensor"] not in (PACKED, SCALE, PLAIN):
-            unexpected.append(f"{key} (not a {'/'.join(layout.projections)} {PACKED}/{SCALE}/{PLAIN})")
+        elif m["proj"] not in layout.projections or m["tensor"] not in tensor_kinds:
+            unexpected.append(f"{key} (not a {'/'.join(layout.projections)} {'/'.join(tensor_kinds)})")
         else:
             kinds.add("packed" if m["tensor"] in (PACKED, SCALE) else "plain")
     if len(kinds) > 1:
@@ -138,8 +152,8 @@ def check_experts(tensors: Mapping[str, TensorMeta], config: Mapping[str, Any], 
     seen: set[str] = set()  # stored tensors already named as mis-shaped
     for layout in layouts.values():
         for proj, (out_f, in_f) in layout.projections.items():
-            for kind in (PACKED, SCALE) if packed else (PLAIN,):
-                dtype, shape = _want(kind, out_f, in_f)
+            for kind in (PACKED, SCALE) if packed else (PLAIN, FP8_SCALE) if block else (PLAIN,):
+                dtype, shape = _want(kind, out_f, in_f, block)
                 for e in range(layout.num_experts):
                     key = f"{layout.module}.{e}.{proj}.{kind}"
                     meta = tensors.get(key)

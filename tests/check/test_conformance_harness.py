@@ -177,7 +177,8 @@ def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_reci
     # Every registered model type has cells, and drivers for its exports (a new model cannot be left out).
     assert set(matrix.TINY_MODELS.values()) == set(known_model_types()) == set(DRIVER_MODELS)
     qformat_cells = [c for c in matrix.CELLS if c.qformat]
-    assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3", "kimi_k25"}
+    assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3", "kimi_k25", "minimax_m2",
+                                               "glm_moe_dsa"}
     for cell in qformat_cells:
         assert cell.how == "hf_ptq"
         spec = get_spec(matrix.TINY_MODELS[cell.tiny])

@@ -30,9 +30,13 @@ def _stand_in(model: str, root: Path) -> Path:
         from modelopt_k3.testing.nemotron_h import make_tiny_nemotron_h
 
         return make_tiny_nemotron_h(root / model)
-    from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
+    if model == "gpt_oss":
+        from modelopt_k3.testing.tiny_gpt_oss import make_tiny_gpt_oss
 
-    return make_tiny_gpt_oss(root / model)
+        return make_tiny_gpt_oss(root / model)
+    from modelopt_k3.testing import make_tiny
+
+    return make_tiny(model, root / model)
 
 
 def _planned_forward(ckpt: Path, batch: int, seq: int) -> int:
@@ -42,7 +46,7 @@ def _planned_forward(ckpt: Path, batch: int, seq: int) -> int:
     return est.stages["calibration"] - est.resident - est.runtime - est.fsdp_gathered - est.workspace
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "gpt_oss", "nemotron_h"])
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "gpt_oss", "nemotron_h", "minimax_m2", "glm_moe_dsa"])
 def test_the_planned_activations_bound_the_stand_ins_forward(model: str, tmp_path: Path) -> None:
     from modelopt_k3.load import load_pretrained
 

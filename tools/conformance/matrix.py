@@ -46,10 +46,11 @@ TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
                  # observations in tests/data/engine_conformance.json (run the engines, then add the hf_ptq
                  # --qformat nvfp4 cell, recipe models/nvidia/Nemotron-3/nvfp4_experts).
                  "nemotron_h": {},
-                 "kimi_k25": KIMI_K25_SIZES}
+                 "kimi_k25": KIMI_K25_SIZES, "minimax_m2": {}, "glm_moe_dsa": {}}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
-               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h", "kimi_k25": "kimi_k25"}
+               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h", "kimi_k25": "kimi_k25",
+               "minimax_m2": "minimax_m2", "glm_moe_dsa": "glm_moe_dsa"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
@@ -123,6 +124,12 @@ CELLS: tuple[Cell, ...] = (
     # Kimi-K2.5 (issue 40): the INT4 stand-in through its --qformat nvfp4 recipe (routed experts only; vision carried).
     Cell("kimi_k25-qformat-nvfp4", "hf_ptq", "models/moonshotai/Kimi-K2.5/nvfp4", tiny="kimi_k25", qformat="nvfp4",
          about="Kimi-K2.5: hf_ptq --qformat nvfp4 on the INT4 stand-in (routed experts NVFP4; vision tower as stored)"),
+    # MiniMax-M2 (issue 40): the block-FP8 stand-in through its --qformat nvfp4 recipe (routed experts only).
+    Cell("minimax_m2-qformat-nvfp4", "hf_ptq", "models/MiniMaxAI/MiniMax-M2/nvfp4", tiny="minimax_m2", qformat="nvfp4",
+         about="MiniMax-M2: hf_ptq --qformat nvfp4 on the block-FP8 stand-in (routed experts NVFP4, w1/w3/w2)"),
+    # GLM-5 (issue 40): the BF16 stand-in with its MTP layer through its --qformat nvfp4 recipe (routed experts only).
+    Cell("glm_moe_dsa-qformat-nvfp4", "hf_ptq", "models/zai-org/GLM-5/nvfp4", tiny="glm_moe_dsa", qformat="nvfp4",
+         about="GLM-5: hf_ptq --qformat nvfp4 (routed experts NVFP4; MLA, DSA indexer, shared experts, MTP BF16)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 

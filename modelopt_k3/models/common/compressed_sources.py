@@ -9,110 +9,34 @@ Shared by ``deepseek_v3`` and ``kimi_k25`` (whose text model is DeepSeek-V3's): 
 - compressed-tensors ``pack-quantized`` INT4 (group 32, symmetric) on the routed experts only:
   ``weight_packed`` int32 / ``weight_scale`` / ``weight_shape`` per expert Linear, everything else BF16.
 
-The block is the declared ``weight_block_size`` (``numerics.block_fp8``), read from the model's config when
-the op runs; a source without it is refused.
+The block-FP8 decode is the shared one (``models/common/block_fp8.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter
+from transformers.core_model_loading import ConversionOps, WeightConverter
 
-from ...numerics.block_fp8 import block_fp8_decode
 from ...numerics.int4_packed import int4_packed_decode
 from ...spec import SpecError
 from ...spec.conversion import DecodeOp
+from .block_fp8 import (
+    FP8,
+    FP8_QUANT_METHOD,
+    FP8_SCALE,
+    BlockFp8Decode,
+    fused_experts_converters,
+    quantization_config,
+    weight_block_size,
+)
 
-FP8, FP8_SCALE = "weight", "weight_scale_inv"
-FP8_QUANT_METHOD = "fp8"  # quantization_config.quant_method of a block-FP8 checkpoint
 INT4, INT4_SCALE, INT4_SHAPE = "weight_packed", "weight_scale", "weight_shape"
 # The decoder's Linears outside the routed experts (DeepseekV3Attention, DeepseekV3MLP: dense layers and
 # shared experts). Anchored on the module's own names so a routed expert's key never matches.
 _DENSE_LINEAR = (r"((?:self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj))"
                  r"|(?:mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj|down_proj)))")
-
-
-def quantization_config(config: Any) -> Mapping[str, Any] | None:
-    qcfg = getattr(config, "quantization_config", None)
-    if qcfg is None or isinstance(qcfg, Mapping):
-        return qcfg
-    return qcfg.to_dict() if hasattr(qcfg, "to_dict") else vars(qcfg)
-
-
-def weight_block_size(config: Any) -> tuple[int, int]:
-    """The declared ``weight_block_size`` of a block-FP8 source (SpecError when the config does not declare one)."""
-    qcfg = quantization_config(config) or {}
-    block = qcfg.get("weight_block_size")
-    if qcfg.get("quant_method") != FP8_QUANT_METHOD or not isinstance(block, (list, tuple)) or len(block) != 2:
-        raise SpecError(f"block-FP8 weights need quantization_config quant_method 'fp8' with a weight_block_size "
-                        f"[bm, bn]; config.json has {dict(qcfg)!r}")
-    return int(block[0]), int(block[1])
-
-
-def _first(value):
-    return value[0] if isinstance(value, list) else value
-
-
-class BlockFp8Decode(DecodeOp):
-    """``weight`` + ``weight_scale_inv`` -> the decoded weight (``numerics.block_fp8``), per source tensor."""
-
-    codes_field, scales_field = FP8, FP8_SCALE
-
-    def __init__(self, block_size: tuple[int, int] | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.block_size, self.dtype = block_size, dtype
-
-    def decoded_shape(self, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(codes_shape)  # one byte, one value
-
-    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
-        if self.block_size is None:
-            raise SpecError("BlockFp8Decode has no weight_block_size (prepare sets it from config.json)")
-        return block_fp8_decode(codes, scales, self.block_size, dtype, out=out)
-
-    def block_fp8_block(self, config: Any) -> tuple[int, int]:
-        return self.block_size or weight_block_size(config)  # the dense converter's: read from config.json
-
-    @torch.no_grad()
-    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
-                **kwargs) -> dict[str, Any]:
-        """Each ``weight`` pattern's tensors decoded with their ``weight_scale_inv`` (same order), under the
-        weight pattern; a ``weight`` stored without a scale (a BF16 source) is only cast."""
-        model = kwargs.get("model")
-        out: dict[str, Any] = {}
-        for pattern, value in input_dict.items():
-            if FP8_SCALE in pattern:
-                continue
-            scale_pattern = next((p for p in source_patterns if p != pattern and _is_scale_of(p, pattern)), None)
-            if scale_pattern is None or scale_pattern not in input_dict:
-                if any(t.dtype == torch.float8_e4m3fn for t in (value if isinstance(value, list) else [value])):
-                    raise SpecError(f"{kwargs.get('full_layer_name')}: a float8 weight without its weight_scale_inv")
-                out[pattern] = value
-                continue
-            if self.block_size is None and model is None:
-                raise SpecError("block-FP8 decode needs the model's config (weight_block_size)")
-            block = self.block_size or weight_block_size(model.config)
-            weights, scales = input_dict[pattern], input_dict[scale_pattern]
-            dtype = kwargs.get("dtype") or self.dtype  # the parameter's: fp8 x scale_inv in fp32, one cast to it
-            try:
-                if isinstance(weights, list):
-                    out[pattern] = [block_fp8_decode(w, s, block, dtype) for w, s in zip(weights, scales, strict=True)]
-                else:
-                    out[pattern] = block_fp8_decode(weights, scales, block, dtype)
-            except ValueError as e:  # a scale of the wrong shape: named by the layer it decodes
-                raise ValueError(f"{kwargs.get('full_layer_name')}: {e}") from None
-        return out
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        raise NotImplementedError("modelopt_k3 exports through its own writer, never by reversing the load")
-
-
-def _is_scale_of(scale_pattern: str, weight_pattern: str) -> bool:
-    base = weight_pattern.removesuffix("$")
-    return scale_pattern.removesuffix("$") in (base + "_scale_inv", base.removesuffix(FP8) + FP8_SCALE)
 
 
 class Int4PackedDecode(DecodeOp):
@@ -179,16 +103,7 @@ def experts_converters(source: str, config: Any) -> list[WeightConverter]:
         fields, head = (INT4, INT4_SCALE, INT4_SHAPE), [Int4PackedDecode(int4_group_size(config))]
     else:
         fields, head = (FP8,), []
-
-    def patterns(*projs: str) -> list[str]:
-        return [f"mlp.experts.*.{p}.{f}" for p in projs for f in fields]
-
-    return [
-        WeightConverter(source_patterns=patterns("gate_proj", "up_proj"), target_patterns="mlp.experts.gate_up_proj",
-                        operations=[*head, MergeModulelist(dim=0), Concatenate(dim=1)]),
-        WeightConverter(source_patterns=patterns("down_proj"), target_patterns="mlp.experts.down_proj",
-                        operations=[*head, MergeModulelist(dim=0)]),
-    ]
+    return fused_experts_converters("mlp.experts", ("gate_proj", "up_proj"), "down_proj", fields, head)
 
 
 def int4_group_size(config: Any) -> int:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import transformers
@@ -40,16 +42,27 @@ from .experts import experts_placer
 from .layout import meta_layouts
 from .probe import probe_model as default_probe
 
-# Per-expert checkpoint Linears of a gated experts module: ``...mlp.experts.<id>.<proj>.<tensor>``.
-EXPERT_KEY_RE = r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)\.(?P<tensor>\w+)$"
-# gate_proj/up_proj are the two halves of ``gate_up_proj`` (transformers' ``Concatenate`` on dim 0 of [E, 2I, H]).
-GATED_PROJECTIONS = (
-    ExpertProjection("gate_proj", "gate_up_proj", chunk=0, n_chunks=2),
-    ExpertProjection("up_proj", "gate_up_proj", chunk=1, n_chunks=2),
-    ExpertProjection("down_proj", "down_proj"),
-)
-# vLLM, SGLang and TensorRT-LLM fuse each expert's gate/up into w13: one weight_scale_2 and one input_scale.
-GATE_UP_SHARED = (("gate_proj", "up_proj"),)
+# The checkpoint's per-expert gate, up and down Linears of a gated experts module (transformers' own names).
+GATED_NAMES = ("gate_proj", "up_proj", "down_proj")
+EXPERTS_MODULE = "mlp.experts"
+
+
+def expert_key_regex(experts_module: str = EXPERTS_MODULE, names: tuple[str, str, str] = GATED_NAMES) -> str:
+    """Per-expert checkpoint Linears ``...{experts_module}.<id>.<proj>.<tensor>`` (``ExpertsSpec.key_regex``)."""
+    projs = "|".join(re.escape(n) for n in names)
+    return rf"^(?P<module>.+\.{re.escape(experts_module)})\.(?P<expert>\d+)\.(?P<proj>(?:{projs}))\.(?P<tensor>\w+)$"
+
+
+def gated_projections(names: tuple[str, str, str] = GATED_NAMES) -> tuple[ExpertProjection, ...]:
+    """gate/up are the two halves of ``gate_up_proj`` (transformers' ``Concatenate`` on dim 0 of [E, 2I, H])."""
+    gate, up, down = names
+    return (ExpertProjection(gate, "gate_up_proj", chunk=0, n_chunks=2),
+            ExpertProjection(up, "gate_up_proj", chunk=1, n_chunks=2),
+            ExpertProjection(down, "down_proj"))
+
+
+EXPERT_KEY_RE = expert_key_regex()
+GATED_PROJECTIONS = gated_projections()
 DECODER_UNIT_KEY_RE = r"^(?P<unit>model\.layers\.\d+)\."
 DECODER_LAYER_RE = r"(?:^|\.)model\.layers\.\d+$"
 LAYERS = "model.layers"
@@ -61,10 +74,17 @@ def decoder_regexes(layers: str) -> tuple[str, str]:
     return rf"^(?P<unit>{escaped}\.\d+)\.", rf"(?:^|\.){escaped}\.\d+$"
 
 
-def experts_class(model_class: str) -> type:
+def transformers_base(model_class: str | type) -> type:
+    """transformers' class ``model_class`` names, or the transformers class a package's subclass derives from."""
+    if isinstance(model_class, str):
+        return getattr(transformers, model_class)
+    return next(c for c in model_class.__mro__ if c.__module__.startswith("transformers.models."))
+
+
+def experts_class(model_class: str | type) -> type:
     """The experts class of transformers' ``model_class``: the one class of its modeling module decorated by
     transformers' experts interface (SpecError unless exactly one)."""
-    module = sys.modules[getattr(transformers, model_class).__module__]  # imported by that getattr
+    module = sys.modules[transformers_base(model_class).__module__]  # imported by that getattr
     found = [obj for name, obj in vars(module).items()
              if isinstance(obj, type) and obj.__module__ == module.__name__ and name.endswith("Experts")
              and hasattr(obj, "_apply_gate")]
@@ -87,9 +107,22 @@ def eager_experts(ctx: PrepareContext) -> None:
     ctx.config._experts_implementation = "eager"
 
 
+@dataclass(frozen=True)
+class TransformersSubclass:
+    """A package's subclass of transformers' own model class (the checkpoint's names on transformers' modules,
+    MiniMax-M2's ``block_sparse_moe``); the config is read with transformers' own config class, no checkpoint
+    code runs."""
+
+    cls: type
+    remote_code: bool = field(default=False, init=False)
+
+    def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
+        return self.cls, transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
 def transformers_moe_spec(
     model_type: str,
-    model_class: str,
+    model_class: str | type,
     *,
     num_experts_attr: str | None = None,
     prepare: Callable[[PrepareContext], None] = eager_experts,
@@ -101,20 +134,27 @@ def transformers_moe_spec(
     quant: dict[str, Any] | None = None,
     activation_memory: Callable[..., Any] | None = None,
     check_config: Callable[[Any], None] | None = None,
+    carried: Callable[[Any], Any] | None = None,
     layout_fields: tuple[str, ...] = ("num_hidden_layers",),
     layers: str = LAYERS,
+    experts_module: str = EXPERTS_MODULE,
+    expert_names: tuple[str, str, str] = GATED_NAMES,
     min_transformers: str = "5.0.0",
     **groups: Any,
 ) -> ModelSpec:
     """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring).
 
-    ``converters``: the checkpoint conversion (default: transformers' own for ``model_type``). ``experts``:
+    ``model_class``: transformers' class by name, or a package's subclass of it (``TransformersSubclass``).
+    ``experts_module``/``expert_names``: where the experts live and the checkpoint's per-expert gate, up and
+    down Linears, when the model's modules carry the checkpoint's names (MiniMax-M2: ``block_sparse_moe.experts``,
+    ``w1``/``w3``/``w2``). ``converters``: the checkpoint conversion (default: transformers' own for ``model_type``). ``experts``:
     transformers' experts class where it cannot be derived. ``experts_spec``/``model_source``: a model whose
     experts are our own module in another layout (GPT-OSS: interleaved gate/up, biases, MXFP4), built by its own
     class. ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields. ``groups``: the other
     ``ModelSpec`` fields (``recipes``, ``serving``, ``stand_in``, ``source_check``). Without ``source_check`` the
     checkpoint's layout is read off the model built on meta (``layout.py``; its errors quote ``layout_fields``)
-    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s. ``layers``: the
+    after ``check_config``, ``carried`` the modules it stores that the class does not build (MTP layers:
+    ``common/mtp.py``); without a ``probe_model`` the shared-input probe is ``probe.py``'s. ``layers``: the
     decoder layers' module list as the checkpoint names it (Nemotron-H's ``backbone.layers``, a VLM's text model
     under its own prefix: Kimi-K2.5's ``language_model.model.layers``).
     """
@@ -123,17 +163,19 @@ def transformers_moe_spec(
             raise SpecError(f"{model_type}: the config attribute holding the routed-expert count is needed "
                             "(num_experts_attr)")
         experts_spec = ExpertsSpec(
-            module_regex=r"\.mlp\.experts$",
+            module_regex=rf"\.{re.escape(experts_module)}$",
             sharded_params={"gate_up_proj": 0, "down_proj": 0},
-            projections=GATED_PROJECTIONS,
+            projections=gated_projections(expert_names),
             num_experts_attr=num_experts_attr,
-            key_regex=EXPERT_KEY_RE,
+            key_regex=expert_key_regex(experts_module, expert_names),
             place_experts=experts_placer(experts or experts_class(model_class)),
         )
     if "source_check" not in groups:
-        expert_layout, dense_layout = meta_layouts(model_class, layout_fields)
+        gate, up, down = expert_names
+        expert_layout, dense_layout = meta_layouts(model_class, layout_fields, rf"\.{re.escape(experts_module)}$",
+                                                   fusion={"gate_up_proj": (gate, up), "down_proj": (down,)})
         groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
-                                                 check_config=check_config)
+                                                 check_config=check_config, carried=carried)
 
     unit_re, layer_re = decoder_regexes(layers)
 
@@ -141,13 +183,13 @@ def transformers_moe_spec(
         return transformers_conversion(model_type)
 
     # Separate gate and up projections share their scales; one gate_up projection shares them by itself.
-    split = {p.name for p in experts_spec.projections} >= {"gate_proj", "up_proj"}
-    quant_fields = {"shared_scale_groups": GATE_UP_SHARED if split else (), "probe_model": default_probe,
+    halves = tuple(p.name for p in experts_spec.projections if p.fused_param == "gate_up_proj" and p.n_chunks == 2)
+    quant_fields = {"shared_scale_groups": (halves,) if halves else (), "probe_model": default_probe,
                     **(quant or {})}
     return ModelSpec(
         model_type=model_type,
         min_transformers=min_transformers,
-        loading=LoadingSpec(model_class=model_source or TransformersClass(model_class), prepare=prepare,
+        loading=LoadingSpec(model_class=model_source or _class_source(model_class), prepare=prepare,
                             converters=converters or own_conversion, **(loading or {})),
         experts=experts_spec,
         quant=QuantSpec(**quant_fields),
@@ -155,6 +197,10 @@ def transformers_moe_spec(
         report=ReportSpec(decoder_layer_regex=layer_re),
         **groups,
     )
+
+
+def _class_source(model_class: str | type) -> ModelClassSource:
+    return TransformersClass(model_class) if isinstance(model_class, str) else TransformersSubclass(model_class)
 
 
 __all__ = ["EXPERT_KEY_RE", "GATED_PROJECTIONS", "experts_class", "transformers_conversion",

@@ -138,8 +138,13 @@ MLA = {("model.layers.*.self_attn", ("kv_a_proj_with_mqa", "q_a_proj")), ("model
                      "topk_group": 4, "kv_lora_rank": 512, "q_lora_rank": 1536}, MLA),
     ("deepseek_v3", {"first_k_dense_replace": 0}, MLA - {("model.layers.*.mlp", ("gate_proj", "up_proj"))}),
     ("gpt_oss", {}, {("model.layers.*.self_attn", ("k_proj", "q_proj", "v_proj"))}),  # sliding and full layers
+    ("minimax_m2", {}, {("model.layers.*.self_attn", ("k_proj", "q_proj", "v_proj"))}),  # hub names, all MoE
+    # GLM-5: the DSA indexer reads what MLA reads (wq_b the q latent, wk/weights_proj the hidden states).
+    ("glm_moe_dsa", {}, (MLA - {("model.layers.*.self_attn", ("kv_a_proj_with_mqa", "q_a_proj"))})
+     | {("model.layers.*.self_attn", ("indexer.wq_b", "q_b_proj")),
+        ("model.layers.*.self_attn", ("indexer.weights_proj", "indexer.wk", "kv_a_proj_with_mqa", "q_a_proj"))}),
 ], ids=["qwen3-stand-in", "qwen3-all-moe", "qwen3-dense", "dsv3-stand-in", "dsv3-real-shape", "dsv3-all-moe",
-        "gpt-oss"])
+        "gpt-oss", "minimax-m2", "glm-5"])
 def test_the_default_probe_finds_every_layer_kinds_groups(model_type, sizes, rules, tmp_path, monkeypatch):
     """Every layer kept (tiny widths) is every layer kind as the real config places it: MLA's q_a + kv_a, attention
     q/k/v, dense and shared-expert gate/up -- and no group of a kind the config does not have."""

@@ -1,0 +1,45 @@
+"""How each serving engine's GLM-5 class loads a checkpoint: DeepSeek-V3's rules, by the engines' own inheritance.
+
+Read from the engines' code as the search tools store it, not at the vLLM 0.33.0 / SGLang 0.5.23 tags (re-check
+there; facts in docs/decisions/0007-next-models.md):
+
+* vLLM ``vllm/model_executor/models/deepseek_v2.py``: ``class GlmMoeDsaForCausalLM(DeepseekV2ForCausalLM): pass``.
+* SGLang ``sglang/srt/models/glm4_moe.py``: ``GlmMoeDsaForCausalLM`` subclasses ``DeepseekV2ForCausalLM``,
+  overriding only ``determine_num_fused_shared_experts``.
+
+So both engines load a GLM-5 export with their DeepSeek-V2/V3 loader, and the DeepSeek-V3 spec's rules (its
+``ServingSpec.rules``, looked up in the spec registry: no model package imports another) are replayed for them:
+MLA fusions, the router, MTP layers skipped by the main model and loaded by the drafter, ``kv_b_proj``. Not
+modelled: SGLang's ``determine_num_fused_shared_experts`` override (the shared-expert fusion decision; the default
+recipe keeps shared experts and routed experts apart only by format, which the DeepSeek-V3 rule refuses as
+unsettled where it applies), the indexer modules' quant method (the default recipe keeps them BF16 and excludes
+them). TensorRT-LLM: its GLM-5 support was not read: "not verified".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...check.layout import Layout
+from ...check.report import NOT_VERIFIED, EngineResult, Refusal
+from ...spec import get_spec
+
+
+def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """TensorRT-LLM: not verified (module docstring)."""
+    result = EngineResult("trtllm")
+    result.refusals.append(Refusal("config.json", "TensorRT-LLM's GLM-5 (glm_moe_dsa) loader was not read by this "
+                                                  "check", verdict=NOT_VERIFIED))
+    return result
+
+
+_RULES: dict[str, Any] = {}
+
+
+def serving() -> Mapping[str, Any]:
+    """engine -> rules: vLLM's and SGLang's are DeepSeek-V3's (module docstring), built once."""
+    if not _RULES:
+        deepseek = get_spec("deepseek_v3").serving.rules()
+        _RULES.update(vllm=deepseek["vllm"], sglang=deepseek["sglang"], trtllm=replay_trtllm)
+    return _RULES
