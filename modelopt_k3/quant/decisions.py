@@ -43,7 +43,8 @@ Kind = Literal["linear", "experts", "embedding", "router", "conv"]
 Inventory = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 
 PACKED, SCALE = "weight_packed", "weight_scale"
-_EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings)$")
+# ``pos_embed``: a vision tower's learned position table (Qwen3.5-MoE's ``model.visual.pos_embed``, an nn.Embedding).
+_EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings|pos_embed)$")
 _ROUTER_ATTRS = ("gate", "router", "shared_expert_gate")
 
 

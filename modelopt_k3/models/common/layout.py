@@ -22,6 +22,11 @@ import transformers
 from ...spec import ExpertsLayout
 
 LAYER_RE = r"model\.layers\.(?P<layer>\d+)\."
+
+
+def layer_re(layers: str = "model.layers") -> str:
+    """Keys under decoder layer ``layer`` of ``layers`` (the source check bounds it by num_hidden_layers)."""
+    return rf"{re.escape(layers)}\.(?P<layer>\d+)\."
 Dense = tuple[tuple[str, tuple[int, ...] | None, str], ...]
 
 
@@ -43,13 +48,16 @@ def _meta_shapes(model_class: str, config_json: str) -> tuple[tuple[str, tuple[i
 
 
 def meta_layouts(model_class: str, fields: tuple[str, ...] = ("num_hidden_layers",),
-                 experts_re: str = r"\.mlp\.experts$") -> tuple[
+                 experts_re: str = r"\.mlp\.experts$", layers: str = "model.layers") -> tuple[
         Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]], Callable[[Mapping[str, Any]], Dense]]:
     """(expert_layout, dense_layout) for ``SourceCheckSpec``, both read off ``model_class`` built on meta; an error
     quotes the config ``fields`` that place the layers (the ones a user would edit)."""
 
+    def text(config: Mapping[str, Any]) -> Mapping[str, Any]:  # a VLM's fields live in its text_config
+        return config["text_config"] if isinstance(config.get("text_config"), Mapping) else config
+
     def quoted(config: Mapping[str, Any]) -> str:
-        return f"{model_class} built from config.json: " + ", ".join(f"{k}={config.get(k)}" for k in fields)
+        return f"{model_class} built from config.json: " + ", ".join(f"{k}={text(config).get(k)}" for k in fields)
 
     def experts(config: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
         found: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -73,7 +81,7 @@ def meta_layouts(model_class: str, fields: tuple[str, ...] = ("num_hidden_layers
         shapes = _meta_shapes(model_class, _frozen(config))
         rules: list[tuple[str, tuple[int, ...] | None, str]] = [
             (re.escape(name), shape, quoted(config)) for name, shape in shapes if name.rpartition(".")[0] not in fused]
-        rules.append((LAYER_RE, None, f"num_hidden_layers={config.get('num_hidden_layers')}"))
+        rules.append((layer_re(layers), None, f"num_hidden_layers={text(config).get('num_hidden_layers')}"))
         return tuple(rules)
 
     return expert_layout, dense_layout

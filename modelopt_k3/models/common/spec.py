@@ -14,6 +14,7 @@ differs: the config's expert-count attribute, its recipes, serving rules, source
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -49,8 +50,23 @@ GATED_PROJECTIONS = (
 )
 # vLLM, SGLang and TensorRT-LLM fuse each expert's gate/up into w13: one weight_scale_2 and one input_scale.
 GATE_UP_SHARED = (("gate_proj", "up_proj"),)
-DECODER_UNIT_KEY_RE = r"^(?P<unit>model\.layers\.\d+)\."
-DECODER_LAYER_RE = r"(?:^|\.)model\.layers\.\d+$"
+# Where the decoder layers sit: ``model.layers.N`` in a causal LM; a VLM's text model has its own prefix
+# (Qwen3.5-MoE: ``model.language_model.layers.N``), which the caller passes as ``layers``.
+DECODER_LAYERS = "model.layers"
+
+
+def decoder_unit_key_re(layers: str = DECODER_LAYERS) -> str:
+    """``MemorySpec.fsdp_unit_key_regex``: checkpoint keys under one decoder layer, the layer as group ``unit``."""
+    return rf"^(?P<unit>{re.escape(layers)}\.\d+)\."
+
+
+def decoder_layer_re(layers: str = DECODER_LAYERS) -> str:
+    """``ReportSpec.decoder_layer_regex``: the in-memory names of the decoder layers."""
+    return rf"(?:^|\.){re.escape(layers)}\.\d+$"
+
+
+DECODER_UNIT_KEY_RE = decoder_unit_key_re()
+DECODER_LAYER_RE = decoder_layer_re()
 
 
 def experts_class(model_class: str) -> type:
@@ -94,6 +110,7 @@ def transformers_moe_spec(
     activation_memory: Callable[..., Any] | None = None,
     check_config: Callable[[Any], None] | None = None,
     layout_fields: tuple[str, ...] = ("num_hidden_layers",),
+    layers: str = DECODER_LAYERS,
     min_transformers: str = "5.0.0",
     **groups: Any,
 ) -> ModelSpec:
@@ -105,7 +122,8 @@ def transformers_moe_spec(
     class. ``loading``/``quant``: further ``LoadingSpec``/``QuantSpec`` fields. ``groups``: the other
     ``ModelSpec`` fields (``recipes``, ``serving``, ``stand_in``, ``source_check``). Without ``source_check`` the
     checkpoint's layout is read off the model built on meta (``layout.py``; its errors quote ``layout_fields``)
-    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s.
+    after ``check_config``; without a ``probe_model`` the shared-input probe is ``probe.py``'s. ``layers``: the
+    decoder layers' module path (a VLM's text model: ``model.language_model.layers``).
     """
     if experts_spec is None:
         if num_experts_attr is None:
@@ -120,7 +138,7 @@ def transformers_moe_spec(
             place_experts=experts_placer(experts or experts_class(model_class)),
         )
     if "source_check" not in groups:
-        expert_layout, dense_layout = meta_layouts(model_class, layout_fields)
+        expert_layout, dense_layout = meta_layouts(model_class, layout_fields, layers=layers)
         groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                                  check_config=check_config)
 
@@ -138,8 +156,8 @@ def transformers_moe_spec(
                             converters=converters or own_conversion, **(loading or {})),
         experts=experts_spec,
         quant=QuantSpec(**quant_fields),
-        memory=MemorySpec(fsdp_unit_key_regex=DECODER_UNIT_KEY_RE, activation_memory=activation_memory),
-        report=ReportSpec(decoder_layer_regex=DECODER_LAYER_RE),
+        memory=MemorySpec(fsdp_unit_key_regex=decoder_unit_key_re(layers), activation_memory=activation_memory),
+        report=ReportSpec(decoder_layer_regex=decoder_layer_re(layers)),
         **groups,
     )
 
