@@ -84,7 +84,8 @@ QWEN3_5_MOE_SPEC = register_spec(
             converter=None,
             no_converter_reason="its routed experts are BF16, so NVFP4 input scales need calibration",
         ),
-        serving=ServingSpec(rules=serving_rules),
+        # Its text RMSNorms scale by 1 + weight (transformers' Qwen3_5MoeRMSNorm): the scale-plausibility bound.
+        serving=ServingSpec(rules=serving_rules, norm_weight_offset=1.0),
         stand_in=make_stand_in,
     ),
 )
