@@ -1,8 +1,8 @@
 """The conformance matrix: which exports the engines' own loaders are run on, and how each is built.
 
 Every cell is an export of a model's tiny stand-in (its spec's ``stand_in``, through ``testing.make_tiny``:
-Kimi-K3 for the default cells, Qwen3-MoE, GPT-OSS or DeepSeek-V3 for the ``qwen3*``, ``gpt_oss*`` and
-``deepseek_v3*`` cells; ``TINY_MODELS``, checked against the registry's model types), written under a scratch
+Kimi-K3 for the default cells, Qwen3-MoE, GPT-OSS, DeepSeek-V3 or Qwen3.5-MoE for the ``qwen3*``, ``gpt_oss*``,
+``deepseek_v3*`` and ``qwen3_5_moe*`` cells; ``TINY_MODELS``, checked against the registry's model types), written under a scratch
 work directory, never inside an existing export: the presets through ``hf_ptq`` (calibrated), the
 converter's default and the mirror recipe through ``convert_checkpoint`` (calibration-free), the same
 on a 128-wide variant (flashinfer's weight shuffle, which SGLang's NVFP4 MoE post-processing runs, needs
@@ -39,10 +39,11 @@ QWEN3_WIDE_SIZES = {"mlp_only_layers": [], "hidden_size": 128}
 # 128-row FP8 block, as DeepSeek-V3's 576).
 DEEPSEEK_V3_SIZES = {"source": "block_fp8", **MLA_SIZES}
 TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
-                 "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES}
+                 "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES,
+                 "qwen3_5_moe": {}}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
-               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"}
+               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "qwen3_5_moe": "qwen3_5_moe"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
@@ -113,6 +114,10 @@ CELLS: tuple[Cell, ...] = (
     Cell("deepseek_v3-qformat-nvfp4-kv_fp8", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
          qformat="nvfp4", kv_cache_qformat="fp8",
          about="DeepSeek-V3: hf_ptq --qformat nvfp4 --kv_cache_qformat fp8 (one MLA KV scale per layer)"),
+    # Qwen3.5-MoE (issue 40): the VLM stand-in through its --qformat nvfp4 recipe (routed experts only).
+    Cell("qwen3_5_moe-qformat-nvfp4", "hf_ptq", "models/Qwen/Qwen3.5-MoE/nvfp4", tiny="qwen3_5_moe", qformat="nvfp4",
+         about="Qwen3.5-MoE: hf_ptq --qformat nvfp4 (routed experts NVFP4; GDN, attention, shared expert, vision, "
+               "MTP BF16)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 

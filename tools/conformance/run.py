@@ -24,7 +24,8 @@ from .verdict import observed_verdict
 
 DRIVERS = Path(__file__).parent / "drivers"
 # config.json model_type -> the drivers' model suffix (drivers/<engine>_<suffix>.py builds the engine's own class).
-DRIVER_MODELS = {"kimi_k3": "k3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"}
+DRIVER_MODELS = {"kimi_k3": "k3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3",
+                 "qwen3_5_moe": "qwen3_5_moe"}
 CHECK_ENGINES = ("vllm", "sglang", "trtllm")
 NOT_OBSERVABLE = {  # what no CPU run of these drivers sees, whatever the cell
     "vllm": ("any forward (every GEMM, attention and MoE kernel is CUDA)",),
