@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from _exports import read_export
-
 from safetensors.torch import save_file
 
 from modelopt_k3.checkpoint import CheckpointError, CheckpointReader
