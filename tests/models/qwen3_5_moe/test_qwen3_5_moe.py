@@ -4,6 +4,7 @@ layerwise path, the command line and the engine checks."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -94,6 +95,26 @@ def test_export_keeps_vision_and_mtp_as_stored_and_quantizes_only_routed_experts
         assert entry in hf["exclude_modules"], entry
     config = json.loads((qwen3_5_moe_export / "config.json").read_text())
     assert config["text_config"]["dtype"] == "bfloat16" and "vision_config" in config
+
+
+@pytest.mark.slow
+def test_export_equals_modelopt_0_47(qwen3_5_moe_export):
+    """Every tensor nvidia-modelopt 0.47.0 exports for the same stand-in (NVFP4_EXPERTS_ONLY_CFG, the same
+    calibration ids; scripts/modelopt_golden_qwen3_5_moe.py) equals ours bit for bit, input scales included; ours
+    adds only the MTP block ModelOpt drops, and its exclusions are ModelOpt's plus ``mtp*``."""
+    golden = json.loads((Path(__file__).parents[2] / "data" / "modelopt_0_47_qwen3_5_moe_golden.json").read_text())
+    ours = read_export(qwen3_5_moe_export)
+    assert {k for k in ours if not k.startswith("mtp.")} == set(golden["tensors"])
+    for key, want in golden["tensors"].items():
+        t = ours[key]
+        got = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+               "sha256": hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()}
+        if "value" in want:
+            got["value"] = t.float().item().hex()
+        assert got == want, key
+    hf = json.loads((qwen3_5_moe_export / "hf_quant_config.json").read_text())["quantization"]
+    theirs = golden["hf_quant_config"]["quantization"]
+    assert {**hf, "exclude_modules": [e for e in hf["exclude_modules"] if e != "mtp*"]} == theirs
 
 
 @pytest.mark.slow
