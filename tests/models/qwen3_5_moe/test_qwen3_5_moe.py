@@ -147,6 +147,41 @@ def test_layerwise_export_equals_resident_and_hf_ptq_runs(qwen3_5_moe_ckpt, tmp_
 
 
 @pytest.mark.slow
+def test_every_text_linear_nvfp4_shares_the_scales_the_engines_fuse(qwen3_5_moe_ckpt, tmp_path):
+    """A recipe quantizing every text Linear: the probe (this model's tiny VLM) groups what reads one input --
+    the gated delta net's in_proj_qkv/z/b/a, q/k/v, the shared expert's gate/up (its Linear-built gate a member,
+    kept BF16) -- and the export shares their scales, so vLLM's in_proj_qkvz/in_proj_ba/qkv_proj/gate_up_proj
+    load it as calibrated; the preflight refuses activations the text calibration never reaches (vision)."""
+    from modelopt_k3.check import check_export
+    from modelopt_k3.cli import hf_ptq
+    from modelopt_k3.run.preflight import PreflightError
+
+    recipe = tmp_path / "all.yaml"
+    recipe.write_text("description: every text Linear NVFP4\nalgorithm: max\nkv_cache: null\n"
+                      "calibrate_all_experts: false\nquant_cfg:\n  - pattern: '*'\n    weights: nvfp4\n"
+                      "    inputs: nvfp4\n  - pattern: 'model.visual.*'\n    enable: false\n    reason: vision\n"
+                      "  - import: units/default_disabled\n")
+    flags = ["--pyt_ckpt_path", str(qwen3_5_moe_ckpt), "--calib_size", "4", "--batch_size", "2", "--calib_seq", "24",
+             "--no_progress", "--report", "none", "--target_engines", "vllm"]
+    with pytest.raises(PreflightError, match="text calibration never runs"):
+        hf_ptq.run(hf_ptq.build_parser().parse_args([*flags, "--recipe", "presets/nvfp4_default", "--export_path",
+                                                     str(tmp_path / "refused")]))
+    out = tmp_path / "all"
+    assert hf_ptq.run(hf_ptq.build_parser().parse_args([*flags, "--recipe", str(recipe), "--export_path",
+                                                        str(out)])) == 0
+    t = read_export(out)
+    layer0, layer3 = "model.language_model.layers.0.", "model.language_model.layers.3."
+    groups = [[f"{layer0}linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")],
+              [f"{layer3}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")],
+              [f"{layer0}mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj")]]
+    for members in groups:
+        for part in ("weight_scale_2", "input_scale"):
+            assert len({t[f"{m}.{part}"].item() for m in members}) == 1, (members, part)
+    assert t[f"{layer0}mlp.shared_expert_gate.weight"].dtype == torch.bfloat16
+    assert check_export(out, ("vllm",)).results["vllm"].ok
+
+
+@pytest.mark.slow
 def test_already_quantized_and_malformed_configs_are_refused(qwen3_5_moe_ckpt, tmp_path):
     import shutil
 
