@@ -182,6 +182,26 @@ def test_every_text_linear_nvfp4_shares_the_scales_the_engines_fuse(qwen3_5_moe_
 
 
 @pytest.mark.slow
+def test_converter_weight_only_equals_the_model_path(qwen3_5_moe_ckpt, tmp_path):
+    """modelopt-k3-convert (shard by shard, through the same view; no model built) with a weight-only recipe writes
+    what hf_ptq --qformat w4a16_nvfp4 writes, byte for byte; without --recipe it refuses, naming why."""
+    from modelopt_k3.cli import hf_ptq
+    from modelopt_k3.convert import convert_checkpoint
+    from modelopt_k3.spec import SpecError, get_spec
+
+    convert_checkpoint(qwen3_5_moe_ckpt, tmp_path / "conv", "presets/w4a16_nvfp4")
+    assert hf_ptq.run(hf_ptq.build_parser().parse_args([
+        "--pyt_ckpt_path", str(qwen3_5_moe_ckpt), "--qformat", "w4a16_nvfp4", "--calib_size", "4", "--batch_size", "2",
+        "--calib_seq", "24", "--no_progress", "--report", "none", "--target_engines", "vllm",
+        "--export_path", str(tmp_path / "model")])) == 0
+    a, b = read_export(tmp_path / "conv"), read_export(tmp_path / "model")
+    assert set(a) == set(b)
+    assert [k for k in a if not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))] == []
+    with pytest.raises(SpecError, match="input scales need calibration"):
+        get_spec("qwen3_5_moe").converter_recipe()
+
+
+@pytest.mark.slow
 def test_already_quantized_and_malformed_configs_are_refused(qwen3_5_moe_ckpt, tmp_path):
     import shutil
 
