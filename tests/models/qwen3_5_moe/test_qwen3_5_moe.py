@@ -238,3 +238,18 @@ def test_the_planned_activations_bound_the_stand_ins_forward(qwen3_5_moe_ckpt):
             net(input_ids=ids)
         ratios.append(_planned_forward(Path(qwen3_5_moe_ckpt), batch, seq) / live.peak)
     assert all(1.0 <= r <= 1.6 for r in ratios), ratios
+
+
+@pytest.mark.slow
+def test_full_size_397b_plan_fits_8_gpus_expert_parallel(tmp_path):
+    """The planner on a header-only Qwen3.5-397B-A17B layout (60 layers x 512 experts, the vision tower, MTP;
+    sparse shards): calibrated NVFP4 at 4 x 2048 tokens fits 8 x 141 GiB expert-parallel (about 0.8 TB of BF16),
+    never one GPU; the fused experts are counted per expert through the view."""
+    import modelopt_k3
+    from modelopt_k3.testing.qwen3_5_moe import make_qwen3_5_moe_layout
+
+    report = modelopt_k3.plan_memory(make_qwen3_5_moe_layout(tmp_path / "l397"), world_size=8, gpu_mem_gib=141)
+    assert report.smallest[("expert_parallel", "fsdp2", "bf16")] == 8
+    assert report.smallest[("whole", "replicated", "bf16")] is None
+    groups = [g for g in report.layout.experts if g.module.startswith("model.language_model.")]
+    assert len(groups) == 60 and all(g.num_experts == 512 for g in groups)
