@@ -23,12 +23,15 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExper
 
 from ...spec import PrepareContext, RecipesSpec, ServingSpec, SourceCheckSpec, SpecError, register_spec
 from ..common.experts import fused_experts_class
+from ..common.layout import meta_layouts
 from ..common.spec import transformers_moe_spec
 from .memory import activation_memory
 from .probe import probe_model
-from .source_layout import LAYERS, carried_modules, check_config_fields, per_expert_view
+from .source_layout import LAYERS, LAYOUT_FIELDS, carried_modules, check_config_fields, per_expert_view
 
 Qwen3_5MoeFusedExperts = fused_experts_class(Qwen3_5MoeExperts)
+# The source check's layouts: the VLM built on meta (per-expert names, as the view presents the fused experts).
+EXPERT_LAYOUT, DENSE_LAYOUT = meta_layouts("Qwen3_5MoeForConditionalGeneration", LAYOUT_FIELDS, layers=LAYERS)
 
 
 def prepare(ctx: PrepareContext) -> None:
@@ -78,7 +81,8 @@ QWEN3_5_MOE_SPEC = register_spec(
         loading={"checkpoint_view": per_expert_view},
         quant={"probe_model": probe_model, "uncalibrated_module_regex": r"^model\.visual\."},
         activation_memory=activation_memory,
-        source_check=SourceCheckSpec(check_config=check_config_fields, carried=carried_modules),
+        source_check=SourceCheckSpec(expert_layout=EXPERT_LAYOUT, dense_layout=DENSE_LAYOUT,
+                                     check_config=check_config_fields, carried=carried_modules),
         recipes=RecipesSpec(
             qformat={"nvfp4": "models/Qwen/Qwen3.5-MoE/nvfp4"},
             converter=None,

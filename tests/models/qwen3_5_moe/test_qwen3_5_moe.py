@@ -41,6 +41,13 @@ def test_the_view_gives_each_expert_its_own_byte_range_of_the_fused_tensors(tmp_
             assert torch.equal(reader.get(f"{LAYER0}.{e}.down_proj.weight"), down[e])
         assert reader.log.bytes == gate_up.numel() * 2 + down.numel() * 2  # each expert's bytes, once
         assert reader.stored_name(f"{LAYER0}.3.up_proj.weight") == f"{LAYER0}.gate_up_proj"
+    from modelopt_k3.checkpoint.source_check import check_experts
+    from modelopt_k3.spec import get_spec
+
+    config = json.loads((ckpt / "config.json").read_text())
+    wrong = {**config, "text_config": {**config["text_config"], "num_experts": 16}}
+    with CheckpointReader(ckpt) as reader, pytest.raises(CheckpointError, match="num_experts=16"):
+        check_experts(reader.headers(), wrong, get_spec("qwen3_5_moe"), reader.stored_name)  # the VLM on meta
     planted = {f"{LAYER0}.0.gate_proj.weight": gate_up[0, :inter].clone()}
     save_file(planted, str(ckpt / "planted.safetensors"))
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
@@ -214,6 +221,10 @@ def test_already_quantized_and_malformed_configs_are_refused(qwen3_5_moe_ckpt, t
     (ckpt / "config.json").write_text(json.dumps({**config, "text_config": {**config["text_config"],
                                                                            "layer_types": ["full_attention"]}}))
     with pytest.raises(SpecError, match="layer_types"):
+        modelopt_k3.load_pretrained(ckpt, progress=False)
+    (ckpt / "config.json").write_text(json.dumps({**config, "text_config": {**config["text_config"],
+                                                                           "num_experts": 16}}))
+    with pytest.raises(Exception, match=r"config.json needs \[16, 64\]"):  # the carried MTP layer's router
         modelopt_k3.load_pretrained(ckpt, progress=False)
     (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(SpecError, match="already quantized"):
