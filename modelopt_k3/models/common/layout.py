@@ -22,12 +22,12 @@ import transformers
 from ...spec import ExpertsLayout
 
 LAYER_RE = r"model\.layers\.(?P<layer>\d+)\."
+Dense = tuple[tuple[str, tuple[int, ...] | None, str], ...]
 
 
 def layer_re(layers: str = "model.layers") -> str:
     """Keys under decoder layer ``layer`` of ``layers`` (the source check bounds it by num_hidden_layers)."""
     return rf"{re.escape(layers)}\.(?P<layer>\d+)\."
-Dense = tuple[tuple[str, tuple[int, ...] | None, str], ...]
 
 
 def _frozen(config: Mapping[str, Any]) -> str:
