@@ -28,7 +28,7 @@ from ..checkpoint.serving_rules import (
 )
 from ..recipe import Recipe, load_recipe
 from ..spec import ModelSpec, ServingSpec
-from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay
+from .engines import ENGINE_NAMES, kv_scale_names, parse_engines, replay, serving_spec
 from .layout import Layout, planned_layout, scan_export
 from .report import DIFFERENT, LOADS, REFUSES, CheckReport, Deviation, EngineRefusal, EngineResult, Refusal
 
@@ -89,7 +89,8 @@ def check_export(export_dir: str | Path, engines=DEFAULT_ENGINES, *, source: str
         report = check_layout(layout, engines)
         source = recorded_source(export_dir) if source is None else source
         findings = export_side_findings(export_dir, reader, layout.config, source, block_scales=block_scales)
-        attach_findings(report, [*findings, *implausible_input_scales(reader)])
+        offset = serving_spec(str(layout.config.get("model_type", ""))).norm_weight_offset
+        attach_findings(report, [*findings, *implausible_input_scales(reader, offset)])
         return report
 
 

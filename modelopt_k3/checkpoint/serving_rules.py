@@ -314,8 +314,9 @@ _INPUT_RANGE = {torch.uint8: (6.0 * 448.0, "NVFP4"), torch.float8_e4m3fn: (448.0
 IMPLAUSIBLE_FACTOR = 2.0
 
 
-def implausible_input_scales(reader: CheckpointReader) -> list[Finding]:
-    """``input_scale``s implying an input amax above what their norm's output can reach, with the numbers."""
+def implausible_input_scales(reader: CheckpointReader, norm_weight_offset: float = 0.0) -> list[Finding]:
+    """``input_scale``s implying an input amax above what their norm's output can reach, with the numbers.
+    ``norm_weight_offset``: what the model's norms add to the stored weight (``ServingSpec.norm_weight_offset``)."""
     headers = reader.headers()
     bounds: dict[str, float] = {}
     out = []
@@ -329,7 +330,7 @@ def implausible_input_scales(reader: CheckpointReader) -> list[Finding]:
         if fmt is None or norm is None or norm not in headers:
             continue
         if norm not in bounds:
-            gamma = reader.pread(norm).float()
+            gamma = reader.pread(norm).float() + norm_weight_offset
             bounds[norm] = math.sqrt(gamma.numel()) * float(gamma.abs().max())
         scale = float(reader.pread(key).float().reshape(-1).max())
         implied = scale * fmt[0]

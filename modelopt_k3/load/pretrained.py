@@ -113,6 +113,24 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+@contextmanager
+def _sub_configs_in(config, dtype: torch.dtype):
+    """A composite config's sub-configs (``text_config``, ``vision_config``) set to ``dtype`` while the model is
+    built: transformers builds each sub-model in its own config's ``dtype`` (``_from_config``), which would
+    override the load's default dtype for them (a Qwen3.5-MoE VLM loaded in fp32 kept its text model BF16).
+    Restored after, so the config an export writes is the checkpoint's."""
+    subs = [sub for key in getattr(config, "sub_configs", None) or {}
+            if (sub := getattr(config, key, None)) is not None and hasattr(sub, "dtype")]
+    old = [sub.dtype for sub in subs]
+    for sub in subs:
+        sub.dtype = dtype
+    try:
+        yield
+    finally:
+        for sub, was in zip(subs, old, strict=True):
+            sub.dtype = was
+
+
 def _plan_expert_reads(
     reader: CheckpointReader, spec: ModelSpec, converters: list, local: dict[str, range], keys=None
 ) -> tuple[dict[str, dict[str, dict[int, str]]], set[str]]:
@@ -403,7 +421,7 @@ def _build_on_meta(
     """The model with parameters on meta and, when a placement is given, only its experts (else all)."""
     # Parameters on meta, buffers for real: non-persistent buffers get what the modules' own __init__
     # computes (accelerate's helper; torch.device("meta") would leave them empty).
-    with _default_dtype(dtype), init_empty_weights(include_buffers=False):
+    with _default_dtype(dtype), _sub_configs_in(config, dtype), init_empty_weights(include_buffers=False):
         model = model_cls(config)
     if placement is not None:
         spec.experts.place_experts(model, placement)  # on the instances: another model in this process may differ

@@ -89,7 +89,8 @@ def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec
     carried = model.modelopt_k3.carried  # modules the model does not build (MTP layers): kept, never matched
     held = (lambda name: False) if carried is None else carried.holds
     table_linears = {name for name in table.of_kind("linear") if not held(name)}
-    linears = {name for name, m in model.named_modules() if type(m) is nn.Linear
+    routers = set(table.of_kind("router"))  # a router built as a Linear (Qwen3.5-MoE's shared_expert_gate)
+    linears = {name for name, m in model.named_modules() if type(m) is nn.Linear and name not in routers
                and (name in table_linears or not _tied_elsewhere(model, name, m))}
     experts = set(spec.experts_modules(model))
     table_experts = {name.rpartition(".*.")[0] for name in table.of_kind("experts") if not held(name)}

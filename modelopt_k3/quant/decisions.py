@@ -43,7 +43,8 @@ Kind = Literal["linear", "experts", "embedding", "router", "conv"]
 Inventory = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 
 PACKED, SCALE = "weight_packed", "weight_scale"
-_EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings)$")
+# ``pos_embed``: a vision tower's learned position table (Qwen3.5-MoE's ``model.visual.pos_embed``, an nn.Embedding).
+_EMBEDDING_RE = re.compile(r"(^|\.)(embed_tokens|embed_in|tok_embeddings|word_embeddings|wte|wpe|embeddings|pos_embed)$")
 _ROUTER_ATTRS = ("gate", "router", "shared_expert_gate")
 
 
@@ -268,7 +269,9 @@ def _shared_groups(
 ) -> dict[str, tuple[str, ...]]:
     if rules is None:
         return {}
-    linears = [n for n, d in decisions.items() if d.kind == "linear"]
+    # A router built as a Linear (Qwen3.5-MoE's shared_expert_gate) reads the input its siblings read: it is a
+    # member for the rule to apply, never quantized, so the group is its siblings'.
+    linears = [n for n, d in decisions.items() if d.kind in ("linear", "router")]
     groups: dict[str, tuple[str, ...]] = {}
     for readers in apply_rules(rules, linears):  # the structure: every Linear reading the input
         members = tuple(m for m in readers if decisions[m].quantized)  # only quantized members count

@@ -128,7 +128,9 @@ def discover_shared_inputs(spec, model_cls: type, config) -> tuple[SharedInputRu
             raise ValueError(f"model_type {spec.model_type!r} has no probe_model: its shared-input groups are unknown")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, prefix = spec.quant.probe_model(model_cls, config, device)
-        ids = torch.arange(4, device=device).remainder(model.config.vocab_size)[None]
+        text = getattr(model.config, "get_text_config", None)  # a VLM's vocabulary is its text config's
+        vocab = (text() if text else model.config).vocab_size
+        ids = torch.arange(4, device=device).remainder(vocab)[None]
         try:
             groups = record_shared_inputs(model, lambda m: m(input_ids=ids, use_cache=False))
         except Exception as exc:

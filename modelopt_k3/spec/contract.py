@@ -351,6 +351,9 @@ class ServingSpec:
     rules: Callable[[], Mapping[str, Any]] | None = None
     # config.json -> the KV-cache scale tensors an export with a KV-cache format holds (None: none).
     kv_scale_names: Callable[[Mapping[str, Any]], list[str]] | None = None
+    # What the decoder layers' RMSNorms add to their stored weight before scaling (1.0: ``x * (1 + weight)``, as
+    # Qwen3.5/Qwen3-Next store zero-centered gains): the activation-scale plausibility bound reads the gain so.
+    norm_weight_offset: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,28 @@ QWEN3_5_MOE_VISION_DEFAULTS: dict[str, Any] = {
     "num_position_embeddings": 64,
 }
 
+# The released sizes, for header-only layouts (the planner): Qwen3.5-35B-A3B / Qwen3.6-35B-A3B are transformers'
+# own Qwen3_5MoeConfig defaults (= decisions/0007's 35B facts); Qwen3.5-397B-A17B from NVIDIA's model card as 0007
+# quotes it (60 layers, hidden 4096, 512 experts top-10, expert 1024, GDN 64 value / 16 QK heads of 128, attention
+# 32 / 2 heads of 256), its shared expert taken as wide as one routed expert (not in the card: an assumption).
+QWEN3_5_35B_TEXT: dict[str, Any] = {
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+    "num_experts_per_tok": 8, "mtp_num_hidden_layers": 1,
+}
+QWEN3_5_397B_TEXT: dict[str, Any] = {
+    **QWEN3_5_35B_TEXT, "hidden_size": 4096, "num_hidden_layers": 60, "num_attention_heads": 32,
+    "linear_num_value_heads": 64, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
+    "num_experts": 512, "num_experts_per_tok": 10,
+}
+# transformers' Qwen3_5MoeVisionConfig defaults (the released vision tower).
+QWEN3_5_VISION: dict[str, Any] = {
+    "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 2304,
+}
+
 _EXPERT_PROJS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
@@ -168,3 +190,19 @@ def make_tiny_qwen3_5_moe(
         shapes += mtp_shapes(config)
     tensors = list(_checkpoint_tensors(shapes, seed))
     return write_stand_in(path, tensors, config, vocab_size=s_text["vocab_size"], max_shard_size=max_shard_size)
+
+
+def make_qwen3_5_moe_layout(path: str | Path, text: dict[str, Any] | None = None, *, sparse: bool = True,
+                            overwrite: bool = False, shard_bytes: int = 5 * 2**30) -> Path:
+    """A full-size Qwen3.5-MoE checkpoint layout without the bytes (``testing/header_only.py``'s files): the names
+    and shapes the tiny generator writes, at ``text`` sizes (default ``QWEN3_5_397B_TEXT``) with the released
+    vision tower, BF16, each shard a sparse file (``sparse=True``: the right size, no blocks, zeros) or its header
+    alone (``sparse=False``)."""
+    from .header_only import write_layout
+
+    path = fresh_dir(path, overwrite)
+    config = checkpoint_config(text or QWEN3_5_397B_TEXT, QWEN3_5_VISION)
+    shapes = hub_shapes(_model(config), hub_layout) + mtp_shapes(config)
+    write_layout(path, config, [(name, torch.bfloat16, shape) for name, shape in shapes], sparse=sparse,
+                 shard_bytes=shard_bytes)
+    return path

@@ -156,7 +156,8 @@ def test_each_export_gets_the_driver_of_its_model(tmp_path):
     from tools.conformance.venv import EngineSpec
 
     for model_type, suffix in (("kimi_k3", "k3"), ("qwen3_moe", "qwen3"), ("gpt_oss", "gpt_oss"),
-                               ("deepseek_v3", "deepseek_v3"), ("kimi_k25", "kimi_k25")):
+                               ("deepseek_v3", "deepseek_v3"), ("kimi_k25", "kimi_k25"),
+                               ("qwen3_5_moe", "qwen3_5_moe")):
         export = tmp_path / model_type
         export.mkdir()
         (export / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -178,7 +179,7 @@ def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_reci
     assert set(matrix.TINY_MODELS.values()) == set(known_model_types()) == set(DRIVER_MODELS)
     qformat_cells = [c for c in matrix.CELLS if c.qformat]
     assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3", "kimi_k25", "minimax_m2",
-                                               "glm_moe_dsa"}
+                                               "glm_moe_dsa", "qwen3_5_moe"}
     for cell in qformat_cells:
         assert cell.how == "hf_ptq"
         spec = get_spec(matrix.TINY_MODELS[cell.tiny])

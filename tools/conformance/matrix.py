@@ -1,8 +1,8 @@
 """The conformance matrix: which exports the engines' own loaders are run on, and how each is built.
 
 Every cell is an export of a model's tiny stand-in (its spec's ``stand_in``, through ``testing.make_tiny``:
-Kimi-K3 for the default cells, Qwen3-MoE, GPT-OSS or DeepSeek-V3 for the ``qwen3*``, ``gpt_oss*`` and
-``deepseek_v3*`` cells; ``TINY_MODELS``, checked against the registry's model types), written under a scratch
+Kimi-K3 for the default cells, Qwen3-MoE, GPT-OSS, DeepSeek-V3 or Qwen3.5-MoE for the ``qwen3*``, ``gpt_oss*``,
+``deepseek_v3*`` and ``qwen3_5_moe*`` cells; ``TINY_MODELS``, checked against the registry's model types), written under a scratch
 work directory, never inside an existing export: the presets through ``hf_ptq`` (calibrated), the
 converter's default and the mirror recipe through ``convert_checkpoint`` (calibration-free), the same
 on a 128-wide variant (flashinfer's weight shuffle, which SGLang's NVFP4 MoE post-processing runs, needs
@@ -46,11 +46,13 @@ TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
                  # observations in tests/data/engine_conformance.json (run the engines, then add the hf_ptq
                  # --qformat nvfp4 cell, recipe models/nvidia/Nemotron-3/nvfp4_experts).
                  "nemotron_h": {},
-                 "kimi_k25": KIMI_K25_SIZES, "minimax_m2": {}, "glm_moe_dsa": {}}
+                 "kimi_k25": KIMI_K25_SIZES, "minimax_m2": {}, "glm_moe_dsa": {},
+                 "qwen3_5_moe": {}}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
                "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h", "kimi_k25": "kimi_k25",
-               "minimax_m2": "minimax_m2", "glm_moe_dsa": "glm_moe_dsa"}
+               "minimax_m2": "minimax_m2", "glm_moe_dsa": "glm_moe_dsa",
+               "qwen3_5_moe": "qwen3_5_moe"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
 MLP0_FP8_PB = {"quant_cfg": [{"pattern": f"{LM}.layers.0.mlp.*", "weights": "fp8_pb", "inputs": None}]}
 
@@ -130,6 +132,10 @@ CELLS: tuple[Cell, ...] = (
     # GLM-5 (issue 40): the BF16 stand-in with its MTP layer through its --qformat nvfp4 recipe (routed experts only).
     Cell("glm_moe_dsa-qformat-nvfp4", "hf_ptq", "models/zai-org/GLM-5/nvfp4", tiny="glm_moe_dsa", qformat="nvfp4",
          about="GLM-5: hf_ptq --qformat nvfp4 (routed experts NVFP4; MLA, DSA indexer, shared experts, MTP BF16)"),
+    # Qwen3.5-MoE (issue 40): the VLM stand-in through its --qformat nvfp4 recipe (routed experts only).
+    Cell("qwen3_5_moe-qformat-nvfp4", "hf_ptq", "models/Qwen/Qwen3.5-MoE/nvfp4", tiny="qwen3_5_moe", qformat="nvfp4",
+         about="Qwen3.5-MoE: hf_ptq --qformat nvfp4 (routed experts NVFP4; GDN, attention, shared expert, vision, "
+               "MTP BF16)"),
 )
 CELL_BY_ID = {c.id: c for c in CELLS}
 

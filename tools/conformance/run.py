@@ -28,7 +28,8 @@ DRIVER_MODELS = {"kimi_k3": "k3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss", "d
                  "nemotron_h": "nemotron_h", "kimi_k25": "kimi_k25",
                  "minimax_m2": "minimax_m2",
                  # GLM-5: both engines' GlmMoeDsaForCausalLM subclasses their DeepSeek-V2 class, same names (not yet run).
-                 "glm_moe_dsa": "deepseek_v3"}
+                 "glm_moe_dsa": "deepseek_v3",
+                 "qwen3_5_moe": "qwen3_5_moe"}
 CHECK_ENGINES = ("vllm", "sglang", "trtllm")
 NOT_OBSERVABLE = {  # what no CPU run of these drivers sees, whatever the cell
     "vllm": ("any forward (every GEMM, attention and MoE kernel is CUDA)",),

@@ -23,7 +23,7 @@ MODELOPT_ENGINES: dict[str, ModelOptEngine] = {"vllm": VLLM, "sglang": SGLANG}
 Replay = Callable[..., EngineResult]
 
 
-def _serving(model_type: str) -> ServingSpec:
+def serving_spec(model_type: str) -> ServingSpec:
     """The model's serving declarations (none for a model type without a spec)."""
     try:
         return get_spec(model_type).serving
@@ -34,13 +34,13 @@ def _serving(model_type: str) -> ServingSpec:
 def serving_rules(model_type: str, engine: str, serving: ServingSpec | None = None) -> ModelServing | Replay | None:
     """What ``engine``'s class for ``model_type`` does when it loads an export (None: no rules known).
     ``serving``: the model's declarations when the caller holds its spec (else looked up by ``model_type``)."""
-    rules = (serving or _serving(model_type)).rules
+    rules = (serving or serving_spec(model_type)).rules
     return rules().get(engine) if rules is not None else None
 
 
 def kv_scale_names(config: dict, serving: ServingSpec | None = None) -> list[str]:
     """The KV-cache scale tensors an export of a model with this config holds (none if unknown)."""
-    names = (serving or _serving(str(config.get("model_type", "")))).kv_scale_names
+    names = (serving or serving_spec(str(config.get("model_type", "")))).kv_scale_names
     return names(config) if names else []
 
 

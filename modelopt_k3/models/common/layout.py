@@ -21,7 +21,13 @@ import transformers
 
 from ...spec import ExpertsLayout
 
-LAYER_RE = r"model\.layers\.(?P<layer>\d+)\."
+
+def layer_re(layers: str = "model.layers") -> str:
+    """Keys under decoder layer ``layer`` of ``layers`` (the source check bounds it by num_hidden_layers)."""
+    return rf"{re.escape(layers)}\.(?P<layer>\d+)\."
+
+
+LAYER_RE = layer_re()
 # A fused experts parameter of the built model -> the checkpoint's per-expert projections its rows hold, in order.
 GATED_FUSION = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 Dense = tuple[tuple[str, tuple[int, ...] | None, str], ...]
@@ -68,8 +74,11 @@ def meta_layouts(model_class: str | type, fields: tuple[str, ...] = ("num_hidden
     of it (MiniMax-M2's, which keeps the hub's ``block_sparse_moe``; its ``fusion`` names Mixtral's ``w1``/``w3``/``w2``)."""
     shown = model_class if isinstance(model_class, str) else model_class.__name__
 
+    def text(config: Mapping[str, Any]) -> Mapping[str, Any]:  # a VLM's fields live in its text_config
+        return config["text_config"] if isinstance(config.get("text_config"), Mapping) else config
+
     def quoted(config: Mapping[str, Any]) -> str:
-        return f"{shown} built from config.json: " + ", ".join(f"{k}={config.get(k)}" for k in fields)
+        return f"{shown} built from config.json: " + ", ".join(f"{k}={text(config).get(k)}" for k in fields)
 
     def experts(config: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
         found: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -97,7 +106,7 @@ def meta_layouts(model_class: str | type, fields: tuple[str, ...] = ("num_hidden
         rules: list[tuple[str, tuple[int, ...] | None, str]] = [
             (re.escape(name), shape, quoted(config)) for name, shape in ((checkpoint_name(n), s) for n, s in shapes)
             if name.rpartition(".")[0] not in fused]
-        rules.append((layer_re, None, f"num_hidden_layers={config.get('num_hidden_layers')}"))
+        rules.append((layer_re, None, f"num_hidden_layers={text(config).get('num_hidden_layers')}"))
         return tuple(rules)
 
     return expert_layout, dense_layout

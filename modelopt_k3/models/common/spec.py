@@ -39,6 +39,7 @@ from ...spec import (
     TransformersClass,
 )
 from .experts import experts_placer
+from .layout import layer_re as checkpoint_layer_re
 from .layout import meta_layouts
 from .probe import probe_model as default_probe
 
@@ -173,7 +174,8 @@ def transformers_moe_spec(
     if "source_check" not in groups:
         gate, up, down = expert_names
         expert_layout, dense_layout = meta_layouts(model_class, layout_fields, rf"\.{re.escape(experts_module)}$",
-                                                   fusion={"gate_up_proj": (gate, up), "down_proj": (down,)})
+                                                   fusion={"gate_up_proj": (gate, up), "down_proj": (down,)},
+                                                   layer_re=checkpoint_layer_re(layers))
         groups["source_check"] = SourceCheckSpec(expert_layout=expert_layout, dense_layout=dense_layout,
                                                  check_config=check_config, carried=carried)
 

@@ -1,0 +1,83 @@
+"""How each serving engine's Qwen3.5-MoE class loads a checkpoint: the rules ``modelopt-k3-check`` replays.
+
+Read from the engines' sources as stored by the search tools (the commits named below; that these are the code
+of the pinned wheels, vLLM 0.33.0 and SGLang 0.5.23, was not verified):
+
+* vLLM (``vllm/model_executor/models/qwen3_5.py`` @ 00def4f, ``qwen3_next.py`` @ 002d607):
+  ``Qwen3_5MoeForConditionalGeneration`` loads through ``AutoWeightsLoader(skip_prefixes=["mtp."])`` with the
+  Qwen3-VL ``hf_to_vllm_mapper`` (``model.language_model.`` -> ``language_model.model.``, ``model.visual.`` ->
+  ``visual.``, ``lm_head.`` -> ``language_model.lm_head.``), which its ModelOpt config also applies to
+  ``exclude_modules``. ``Qwen3_5Model.load_weights`` stacks ``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` ->
+  ``gate_up_proj`` (the shared expert, ``Qwen2MoeMLP``), ``in_proj_qkv`` + ``in_proj_z`` -> ``in_proj_qkvz`` and
+  ``in_proj_b`` + ``in_proj_a`` -> ``in_proj_ba`` (``Qwen3_5ForCausalLMBase.packed_modules_mapping``); routed
+  experts per expert (``FusedMoE`` ``w13``/``w2``; a fused ``experts.gate_up_proj`` is accepted too).
+  ``Qwen3NextSparseMoeBlock`` builds the router ``gate`` and ``shared_expert_gate`` as ``ReplicatedLinear`` with
+  ``quant_config=None``. The vision tower (``Qwen3_VisionTransformer``) is built WITH the quant config: an export
+  keeping it BF16 must exclude it (``model.visual*``, as ours and NVIDIA's do). ``mtp.*`` is skipped by the main
+  model (the MTP drafter is a separate class, not replayed here).
+* SGLang (``python/sglang/srt/models/qwen3_5.py`` @ 005fa71): ``Qwen3_5GatedDeltaNet`` builds ``in_proj_qkvz``
+  and ``in_proj_ba`` with the quant config (packed-checkpoint loaders split ``in_proj_qkv``/``in_proj_z`` and
+  ``in_proj_b``/``in_proj_a`` into them) and ``conv1d`` without; the rest of its loader (router, vision tower
+  prefix under its ModelOpt exclusions, expert mapping, MTP) was not read, so the check says "not verified".
+* TensorRT-LLM: its Qwen3.5-MoE loader was not read; "not verified" too.
+"""
+
+from __future__ import annotations
+
+from ...check.engines.base import Fused, ModelServing, WeightsMapper
+from ...check.layout import Layout
+from ...check.report import EngineResult, Refusal
+
+EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
+GATE_UP = ("gate_proj", "up_proj")
+QKV = Fused("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+SHARED_GATE_UP = Fused("gate_up_proj", GATE_UP)
+GDN_QKVZ = Fused("in_proj_qkvz", ("in_proj_qkv", "in_proj_z"))
+GDN_BA = Fused("in_proj_ba", ("in_proj_b", "in_proj_a"))
+FUSED = (QKV, SHARED_GATE_UP, GDN_QKVZ, GDN_BA)
+PACKED = {f.engine_name: f.pieces for f in FUSED}
+# Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (inherited by Qwen3_5MoeForConditionalGeneration).
+VL_MAPPER = WeightsMapper(prefixes={"model.language_model.": "language_model.model.", "model.visual.": "visual.",
+                                    "lm_head.": "language_model.lm_head."})
+ROUTERS = (
+    (r"\.mlp\.gate$", "the router is a ReplicatedLinear built with quant_config=None (qwen3_next.py "
+                      "Qwen3NextSparseMoeBlock)"),
+    (r"\.mlp\.shared_expert_gate$", "the shared-expert gate is a ReplicatedLinear built with quant_config=None "
+                                    "(qwen3_next.py Qwen3NextSparseMoeBlock)"),
+)
+
+VLLM_QWEN3_5_MOE = ModelServing(
+    engine="vllm",
+    model_type="qwen3_5_moe",
+    mapper=VL_MAPPER,
+    strip_prefix="",
+    fused=FUSED,
+    unquantized=ROUTERS,
+    formats_only=(),
+    packed_modules_mapping=PACKED,
+    expert_re=EXPERT_RE,
+    gate_up=GATE_UP,
+    kv_scale_params=("attn.k_scale", "attn.v_scale"),
+    kv_note="vLLM's Qwen3NextAttention holds its KV-cache scales on its Attention layer (attn)",
+)
+
+def not_verified(engine: str, what: str):
+    """A replay that gives no verdict but "not verified": the engine's Qwen3.5-MoE loading was not (fully) read."""
+
+    def replay(layout: Layout, *, numerics: bool = True) -> EngineResult:
+        result = EngineResult(engine)
+        result.refusals.append(Refusal("config.json", f"not verified: {what}; modelopt-k3-check guesses no verdict "
+                                                      "for this engine and model"))
+        return result
+
+    replay.__qualname__ = f"not_verified[{engine}]"
+    return replay
+
+
+# The spec's ``ServingSpec.rules``: engine -> rules.
+SERVING = {
+    "vllm": VLLM_QWEN3_5_MOE,
+    "sglang": not_verified("sglang", "SGLang's Qwen3.5-MoE loader was read only for its gated delta net (how its "
+                                     "ModelOpt config names the vision tower and the routers was not)"),
+    "trtllm": not_verified("trtllm", "TensorRT-LLM's Qwen3.5-MoE loader was not read"),
+}
