@@ -96,10 +96,15 @@ def _want(kind: str, out_f: int, in_f: int, block: tuple[int, int] | None = None
     return None, (out_f, in_f)
 
 
+# transformers' quantization_config.quant_method of a block-FP8 checkpoint (a checkpoint's word, not one of our
+# formats: those are compared only in quant/schemes.py).
+BLOCK_FP8_QUANT_METHOD = "fp8"
+
+
 def _fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
     """The declared block-FP8 ``weight_block_size`` (None: the config declares none)."""
     qcfg = config.get("quantization_config") or {}
-    block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == "fp8" else None
+    block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == BLOCK_FP8_QUANT_METHOD else None
     return (int(block[0]), int(block[1])) if isinstance(block, list) and len(block) == 2 else None
 
 

@@ -123,6 +123,11 @@ CELLS: tuple[Cell, ...] = (
     Cell("deepseek_v3-qformat-nvfp4-kv_fp8", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
          qformat="nvfp4", kv_cache_qformat="fp8",
          about="DeepSeek-V3: hf_ptq --qformat nvfp4 --kv_cache_qformat fp8 (one MLA KV scale per layer)"),
+)
+# Cells of the models added in issue 40 whose engine rows are not observed yet (tests/data/engine_conformance.json
+# holds only what an engine's own loader was seen to do; none was installed here). The harness test holds their
+# recipes to what hf_ptq resolves; move a cell into CELLS once `python -m tools.conformance` has recorded it.
+PENDING_CELLS = (
     # Kimi-K2.5 (issue 40): the INT4 stand-in through its --qformat nvfp4 recipe (routed experts only; vision carried).
     Cell("kimi_k25-qformat-nvfp4", "hf_ptq", "models/moonshotai/Kimi-K2.5/nvfp4", tiny="kimi_k25", qformat="nvfp4",
          about="Kimi-K2.5: hf_ptq --qformat nvfp4 on the INT4 stand-in (routed experts NVFP4; vision tower as stored)"),

@@ -57,9 +57,12 @@ def _load_as_rank(ckpt: Path, ep_rank: int, ep_size: int):
     placement = dataclasses.replace(plan.build_placement(), experts=ExpertPlacement(4, ep_size=ep_size, ep_rank=ep_rank))
     converters = L._prepare(src, ckpt, plan)
     plan = L._decide_residency("bf16", packed_source=True, plan=plan, path=ckpt, dtype=torch.float32, decode_chunk=None)
-    model = L._build_placed_model(src, plan, placement, torch.float32, current_group())
+    model = L._build_placed_on_meta(src, plan, placement, torch.float32, current_group())
+    L.materialize(model, plan.device)
+    L.tie_as_stored(model, src.reader)
     info = L.LoadInfo(checkpoint=ckpt, spec=src.spec, plan=plan, placement=placement, model_cls=src.model_cls)
-    L._read_own_tensors(model, src.reader, converters, info, False, False)
+    build = L.PlacedBuild(model, src.reader, converters, info, current_group())
+    L.read_scope(build, None, allow_nonfinite_passthrough=False, progress=False)  # the load's one read path
     return model, info
 
 
