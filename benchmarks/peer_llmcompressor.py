@@ -11,7 +11,9 @@ linearized experts (``linearize_moe``), every Linear but ``lm_head`` and the rou
 
 * ``max``: ``QuantizationModifier`` (min-max observers: RTN);
 * ``gptq``: ``GPTQModifier``;
-* ``awq``: ``AWQModifier`` (its default mappings for the architecture) then ``QuantizationModifier``;
+* ``awq``: ``AWQModifier`` with its own default mappings for the architecture (``_moe_default_mappings``:
+  input norm -> q/k/v, v -> o, post-attention norm -> router + experts' gate/up, up -> down), the
+  post-attention one split by layer kind (``awq_mappings``), then ``QuantizationModifier``;
 * ``awq_gptq``: ``AWQModifier`` then ``GPTQModifier`` (llm-compressor #3001's best pair),
 
 on the calibration tokens given (``calib``: ``[N, S]`` int64; no shuffling, no padding), every other option at its
@@ -38,7 +40,43 @@ FP4_MAX, FP8_MAX = 6.0, 448.0
 IGNORE = ["lm_head", "re:.*mlp\\.gate$"]  # routers (Qwen3-MoE's ``mlp.gate``) and lm_head stay BF16, as ours
 
 
-def modifiers(method: str) -> list:
+def _moe_layers(config: dict) -> list[int]:
+    """The decoder layers with a sparse MoE block (Qwen3-MoE's rule: ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers", []))
+    return [i for i in range(config["num_hidden_layers"])
+            if i not in dense and config.get("num_experts", 0) > 0 and (i + 1) % step == 0]
+
+
+def awq_mappings(config: dict) -> list:
+    """llm-compressor's default Qwen3-MoE mappings, with the post-attention norm's split into MoE and dense layers.
+
+    Its default (``re:.*post_attention_layernorm$`` -> router and experts' gate/up) cannot resolve on a model with
+    a dense layer between MoE layers (the stand-in's layer 1, as DeepSeek-V3's first layers are dense): the dense
+    layer's norm has no router after it, so ``match_modules_set`` pairs two norms with one set of balance layers
+    and ``AWQModifier`` raises "AWQ needs to match a single smoothlayer". Anchoring that one mapping to the layers
+    of each kind (the dense layers take the dense default: norm -> gate_proj/up_proj) keeps every other mapping
+    and every smoothing the default would do."""
+    from llmcompressor.modifiers.transform.awq import AWQMapping
+
+    def layers(ids: list[int]) -> str:
+        return rf"layers\.({'|'.join(map(str, ids))})\."
+
+    moe = _moe_layers(config)
+    dense = [i for i in range(config["num_hidden_layers"]) if i not in moe]
+    out = [AWQMapping("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]),
+           AWQMapping("re:.*v_proj$", ["re:.*o_proj$"])]
+    if moe:
+        out.append(AWQMapping(f"re:.*{layers(moe)}post_attention_layernorm$",
+                              [f"re:.*{layers(moe)}mlp\\.gate$", f"re:.*{layers(moe)}mlp\\.experts\\..*\\.gate_proj$",
+                               f"re:.*{layers(moe)}mlp\\.experts\\..*\\.up_proj$"]))
+    if dense:
+        out.append(AWQMapping(f"re:.*{layers(dense)}post_attention_layernorm$",
+                              [f"re:.*{layers(dense)}mlp\\.gate_proj$", f"re:.*{layers(dense)}mlp\\.up_proj$"]))
+    out.append(AWQMapping("re:.*up_proj$", ["re:.*down_proj$"]))
+    return out
+
+
+def modifiers(method: str, config: dict) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
@@ -46,8 +84,8 @@ def modifiers(method: str) -> list:
     return {
         "max": lambda: [QuantizationModifier(**scheme)],
         "gptq": lambda: [GPTQModifier(**scheme)],
-        "awq": lambda: [AWQModifier(), QuantizationModifier(**scheme)],
-        "awq_gptq": lambda: [AWQModifier(), GPTQModifier(**scheme)],
+        "awq": lambda: [AWQModifier(mappings=awq_mappings(config)), QuantizationModifier(**scheme)],
+        "awq_gptq": lambda: [AWQModifier(mappings=awq_mappings(config)), GPTQModifier(**scheme)],
     }[method]()
 
 
@@ -69,6 +107,16 @@ def dequantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _no_pinning_without_accelerator() -> None:
+    """llm-compressor 0.14.0.1's AWQ pins its cached activations (``IntermediatesCache.pin_memory``, for
+    non-blocking host-to-device copies) whether or not an accelerator exists, and ``Tensor.pin_memory`` raises
+    "Cannot access accelerator device when none is available" on a CPU-only machine: AWQ stops there. Pinning
+    only speeds up transfers (the values are the same), so on CPU it is skipped."""
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -88,6 +136,8 @@ def main() -> None:
     from llmcompressor import oneshot
     from llmcompressor.modeling.moe.linearize import linearize_moe
 
+    if not torch.cuda.is_available():
+        _no_pinning_without_accelerator()
     torch.manual_seed(0)
     calib = load_file(args.tokens)["calib"]
     # Loaded fused, then linearized (``linearize_moe``: the post-load path of ``load_quantizable_moe``, whose
@@ -96,7 +146,7 @@ def main() -> None:
     linearize_moe(model)
     data = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
     start = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=modifiers(args.method), num_calibration_samples=len(calib),
+    oneshot(model=model, dataset=data, recipe=modifiers(args.method, json.loads((Path(args.ckpt) / "config.json").read_text())), num_calibration_samples=len(calib),
             max_seq_length=calib.shape[1], shuffle_calibration_samples=False,
             moe_calibrate_all_experts=args.all_experts)
     seconds = time.perf_counter() - start
