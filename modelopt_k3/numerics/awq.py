@@ -5,7 +5,11 @@ columns by ``s`` and divides its input channels by ``s``: the product is unchang
 are large get their weights scaled up, so the weight quantizer spends its resolution where the output is most
 sensitive. ``s = mean|x|^alpha`` normalised so that ``sqrt(max(s) * min(s)) = 1``, ``alpha`` chosen on a grid in
 [0, 1] by the output error of the fake-quantized group (the calibrator's part; ``alpha = 0`` gives ``s = 1``
-exactly: no smoothing).
+exactly: no smoothing). llm-compressor's ``duo_scaling`` divides by the weights' side too:
+``s = mean|x|^alpha / (mean|w~|^(1 - alpha) + 1e-4)``, where ``|w~|`` is each weight's magnitude relative to the
+largest of its quantization block (16 elements for NVFP4), averaged over every output row of the group
+(``block_normalised_row_sums``): input channels whose weights are already large relative to their block get a
+smaller ``s``.
 
 ``mean|x|`` must be the same bits whatever way the tokens are split over ranks or batches (the scales are folded
 into exported weights, and EP 2 must export one process's bytes). Float sums are order-dependent, so each
@@ -24,6 +28,8 @@ TOP_EXP = 20
 LIMB_BITS = 24
 LIMBS = 4
 MAX_EXACT_TOKENS = 1 << (53 - LIMB_BITS)  # integer-valued limb sums stay below 2**53 up to here
+DUO_EPS = 1e-4  # added to the weight term of a duo scale (llm-compressor's)
+NORM_EPS = 1e-6  # added to a block's amax before dividing by it (an all-zero block gives zeros, not NaN)
 SCALE_FLOOR = 1e-4  # a channel never seen (mean 0) must not give s = 0 (llm-compressor's and ModelOpt's clamp)
 
 
@@ -67,11 +73,25 @@ def alpha_grid(step: float) -> list[float]:
     return points
 
 
-def awq_scales(mean_abs: Tensor, alpha: float) -> Tensor:
-    """``[C]`` float32 smoothing scales ``mean|x|^alpha`` (floored at ``SCALE_FLOOR``), divided by
-    ``sqrt(max * min)`` so they straddle 1. ``alpha = 0``: ones exactly."""
-    if alpha == 0.0:
+def block_normalised_row_sums(weight: Tensor, block: int) -> Tensor:
+    """``[..., out, in]`` -> float64 ``[..., in]``: every ``|w|`` divided by (its ``block``-wide input block's amax +
+    ``NORM_EPS``), summed over the output rows (one row per leading index: a fused experts tensor gives one sum
+    per expert). Divided by the group's total row count, the ``mean|w~|`` of ``awq_scales``' duo rule."""
+    if weight.shape[-1] % block:
+        raise ValueError(f"awq: input size {weight.shape[-1]} is not a multiple of the block {block}")
+    w = weight.detach().to(torch.float64).abs()
+    blocks = w.unflatten(-1, (-1, block))
+    return (blocks / (blocks.amax(dim=-1, keepdim=True) + NORM_EPS)).flatten(-2).sum(dim=-2)
+
+
+def awq_scales(mean_abs: Tensor, alpha: float, weight_mean: Tensor | None = None) -> Tensor:
+    """``[C]`` float32 smoothing scales ``mean|x|^alpha`` (floored at ``SCALE_FLOOR``), or with ``weight_mean``
+    (duo) ``mean|x|^alpha / (weight_mean^(1 - alpha) + DUO_EPS)`` floored at ``SCALE_FLOOR``, divided by
+    ``sqrt(max * min)`` so they straddle 1. ``alpha = 0`` without ``weight_mean``: ones exactly."""
+    if alpha == 0.0 and weight_mean is None:
         return torch.ones(mean_abs.shape, dtype=torch.float32, device=mean_abs.device)
     s = mean_abs.to(torch.float64).clamp(min=SCALE_FLOOR).pow(alpha)
+    if weight_mean is not None:
+        s = (s / (weight_mean.to(s.device, torch.float64).pow(1.0 - alpha) + DUO_EPS)).clamp(min=SCALE_FLOOR)
     s = s / torch.sqrt(s.max() * s.min())
     return s.to(torch.float32)

@@ -69,3 +69,30 @@ def test_awq_scales_are_mean_to_alpha_normalised_to_straddle_one():
     assert s.dtype == torch.float32 and torch.allclose(s.double(), want, rtol=1e-7, atol=0)
     assert math.isclose(float(s.max()) * float(s.min()), 1.0, rel_tol=1e-6)
     assert torch.allclose(awq_scales(mean, 1.0)[:3] / awq_scales(mean, 1.0)[0], torch.tensor([1.0, 4.0, 16.0]))
+
+
+def test_block_normalised_row_sums_divide_each_block_by_its_amax_and_sum_the_rows():
+    from modelopt_k3.numerics.awq import NORM_EPS, block_normalised_row_sums
+
+    w = torch.tensor([[1.0, -2.0, 4.0, 0.0], [0.0, 0.0, -3.0, 1.5]])
+    got = block_normalised_row_sums(w, 2)
+    rows = [[1 / (2 + NORM_EPS), 2 / (2 + NORM_EPS), 4 / (4 + NORM_EPS), 0.0],
+            [0.0, 0.0, 3 / (3 + NORM_EPS), 1.5 / (3 + NORM_EPS)]]
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, torch.tensor(rows, dtype=torch.float64).sum(0), rtol=0, atol=1e-15)
+    experts = torch.stack([w, 2 * w])  # one sum per expert; a block's scale cancels
+    assert torch.allclose(block_normalised_row_sums(experts, 2)[1], got, rtol=1e-6)
+    with pytest.raises(ValueError, match="multiple of the block"):
+        block_normalised_row_sums(torch.ones(2, 3), 2)
+
+
+def test_duo_scales_divide_by_the_weight_term_and_straddle_one():
+    from modelopt_k3.numerics.awq import DUO_EPS
+
+    x = torch.tensor([1.0, 4.0, 9.0, 0.0])
+    wm = torch.tensor([0.5, 0.25, 1.0, 0.5], dtype=torch.float64)
+    for alpha in (0.0, 0.5, 1.0):
+        want = (x.double().clamp(min=1e-4) ** alpha / (wm ** (1 - alpha) + DUO_EPS)).clamp(min=1e-4)
+        want = want / torch.sqrt(want.max() * want.min())
+        assert torch.allclose(awq_scales(x, alpha, wm).double(), want, rtol=1e-6)
+    assert not torch.equal(awq_scales(x, 0.0, wm), torch.ones(4))  # duo at alpha 0 still smooths: s ~ 1 / w

@@ -15,10 +15,19 @@ def test_awq_options_presets_and_refusals():
     assert algorithm_config({"method": "awq", "then": "gptq"}).then_algorithm() == qformat_presets()["nvfp4_gptq"][1]
     assert algorithm_config("awq").then_algorithm() == "max"
     assert algorithm_config(qformat_presets()["nvfp4_awq_gptq"][1]).then == "gptq"
-    assert algorithm_config(qformat_presets()["nvfp4_awq"][1]) == algorithm_config("awq")
-    for bad in ({"then": "mse"}, {"alpha_step": 0.0}, {"alpha_step": 1.5}, {"pre_quant_scale": True}):
+    assert algorithm_config(qformat_presets()["nvfp4_awq"][1]) == algorithm_config({"method": "awq", "duo_scaling": True})
+    assert algorithm_config("awq").duo_scaling is False  # the bare method: ModelOpt awq_lite's rule
+    for bad in ({"then": "mse"}, {"alpha_step": 0.0}, {"alpha_step": 1.5}, {"pre_quant_scale": True},
+                {"duo_scaling": "yes"}):
         with pytest.raises(AlgorithmError, match="awq"):
             algorithm_config({"method": "awq", **bad})
+
+
+def test_the_duo_search_starts_with_no_smoothing_then_every_alpha_duo():
+    plain = algorithm_config({"method": "awq", "alpha_step": 0.5}).candidates()
+    duo = algorithm_config({"method": "awq", "alpha_step": 0.5, "duo_scaling": True}).candidates()
+    assert plain == [(0.0, False), (0.5, False), (1.0, False)]
+    assert duo == [(0.0, False), (0.0, True), (0.5, True), (1.0, True)]
 
 
 def test_awq_state_is_its_limb_sums_plus_what_then_holds():

@@ -48,7 +48,15 @@ from ...dist.fsdp import is_sharded
 from ...dist.group import current_group
 from ...experts.dispatch import owner_inputs
 from ...experts.packed import is_packed
-from ...numerics.awq import MAX_EXACT_TOKENS, abs_sum_limbs, alpha_grid, awq_scales, limbs_to_sum
+from ...numerics.awq import (
+    MAX_EXACT_TOKENS,
+    abs_sum_limbs,
+    alpha_grid,
+    awq_scales,
+    block_normalised_row_sums,
+    limbs_to_sum,
+)
+from ...numerics.constants import NVFP4_BLOCK
 from ...numerics.nvfp4 import nvfp4_fake_quant, nvfp4_global_scale
 from ...recipe.algorithm import MAX, Algorithm, AlgorithmError
 from ..modules import ExpertsQuantState, set_mode
@@ -71,22 +79,37 @@ GATE_UP = "gate_up_proj"  # the fused experts' projection that reads the layer's
 
 @dataclass(frozen=True)
 class AwqConfig(AlgorithmConfig):
-    """``algorithm: {method: awq, alpha_step, then}``. ``alpha_step``: ModelOpt ``awq_lite``'s grid step (0.1:
-    11 points in [0, 1]). ``then``: the weights' scales after the fold, ``max`` or ``gptq`` (its ``--qformat
-    nvfp4_gptq`` preset's options): AWQ then GPTQ is the best pair of llm-compressor #3001's NVFP4 comparison."""
+    """``algorithm: {method: awq, alpha_step, duo_scaling, then}``. ``alpha_step``: ModelOpt ``awq_lite``'s grid
+    step (0.1: 11 points in [0, 1]). ``duo_scaling``: llm-compressor ``AWQModifier``'s default scale rule (the
+    weights' block-relative magnitude divides ``mean|x|^alpha``; numerics/awq.py), searched beside ``s = 1``;
+    false: ModelOpt ``awq_lite``'s ``mean|x|^alpha``. ``then``: the weights' scales after the fold, ``max`` or
+    ``gptq`` (its ``--qformat nvfp4_gptq`` preset's options): AWQ then GPTQ is the best pair of llm-compressor
+    #3001's NVFP4 comparison."""
 
     method = "awq"
     weight_algorithms = ("awq", "awq_gptq")
-    presets = {"awq": {}, "awq_gptq": {"then": "gptq"}}
+    # duo: it beat the plain rule on the outlier stand-in (benchmarks/results/peer_calibrators.md)
+    presets = {"awq": {"duo_scaling": True}, "awq_gptq": {"duo_scaling": True, "then": "gptq"}}
 
     alpha_step: float = 0.1
+    duo_scaling: bool = False
     then: str = "max"
 
     def check(self) -> None:
         if not 0.0 < self.alpha_step <= 1.0:
             raise AlgorithmError(f"algorithm awq: alpha_step must be in (0, 1], got {self.alpha_step}")
+        if not isinstance(self.duo_scaling, bool):
+            raise AlgorithmError(f"algorithm awq: duo_scaling must be true or false, got {self.duo_scaling!r}")
         if self.then not in THEN:
             raise AlgorithmError(f"algorithm awq: then must be one of {list(THEN)}, got {self.then!r}")
+
+    def candidates(self) -> list[Candidate]:
+        """The scale rules searched, in order (the first of equal losses wins): ``alpha`` on the grid, plain; with
+        ``duo_scaling`` no smoothing first, then every ``alpha`` duo (llm-compressor's grid with the identity)."""
+        alphas = alpha_grid(self.alpha_step)
+        if self.duo_scaling:
+            return [(0.0, False), *((a, True) for a in alphas)]
+        return [(a, False) for a in alphas]
 
     def then_algorithm(self) -> Algorithm:
         """The algorithm that sets the weights' scales after the fold: max, or the registry's ``nvfp4_<then>``."""
@@ -97,6 +120,9 @@ class AwqConfig(AlgorithmConfig):
         overcount), plus what ``then`` holds."""
         held, kept = algorithm_config(self.then_algorithm()).state_bytes(out_features, in_features, dtype_bytes)
         return held + 32 * in_features, kept
+
+
+Candidate = tuple[float, bool]  # (alpha, duo): one scale rule of the search
 
 
 @dataclass(eq=False)
@@ -132,8 +158,24 @@ class _Group:
     members: list[_Member]
     others: list[tuple[str, nn.Module]]  # unquantized readers whose weight takes s (the router)
     mean: torch.Tensor | None = None
-    losses: torch.Tensor | None = None  # float64 [alphas]
-    alpha: float | None = None
+    weight_mean: torch.Tensor | None = None  # the members' mean block-relative |w| per input channel (duo only)
+    losses: torch.Tensor | None = None  # float64 [candidates]
+    choice: Candidate | None = None
+
+    def scales(self, candidate: Candidate) -> torch.Tensor:
+        alpha, duo = candidate
+        return awq_scales(self.mean, alpha, self.weight_mean if duo else None)
+
+
+def _gathered_experts(local: torch.Tensor, placement) -> torch.Tensor:
+    """``[local experts, ...]`` -> ``[num_experts, ...]`` in global expert order: every EP rank's block, gathered
+    over the placement's group (the world where it names none); ``local`` itself in one process."""
+    if placement.ep_size == 1:
+        return local
+    g = current_group()
+    parts = [torch.empty_like(local, device=g.device) for _ in range(placement.ep_size)]
+    dist.all_gather(parts, local.to(g.device), group=placement.group or g.pg)
+    return torch.cat([p.cpu() for p in parts])  # EP rank r holds the r-th contiguous block
 
 
 def _first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -344,15 +386,37 @@ class AwqCalibrator(Calibrator):
                                  f"to {MAX_EXACT_TOKENS}: calibrate on fewer tokens")
             gr.mean = limbs_to_sum(limbs) / tokens
 
+    @staticmethod
+    def _weight_means(model: nn.Module, groups: list[_Group]) -> None:
+        """Each group's ``mean|w~|`` (duo scaling): block-relative row sums of its dense members (whole on every
+        rank) plus its routed experts', gathered over the EP group in global expert order and summed in that
+        order, so every rank and one process add the same numbers in the same order."""
+        placement = model.modelopt_k3.placement.experts
+        for gr in groups:
+            total, rows = None, 0
+            for mem in gr.members:
+                w = getattr(mem.module, mem.param).detach()
+                sums = block_normalised_row_sums(w, NVFP4_BLOCK)
+                if mem.experts:
+                    sums, experts = _gathered_experts(sums.cpu(), placement), placement.num_experts
+                    sums = sums.sum(dim=0)
+                    rows += experts * w.shape[-2]
+                else:
+                    rows += w.shape[-2]
+                sums = sums.cpu()
+                total = sums if total is None else total + sums
+            gr.weight_mean = total / rows
+
     # ------------------------------------------------------------------ pass 2: the loss of each alpha
 
-    def _losses(self, model: nn.Module, forward_loop: ForwardLoop, groups: list[_Group], alphas: list[float]) -> None:
-        """For every group and alpha, the summed squared output error of its members' fake-quantized smoothed
+    def _losses(self, model: nn.Module, forward_loop: ForwardLoop, groups: list[_Group],
+                candidates: list[Candidate]) -> None:
+        """For every group and candidate scale rule, the summed squared output error of its members' fake-quantized smoothed
         weights against their weights, on the calibration tokens (dense: this rank's; experts: those routed to
         the experts this rank owns), then summed over ranks."""
         for gr in groups:
-            gr.losses = torch.zeros(len(alphas), dtype=torch.float64)
-        plans = [self._alpha_plans(gr, alphas) for gr in groups]
+            gr.losses = torch.zeros(len(candidates), dtype=torch.float64)
+        plans = [self._candidate_plans(gr, candidates) for gr in groups]
 
         def dense(gr: _Group, plan, mem: _Member):
             def hook(mod, args, kwargs):
@@ -396,14 +460,14 @@ class AwqCalibrator(Calibrator):
                 gr.losses = row
 
     @staticmethod
-    def _alpha_plans(gr: _Group, alphas: list[float]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
-        """Per alpha: the scales ``s`` and each member's NVFP4 global scale of its smoothed weight: the group's
+    def _candidate_plans(gr: _Group, candidates: list[Candidate]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """Per candidate: the scales ``s`` and each member's NVFP4 global scale of its smoothed weight: the group's
         dense members share one (max of their amaxes, as the export shares ``weight_scale_2``), each routed
         expert its own (``[E]``, gate and up together)."""
         plans = []
         dense = [m for m in gr.members if not m.experts]
-        for a in alphas:
-            s = awq_scales(gr.mean, a)
+        for c in candidates:
+            s = gr.scales(c)
             scales: dict[int, torch.Tensor] = {}
             if dense:
                 amax = torch.stack([(m.module.weight.detach().float() * s.to(m.module.weight.device)).abs().amax()
@@ -476,23 +540,28 @@ class AwqCalibrator(Calibrator):
         if getattr(model, "modelopt_k3", None) is None:
             raise ValueError("algorithm awq under layerwise is not built (the folded norms of a layer would be "
                              "written before the export knew them): calibrate resident")
-        alphas = alpha_grid(self.config.alpha_step)
+        candidates = self.config.candidates()
         found = self._groups(model, self._observe(model, forward_loop))
         self._reduce_means(found)
-        self._losses(model, forward_loop, found, alphas)
+        if self.config.duo_scaling:
+            self._weight_means(model, found)
+        self._losses(model, forward_loop, found, candidates)
         chosen: set[str] = set()
         for gr in found:
-            gr.alpha = alphas[int(torch.argmin(gr.losses))]  # the first of equal losses: the smaller alpha
+            best = int(torch.argmin(gr.losses))  # the first of equal losses: no smoothing, then the smaller alpha
+            gr.choice = candidates[best]
+            alpha, duo = gr.choice
             members = ", ".join(m.name for m in gr.members)
-            if gr.alpha == 0.0:
+            if gr.choice == (0.0, False):
                 self.smoothing[gr.norm.name] = (None, f"not smoothed: alpha 0 erred least ({members})")
                 for m in gr.members:
                     self.labels[m.name] = "not smoothed by awq: alpha 0 erred least"
                 continue
-            self._fold(gr, awq_scales(gr.mean, gr.alpha))
-            gain = float(gr.losses[alphas.index(gr.alpha)] / gr.losses[0]) if gr.losses[0] > 0 else 1.0
-            self.smoothing[gr.norm.name] = (gr.alpha, f"smoothed: alpha {gr.alpha:g}, search loss x{gain:.3f} of "
-                                                      f"alpha 0, into {members}" +
+            self._fold(gr, gr.scales(gr.choice))
+            gain = float(gr.losses[best] / gr.losses[0]) if gr.losses[0] > 0 else 1.0
+            rule = f"alpha {alpha:g}" + (" duo" if duo else "")
+            self.smoothing[gr.norm.name] = (alpha, f"smoothed: {rule}, search loss x{gain:.3f} of "
+                                                   f"no smoothing, into {members}" +
                                             "".join(f" and {n} (BF16)" for n, _ in gr.others))
             chosen.update(m.name for m in gr.members)
         if current_group().is_main:
