@@ -126,13 +126,16 @@ def render_markdown(results: dict) -> str:
             f"| {f['title']} | {_fmt_value(f['ours'], f['unit'])} | {_fmt_value(f['reference'], f['unit'])} "
             f"| {ratio} | {f['target_text']} | {result} |"
         )
-    sides: dict[str, tuple[str, str]] = {}
+    sides: dict[str, set[tuple[str, str]]] = {}
     for f in results["figures"]:
         if f["verdict"] == "skipped":
             continue
-        sides.setdefault(f["name"].split("/")[0], (f["ours"].get("label", ""), f["reference"].get("label", "")))
+        sides.setdefault(f["name"].split("/")[0], set()).add((f["ours"].get("label", ""), f["reference"].get("label", "")))
     lines += ["", "What each side runs (details in the `benchmarks/bench_*.py` docstrings):", ""]
-    lines += [f"- `{family}`: ours = {ours}; reference = {ref}" for family, (ours, ref) in sides.items()]
+    # a family whose figures compare different things says so, rather than naming its first figure's sides
+    lines += [f"- `{family}`: ours = {next(iter(pairs))[0]}; reference = {next(iter(pairs))[1]}" if len(pairs) == 1
+              else f"- `{family}`: {len(pairs)} pairs of sides; each figure's are in `results.json` (`ours.label`, "
+                   "`reference.label`)" for family, pairs in sides.items()]
     for extra in results.get("areas", {}).values():
         table = extra.get("markdown") if isinstance(extra, dict) else None
         if table:
