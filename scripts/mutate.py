@@ -219,7 +219,7 @@ CURATED: tuple[Mutant, ...] = (
            "kl = (ref.exp() * (ref - quant)).sum(-1)", "kl = (quant.exp() * (quant - ref)).sum(-1)",
            "report: KL(quantized || original) instead of KL(original || quantized)"),
     Mutant("issue33:kl-args-swapped", "modelopt_k3/quant/evaluate.py",
-           "final += kl_and_top1(ref, quant)", "final += kl_and_top1(quant, ref)",
+           "self.final += kl_and_top1(reference, quantized)", "self.final += kl_and_top1(quantized, reference)",
            "held-out pass: the quantized logits passed as the reference"),
     Mutant("issue33:rel-rms-no-sqrt", "modelopt_k3/numerics/stats.py",
            "return math.sqrt(sse / ssq)", "return sse / ssq", "report: relative RMS error without the square root"),
@@ -230,7 +230,7 @@ CURATED: tuple[Mutant, ...] = (
            "[e for e, n in enumerate(self.handled) if n < min_tokens]", "[e for e, n in enumerate(self.handled) if n == 0]",
            "coverage guard: only experts with zero tokens starved (--min_expert_tokens ignored)"),
     Mutant("issue33:cli-min-tokens", "modelopt_k3/cli/hf_ptq.py",
-           "check_coverage(coverage, min_tokens=config.min_expert_tokens,", "check_coverage(coverage, min_tokens=1,",
+           "min_tokens=config.min_expert_tokens,", "min_tokens=1,",
            "hf_ptq: the guard runs with the default threshold, not --min_expert_tokens", area="coverage"),
     Mutant("issue33:refuse-ignores-dependence", "modelopt_k3/quant/coverage.py",
            'if policy == "refuse" and depends:', 'if policy == "refuse":',
@@ -261,7 +261,7 @@ CURATED: tuple[Mutant, ...] = (
            "Kimi-K3 placement: every rank keeps the first experts, not its own", area="kimi_k3"),
     # (Qwen3-MoE's layer rule is transformers' own now: its layout is read off the model built on meta)
     Mutant("issue39:meta-layout-gate-rows", "modelopt_k3/models/common/layout.py",
-           "i = two_i // 2", "i = two_i",
+           "(proj, (rows // len(projs), cols))", "(proj, (rows, cols))",
            "meta layout: a per-expert gate/up weight as wide as the fused gate_up_proj, not half"),
     Mutant("issue33:qwen3-place-first", "modelopt_k3/experts/base.py",
            "nn.Parameter(param.data[local.start : local.stop].clone()",
@@ -297,8 +297,8 @@ CURATED: tuple[Mutant, ...] = (
     # issue 33, second part: the run's settings and preflight (runplan), layerwise calibration and its
     # resume (layerwise), the calibrators and their numerics (calibrators).
     Mutant("issue33:runplan-config-dtype", "modelopt_k3/run/preflight.py",
-           "ctx.dtype = getattr(torch, cfg.dtype) if cfg.dtype else _config_dtype(ctx.raw_config)",
-           "ctx.dtype = _config_dtype(ctx.raw_config)",
+           "ctx.dtype = getattr(torch, cfg.dtype) if cfg.dtype else load_dtype(ctx.raw_config)",
+           "ctx.dtype = load_dtype(ctx.raw_config)",
            "RunPlan: the load dtype from config.json even when --dtype is given"),
     Mutant("issue33:runplan-positive-off-by-one", "modelopt_k3/run/plan.py",
            "if getattr(self, name) < 1:", "if getattr(self, name) < 0:",
@@ -310,8 +310,8 @@ CURATED: tuple[Mutant, ...] = (
     Mutant("issue33:runplan-no-tokenizer-check", "modelopt_k3/run/preflight.py",
            "if not any((ctx.checkpoint / name).is_file() for name in TOKENIZER_FILES):", "if False:",
            "preflight: a checkpoint without tokenizer files passes (fails after the load)"),
-    Mutant("issue33:runplan-heldout-not-sized", "modelopt_k3/run/preflight.py",
-           "held_out = max(args.report_heldout or 0, args.eval_kl)", "held_out = args.eval_kl",
+    Mutant("issue33:runplan-heldout-not-sized", "modelopt_k3/run/plan.py",
+           "return max(self.report_heldout or 0, self.eval_kl)", "return self.eval_kl",
            "preflight: the calibration-size check leaves --report_heldout's sequences out"),
     Mutant("issue33:runplan-calib-seq-at-limit", "modelopt_k3/run/preflight.py",
            "0 < limit < ctx.config.calib_seq:", "0 < limit <= ctx.config.calib_seq:",
@@ -328,8 +328,8 @@ CURATED: tuple[Mutant, ...] = (
            "if old.fingerprint.get(k) != self.state.fingerprint.get(k))",
            'if k != "source checkpoint" and old.fingerprint.get(k) != self.state.fingerprint.get(k))',
            "layerwise resume: a checkpoint whose source digest differs is trusted"),
-    Mutant("issue33:lw-source-digest-no-mtime", "modelopt_k3/layerwise/state.py",
-           'parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")', 'parts.append(f"{f.name}:{st.st_size}")',
+    Mutant("issue33:lw-source-digest-no-mtime", "modelopt_k3/load/layerwise.py",
+           "if info.file in suspect and self.reader.sha256(read) != sha:", "if False:",
            "layerwise resume: a source shard rewritten in place (same size) not noticed"),
     Mutant("issue33:lw-qdq-first-pass-captures", "modelopt_k3/layerwise/__init__.py",
            "first = not settings.qdq_inputs and not last and len(next_cache) == 0",
@@ -352,16 +352,7 @@ CURATED: tuple[Mutant, ...] = (
            "self._consumed.update(self._keys[name])", "pass",
            "layerwise resume: a skipped layer's source keys left unconsumed (finish refuses them)"),
     Mutant("issue33:cal-search-max-error", "modelopt_k3/numerics/nvfp4_search.py",
-           'best_err = torch.full(amax.shape, float("inf"), device=w.device)\n'
-           '        for i in range(n_candidates):\n'
-           '            bs = candidate(i, amax, d)\n'
-           '            err = nvfp4_block_errors(xs, bs, g, h)\n'
-           '            better = err < best_err',
-           'best_err = torch.full(amax.shape, float("-inf"), device=w.device)\n'
-           '        for i in range(n_candidates):\n'
-           '            bs = candidate(i, amax, d)\n'
-           '            err = nvfp4_block_errors(xs, bs, g, h)\n'
-           '            better = err > best_err',
+           "            better = err < best_err", "            better = err > best_err",
            "MSE search: every block keeps the candidate with the largest error"),
     Mutant("issue33:cal-search-tie-last", "modelopt_k3/numerics/nvfp4_search.py",
            "better = err < best_err", "better = err <= best_err",
