@@ -140,6 +140,7 @@ AREAS: dict[str, Area] = {
          "modelopt_k3/load/layerwise.py"),
         ("tests/layerwise/test_layerwise.py", "tests/layerwise/test_layerwise_state.py",
          "tests/layerwise/test_layerwise_resume.py::test_a_resume_of_another_run_is_refused_naming_what_changed",
+         "tests/layerwise/test_layerwise_resume.py::test_a_resume_never_trusts_what_it_has_not_checked",
          "tests/layerwise/test_layerwise_resume.py::test_killed_layerwise_run_resumes_and_exports_the_same[qwen3_moe-1]")),
     "calibrators": Area(
         ("modelopt_k3/quant/calibrators/*.py", "modelopt_k3/numerics/nvfp4_search.py", "modelopt_k3/numerics/gptq.py",
