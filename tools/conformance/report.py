@@ -29,8 +29,9 @@ def _trim(result: dict) -> dict:
     if "load" in result:
         load = result["load"]
         keep["load"] = {k: load[k] for k in ("tensors", "landed_byte_equal", "landed_lossless_other_form",
-                                             "landed_rounded", "not_landed", "params_never_written",
-                                             "engine_owned_never_written") if k in load}
+                                             "landed_rounded", "not_landed", "not_landed_by_design",
+                                             "params_never_written", "engine_owned_never_written")
+                        if load.get(k) or k in ("not_landed", "params_never_written")}
     if "post_load" in result:
         post = dict(result["post_load"])
         post["mismatches"] = post.get("mismatches", [])[:5]
@@ -135,6 +136,10 @@ def _cell_text(row: dict, engine: str) -> str:
         if load["not_landed"]:
             parts.append(f"not landed: {', '.join('`' + n + '`' for n in load['not_landed'][:3])}"
                          + (" ..." if len(load["not_landed"]) > 3 else ""))
+        if load.get("not_landed_by_design"):
+            whys = sorted(set(load["not_landed_by_design"].values()))
+            parts.append(f"{len(load['not_landed_by_design'])} skipped or transformed by the class on purpose "
+                         f"({'; '.join(whys)[:200]})")
         if load["params_never_written"]:
             names = list(load["params_never_written"])
             parts.append(f"never written: {', '.join('`' + n + '`' for n in names[:3])}" + (" ..." if len(names) > 3 else ""))
