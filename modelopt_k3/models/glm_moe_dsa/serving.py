@@ -25,6 +25,7 @@ them). TensorRT-LLM: its GLM-5 support was not read: "not verified".
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,13 +42,22 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
+EXPERTS = re.compile(r"(.+\.layers\.\d+\.mlp)\.experts\.\d+\.")
+
+
+def _layer_index(block: str) -> int:
+    return int(block.split(".layers.")[1].split(".")[0])
+
+
 def missing_config(engine: str, layout: Layout) -> Refusal | None:
     """The engine's DeepSeek-V2 class needs a config key the export's config.json lacks (module docstring)."""
     config = layout.text_config
     if engine == "vllm" and config.get("topk_method") != "noaux_tc":
-        bias = sorted(k for k in layout.tensors if k.endswith(".mlp.gate.e_score_correction_bias"))
-        if bias:
-            return Refusal(bias[0], "vLLM 0.33.0's DeepseekV2MoE creates the router's e_score_correction_bias only for "
+        # Every GLM-5 router stores the bias (transformers' GlmMoeDsa routes noaux_tc only): one per MoE block, found
+        # by its experts' Linears (a planned layout lists Linears only, and the router is none there).
+        blocks = sorted({m[1] for k in layout.linears if (m := EXPERTS.match(k))}, key=_layer_index)
+        if blocks:
+            return Refusal(f"{blocks[0]}.gate.e_score_correction_bias", "vLLM 0.33.0's DeepseekV2MoE creates the router's e_score_correction_bias only for "
                                     f"topk_method 'noaux_tc' (config.json: {config.get('topk_method')!r}): the stored "
                                     "bias has no parameter (KeyError in load_weights)")
     if engine == "sglang" and "moe_layer_freq" not in config:

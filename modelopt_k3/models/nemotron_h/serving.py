@@ -94,10 +94,12 @@ def sglang_mamba_groups(layout: Layout) -> Refusal | None:
     config = layout.text_config
     built = config.get("mamba_n_groups", SGLANG_MAMBA_GROUPS_DEFAULT)
     stored = config.get("n_groups", built)
-    conv = sorted(k for k in layout.tensors if k.endswith(".mixer.conv1d.weight") and not k.startswith(MTP_PREFIX))
-    if stored == built or not conv:
+    # Mamba mixers by their in_proj Linear (a planned layout lists Linears only; conv1d is no Linear).
+    mixers = sorted(k.removesuffix(".in_proj") for k in layout.linears
+                    if k.endswith(".mixer.in_proj") and not k.startswith(MTP_PREFIX))
+    if stored == built or not mixers:
         return None
-    return Refusal(conv[0], f"SGLang 0.5.23's NemotronHConfig builds each MambaMixer2 with mamba_n_groups = {built} "
+    return Refusal(f"{mixers[0]}.conv1d.weight", f"SGLang 0.5.23's NemotronHConfig builds each MambaMixer2 with mamba_n_groups = {built} "
                             f"(config.json has {'no mamba_n_groups: its default' if 'mamba_n_groups' not in config else 'it'}"
                             f"), but the checkpoint's Mamba tensors have n_groups = {stored}: its conv1d/in_proj shard "
                             "sizes do not fit (RuntimeError in load_weights; add mamba_n_groups to config.json)")
