@@ -4,8 +4,8 @@ Both open engines build Kimi-K2.5's text model with their DeepSeek-V3 class, so 
 DeepSeek-V3's own rules (``models/deepseek_v3/serving.py``, looked up through the registry: one set of rules per
 engine class, no copy) on the export as that class sees it; the vision tower and projector are read as stored.
 Read from the engines' code as the search tools store it (commits named); observed since with the pinned wheels'
-own loaders (vLLM 0.33.0, SGLang 0.5.23, ``python -m tools.conformance``, cell ``kimi_k25-qformat-nvfp4``): both
-load the ``--qformat nvfp4`` export byte for byte, as these rules say.
+own loaders (vLLM 0.33.0, SGLang 0.5.23, the conformance run of docs/ENGINE_CONFORMANCE.md, cell
+``kimi_k25-qformat-nvfp4``): both load the ``--qformat nvfp4`` export byte for byte, as these rules say.
 
 * vLLM (``vllm/model_executor/models/kimi_k25.py`` as in vllm-project/vllm after PR #33346, e.g. the copy with
   ``hf_to_vllm_mapper``): ``KimiK25ForConditionalGeneration`` builds ``language_model`` as the registered
