@@ -219,7 +219,8 @@ def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_reci
     assert set(matrix.TINY_MODELS.values()) == set(known_model_types()) == set(DRIVER_MODELS)
     qformat_cells = [c for c in (*matrix.CELLS, *matrix.PENDING_CELLS) if c.qformat]
     assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3", "kimi_k25", "minimax_m2",
-                                               "glm_moe_dsa", "qwen3_5_moe", "nemotron_h", "nemotron_h-wide"}
+                                               "glm_moe_dsa", "qwen3_5_moe", "nemotron_h", "nemotron_h-wide",
+                                               "nemotron_h-wide-g2"}
     assert not matrix.PENDING_CELLS  # every model's cells have engine rows (issue 40)
     for cell in qformat_cells:
         assert cell.how == "hf_ptq"

@@ -65,7 +65,8 @@ def test_the_matrix_covers_what_the_issue_asks():
     assert {"kimi_k25-qformat-nvfp4", "minimax_m2-qformat-nvfp4", "glm_moe_dsa-qformat-nvfp4",
             "glm_moe_dsa-qformat-nvfp4-release_config", "qwen3_5_moe-qformat-nvfp4",
             "qwen3_5_moe-qformat-nvfp4-release_config", "nemotron_h-qformat-nvfp4",
-            "nemotron_h-wide-qformat-nvfp4"} <= ids
+            "nemotron_h-wide-qformat-nvfp4", "nemotron_h-wide-g2-qformat-nvfp4",
+            "nemotron_h-wide-g2-qformat-nvfp4-mamba_n_groups"} <= ids
     assert {f"{t}-recipe-nvfp4_default_{a}" for t in ("qwen3", "qwen3-wide") for a in ("awq", "awq_gptq")} <= ids
     assert set(ENGINES) == {"vllm", "sglang"} and all(DOC["stubs"][e] for e in ENGINES)
     for row in DOC["cells"]:

@@ -48,6 +48,8 @@ GLM_MOE_DSA_SIZES = {**MLA_SIZES, "kv_lora_rank": 512, "index_head_dim": 128, "h
 # post-processing sizes each expert's interleaved block scales as unpadded (rows % 128, scale columns % 4), which the
 # non-gated w1 [moe_intermediate_size, latent / 16] and w2 [latent, moe_intermediate_size / 16] meet at 128 / 128.
 NEMOTRON_H_WIDE_SIZES = {"n_groups": 8, "moe_intermediate_size": 128, "moe_latent_size": 128}
+# The stand-in's 2 Mamba groups with 128-row expert GEMMs (for the mamba_n_groups edit below).
+NEMOTRON_H_WIDE_G2_SIZES = {"moe_intermediate_size": 128, "moe_latent_size": 128}
 # Qwen3.5-MoE with head_dim 32: the stand-in's mrope_section [2, 1, 1] is a quarter (partial_rotary_factor) of a
 # 32-wide head's rotary half, which vLLM's MRotaryEmbedding asserts; hidden 128 makes the routed experts' w2 rows
 # 128, as SGLang's flashinfer_trtllm NVFP4 MoE post-processing needs (WIDE_SIZES above).
@@ -57,12 +59,14 @@ KIMI_K25_SIZES = {"text": MLA_SIZES}
 TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
                  "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES,
                  "nemotron_h": {}, "nemotron_h-wide": NEMOTRON_H_WIDE_SIZES,
+                 "nemotron_h-wide-g2": NEMOTRON_H_WIDE_G2_SIZES,
                  "kimi_k25": KIMI_K25_SIZES, "minimax_m2": {}, "glm_moe_dsa": GLM_MOE_DSA_SIZES,
                  "qwen3_5_moe": QWEN3_5_MOE_SIZES}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
                "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h",
-               "nemotron_h-wide": "nemotron_h", "kimi_k25": "kimi_k25",
+               "nemotron_h-wide": "nemotron_h",
+               "nemotron_h-wide-g2": "nemotron_h", "kimi_k25": "kimi_k25",
                "minimax_m2": "minimax_m2", "glm_moe_dsa": "glm_moe_dsa",
                "qwen3_5_moe": "qwen3_5_moe"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
@@ -163,6 +167,12 @@ CELLS: tuple[Cell, ...] = (
     Cell("nemotron_h-wide-qformat-nvfp4", "hf_ptq", "models/nvidia/Nemotron-3/nvfp4_experts", tiny="nemotron_h-wide",
          qformat="nvfp4", about="Nemotron-H: hf_ptq --qformat nvfp4 on the stand-in with 8 Mamba groups (the released "
                                 "checkpoints', SGLang's default mamba_n_groups) and 128-row expert GEMMs"),
+    Cell("nemotron_h-wide-g2-qformat-nvfp4", "hf_ptq", "models/nvidia/Nemotron-3/nvfp4_experts",
+         tiny="nemotron_h-wide-g2", qformat="nvfp4",
+         about="Nemotron-H: hf_ptq --qformat nvfp4 on the stand-in's 2 Mamba groups with 128-row expert GEMMs"),
+    Cell("nemotron_h-wide-g2-qformat-nvfp4-mamba_n_groups", "broken", "models/nvidia/Nemotron-3/nvfp4_experts",
+         tiny="nemotron_h-wide-g2", base="nemotron_h-wide-g2-qformat-nvfp4", edit="mamba_n_groups",
+         about="Nemotron-H: the same export with mamba_n_groups = n_groups in config.json (what SGLang reads)"),
     # Issue 43: AWQ (folded into the norms) and AWQ then GPTQ on both Qwen3-MoE stand-ins, beside their max exports
     # (<tiny>-qformat-nvfp4, presets/nvfp4_default): they must load wherever those do (the 128-wide one is the one
     # SGLang's NVFP4 MoE post-processing accepts).
@@ -392,7 +402,13 @@ def _qwen3_5_release_vision_config(src: Path, dst: Path) -> Path:
     return copy_with(src, dst, config=lambda cfg: cfg["vision_config"].update(deepstack_visual_indexes=[]))
 
 
+def _mamba_n_groups(src: Path, dst: Path) -> Path:
+    """The export with ``mamba_n_groups`` = its ``n_groups`` in config.json (the key SGLang's Nemotron-H reads)."""
+    return copy_with(src, dst, config=lambda cfg: cfg.update(mamba_n_groups=cfg["n_groups"]))
+
+
 EDITS: dict[str, Callable[[Path, Path], Path]] = {
+    "mamba_n_groups": _mamba_n_groups,
     "qwen3_5_release_vision_config": _qwen3_5_release_vision_config,
     "glm5_release_config": _glm5_release_config,
     "bank_excluded_subtree": _manifest_edit(_bank_excluded_subtree),
