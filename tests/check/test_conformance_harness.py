@@ -123,6 +123,45 @@ def test_routed_expert_scales_per_expert_and_half():
     assert report["compared"] == 4 + 2 + 4
 
 
+def test_tensors_the_engine_skips_or_transforms_on_purpose_are_listed_apart_from_not_landed():
+    """``summarize(by_design=...)``: an MTP block the main model skips by name and an ``A_log`` the engine holds as
+    ``A = -exp(A_log.float())`` are not "not landed" (so not "serves different numbers"); ``transformed_into``
+    names the transform only where the parameter holds exactly its result, and a by-design name that did land is
+    not listed."""
+
+    class Mamba(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.A = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.w = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16), requires_grad=False)
+
+    ours = {"m.A_log": torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.bfloat16),
+            "m.w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+            "mtp.x": torch.ones(3, dtype=torch.bfloat16)}
+    model = Mamba()
+
+    def load():
+        with torch.no_grad():
+            model.A.copy_(-torch.exp(ours["m.A_log"].float()))
+            model.w.copy_(ours["m.w"])
+
+    masks, land = C.load_with_sentinel(model, load, ours)
+    params = dict(model.named_parameters())
+    minus_exp = lambda t: -torch.exp(t.float())  # noqa: E731
+    found = {**C.skipped_by_prefix(ours, ("mtp.",), "the drafter's"),
+             **C.transformed_into(ours, params, "m.A_log", "A", minus_exp, "A = -exp(A_log)"),
+             "m.w": "listed, but it landed"}
+    summary = C.summarize(ours, land, masks, by_design=found)
+    assert summary["not_landed"] == []
+    assert summary["not_landed_by_design"] == {"m.A_log": "A = -exp(A_log)", "mtp.x": "the drafter's"}
+    assert summary["landed_byte_equal"] == 1
+    assert observed_verdict({"outcome": "ran", "load": summary, "post_load": {"mismatches": []}}) == LOADS
+    with torch.no_grad():  # one element off: no transform found, A_log stays not landed
+        model.A[2] += 1
+    assert C.transformed_into(ours, dict(model.named_parameters()), "m.A_log", "A", minus_exp, "x") == {}
+    assert C.summarize(ours, land, masks)["not_landed"] == ["m.A_log", "mtp.x"]
+
+
 def test_observed_verdicts():
     ran = {"outcome": "ran", "load": {"not_landed": [], "params_never_written": {}}, "post_load": {"mismatches": []}}
     assert observed_verdict(ran) == LOADS
@@ -157,7 +196,8 @@ def test_each_export_gets_the_driver_of_its_model(tmp_path):
 
     for model_type, suffix in (("kimi_k3", "k3"), ("qwen3_moe", "qwen3"), ("gpt_oss", "gpt_oss"),
                                ("deepseek_v3", "deepseek_v3"), ("kimi_k25", "kimi_k25"),
-                               ("qwen3_5_moe", "qwen3_5_moe")):
+                               ("qwen3_5_moe", "qwen3_5_moe"), ("nemotron_h", "nemotron_h"),
+                               ("minimax_m2", "minimax_m2"), ("glm_moe_dsa", "deepseek_v3")):
         export = tmp_path / model_type
         export.mkdir()
         (export / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -179,7 +219,9 @@ def test_every_tiny_variant_is_a_known_model_and_the_qformat_cells_name_the_reci
     assert set(matrix.TINY_MODELS.values()) == set(known_model_types()) == set(DRIVER_MODELS)
     qformat_cells = [c for c in (*matrix.CELLS, *matrix.PENDING_CELLS) if c.qformat]
     assert {c.tiny for c in qformat_cells} == {"qwen3", "qwen3-wide", "gpt_oss", "deepseek_v3", "kimi_k25", "minimax_m2",
-                                               "glm_moe_dsa", "qwen3_5_moe"}
+                                               "glm_moe_dsa", "qwen3_5_moe", "nemotron_h", "nemotron_h-wide",
+                                               "nemotron_h-wide-g2"}
+    assert not matrix.PENDING_CELLS  # every model's cells have engine rows (issue 40)
     for cell in qformat_cells:
         assert cell.how == "hf_ptq"
         spec = get_spec(matrix.TINY_MODELS[cell.tiny])

@@ -60,6 +60,14 @@ def test_the_matrix_covers_what_the_issue_asks():
     # FP8 KV-cache scales.
     assert {"gpt_oss-qformat-nvfp4", "gpt_oss-convert-default", "deepseek_v3-qformat-nvfp4",
             "deepseek_v3-qformat-nvfp4-kv_fp8"} <= ids
+    # Issue 40: the five new models' --qformat nvfp4 exports (and the variants their stand-ins need to get past the
+    # engines' CPU-visible rules); issue 43: AWQ and AWQ+GPTQ beside max on both Qwen3-MoE stand-ins.
+    assert {"kimi_k25-qformat-nvfp4", "minimax_m2-qformat-nvfp4", "glm_moe_dsa-qformat-nvfp4",
+            "glm_moe_dsa-qformat-nvfp4-release_config", "qwen3_5_moe-qformat-nvfp4",
+            "qwen3_5_moe-qformat-nvfp4-release_config", "nemotron_h-qformat-nvfp4",
+            "nemotron_h-wide-qformat-nvfp4", "nemotron_h-wide-g2-qformat-nvfp4",
+            "nemotron_h-wide-g2-qformat-nvfp4-mamba_n_groups"} <= ids
+    assert {f"{t}-recipe-nvfp4_default_{a}" for t in ("qwen3", "qwen3-wide") for a in ("awq", "awq_gptq")} <= ids
     assert set(ENGINES) == {"vllm", "sglang"} and all(DOC["stubs"][e] for e in ENGINES)
     for row in DOC["cells"]:
         for engine in ENGINES:
@@ -71,6 +79,19 @@ def test_the_matrix_covers_what_the_issue_asks():
 def tiny_sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("conformance")
     return {v: matrix.tiny_checkpoint(root, v) for v in matrix.TINY_VARIANTS}
+
+
+def test_awq_exports_load_wherever_max_does():
+    """Issue 43: on each Qwen3-MoE stand-in, the AWQ and AWQ+GPTQ exports got, from each engine's own loader, the
+    verdict the max export (``<tiny>-qformat-nvfp4``, presets/nvfp4_default) got -- and "loads correctly" wherever
+    max does (vLLM on both, SGLang on the 128-wide one)."""
+    rows = {r["id"]: r for r in DOC["cells"]}
+    for tiny in ("qwen3", "qwen3-wide"):
+        for engine in ENGINES:
+            want = _observed(rows[f"{tiny}-qformat-nvfp4"], engine)
+            for algo in ("awq", "awq_gptq"):
+                assert _observed(rows[f"{tiny}-recipe-nvfp4_default_{algo}"], engine) == want, (tiny, algo, engine)
+    assert {_observed(rows["qwen3-wide-recipe-nvfp4_default_awq"], e) for e in ENGINES} == {"loads correctly"}
 
 
 def test_the_up_front_check_of_each_recipe_cell_agrees_with_the_engines_as_recorded(tiny_sources):

@@ -38,19 +38,35 @@ QWEN3_WIDE_SIZES = {"mlp_only_layers": [], "hidden_size": 128}
 # for Kimi-K3 above); its other widths are the generator's (kv_a_proj_with_mqa 128 + 64 = 192 rows: a partial
 # 128-row FP8 block, as DeepSeek-V3's 576).
 DEEPSEEK_V3_SIZES = {"source": "block_fp8", **MLA_SIZES}
+# GLM-5 with the real model's MLA head sizes and latent width (kv_lora_rank 512: vLLM 0.33 builds GLM-5's attention
+# as DeepSeek-V3.2's sparse MLA, whose backends accept only a 576-wide latent + rope head) and indexer head width.
+# Hidden 128: the routed experts' w2 rows, which SGLang's flashinfer_trtllm NVFP4 MoE post-processing needs % 128.
+GLM_MOE_DSA_SIZES = {**MLA_SIZES, "kv_lora_rank": 512, "index_head_dim": 128, "hidden_size": 128}
+# Nemotron-H with 8 Mamba groups and 128-row expert GEMMs: SGLang 0.5.23 builds the mixer with config.mamba_n_groups
+# (default 8), which no transformers-written config holds (it writes n_groups), so the stand-in's 2 groups do not fit
+# its conv1d (the released Nemotron-3 checkpoints have n_groups 8); and its flashinfer_trtllm NVFP4 MoE
+# post-processing sizes each expert's interleaved block scales as unpadded (rows % 128, scale columns % 4), which the
+# non-gated w1 [moe_intermediate_size, latent / 16] and w2 [latent, moe_intermediate_size / 16] meet at 128 / 128.
+NEMOTRON_H_WIDE_SIZES = {"n_groups": 8, "moe_intermediate_size": 128, "moe_latent_size": 128}
+# The stand-in's 2 Mamba groups with 128-row expert GEMMs (for the mamba_n_groups edit below).
+NEMOTRON_H_WIDE_G2_SIZES = {"moe_intermediate_size": 128, "moe_latent_size": 128}
+# Qwen3.5-MoE with head_dim 32: the stand-in's mrope_section [2, 1, 1] is a quarter (partial_rotary_factor) of a
+# 32-wide head's rotary half, which vLLM's MRotaryEmbedding asserts; hidden 128 makes the routed experts' w2 rows
+# 128, as SGLang's flashinfer_trtllm NVFP4 MoE post-processing needs (WIDE_SIZES above).
+QWEN3_5_MOE_SIZES = {"text": {"head_dim": 32, "hidden_size": 128}}
 # Kimi-K2.5 (hub layout: INT4 experts, MoonViT) with the real model's MLA head sizes in its text model.
 KIMI_K25_SIZES = {"text": MLA_SIZES}
 TINY_VARIANTS = {"default": MLA_SIZES, "wide": {**MLA_SIZES, **WIDE_SIZES},
                  "qwen3": {}, "qwen3-wide": QWEN3_WIDE_SIZES, "gpt_oss": {}, "deepseek_v3": DEEPSEEK_V3_SIZES,
-                 # Nemotron-H (issue 40): its drivers exist, but no cell yet: a cell needs a row of engine
-                 # observations in tests/data/engine_conformance.json (run the engines, then add the hf_ptq
-                 # --qformat nvfp4 cell, recipe models/nvidia/Nemotron-3/nvfp4_experts).
-                 "nemotron_h": {},
-                 "kimi_k25": KIMI_K25_SIZES, "minimax_m2": {}, "glm_moe_dsa": {},
-                 "qwen3_5_moe": {}}
+                 "nemotron_h": {}, "nemotron_h-wide": NEMOTRON_H_WIDE_SIZES,
+                 "nemotron_h-wide-g2": NEMOTRON_H_WIDE_G2_SIZES,
+                 "kimi_k25": KIMI_K25_SIZES, "minimax_m2": {}, "glm_moe_dsa": GLM_MOE_DSA_SIZES,
+                 "qwen3_5_moe": QWEN3_5_MOE_SIZES}
 # Which stand-in generator each variant is built with (its config.json's model_type picks the drivers).
 TINY_MODELS = {"default": "kimi_k3", "wide": "kimi_k3", "qwen3": "qwen3_moe", "qwen3-wide": "qwen3_moe",
-               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h", "kimi_k25": "kimi_k25",
+               "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "nemotron_h": "nemotron_h",
+               "nemotron_h-wide": "nemotron_h",
+               "nemotron_h-wide-g2": "nemotron_h", "kimi_k25": "kimi_k25",
                "minimax_m2": "minimax_m2", "glm_moe_dsa": "glm_moe_dsa",
                "qwen3_5_moe": "qwen3_5_moe"}
 GPT_OSS_CONVERTER_DEFAULT = "models/openai/gpt-oss/nvfp4_experts"
@@ -123,11 +139,6 @@ CELLS: tuple[Cell, ...] = (
     Cell("deepseek_v3-qformat-nvfp4-kv_fp8", "hf_ptq", "models/deepseek-ai/DeepSeek-V3/nvfp4", tiny="deepseek_v3",
          qformat="nvfp4", kv_cache_qformat="fp8",
          about="DeepSeek-V3: hf_ptq --qformat nvfp4 --kv_cache_qformat fp8 (one MLA KV scale per layer)"),
-)
-# Cells of the models added in issue 40 whose engine rows are not observed yet (tests/data/engine_conformance.json
-# holds only what an engine's own loader was seen to do; none was installed here). The harness test holds their
-# recipes to what hf_ptq resolves; move a cell into CELLS once `python -m tools.conformance` has recorded it.
-PENDING_CELLS = (
     # Kimi-K2.5 (issue 40): the INT4 stand-in through its --qformat nvfp4 recipe (routed experts only; vision carried).
     Cell("kimi_k25-qformat-nvfp4", "hf_ptq", "models/moonshotai/Kimi-K2.5/nvfp4", tiny="kimi_k25", qformat="nvfp4",
          about="Kimi-K2.5: hf_ptq --qformat nvfp4 on the INT4 stand-in (routed experts NVFP4; vision tower as stored)"),
@@ -137,11 +148,44 @@ PENDING_CELLS = (
     # GLM-5 (issue 40): the BF16 stand-in with its MTP layer through its --qformat nvfp4 recipe (routed experts only).
     Cell("glm_moe_dsa-qformat-nvfp4", "hf_ptq", "models/zai-org/GLM-5/nvfp4", tiny="glm_moe_dsa", qformat="nvfp4",
          about="GLM-5: hf_ptq --qformat nvfp4 (routed experts NVFP4; MLA, DSA indexer, shared experts, MTP BF16)"),
+    Cell("glm_moe_dsa-qformat-nvfp4-release_config", "broken", "models/zai-org/GLM-5/nvfp4", tiny="glm_moe_dsa",
+         base="glm_moe_dsa-qformat-nvfp4", edit="glm5_release_config",
+         about="GLM-5: the same export with the release config.json's topk_method / scoring_func / moe_layer_freq "
+               "(transformers' config class, which the stand-in is written with, has none of them)"),
     # Qwen3.5-MoE (issue 40): the VLM stand-in through its --qformat nvfp4 recipe (routed experts only).
     Cell("qwen3_5_moe-qformat-nvfp4", "hf_ptq", "models/Qwen/Qwen3.5-MoE/nvfp4", tiny="qwen3_5_moe", qformat="nvfp4",
          about="Qwen3.5-MoE: hf_ptq --qformat nvfp4 (routed experts NVFP4; GDN, attention, shared expert, vision, "
                "MTP BF16)"),
+    Cell("qwen3_5_moe-qformat-nvfp4-release_config", "broken", "models/Qwen/Qwen3.5-MoE/nvfp4", tiny="qwen3_5_moe",
+         base="qwen3_5_moe-qformat-nvfp4", edit="qwen3_5_release_vision_config",
+         about="Qwen3.5-MoE: the same export with the release config.json's vision_config.deepstack_visual_indexes []"),
+    # Nemotron-H (issue 40): the BF16 stand-in (Mamba-2 / attention / latent MoE, MTP) through its --qformat nvfp4
+    # recipe (routed experts only).
+    Cell("nemotron_h-qformat-nvfp4", "hf_ptq", "models/nvidia/Nemotron-3/nvfp4_experts", tiny="nemotron_h",
+         qformat="nvfp4", about="Nemotron-H: hf_ptq --qformat nvfp4 (routed experts NVFP4; Mamba, attention, latent "
+                                "projections, shared expert, MTP BF16)"),
+    Cell("nemotron_h-wide-qformat-nvfp4", "hf_ptq", "models/nvidia/Nemotron-3/nvfp4_experts", tiny="nemotron_h-wide",
+         qformat="nvfp4", about="Nemotron-H: hf_ptq --qformat nvfp4 on the stand-in with 8 Mamba groups (the released "
+                                "checkpoints', SGLang's default mamba_n_groups) and 128-row expert GEMMs"),
+    Cell("nemotron_h-wide-g2-qformat-nvfp4", "hf_ptq", "models/nvidia/Nemotron-3/nvfp4_experts",
+         tiny="nemotron_h-wide-g2", qformat="nvfp4",
+         about="Nemotron-H: hf_ptq --qformat nvfp4 on the stand-in's 2 Mamba groups with 128-row expert GEMMs"),
+    Cell("nemotron_h-wide-g2-qformat-nvfp4-mamba_n_groups", "broken", "models/nvidia/Nemotron-3/nvfp4_experts",
+         tiny="nemotron_h-wide-g2", base="nemotron_h-wide-g2-qformat-nvfp4", edit="mamba_n_groups",
+         about="Nemotron-H: the same export with mamba_n_groups = n_groups in config.json (what SGLang reads)"),
+    # Issue 43: AWQ (folded into the norms) and AWQ then GPTQ on both Qwen3-MoE stand-ins, beside their max exports
+    # (<tiny>-qformat-nvfp4, presets/nvfp4_default): they must load wherever those do (the 128-wide one is the one
+    # SGLang's NVFP4 MoE post-processing accepts).
+    *(Cell(f"{tiny}-recipe-{name}", "hf_ptq", f"presets/{name}", tiny=tiny,
+           about=f"Qwen3-MoE: hf_ptq --recipe presets/{name} ({what}; no pre_quant_scale; {shape})")
+      for tiny, shape in (("qwen3", "hidden 64"), ("qwen3-wide", "all MoE, hidden 128"))
+      for name, what in (("nvfp4_default_awq", "AWQ scales folded into the preceding norms, then max"),
+                         ("nvfp4_default_awq_gptq", "AWQ folded, then GPTQ"))),
 )
+# Cells whose engine rows are not observed yet (tests/data/engine_conformance.json holds only what an engine's own
+# loader was seen to do); the harness test holds their recipes to what hf_ptq resolves. A cell moves into CELLS once
+# `python -m tools.conformance --cells <id> --update_committed` has recorded it.
+PENDING_CELLS: tuple[Cell, ...] = ()
 CELL_BY_ID = {c.id: c for c in CELLS}
 
 
@@ -342,7 +386,31 @@ def _bank_excluded_subtree(q: dict, flat: bool) -> None:
     q[key] = [*(q.get(key) or []), f"{LM}.layers.1.block_sparse_moe.experts.*"]
 
 
+# What the released GLM-5 config.json (zai-org/GLM-5) holds beyond transformers' GlmMoeDsaConfig, which the stand-in
+# is written with: the DeepSeek-V2 classes both engines build GLM-5 with read them (models/glm_moe_dsa/serving.py).
+GLM5_RELEASE_CONFIG = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+
+
+def _glm5_release_config(src: Path, dst: Path) -> Path:
+    """The export with ``GLM5_RELEASE_CONFIG`` added to its config.json (as an export of the release would carry)."""
+    return copy_with(src, dst, config=lambda cfg: cfg.update(GLM5_RELEASE_CONFIG))
+
+
+def _qwen3_5_release_vision_config(src: Path, dst: Path) -> Path:
+    """The export with the release config.json's ``vision_config.deepstack_visual_indexes: []`` (Qwen3.5 has no
+    deepstack mergers; transformers' vision config class writes no such key, SGLang then defaults to three)."""
+    return copy_with(src, dst, config=lambda cfg: cfg["vision_config"].update(deepstack_visual_indexes=[]))
+
+
+def _mamba_n_groups(src: Path, dst: Path) -> Path:
+    """The export with ``mamba_n_groups`` = its ``n_groups`` in config.json (the key SGLang's Nemotron-H reads)."""
+    return copy_with(src, dst, config=lambda cfg: cfg.update(mamba_n_groups=cfg["n_groups"]))
+
+
 EDITS: dict[str, Callable[[Path, Path], Path]] = {
+    "mamba_n_groups": _mamba_n_groups,
+    "qwen3_5_release_vision_config": _qwen3_5_release_vision_config,
+    "glm5_release_config": _glm5_release_config,
     "bank_excluded_subtree": _manifest_edit(_bank_excluded_subtree),
     "attn_fp8_group64": _manifest_edit(_attn_fp8_group64),
     "attn_alias_conflict": _manifest_edit(_attn_alias_conflict),

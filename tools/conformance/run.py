@@ -175,7 +175,7 @@ def parse_args(argv: list[str] | None = None):
     from .matrix import CELLS
 
     p = argparse.ArgumentParser(prog="python -m tools.conformance",
-                                description="Run vLLM's and SGLang's own Kimi-K3 / Qwen3-MoE / GPT-OSS / DeepSeek-V3 loaders on CPU "
+                                description="Run vLLM's and SGLang's own model loaders (one driver per model type) on CPU "
                                             "over the "
                                             "conformance matrix and compare with modelopt-k3-check; exits 1 on "
                                             "any disagreement.")

@@ -7,6 +7,13 @@ there; facts in docs/decisions/0007-next-models.md):
 * SGLang ``sglang/srt/models/glm4_moe.py``: ``GlmMoeDsaForCausalLM`` subclasses ``DeepseekV2ForCausalLM``,
   overriding only ``determine_num_fused_shared_experts``.
 
+Observed by the conformance run (tools/conformance, vLLM 0.33.0 / SGLang 0.5.23 on CPU), and replayed here before
+DeepSeek-V3's rules: both DeepSeek-V2 classes read config keys that transformers' ``GlmMoeDsaConfig`` does not write
+(the released config.json has them; an export copies its source's): vLLM creates the router's
+``e_score_correction_bias`` only for ``topk_method: noaux_tc`` (``deepseek_v2.py`` ``DeepseekV2MoE``), so a config
+without it meets the stored bias with a ``KeyError`` in ``load_weights``; SGLang's ``_is_layer_sparse`` reads
+``moe_layer_freq`` while building the layers (``AttributeError`` without it).
+
 So both engines load a GLM-5 export with their DeepSeek-V2/V3 loader, and the DeepSeek-V3 spec's rules (its
 ``ServingSpec.rules``, looked up in the spec registry: no model package imports another) are replayed for them:
 MLA fusions, the router, MTP layers skipped by the main model and loaded by the drafter, ``kv_b_proj``. Not
@@ -18,6 +25,7 @@ them). TensorRT-LLM: its GLM-5 support was not read: "not verified".
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +42,44 @@ def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
+EXPERTS = re.compile(r"(.+\.layers\.\d+\.mlp)\.experts\.\d+\.")
+
+
+def _layer_index(block: str) -> int:
+    return int(block.split(".layers.")[1].split(".")[0])
+
+
+def missing_config(engine: str, layout: Layout) -> Refusal | None:
+    """The engine's DeepSeek-V2 class needs a config key the export's config.json lacks (module docstring)."""
+    config = layout.text_config
+    if engine == "vllm" and config.get("topk_method") != "noaux_tc":
+        # Every GLM-5 router stores the bias (transformers' GlmMoeDsa routes noaux_tc only): one per MoE block, found
+        # by its experts' Linears (a planned layout lists Linears only, and the router is none there).
+        blocks = sorted({m[1] for k in layout.linears if (m := EXPERTS.match(k))}, key=_layer_index)
+        if blocks:
+            return Refusal(f"{blocks[0]}.gate.e_score_correction_bias", "vLLM 0.33.0's DeepseekV2MoE creates the router's e_score_correction_bias only for "
+                                    f"topk_method 'noaux_tc' (config.json: {config.get('topk_method')!r}): the stored "
+                                    "bias has no parameter (KeyError in load_weights)")
+    if engine == "sglang" and "moe_layer_freq" not in config:
+        return Refusal("config.json", "SGLang 0.5.23's DeepseekV2Model reads config.moe_layer_freq while building its "
+                                      "layers (_is_layer_sparse); this config.json has none (AttributeError)")
+    return None
+
+
+def with_config_rule(engine: str, rules):
+    """``rules`` (DeepSeek-V3's for ``engine``) preceded by ``missing_config``."""
+
+    def replay(layout: Layout, *, numerics: bool = True) -> EngineResult:
+        result = rules(layout, numerics=numerics)
+        refusal = missing_config(engine, layout)
+        if refusal is not None:
+            result.refusals.insert(0, refusal)
+        return result
+
+    replay.__qualname__ = f"glm_moe_dsa[{engine}]"
+    return replay
+
+
 _RULES: dict[str, Any] = {}
 
 
@@ -41,5 +87,6 @@ def serving() -> Mapping[str, Any]:
     """engine -> rules: vLLM's and SGLang's are DeepSeek-V3's (module docstring), built once."""
     if not _RULES:
         deepseek = get_spec("deepseek_v3").serving.rules()
-        _RULES.update(vllm=deepseek["vllm"], sglang=deepseek["sglang"], trtllm=replay_trtllm)
+        _RULES.update(vllm=with_config_rule("vllm", deepseek["vllm"]),
+                      sglang=with_config_rule("sglang", deepseek["sglang"]), trtllm=replay_trtllm)
     return _RULES

@@ -3,9 +3,9 @@
 Both open engines build Kimi-K2.5's text model with their DeepSeek-V3 class, so the text part is replayed with
 DeepSeek-V3's own rules (``models/deepseek_v3/serving.py``, looked up through the registry: one set of rules per
 engine class, no copy) on the export as that class sees it; the vision tower and projector are read as stored.
-Read from the engines' code as the search tools store it (commits named), not at the vLLM 0.33.0 / SGLang 0.5.23
-tags, and not observed by the engines' own loaders (no conformance driver for kimi_k25 was run): each verdict
-carries a warning saying so.
+Read from the engines' code as the search tools store it (commits named); observed since with the pinned wheels'
+own loaders (vLLM 0.33.0, SGLang 0.5.23, the conformance run of docs/ENGINE_CONFORMANCE.md, cell
+``kimi_k25-qformat-nvfp4``): both load the ``--qformat nvfp4`` export byte for byte, as these rules say.
 
 * vLLM (``vllm/model_executor/models/kimi_k25.py`` as in vllm-project/vllm after PR #33346, e.g. the copy with
   ``hf_to_vllm_mapper``): ``KimiK25ForConditionalGeneration`` builds ``language_model`` as the registered
@@ -39,8 +39,6 @@ from ...spec import get_spec
 TEXT = "language_model."
 VISION = ("vision_tower.", "mm_projector.")
 TEXT_ENGINE_MODEL = "deepseek_v3"  # the engines' class for the text model (both build their DeepSeek-V3 class)
-UNOBSERVED = ("{engine}: Kimi-K2.5's rules are DeepSeek-V3's, read from its kimi_k25.py as stored (not at the pinned "
-              "tag) and not observed by the engine's own loader (no kimi_k25 conformance run): not verified there")
 
 
 def _text_config(layout: Layout) -> dict:
@@ -78,16 +76,12 @@ def _prefixed(result: EngineResult) -> EngineResult:
 
 def replay_vllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """vLLM's ``KimiK25ForConditionalGeneration`` (module docstring): DeepSeek-V3's rules, names as stored."""
-    result = _rules("vllm")(replace(layout, config=_text_config(layout)), numerics=numerics)
-    result.warnings.append(UNOBSERVED.format(engine="vllm"))
-    return result
+    return _rules("vllm")(replace(layout, config=_text_config(layout)), numerics=numerics)
 
 
 def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """SGLang's ``KimiK25ForConditionalGeneration`` (module docstring): DeepSeek-V3's rules on the text part."""
-    result = _prefixed(_rules("sglang")(_sglang_view(layout), numerics=numerics))
-    result.warnings.append(UNOBSERVED.format(engine="sglang"))
-    return result
+    return _prefixed(_rules("sglang")(_sglang_view(layout), numerics=numerics))
 
 
 def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:

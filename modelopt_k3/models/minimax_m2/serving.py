@@ -1,8 +1,9 @@
 """How each serving engine's MiniMax-M2 class loads a checkpoint: the rules ``modelopt-k3-check`` replays.
 
 Read from the engines' code as the search tools store it (vLLM ``vllm/model_executor/models/minimax_m2.py`` @
-01d99586, SGLang ``python/sglang/srt/models/minimax_m2.py`` @ 01b5f572), not at the vLLM 0.33.0 / SGLang 0.5.23
-tags: re-check there.
+01d99586, SGLang ``python/sglang/srt/models/minimax_m2.py`` @ 01b5f572); observed since with the pinned wheels'
+own loaders (vLLM 0.33.0, SGLang 0.5.23; docs/ENGINE_CONFORMANCE.md, cell ``minimax_m2-qformat-nvfp4``): both load
+the ``--qformat nvfp4`` export byte for byte, as these rules say.
 
 * vLLM: ``MiniMaxM2Attention`` fuses ``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj`` (``QKVParallelLinear``,
   with the quant config; ``MiniMaxM2ForCausalLM.packed_modules_mapping`` ``{qkv_proj: [q, k, v]}``), ``o_proj``

@@ -20,6 +20,11 @@ store them: vLLM @ 00b08dc, SGLang @ 02c6032).
   ``quant_config=None``; latent projections and the shared expert with the quant config; experts non-gated
   (``is_gated=False``; ``make_expert_params_mapping(ckpt_gate_proj_name="up_proj", ckpt_up_proj_name="")``);
   ``MambaMixer2`` (``layers/attention/mamba/mamba.py``) as vLLM's: ``conv1d`` with ``quant_config=None``.
+  Observed (tools/conformance, SGLang 0.5.23 on CPU): its ``NemotronHConfig`` reads the Mamba group count from
+  ``mamba_n_groups`` (default 8) while transformers' config -- and so every config.json ours copies -- writes
+  ``n_groups``; ``MambaMixer2`` is built with ``mamba_n_groups`` groups, so a checkpoint whose ``n_groups`` is not
+  that number stops in ``load_weights`` (``conv1d`` shard sizes, ``linear.py`` ``weight_loader``: "start + length
+  exceeds dimension size"). The released Nemotron-3 checkpoints have 8 groups, which is why they load.
 * TensorRT-LLM: its Nemotron-H loader was not read: not verified (the check refuses to say "loads").
 
 Not verified on either engine: the MTP drafter's load of ``mtp.*`` (vLLM ``nemotron_h_mtp.py``, SGLang
@@ -36,7 +41,7 @@ from ...check.engines.base import Fused, ModelServing, WeightsMapper
 from ...check.engines.sglang import SGLANG
 from ...check.engines.vllm import VLLM
 from ...check.layout import Layout
-from ...check.report import EngineResult, Refusal
+from ...check.report import NOT_VERIFIED, EngineResult, Refusal
 
 EXPERT_RE = r"(?P<module>.+\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)"
 W1_ONLY = ("up_proj", "")  # non-gated: w1 is the up projection, there is no w3
@@ -80,6 +85,26 @@ SGLANG_NEMOTRON_H = ModelServing(
 )
 
 
+SGLANG_MAMBA_GROUPS_DEFAULT = 8  # sglang/srt/configs/nemotron_h.py NemotronHConfig(mamba_n_groups=8)
+
+
+def sglang_mamba_groups(layout: Layout) -> Refusal | None:
+    """SGLang builds every Mamba mixer with ``mamba_n_groups`` groups (default 8), not the ``n_groups`` the
+    checkpoint's tensors are shaped by (module docstring): a mismatch is refused at the first ``conv1d``."""
+    config = layout.text_config
+    built = config.get("mamba_n_groups", SGLANG_MAMBA_GROUPS_DEFAULT)
+    stored = config.get("n_groups", built)
+    # Mamba mixers by their in_proj Linear (a planned layout lists Linears only; conv1d is no Linear).
+    mixers = sorted(k.removesuffix(".in_proj") for k in layout.linears
+                    if k.endswith(".mixer.in_proj") and not k.startswith(MTP_PREFIX))
+    if stored == built or not mixers:
+        return None
+    return Refusal(f"{mixers[0]}.conv1d.weight", f"SGLang 0.5.23's NemotronHConfig builds each MambaMixer2 with mamba_n_groups = {built} "
+                            f"(config.json has {'no mamba_n_groups: its default' if 'mamba_n_groups' not in config else 'it'}"
+                            f"), but the checkpoint's Mamba tensors have n_groups = {stored}: its conv1d/in_proj shard "
+                            "sizes do not fit (RuntimeError in load_weights; add mamba_n_groups to config.json)")
+
+
 def _without_mtp(layout: Layout) -> tuple[Layout, list[str]]:
     """``layout`` without the MTP block's Linears (both engines' main models skip ``mtp.*``), and their names."""
     mtp = sorted(k for k in layout.linears if k.startswith(MTP_PREFIX))
@@ -104,14 +129,19 @@ def replay_vllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
 
 def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """SGLang's ``NemotronHForCausalLM`` (module docstring)."""
-    return _replay(SGLANG, SGLANG_NEMOTRON_H, "load_weights(is_mtp=True)", layout, numerics)
+    result = _replay(SGLANG, SGLANG_NEMOTRON_H, "load_weights(is_mtp=True)", layout, numerics)
+    groups = sglang_mamba_groups(layout)
+    if groups is not None:
+        result.refusals.insert(0, groups)
+    return result
 
 
 def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
     """TensorRT-LLM: not verified (its Nemotron-H loader was not read); never said to load."""
     result = EngineResult("trtllm")
     result.refusals.append(Refusal("config.json", "not verified: modelopt-k3-check has not read TensorRT-LLM's "
-                                                  "Nemotron-H loader, so it does not say this export loads there"))
+                                                  "Nemotron-H loader, so it does not say this export loads there",
+                                   verdict=NOT_VERIFIED))
     return result
 
 

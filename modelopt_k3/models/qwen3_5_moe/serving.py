@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ...check.engines.base import Fused, ModelServing, WeightsMapper
 from ...check.layout import Layout
-from ...check.report import EngineResult, Refusal
+from ...check.report import NOT_VERIFIED, Deviation, EngineResult, Refusal
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")
@@ -61,13 +61,62 @@ VLLM_QWEN3_5_MOE = ModelServing(
     kv_note="vLLM's Qwen3NextAttention holds its KV-cache scales on its Attention layer (attn)",
 )
 
+# SGLang's module prefixes, as its quant config sees them (hf_to_sglang_mapper None): model.language_model. ->
+# model. (Qwen3_5MoeForCausalLM under model), model.visual. -> visual.; attention keeps self_attn in its prefix
+# (get_layer's add_prefix("self_attn", ...)) though load_weights drops it from parameter names.
+SGLANG_MAPPER = WeightsMapper(prefixes={"model.language_model.": "model.", "model.visual.": "visual."})
+SGLANG_QWEN3_5_MOE = ModelServing(
+    engine="sglang",
+    model_type="qwen3_5_moe",
+    mapper=SGLANG_MAPPER,
+    strip_prefix="",
+    fused=FUSED,
+    unquantized=(*ROUTERS, (r"^model\.visual\.", "SGLang's Qwen3VLForConditionalGeneration builds the vision tower with "
+                                                   "quant_config=None (qwen3_vl.py; Qwen3.5-MoE's class derives from it)")),
+    formats_only=(),
+    packed_modules_mapping=None,
+    expert_re=EXPERT_RE,
+    gate_up=GATE_UP,
+    kv_scale_params=("attn.k_scale", "attn.v_scale"),
+    kv_note="SGLang's Qwen3.5 attention holds its KV-cache scales on its RadixAttention (attn)",
+)
+# SGLang's Qwen3-VL vision config (configs/qwen3_vl.py) defaults deepstack_visual_indexes to [8, 16, 24]; Qwen3.5's
+# release config.json says [] (no deepstack mergers), transformers' Qwen3_5MoeVisionConfig writes no such key.
+SGLANG_DEEPSTACK_DEFAULT = (8, 16, 24)
+
+
+def sglang_deepstack(layout: Layout) -> Deviation | None:
+    """A vision config without ``deepstack_visual_indexes``: SGLang builds that many deepstack mergers, which no
+    checkpoint tensor fills (observed: their parameters are never written), and feeds them into image inputs."""
+    vision = layout.config.get("vision_config")
+    if not isinstance(vision, dict) or "deepstack_visual_indexes" in vision:
+        return None
+    return Deviation("visual.deepstack_merger_list",
+                     f"vision_config has no deepstack_visual_indexes: SGLang 0.5.23 defaults it to "
+                     f"{list(SGLANG_DEEPSTACK_DEFAULT)} and builds {len(SGLANG_DEEPSTACK_DEFAULT)} deepstack mergers no "
+                     "checkpoint tensor fills (never written; image inputs only; the release config says [])",
+                     float("nan"))
+
+
+def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
+    """SGLang's ``Qwen3_5MoeForConditionalGeneration`` (module docstring): the vLLM rules' data under SGLang's
+    names, and the deepstack default."""
+    from ...check.engines.sglang import SGLANG
+
+    result = SGLANG.replay(layout, SGLANG_QWEN3_5_MOE, numerics=numerics)
+    deepstack = sglang_deepstack(layout)
+    if deepstack is not None:
+        result.deviations.append(deepstack)
+    return result
+
+
 def not_verified(engine: str, what: str):
     """A replay that gives no verdict but "not verified": the engine's Qwen3.5-MoE loading was not (fully) read."""
 
     def replay(layout: Layout, *, numerics: bool = True) -> EngineResult:
         result = EngineResult(engine)
         result.refusals.append(Refusal("config.json", f"not verified: {what}; modelopt-k3-check guesses no verdict "
-                                                      "for this engine and model"))
+                                                      "for this engine and model", verdict=NOT_VERIFIED))
         return result
 
     replay.__qualname__ = f"not_verified[{engine}]"
@@ -77,7 +126,6 @@ def not_verified(engine: str, what: str):
 # The spec's ``ServingSpec.rules``: engine -> rules.
 SERVING = {
     "vllm": VLLM_QWEN3_5_MOE,
-    "sglang": not_verified("sglang", "SGLang's Qwen3.5-MoE loader was read only for its gated delta net (how its "
-                                     "ModelOpt config names the vision tower and the routers was not)"),
+    "sglang": replay_sglang,
     "trtllm": not_verified("trtllm", "TensorRT-LLM's Qwen3.5-MoE loader was not read"),
 }

@@ -59,10 +59,11 @@ def glm_export(glm_ckpt, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_hf_ptq_nvfp4_quantizes_routed_experts_and_carries_the_mtp_layer(glm_ckpt, glm_export):
+def test_hf_ptq_nvfp4_quantizes_routed_experts_and_carries_the_mtp_layer(glm_ckpt, glm_export, tmp_path):
     """``--qformat nvfp4``: routed experts NVFP4; attention, the DSA indexer, shared experts, the dense layer and the
     MTP layer (``model.layers.3``, every tensor as stored) BF16 and excluded; vLLM and SGLang load it with their
-    DeepSeek-V2 loader (MTP layers to the drafter), TensorRT-LLM not verified."""
+    DeepSeek-V2 loader (MTP layers to the drafter) once config.json has the release's router keys, TensorRT-LLM not
+    verified."""
     out = glm_export
     hf_quant = json.loads((out / "hf_quant_config.json").read_text())
     assert hf_quant["modelopt_k3"]["recipe"] == "models/zai-org/GLM-5/nvfp4"
@@ -75,9 +76,18 @@ def test_hf_ptq_nvfp4_quantizes_routed_experts_and_carries_the_mtp_layer(glm_ckp
     mtp = {k for k in src if k.startswith("model.layers.3.")}
     assert mtp and all(torch.equal(tensors[k], src[k]) for k in mtp)
     from modelopt_k3.check import check_export
-    from modelopt_k3.check.report import LOADS, NOT_VERIFIED
+    from modelopt_k3.check.report import LOADS, NOT_VERIFIED, REFUSES
+    from tools.conformance.matrix import GLM5_RELEASE_CONFIG, copy_with
 
-    verdicts = {e: r.verdict for e, r in check_export(out, ("vllm", "sglang", "trtllm")).results.items()}
+    # The stand-in's config.json is transformers' (no topk_method / moe_layer_freq): both engines refuse it, as their
+    # own loaders did (tests/data/engine_conformance.json); with the release config's keys both load it.
+    report = check_export(out, ("vllm", "sglang", "trtllm"))
+    assert {e: r.verdict for e, r in report.results.items()} == {"vllm": REFUSES, "sglang": REFUSES,
+                                                                  "trtllm": NOT_VERIFIED}
+    assert "topk_method" in report.results["vllm"].refusals[0].reason
+    assert "moe_layer_freq" in report.results["sglang"].refusals[0].reason
+    release = copy_with(out, tmp_path / "release", config=lambda cfg: cfg.update(GLM5_RELEASE_CONFIG))
+    verdicts = {e: r.verdict for e, r in check_export(release, ("vllm", "sglang", "trtllm")).results.items()}
     assert verdicts == {"vllm": LOADS, "sglang": LOADS, "trtllm": NOT_VERIFIED}
 
 

@@ -231,11 +231,15 @@ def error_record(stage: str, exc: BaseException) -> dict:
 
 
 def summarize(ours: dict[str, torch.Tensor], land: dict[str, dict | None], masks: dict[str, torch.Tensor],
-              engine_owned: Callable[[str], str | None] = lambda name: None) -> dict:
+              engine_owned: Callable[[str], str | None] = lambda name: None,
+              by_design: dict[str, str] | None = None) -> dict:
     """Counts and lists. ``engine_owned(param)`` names why a never-written parameter is the engine's own
     (no checkpoint has it: an internal default, a buffer computed at construction); those are listed
-    apart and do not make the load different."""
-    not_landed = sorted(k for k, v in land.items() if v is None)
+    apart and do not make the load different. ``by_design``: export tensors found in no parameter byte for
+    byte that the engine's class skips or transforms on purpose, each with why (``by_design_of`` a driver's
+    ``by_design`` hook, which verifies what it can); listed apart, not as not landed."""
+    by_design = {k: v for k, v in (by_design or {}).items() if land.get(k) is None}
+    not_landed = sorted(k for k, v in land.items() if v is None and k not in by_design)
     cast = sorted(k for k, v in land.items() if v is not None and ("cast_to" in v or "prefix" in v or "padded_to" in v))
     rounded = {k: v for k, v in land.items() if v is not None and "rounded_to" in v}
     unwritten, owned = {}, {}
@@ -247,14 +251,33 @@ def summarize(ours: dict[str, torch.Tensor], land: dict[str, dict | None], masks
             (owned.__setitem__(k, {**entry, "why": why}) if why else unwritten.__setitem__(k, entry))
     return {
         "tensors": len(ours),
-        "landed_byte_equal": len(ours) - len(not_landed) - len(cast) - len(rounded),
+        "landed_byte_equal": len(ours) - len(not_landed) - len(by_design) - len(cast) - len(rounded),
         "landed_lossless_other_form": cast,
         "landed_rounded": {k: {"to": v["rounded_to"], "max_rel": v["max_rel"]} for k, v in rounded.items()},
         "not_landed": not_landed,
+        "not_landed_by_design": dict(sorted(by_design.items())),
         "landed": {k: v for k, v in land.items() if v is not None},
         "params_never_written": unwritten,
         "engine_owned_never_written": owned,
     }
+
+
+def skipped_by_prefix(ours: dict[str, torch.Tensor], prefixes: tuple[str, ...], why: str) -> dict[str, str]:
+    """The export tensors under ``prefixes`` (a block the engine's main-model class skips by name, e.g. an MTP
+    drafter's ``mtp.``), each with ``why``."""
+    return {k: why for k in ours if k.startswith(prefixes)}
+
+
+def transformed_into(ours: dict[str, torch.Tensor], params: dict[str, torch.Tensor], name: str, param: str,
+                     fn: Callable[[torch.Tensor], torch.Tensor], what: str) -> dict[str, str]:
+    """``{name: what}`` when the engine parameter ``param`` holds exactly ``fn(ours[name])`` in its own dtype
+    (a load-time transform the engine's class applies, e.g. Mamba's ``A = -exp(A_log)``); else nothing, so the
+    tensor stays "not landed"."""
+    p = params.get(param)
+    if name not in ours or p is None:
+        return {}
+    want = fn(ours[name]).to(p.dtype).reshape(p.shape) if fn(ours[name]).numel() == p.numel() else None
+    return {name: what} if want is not None and torch.equal(p.detach().cpu(), want) else {}
 
 
 # ----------------------------------------------------------------------------------- post-load scales

@@ -25,6 +25,8 @@ import sys
 import _common as C
 import sglang_k3
 import sglang_qwen3
+import torch
+import vllm_deepseek_v3
 
 FUSED = {"fused_qkv_a_proj_with_mqa": ("q_a_proj", "kv_a_proj_with_mqa"), "gate_up_proj": ("gate_proj", "up_proj")}
 EXPERT_PROJS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -52,6 +54,12 @@ def apply_stubs():
         return factory(*args, **kwargs)
 
     deepseek_v2.get_rope_wrapper = rope_as_on_cuda
+    import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer  # GLM-5's indexer builds its rope the same way
+
+    dsa_indexer.get_rope_wrapper = rope_as_on_cuda
+    # The platform facts' compute capability also where a server-argument hook asks torch for it directly (GLM-5 /
+    # DeepSeek-V3.2's sparse-attention defaults, arg_groups/model_hook.py handle_model_specific_adjustments).
+    torch.cuda.get_device_capability = lambda *args, **kwargs: sglang_k3.PLATFORM["device_capability"]
     return stubbed
 
 
@@ -62,4 +70,5 @@ def post_checks(model, ours) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(sglang_k3.main(sglang_qwen3.DEFAULTS, pieces_of, apply_stubs, post_checks=post_checks))
+    sys.exit(sglang_k3.main(sglang_qwen3.DEFAULTS, pieces_of, apply_stubs, post_checks=post_checks,
+                            by_design=vllm_deepseek_v3.by_design))

@@ -151,10 +151,13 @@ def _resolved_backend() -> str | None:
         return f"unknown ({type(exc).__name__}: {exc})"[:200]
 
 
-def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=kv_defaults, post_checks=None) -> dict:
+def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=kv_defaults, post_checks=None,
+        by_design=None) -> dict:
     """One export's load (``pieces_of``: the export modules behind each engine module, for the scales;
     ``owned_of(model, export)``: engine-owned parameters besides the non-persistent buffers (``kv_defaults`` or a
-    model's own); ``post_checks(model, ours)``: further post-load comparisons, ``_common.merge_post``'d)."""
+    model's own); ``post_checks(model, ours)``: further post-load comparisons, ``_common.merge_post``'d;
+    ``by_design(model, ours)``: export tensors the model's class skips or transforms on purpose, right after
+    ``load_weights``: ``_common.summarize``)."""
     backend = options.get("moe_runner_backend", "flashinfer_trtllm")
     result: dict = {"engine": "sglang", "export": str(export), "moe_runner_backend": backend}
     stage = "import"
@@ -192,6 +195,7 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=kv_defaults, 
                 probe["masks"], probe["landed"] = C.load_with_sentinel(
                     model, lambda: DefaultModelLoader.load_weights_only(model, iter(weights), target_device), ours)
                 probe["owned"] = {**C.non_persistent(model), **owned_of(model, export)}
+                probe["by_design"] = by_design(model, ours) if by_design else {}
                 probe["stage"] = "post_process"
                 DefaultModelLoader.postprocess_weights(model, target_device)
                 probe["stage"] = "report"
@@ -221,7 +225,8 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=kv_defaults, 
         stage = "report"
         result["moe_runner_backend_resolved"] = _resolved_backend()
         result["quant_method"] = type(model.quant_config).__name__ if getattr(model, "quant_config", None) else None
-        result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
+        result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get,
+                                       probe.get("by_design"))
         scales = C.post_load_scales(model, SGLANG_RULES)
         result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours), SGLANG_RULES)
         if post_checks:
@@ -236,12 +241,13 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=kv_defaults, 
         if stage in ("build", "load_weights", "post_process"):
             result["moe_runner_backend_resolved"] = _resolved_backend()
         if "masks" in probe:
-            result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
+            result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get,
+                                       probe.get("by_design"))
     return result
 
 
 def main(defaults: dict | None = None, pieces_of=pieces_of, stubs=apply_stubs, owned_of=kv_defaults,
-         post_checks=None) -> int:
+         post_checks=None, by_design=None) -> int:
     """``--exports A B ...``: each export's result goes to ``--out_dir``/<index>.json as soon as it is
     known (one process loads them in turn: importing the engine is most of the time). ``defaults``: options
     a model's driver sets unless ``--options`` gives them (``sglang_qwen3.py``); ``stubs``: ``apply_stubs`` or
@@ -254,12 +260,13 @@ def main(defaults: dict | None = None, pieces_of=pieces_of, stubs=apply_stubs, o
     stubs()
     options = {**(defaults or {}), **json.loads(args.options)}
     for i, export in enumerate(args.exports):
-        result = run(export, options, pieces_of, owned_of, post_checks)
+        result = run(export, options, pieces_of, owned_of, post_checks, by_design)
         # The same export under the other runner backends: what their first forward does (the routed
         # experts' kernel arguments are assembled from post-processed layer state).
         result["other_backends"] = {}
         for backend in options.get("other_backends", ("auto",)) if result.get("outcome") == "ran" else ():
-            other = run(export, {**options, "moe_runner_backend": backend}, pieces_of, owned_of, post_checks)
+            other = run(export, {**options, "moe_runner_backend": backend}, pieces_of, owned_of, post_checks,
+                        by_design)
             result["other_backends"][backend] = {"outcome": other.get("outcome"),
                                                  "error": other.get("error"),
                                                  "first_forward": other.get("first_forward")}

@@ -6,7 +6,7 @@ The same steps as ``sglang_qwen3.py`` (SGLang's ``ServerArgs`` / ``ModelConfig``
 ``process_weights_after_loading``; the stubs of ``sglang_qwen3.apply_stubs``). The module map behind the post-load
 scales: ``load_weights`` renames ``backbone`` to ``model`` and skips ``mtp``, fuses ``q/k/v_proj`` into ``qkv_proj``
 and loads each MoE layer's non-gated experts into one ``FusedMoE`` (``mixer.experts``: ``w1`` the checkpoint's
-``up_proj``, ``w2`` its ``down_proj``). Not run in the session that wrote it (no SGLang venv there).
+``up_proj``, ``w2`` its ``down_proj``); ``A_log`` and ``mtp.*`` as ``vllm_nemotron_h.by_design`` says.
 """
 
 from __future__ import annotations
@@ -27,4 +27,5 @@ def pieces_of(ours):
 
 
 if __name__ == "__main__":
-    sys.exit(sglang_k3.main(sglang_qwen3.DEFAULTS, pieces_of, sglang_qwen3.apply_stubs))
+    sys.exit(sglang_k3.main(sglang_qwen3.DEFAULTS, pieces_of, sglang_qwen3.apply_stubs,
+                            by_design=vllm_nemotron_h.by_design))

@@ -27,6 +27,8 @@ STUBS: dict[str, list[tuple[str, str]]] = {
     "sglang": [
         ("platform facts: is_cuda/is_blackwell/SM100 true, device capability (10, 0), device 'cpu'",
          "SGLang picks K3's fused paths and the ModelOpt FP4 methods from these facts; SM100 is the NVFP4 target"),
+        ("DeepSeek-V3 / GLM-5 driver: torch.cuda.get_device_capability() -> (10, 0)",
+         "the same fact where a server-argument hook asks torch directly (GLM-5's sparse-attention defaults)"),
         ("tensors placed on 'cuda' (factory device=, .cuda(), .to('cuda')) -> CPU (a TorchFunctionMode)",
          "the model and its layers allocate buffers on the GPU at construction; the bytes are the same"),
         ("torch.cuda.Stream / torch.cuda.Event / torch.cuda.current_stream -> inert objects",

@@ -21,6 +21,7 @@ same stubs, ``stub_list.STUBS["vllm"]``). What is this model's own:
 
 from __future__ import annotations
 
+import re
 import sys
 
 import _common as C
@@ -76,7 +77,16 @@ def post_checks(model, ours) -> dict:
     return C.compare_kv_scales(model, ours, KV_ATTRS)
 
 
+def by_design(model, ours) -> dict[str, str]:
+    """MTP layers (``model.layers.{n}`` for n >= the config's ``num_hidden_layers``, as DeepSeek-V3 and GLM-5 store
+    them): both engines' main model skips them (vLLM ``get_spec_layer_idx_from_weight_name``, SGLang's
+    ``num_nextn_predict_layers`` check); the MTP drafter, another class, is not run here."""
+    n = model.config.num_hidden_layers
+    return {k: f"an MTP layer (>= num_hidden_layers {n}): skipped by the main model's load_weights (the drafter's)"
+            for k in ours if (m := re.match(r"(?:language_model\.)?model\.layers\.(\d+)\.", k)) and int(m[1]) >= n}
+
+
 if __name__ == "__main__":
     # SiLU experts: the scale rules are Qwen3-MoE's (no g1_scale_c; it is g1_alphas * a2_gscale, both compared).
     sys.exit(vllm_k3.main(pieces_of=pieces_of, owned_of=owned_of, rules=vllm_qwen3.RULES, serve_config=serve_config,
-                          post_checks=post_checks))
+                          post_checks=post_checks, by_design=by_design))

@@ -108,12 +108,14 @@ def pieces_of(ours: dict[str, torch.Tensor]):
 
 
 def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES, serve_config=None,
-        post_checks=None) -> dict:
+        post_checks=None, by_design=None) -> dict:
     """One export's load (``pieces_of``: the export modules behind each engine module, for the scales;
     ``owned_of(model, export)``: a model's engine-owned parameters besides the non-persistent buffers;
     ``rules``: what each post-load scale attribute holds, ``VLLM_RULES`` or a model's own;
     ``serve_config(export, model_config)``: ``VllmConfig`` keyword arguments a serve of this export gets (recorded
-    as ``serve_config``); ``post_checks(model, ours)``: further post-load comparisons, ``_common.merge_post``'d)."""
+    as ``serve_config``); ``post_checks(model, ours)``: further post-load comparisons, ``_common.merge_post``'d;
+    ``by_design(model, ours)``: export tensors the model's class skips or transforms on purpose, right after
+    ``load_weights``: ``_common.summarize``)."""
     result: dict = {"engine": "vllm", "export": str(export), "stubs": "stub_list.STUBS['vllm']"}
     stage = "import"
     try:
@@ -147,6 +149,7 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=V
                 probe["masks"], probe["landed"] = C.load_with_sentinel(
                     model, lambda: DefaultModelLoader.load_weights(self, model, model_config), ours)
                 probe["owned"] = {**C.non_persistent(model), **(owned_of(model, export) if owned_of else {})}
+                probe["by_design"] = by_design(model, ours) if by_design else {}
                 probe["stage"] = "post_process"
 
         stage = "config"
@@ -176,7 +179,8 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=V
             stage = "report"
         global LAST_MODEL
         LAST_MODEL = model  # for interactive inspection of one run
-        result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
+        result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get,
+                                       probe.get("by_design"))
         scales = C.post_load_scales(model, rules)
         result["post_load"] = C.compare_scales(scales, ours, pieces_of(ours), rules)
         if post_checks:
@@ -188,12 +192,13 @@ def run(export: Path, options: dict, pieces_of=pieces_of, owned_of=None, rules=V
         result["outcome"] = "raised"
         result["error"] = C.error_record(stage, exc)
         if "masks" in locals().get("probe", {}):
-            result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get)
+            result["load"] = C.summarize(ours, probe["landed"], probe["masks"], probe["owned"].get,
+                                       probe.get("by_design"))
     return result
 
 
 def main(pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES, serve_config=None, post_checks=None,
-         defaults: dict | None = None) -> int:
+         defaults: dict | None = None, by_design=None) -> int:
     """``--exports A B ...``: each export's result goes to ``--out_dir``/<index>.json as soon as it is
     known (one process loads them in turn: importing the engine is most of the time)."""
     p = argparse.ArgumentParser()
@@ -205,7 +210,7 @@ def main(pieces_of=pieces_of, owned_of=None, rules=VLLM_RULES, serve_config=None
     stubbed = apply_stubs()
     for i, export in enumerate(args.exports):
         options = {**(defaults or {}), **json.loads(args.options)}
-        result = run(export, options, pieces_of, owned_of, rules, serve_config, post_checks)
+        result = run(export, options, pieces_of, owned_of, rules, serve_config, post_checks, by_design)
         result["extensions_without_driver"] = stubbed
         (args.out_dir / f"{i}.json").write_text(json.dumps(result, indent=1, default=str))
     return 0

@@ -1,6 +1,6 @@
 """vLLM's own Qwen3.5-MoE loading of one export, on CPU; runs inside a vLLM venv (``run.py`` starts it for an
 export whose config.json says ``model_type: qwen3_5_moe``). Written from vLLM's ``qwen3_5.py`` as read
-(``models/qwen3_5_moe/serving.py``); not yet run in a vLLM venv (none on the machine it was written on).
+(``models/qwen3_5_moe/serving.py``); run by ``python -m tools.conformance`` (docs/ENGINE_CONFORMANCE.md).
 
 The same steps as ``vllm_qwen3.py``; the map from vLLM's module names to the export's differs: the VLM's
 ``hf_to_vllm_mapper`` puts the text model under ``language_model.model.`` (``lm_head`` under ``language_model.``)
@@ -34,10 +34,17 @@ def export_name(engine_module: str) -> str:
     return name
 
 
+def by_design(model, ours) -> dict[str, str]:
+    """The ``mtp.*`` block: both engines' main model skips it by name (vLLM ``skip_prefixes=["mtp."]``, SGLang
+    ``load_weights`` ``"mtp" in name``); the MTP drafter, another class, is not run here."""
+    return C.skipped_by_prefix(ours, ("mtp.",), "skipped by the main model's load_weights (the MTP drafter's)")
+
+
 def pieces_of(ours):
     by_name = C.pieces_by_name(ours, FUSED, EXPERT_PROJS)
     return lambda engine_module: by_name(export_name(engine_module))
 
 
 if __name__ == "__main__":
-    sys.exit(vllm_k3.main(pieces_of=pieces_of, owned_of=vllm_qwen3.owned_of, rules=vllm_qwen3.RULES))
+    sys.exit(vllm_k3.main(pieces_of=pieces_of, owned_of=vllm_qwen3.owned_of, rules=vllm_qwen3.RULES,
+                          by_design=by_design))
