@@ -239,6 +239,7 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
     packed = plan.experts_residency is Residency.PACKED
     dense_share = world if plan.fsdp_sharded else 1
     dense_stored = sum(t.nbytes for t in layout.dense)
+    carried_stored = sum(t.nbytes for t in layout.carried_tensors)  # never loaded: read and written by the export
     dense_loaded = sum(t.numel * layout.load_dtype(t, dtype).itemsize for t in layout.dense)
     experts_stored = sum(e_local * g.stored_bytes_per_expert for g in layout.experts)
     experts_decoded = sum(e_local * g.decoded_numel_per_expert * b for g in layout.experts)
@@ -279,9 +280,10 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
                       for g in layout.experts for p, (o, i) in g.fused_shapes(layout.spec).items())
     return Workload(
         world_size=world, ep_degree=ep, layerwise=layerwise,
-        read_bytes=dense_stored // dense_share + experts_stored,
+        read_bytes=(dense_stored + carried_stored) // dense_share + experts_stored,
         decode_bytes=decode_dense // dense_share + decode_experts,
-        write_bytes=int((out_experts if writes_experts else 0) + _dense_output(layout, table, dtype) / world),
+        write_bytes=int((out_experts if writes_experts else 0)
+                        + (_dense_output(layout, table, dtype) + _carried_output(layout, b)) / world),
         writers=world, tokens=tokens, batches=batches, forwards=_forwards(recipe), layers=layers,
         resident_weight_bytes=dense_loaded // dense_share + (experts_stored if packed else experts_decoded),
         forward_decode_bytes=experts_decoded if packed else 0,
@@ -327,6 +329,14 @@ def _dense_output(layout: CheckpointLayout, table: DecisionTable, dtype: torch.d
         linear = t.name.endswith(".weight") and len(t.shape) == 2
         total += t.numel * (_output_bytes_per_weight(dense_format(table, t.module), loaded) if linear else loaded)
     return total
+
+
+def _carried_output(layout: CheckpointLayout, b: int) -> int:
+    """Bytes of the carried modules in the export (``source_decode.carried_items``): an FP8 weight decoded into
+    the load dtype (its block scale consumed), the rest as stored."""
+    fp8 = {t.name for t in layout.carried_tensors if t.dtype.is_floating_point and t.dtype.itemsize == 1}
+    scales = {f"{name}_scale_inv" for name in fp8}
+    return sum(t.numel * b if t.name in fp8 else 0 if t.name in scales else t.nbytes for t in layout.carried_tensors)
 
 
 # ------------------------------------------------------------------------------ the plan's times
