@@ -48,7 +48,14 @@ from ..dist.plan import DistributionPlan, PlanKind, Residency
 from ..quant.decisions import DecisionTable
 from ..recipe import QuantFormat, Recipe
 from .hardware import Hardware
-from .inventory import CheckpointLayout, dense_format, experts_formats
+from .inventory import (
+    PACKED_CODES,
+    PACKED_SCALES,
+    SOURCE_SIDE_TENSORS,
+    CheckpointLayout,
+    dense_format,
+    experts_formats,
+)
 from .planner import MemoryReport, RunShape
 
 # NVFP4 output: 4-bit codes plus one E4M3 scale per 16 weights (4.5 bits a weight).
@@ -283,7 +290,7 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
         read_bytes=(dense_stored + carried_stored) // dense_share + experts_stored,
         decode_bytes=decode_dense // dense_share + decode_experts,
         write_bytes=int((out_experts if writes_experts else 0)
-                        + (_dense_output(layout, table, dtype) + _carried_output(layout, b)) / world),
+                        + (_dense_output(layout, table, dtype) + carried_output_bytes(layout, b)) / world),
         writers=world, tokens=tokens, batches=batches, forwards=_forwards(recipe), layers=layers,
         resident_weight_bytes=dense_loaded // dense_share + (experts_stored if packed else experts_decoded),
         forward_decode_bytes=experts_decoded if packed else 0,
@@ -331,12 +338,20 @@ def _dense_output(layout: CheckpointLayout, table: DecisionTable, dtype: torch.d
     return total
 
 
-def _carried_output(layout: CheckpointLayout, b: int) -> int:
-    """Bytes of the carried modules in the export (``source_decode.carried_items``): an FP8 weight decoded into
-    the load dtype (its block scale consumed), the rest as stored."""
-    fp8 = {t.name for t in layout.carried_tensors if t.dtype.is_floating_point and t.dtype.itemsize == 1}
-    scales = {f"{name}_scale_inv" for name in fp8}
-    return sum(t.numel * b if t.name in fp8 else 0 if t.name in scales else t.nbytes for t in layout.carried_tensors)
+def carried_output_bytes(layout: CheckpointLayout, b: int) -> int:
+    """Bytes of the carried modules in the export (``source_decode.carried_items``): a block-FP8 or INT4
+    pack-quantized weight decoded into the load dtype (``b`` bytes; its scales and stored shape consumed), every
+    other tensor as stored."""
+    total = 0
+    for t in layout.carried_tensors:
+        part = t.name.rpartition(".")[2]
+        if part == "weight" and t.dtype.is_floating_point and t.dtype.itemsize == 1:
+            total += t.numel * b
+        elif part == PACKED_CODES and t.dtype == torch.int32:  # eight 4-bit values a word
+            total += t.numel * 8 * b
+        elif part not in (PACKED_SCALES, *SOURCE_SIDE_TENSORS):
+            total += t.nbytes
+    return total
 
 
 # ------------------------------------------------------------------------------ the plan's times
