@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -106,13 +107,22 @@ def _make_checkpoint(tree: Path, scratch: Path, model: str) -> Path:
     return ckpt
 
 
-def _run(tree: Path, scratch: Path, ckpt: Path, cfg: Config, out: Path, port: int) -> tuple[bool, str]:
+def _free_port() -> int:
+    """A port no process listens on now, the kernel's pick: two runs of this script at once (fixed ports
+    29600 + i before) would meet at one torchrun rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tree: Path, scratch: Path, ckpt: Path, cfg: Config, out: Path) -> tuple[bool, str]:
     if cfg.ranks == 0:
         cmd = [sys.executable, "-m", "modelopt_k3.cli.convert", "--src", str(ckpt), "--dst", str(out), *cfg.args]
     else:
         launcher = [sys.executable]
         if cfg.ranks > 1:
-            launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(cfg.ranks), "--master_port", str(port)]
+            launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(cfg.ranks), "--master_port",
+                         str(_free_port())]
         cmd = [*launcher, str(tree / "examples/hf_ptq.py"), "--pyt_ckpt_path", str(ckpt), "--trust_remote_code",
                "--export_path", str(out), "--no_progress", *cfg.args]
     proc = subprocess.run(cmd, env=_env(tree, scratch), cwd=scratch, capture_output=True, text=True, timeout=1800)
@@ -180,14 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     scratch.mkdir(parents=True, exist_ok=True)
     base_tree, head_tree = _checkout(args.base, scratch), _checkout(args.head, scratch)
     failures = 0
-    for i, cfg in enumerate(configs):
+    for cfg in configs:
         ckpt = _make_checkpoint(base_tree, scratch, cfg.model)
         results = {}
         for side, tree in (("base", base_tree), ("head", head_tree)):
             out = scratch / side / cfg.name
             shutil.rmtree(out, ignore_errors=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            results[side] = (_run(tree, scratch, ckpt, cfg, out, 29600 + i), out)
+            results[side] = (_run(tree, scratch, ckpt, cfg, out), out)
         (ok_a, log_a), out_a = results["base"]
         (ok_b, log_b), out_b = results["head"]
         if not ok_a or not ok_b:

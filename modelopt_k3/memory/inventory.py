@@ -95,6 +95,9 @@ class CheckpointLayout:
     # checkpoint view) and the modules carried unquantized (``SourceLayout.carried``).
     inventory: Inventory = field(default_factory=dict, repr=False)
     carried: CarriedModules | None = None
+    # The stored tensors under the carried modules (MTP layers, Kimi-K2.5's vision tower): no model builds them,
+    # so they are never resident; the export reads and writes them (``dense``/``experts`` leave them out).
+    carried_tensors: list[TensorMeta] = field(default_factory=list)
 
     @property
     def text_config(self) -> dict:
@@ -159,10 +162,13 @@ def layout_of(reader: CheckpointReader, config: dict, spec: ModelSpec, source: S
     preflight: the headers are read once per run), whose experts ``source`` (``check_experts``) checked: its
     decision whether they are packed is taken, not made again. Through the reader's checks and the model's
     checkpoint view: GPT-OSS's fused MXFP4 experts count as the per-expert tensors the pipeline reads (a raw
-    header walk saw "0 MoE layers", "stored decoded")."""
+    header walk saw "0 MoE layers", "stored decoded"). The carried modules' tensors (``source.carried_keys``: the
+    load never reads them, the export copies them) are set apart from what the load builds, as the load does."""
     stored = [(name, info.dtype, tuple(info.shape)) for name, info in reader.headers().items()]
-    layout = _layout(reader.path, config, spec, stored, source.packed_experts)
-    layout.inventory, layout.carried = reader.inventory(), source.carried
+    carried = [TensorMeta(name, dtype, shape) for name, dtype, shape in stored if name in source.carried_keys]
+    built = [(name, dtype, shape) for name, dtype, shape in stored if name not in source.carried_keys]
+    layout = _layout(reader.path, config, spec, built, source.packed_experts)
+    layout.inventory, layout.carried, layout.carried_tensors = reader.inventory(), source.carried, carried
     return layout
 
 

@@ -449,7 +449,9 @@ def _layerwise_resident(est: Estimate, run: _Run, shape: RunShape) -> None:
         layer = _layer_of(g.module, regex)
         experts[layer] = experts.get(layer, 0) + run.local_e[g.module] * _expert_bytes(g, run.plan.experts_residency,
                                                                                         run.b)
-    layers = (set(dense) | set(experts)) - {None}
+    # In checkpoint order, so that of equally large layers the first is named (a set's order follows the string
+    # hash, which PYTHONHASHSEED changes from one process to the next).
+    layers = [n for n in dict.fromkeys([*dense, *experts]) if n is not None]
     biggest = max(layers, key=lambda n: dense.get(n, 0) + experts.get(n, 0), default=None)
     est.resident_dense = dense.get(None, 0) + dense.get(biggest, 0)
     est.resident_experts = experts.get(None, 0) + experts.get(biggest, 0)
@@ -478,12 +480,13 @@ def _export_bytes(run: _Run) -> int:
     read or resident, NVFP4 out) and the largest dense quantization (gathered when sharded)."""
     layout, biggest = run.layout, run.biggest
     largest_q = max((t.numel for t in run.prep.quantized), default=0)
-    largest_tensor = max([t.nbytes for t in layout.dense] + [g.stored_bytes_per_expert for g in layout.experts] + [0])
+    largest_tensor = max([t.nbytes for t in (*layout.dense, *layout.carried_tensors)]
+                         + [g.stored_bytes_per_expert for g in layout.experts] + [0])
     cast = min(EXPERTS_PER_CAST, run.e_local) * biggest.stored_bytes_per_expert * 3 if biggest else 0
     dense_q = largest_q * (run.b * (run.dense_world > 1) + (3 * F32 if run.accel else 1) + 1)
     # This rank's output: its experts (NVFP4 is 4.5 bits a weight against MXFP4's 4.25) and its share of the rest.
     output = sum(run.local_e[g.module] * g.stored_bytes_per_expert for g in layout.experts) * 18 // 17
-    output += sum(t.nbytes for t in layout.dense) // run.plan.world_size
+    output += sum(t.nbytes for t in (*layout.dense, *layout.carried_tensors)) // run.plan.world_size
     return min(DEFAULT_SPILL_BYTES, output) + largest_tensor + max(cast, dense_q)
 
 

@@ -48,7 +48,14 @@ from ..dist.plan import DistributionPlan, PlanKind, Residency
 from ..quant.decisions import DecisionTable
 from ..recipe import QuantFormat, Recipe
 from .hardware import Hardware
-from .inventory import CheckpointLayout, dense_format, experts_formats
+from .inventory import (
+    PACKED_CODES,
+    PACKED_SCALES,
+    SOURCE_SIDE_TENSORS,
+    CheckpointLayout,
+    dense_format,
+    experts_formats,
+)
 from .planner import MemoryReport, RunShape
 
 # NVFP4 output: 4-bit codes plus one E4M3 scale per 16 weights (4.5 bits a weight).
@@ -239,6 +246,7 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
     packed = plan.experts_residency is Residency.PACKED
     dense_share = world if plan.fsdp_sharded else 1
     dense_stored = sum(t.nbytes for t in layout.dense)
+    carried_stored = sum(t.nbytes for t in layout.carried_tensors)  # never loaded: read and written by the export
     dense_loaded = sum(t.numel * layout.load_dtype(t, dtype).itemsize for t in layout.dense)
     experts_stored = sum(e_local * g.stored_bytes_per_expert for g in layout.experts)
     experts_decoded = sum(e_local * g.decoded_numel_per_expert * b for g in layout.experts)
@@ -279,9 +287,10 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
                       for g in layout.experts for p, (o, i) in g.fused_shapes(layout.spec).items())
     return Workload(
         world_size=world, ep_degree=ep, layerwise=layerwise,
-        read_bytes=dense_stored // dense_share + experts_stored,
+        read_bytes=(dense_stored + carried_stored) // dense_share + experts_stored,
         decode_bytes=decode_dense // dense_share + decode_experts,
-        write_bytes=int((out_experts if writes_experts else 0) + _dense_output(layout, table, dtype) / world),
+        write_bytes=int((out_experts if writes_experts else 0)
+                        + (_dense_output(layout, table, dtype) + carried_output_bytes(layout, b)) / world),
         writers=world, tokens=tokens, batches=batches, forwards=_forwards(recipe), layers=layers,
         resident_weight_bytes=dense_loaded // dense_share + (experts_stored if packed else experts_decoded),
         forward_decode_bytes=experts_decoded if packed else 0,
@@ -326,6 +335,22 @@ def _dense_output(layout: CheckpointLayout, table: DecisionTable, dtype: torch.d
         loaded = layout.load_dtype(t, dtype).itemsize
         linear = t.name.endswith(".weight") and len(t.shape) == 2
         total += t.numel * (_output_bytes_per_weight(dense_format(table, t.module), loaded) if linear else loaded)
+    return total
+
+
+def carried_output_bytes(layout: CheckpointLayout, b: int) -> int:
+    """Bytes of the carried modules in the export (``source_decode.carried_items``): a block-FP8 or INT4
+    pack-quantized weight decoded into the load dtype (``b`` bytes; its scales and stored shape consumed), every
+    other tensor as stored."""
+    total = 0
+    for t in layout.carried_tensors:
+        part = t.name.rpartition(".")[2]
+        if part == "weight" and t.dtype.is_floating_point and t.dtype.itemsize == 1:
+            total += t.numel * b
+        elif part == PACKED_CODES and t.dtype == torch.int32:  # eight 4-bit values a word
+            total += t.numel * 8 * b
+        elif part not in (PACKED_SCALES, *SOURCE_SIDE_TENSORS):
+            total += t.nbytes
     return total
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..models.deepseek_v3.source_layout import MTP_EXTRAS
 from .hub_standin import bf16_tensors, hub_shapes, meta_model, per_expert
 from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, fresh_dir, write_stand_in
@@ -46,6 +48,35 @@ GLM_MOE_DSA_TINY_DEFAULTS: dict[str, Any] = {
     "n_routed_experts": 8,
     "n_shared_experts": 1,
     "num_experts_per_tok": 2,
+    "num_nextn_predict_layers": 1,
+}
+
+# The released sizes, for the planner's header-only layout: zai-org/GLM-5's config.json (BF16; the values
+# transformers 5.25's ``GlmMoeDsaConfig`` defaults to, and xLLM's ``glm5.h`` quotes from the hub config): 78 layers,
+# the first 3 dense (intermediate 12288), 256 routed experts top-8 of 2048 and one shared expert, hidden 6144, MLA
+# with 64 heads (q_lora 2048, kv_lora 512, qk 192 + 64, v 256), the DSA indexer (32 heads of 128, top-2048),
+# vocab 154880, one MTP layer (``model.layers.78``): 743.9B parameters besides the MTP layer (the release's
+# "744B"), 10.0B in it. zai-org/GLM-5-FP8, the block-FP8 variant, is not modelled here.
+GLM5_SIZES: dict[str, Any] = {
+    "vocab_size": 154880,
+    "hidden_size": 6144,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 78,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 2048,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 32,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
     "num_nextn_predict_layers": 1,
 }
 
@@ -128,3 +159,21 @@ def make_tiny_glm_moe_dsa(
     shapes = hub_shapes(_model(config, s["num_hidden_layers"]), hub_layout) + mtp_shapes(config)
     tensors = list(bf16_tensors(shapes, seed, fp32=lambda n: n.endswith("e_score_correction_bias")))
     return write_stand_in(path, tensors, config, vocab_size=s["vocab_size"], max_shard_size=max_shard_size)
+
+
+def make_glm5_layout(path: str | Path, *, sizes: dict[str, Any] | None = None, sparse: bool = True,
+                     overwrite: bool = False, shard_bytes: int = 5 * 10**9) -> Path:
+    """A full-size GLM-5 checkpoint without the bytes (``testing/header_only.py``'s files; ``sizes`` override
+    ``GLM5_SIZES``): the stand-in's names and shapes, MTP layer included, BF16 but the routers' F32 bias, each
+    shard sparse (the right size, no data blocks) or, ``sparse=False``, its header alone; about 1.5 TB apparent.
+    No tokenizer: the planners' input."""
+    from .header_only import write_layout
+
+    s = _resolve_sizes({**GLM5_SIZES, **(sizes or {})})
+    path = fresh_dir(path, overwrite)
+    config = checkpoint_config(s)
+    shapes = hub_shapes(_model(config, s["num_hidden_layers"]), hub_layout) + mtp_shapes(config)
+    tensors = [(name, torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16, shape)
+               for name, shape in shapes]
+    write_layout(path, config, tensors, sparse=sparse, shard_bytes=shard_bytes)
+    return path

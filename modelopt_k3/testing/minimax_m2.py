@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..numerics.block_fp8 import block_fp8_scale_shape
 from ..numerics.fp8 import fp8_quantize_blockwise
 from .hub_standin import bf16_tensors, draw, hub_shapes, meta_model, per_expert
 from .tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, fresh_dir, write_stand_in
@@ -36,6 +37,23 @@ MINIMAX_M2_TINY_DEFAULTS: dict[str, Any] = {
     "rotary_dim": 16,
     "num_local_experts": 8,
     "num_experts_per_tok": 2,
+}
+
+# The released sizes, for the planner's header-only layout: MiniMaxAI/MiniMax-M2's config.json (as transformers
+# 5.25's ``MiniMaxM2Config`` defaults and the model card give it): 62 layers, every one MoE with 256 experts top-8
+# of intermediate 1536, hidden 3072, 48 query / 8 KV heads of 128 with rotary_dim 64, vocab 200064; about 229B
+# parameters (the card's "230B total"). MiniMax-M2.5 has the same shape.
+MINIMAX_M2_SIZES: dict[str, Any] = {
+    "vocab_size": 200064,
+    "hidden_size": 3072,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rotary_dim": 64,
+    "num_local_experts": 256,
+    "num_experts_per_tok": 8,
 }
 
 # The hub's names for transformers' fused experts (Mixtral's w1 gate, w3 up, w2 down).
@@ -121,3 +139,31 @@ def make_tiny_minimax_m2(
     tensors = list(_checkpoint_tensors(hub_shapes(_model(config), hub_layout), seed))
     config["quantization_config"] = fp8_quantization_config()
     return write_stand_in(path, tensors, config, vocab_size=s["vocab_size"], max_shard_size=max_shard_size)
+
+
+def layout_tensors(sizes: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """(config.json, [(key, dtype, shape)] in checkpoint order) at ``sizes``: the stand-in's names, each block-FP8
+    Linear as its e4m3 codes and F32 ``weight_scale_inv`` (128 x 128 blocks), the router F32, the rest BF16."""
+    config = checkpoint_config(_resolve_sizes(sizes))
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for name, shape in hub_shapes(_model(config), hub_layout):
+        if _FP8_LINEAR_RE.search(name):
+            tensors += [(name, torch.float8_e4m3fn, shape),
+                        (f"{name}_scale_inv", torch.float32, block_fp8_scale_shape(shape))]
+        else:
+            tensors.append((name, torch.float32 if name.endswith(_FP32) else torch.bfloat16, shape))
+    config["quantization_config"] = fp8_quantization_config()
+    return config, tensors
+
+
+def make_minimax_m2_layout(path: str | Path, *, sizes: dict[str, Any] | None = None, sparse: bool = True,
+                           overwrite: bool = False, shard_bytes: int = 5 * 10**9) -> Path:
+    """A full-size block-FP8 MiniMax-M2 checkpoint without the bytes (``testing/header_only.py``'s files; ``sizes``
+    override ``MINIMAX_M2_SIZES``): each shard sparse (the right size, no data blocks) or, ``sparse=False``, its
+    header alone; about 230 GB apparent. No tokenizer: the planners' input."""
+    from .header_only import write_layout
+
+    path = fresh_dir(path, overwrite)
+    config, tensors = layout_tensors({**MINIMAX_M2_SIZES, **(sizes or {})})
+    write_layout(path, config, tensors, sparse=sparse, shard_bytes=shard_bytes)
+    return path
