@@ -219,7 +219,7 @@ class RunPlan:
     config: PtqConfig
     checkpoint: Path
     trust_remote_code: bool
-    export_path: Path
+    export_path: Path | None  # None: a library load's plan (``planning.plan_library_load``), no export
     export_format: ExportFormat  # the registered format ``config.export_format`` names
     raw_config: dict  # the checkpoint's config.json
     spec: ModelSpec
