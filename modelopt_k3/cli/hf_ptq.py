@@ -283,7 +283,7 @@ def _calibrate(plan: RunPlan, model, packed, group, progress: bool, say) -> None
     from .. import quantize
     from ..data import make_forward_loop, rank_batches
 
-    device = model.modelopt_k3.plan.device
+    device = plan.distribution.device  # the plan's, not read back off the model
     t0 = time.perf_counter()
     batches = rank_batches(packed[: plan.config.calib_size], batch_size=plan.config.batch_size, rank=group.rank,
                            world_size=group.world_size)
@@ -349,7 +349,7 @@ def _evaluate_and_report(plan: RunPlan, model, packed, coverage, group, say, str
     t0 = time.perf_counter()
     if plan.report_dir is None:
         if fidelity is None and held_out:
-            fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device)
+            fidelity = evaluate_fidelity(model, held_out, plan.distribution.device)
     else:
         run = {"calibration_sequences": config.calib_size, "calibration_seq_len": config.calib_seq,
                "held_out_sequences": plan.held_out}

@@ -316,5 +316,5 @@ def _guard(run: _Layers, within) -> None:
     """The one coverage guard (``--min_expert_tokens``/``--uncovered_experts``) on the experts ``within`` holds,
     before they are written; their coverage kept for the report."""
     config = run.plan.config
-    run.result.coverage += guard_coverage(run.model, run.model.modelopt_k3.spec, min_tokens=config.min_expert_tokens,
+    run.result.coverage += guard_coverage(run.model, run.plan.spec, min_tokens=config.min_expert_tokens,
                                           policy=config.uncovered_experts, within=within, say=run.say)
