@@ -34,9 +34,11 @@ def deepseek_mtp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _hf_ptq_plan(config, export: Path):
-    """The ``RunPlan`` hf_ptq's preflight makes of ``config`` (one process, CPU)."""
+    """The ``RunPlan`` hf_ptq's preflight makes of ``config`` (one process, on this run group's device)."""
+    from modelopt_k3.dist.group import current_group
+
     ctx = PreflightContext(dataclasses.replace(config, export_path=export), config.pyt_ckpt_path, True,
-                           export_format(config.export_format))
+                           export_format(config.export_format), device=current_group().device)
     try:
         run_preflight(ctx)
         return ctx.run_plan()
