@@ -550,6 +550,12 @@ def load_pretrained(
     ``bf16`` residency does not fit this device (``memory/planner.py``), else bf16. Both give the same
     logits, calibration and export, bit for bit. ``experts_implementation`` names what runs the experts
     (under expert parallelism: what runs each owner's experts; the plan's default otherwise).
+
+    Nothing is decided here: the arguments become a ``PtqConfig`` (``run.planning.library_config``: the model's
+    default recipe, the planner's default calibration shape) and hf_ptq's own planning steps make its ``RunPlan``
+    (``plan_library_load``: spec, reader, decision table, dtype, distribution plan, residency, memory fit --
+    a load the planner says cannot fit is refused, ``MemoryPlanError``), which ``load_planned`` loads; the
+    model keeps it (``model.modelopt_k3.run``) for ``quantize`` to take its table (decision 0016).
     """
     group = current_group()
     config = library_config(path, plan=plan, trust_remote_code=trust_remote_code, dtype=dtype, ep_degree=ep_degree,
