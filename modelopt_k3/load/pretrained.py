@@ -562,8 +562,9 @@ def load_pretrained(
                             dense=dense, experts=experts, allow_nonfinite_passthrough=allow_nonfinite_passthrough)
     # hf_ptq's planning steps on these arguments (no second way to decide). Every rank refuses the same input
     # here, before any collective: one agreed error, not one per rank.
-    run = run_together("load: plan the run", plan_library_load, config, rank=group.rank, world_size=group.world_size,
-                       device=group.device, experts_implementation=experts_implementation, decode_chunk=decode_chunk)
+    run = run_together("load: check the checkpoint and plan the run", plan_library_load, config, rank=group.rank,
+                       world_size=group.world_size, device=group.device, experts_implementation=experts_implementation,
+                       decode_chunk=decode_chunk)
     return load_planned(run, progress=progress)
 
 
