@@ -41,7 +41,7 @@ from ..dist.placement import ExpertPlacement, Placement
 from ..dist.plan import DistributionPlan, Residency
 from ..experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from ..numerics._slabs import run_slabs
-from ..run.planning import library_config, plan_library_load
+from ..run.planning import check_library_source, library_config, plan_library_load
 from ..spec import CarriedModules, ModelSpec, PrepareContext, get_spec
 from ..spec.config import load_dtype
 from ..spec.conversion import (
@@ -562,9 +562,9 @@ def load_pretrained(
                             dense=dense, experts=experts, allow_nonfinite_passthrough=allow_nonfinite_passthrough)
     # hf_ptq's planning steps on these arguments (no second way to decide). Every rank refuses the same input
     # here, before any collective: one agreed error, not one per rank.
-    run = run_together("load: check the checkpoint and plan the run", plan_library_load, config, rank=group.rank,
-                       world_size=group.world_size, device=group.device, experts_implementation=experts_implementation,
-                       decode_chunk=decode_chunk)
+    checked = run_together("load: check the checkpoint", check_library_source, config, group=group)
+    run = plan_library_load(config, rank=group.rank, world_size=group.world_size, device=group.device,
+                            experts_implementation=experts_implementation, decode_chunk=decode_chunk, checked=checked)
     return load_planned(run, progress=progress)
 
 

@@ -9,6 +9,7 @@ above ``check``, calls it too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from ..memory.planner import Estimate
     from ..quant.decisions import DecisionTable
 
-__all__ = ["library_config", "plan_distribution", "plan_library_load", "plan_memory", "read_source", "run_dtype",
+__all__ = ["CheckedSource", "check_library_source", "library_config", "plan_distribution", "plan_library_load", "plan_memory", "read_source", "run_dtype",
            "run_recipe", "run_spec"]
 
 
@@ -105,25 +106,47 @@ def library_config(path: str | Path, *, plan: str, trust_remote_code: bool, dtyp
                      calib_seq=RunShape.calib_seq, allow_nonfinite_passthrough=allow_nonfinite_passthrough)
 
 
-def plan_library_load(config: PtqConfig, *, rank: int, world_size: int, device: torch.device | None,
-                      experts_implementation: str | None = None, decode_chunk: int | None = None) -> RunPlan:
-    """The ``RunPlan`` of a library load (``load_pretrained``): the preflight's deciding steps, in its order, on
-    ``config`` -- spec, recipe, reader and source layout, decision table (``run_table``), dtype, distribution
-    plan, memory fit -- without the checks about an export, calibration data or a tokenizer (a load has none).
-    No export path; ``texts`` empty."""
-    from ..export.layouts import export_format
+@dataclass(frozen=True)
+class CheckedSource:
+    """What a library load's source check decided (``check_library_source``): config.json, spec, recipe, the one
+    reader, the experts as stored, the decision table."""
+
+    raw: dict
+    spec: ModelSpec
+    recipe: Recipe
+    reader: CheckpointReader
+    source: SourceLayout
+    table: DecisionTable
+
+
+def check_library_source(config: PtqConfig) -> CheckedSource:
+    """The preflight's first steps on ``config``'s checkpoint: spec, recipe, reader and source check, decision
+    table (``run_table``). A load runs it as one agreed step over the ranks (a rank's bad shard fails all)."""
     from ..quant.decisions import run_table
 
     checkpoint = config.pyt_ckpt_path
     raw, spec = run_spec(checkpoint)
     recipe = run_recipe(config, spec)
     reader, source = read_source(checkpoint, raw, spec)
-    table = run_table(reader.inventory(), spec, recipe, source.carried)
-    dtype = run_dtype(config, raw)
-    distribution = plan_distribution(config, spec, raw, rank=rank, world_size=world_size, device=device,
+    return CheckedSource(raw, spec, recipe, reader, source, run_table(reader.inventory(), spec, recipe, source.carried))
+
+
+def plan_library_load(config: PtqConfig, *, rank: int, world_size: int, device: torch.device | None,
+                      experts_implementation: str | None = None, decode_chunk: int | None = None,
+                      checked: CheckedSource | None = None) -> RunPlan:
+    """The ``RunPlan`` of a library load (``load_pretrained``): the preflight's deciding steps, in its order, on
+    ``config`` -- ``checked`` (default: ``check_library_source`` here), dtype, distribution plan, memory fit --
+    without the checks about an export, calibration data or a tokenizer (a load has none). The plan's refusals
+    are decided alike on every rank from the same inputs, and raised as themselves (``PlanError``,
+    ``MemoryPlanError``). No export path; ``texts`` empty."""
+    from ..export.layouts import export_format
+
+    c = checked or check_library_source(config)
+    dtype = run_dtype(config, c.raw)
+    distribution = plan_distribution(config, c.spec, c.raw, rank=rank, world_size=world_size, device=device,
                                      dtype=dtype, experts_implementation=experts_implementation)
-    layout, distribution, memory = plan_memory(config, reader=reader, raw=raw, spec=spec, source=source,
-                                               recipe=recipe, table=table, distribution=distribution, dtype=dtype,
-                                               layerwise=False, decode_chunk=decode_chunk)
-    return RunPlan(config, checkpoint, config.trust_remote_code, None, export_format(config.export_format), raw,
-                   spec, reader, source, layout, recipe, table, distribution, memory, [], dtype=dtype)
+    layout, distribution, memory = plan_memory(config, reader=c.reader, raw=c.raw, spec=c.spec, source=c.source,
+                                               recipe=c.recipe, table=c.table, distribution=distribution,
+                                               dtype=dtype, layerwise=False, decode_chunk=decode_chunk)
+    return RunPlan(config, config.pyt_ckpt_path, config.trust_remote_code, None, export_format(config.export_format),
+                   c.raw, c.spec, c.reader, c.source, layout, c.recipe, c.table, distribution, memory, [], dtype=dtype)
