@@ -93,6 +93,21 @@ def test_load_pretrained_plans_what_hf_ptq_plans(case, request, tmp_path, monkey
     assert {p.dtype for n, p in model.named_parameters() if p.is_floating_point() and "experts" not in n} >= {dtype}
 
 
+def test_without_a_dtype_the_load_and_hf_ptq_take_the_configs(copy_ckpt, tmp_path):
+    """No dtype given: both take config.json's (transformers' rule, ``load_dtype``), here float32."""
+
+    def to_fp32(config: dict) -> None:
+        config["dtype"] = "float32"
+        config.get("text_config", {})["dtype"] = "float32"
+
+    ckpt = copy_ckpt(edit_config=to_fp32)
+    model = modelopt_k3.load_pretrained(ckpt, plan="whole", trust_remote_code=True, progress=False)
+    hf = _hf_ptq_plan(library_config(ckpt, **_load_args(ckpt, None, "auto")), tmp_path / "out")
+    assert model.modelopt_k3.run.dtype == hf.dtype == torch.float32
+    assert model.modelopt_k3.plan == hf.distribution
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+
+
 def test_auto_residency_and_decode_chunk_agree_where_bf16_does_not_fit(tiny_ckpt, tmp_path, monkeypatch):
     """``experts="auto"`` with a budget between the two residencies' peaks: the load and hf_ptq both choose
     packed experts, with the same decode chunk (the planner's, once)."""
