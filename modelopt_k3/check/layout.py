@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointError, CheckpointReader, read_json
+from ..checkpoint.source_check import check_experts
 from ..export.modelopt_format import config_quantization_config, hf_quant_config
-from ..quant.decisions import DecisionTable, decide
+from ..quant.decisions import DecisionTable, run_table
 from ..quant.schemes import FP8, FP8_PB_WO, NVFP4, NVFP4_TENSOR, W4A16_NVFP4
 from ..recipe import Recipe
+from ..run.planning import read_source
 from ..spec import get_spec
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -211,29 +213,39 @@ def _planned_tensors(linear: Linear, fmt) -> dict[str, TensorMeta]:
     return {suffix: TensorMeta(dtype, shape) for suffix, dtype, shape in layout}
 
 
+def _run_table(path: Path, config: dict, recipe: Recipe,
+               reader: CheckpointReader | None) -> tuple[CheckpointReader, DecisionTable]:
+    """The reader and decision table hf_ptq's preflight would have for ``recipe`` on this checkpoint: the spec's
+    checkpoint view, the source check's carried modules, ``run_table`` (headers only: no file stays open)."""
+    spec = get_spec(str(config.get("model_type", "")))
+    if reader is None:
+        reader, source = read_source(path, config, spec)
+    else:
+        source = check_experts(reader.headers(), config, spec, reader.stored_name)
+    return reader, run_table(reader.inventory(), spec, recipe, source.carried)
+
+
 def planned_layout(checkpoint: str | Path, recipe: Recipe, *, kv_scale_names: Iterable[str] = (),
                    reader: CheckpointReader | None = None, table: DecisionTable | None = None,
                    config: dict | None = None) -> Layout:
     """What exporting ``checkpoint`` with ``recipe`` writes, from names and headers only.
 
-    The decision table (``quant.decisions.decide``, which the exporters themselves follow) gives each
+    The decision table (``quant.decisions.run_table``, which the exporters themselves follow) gives each
     module its format and the unquantized modules; tensors and configs are declared by the exporters'
     own functions. Shared-input groups change scale values, not names, so they are not needed here.
     ``kv_scale_names``: the KV-cache scale tensors the model's spec writes (when the recipe asks).
     ``reader`` (the source's, headers read), ``table`` (its decision table for ``recipe``) and ``config``
-    (its config.json): a run's, already decided; else read and decided here.
+    (its config.json): a run's, already decided; else made by the preflight's own steps (``_run_table``).
     """
     path = Path(checkpoint)
     config = _read_json(path / "config.json") if config is None else config
     if config is None:
         raise CheckpointError(f"{path} has no config.json")
-    reader = CheckpointReader(path) if reader is None else reader  # headers only: no file stays open
-    metas = {k: TensorMeta(reader.info(k).dtype, reader.info(k).shape) for k in reader.names()}
-    if table is None:
-        table = decide({k: (m.dtype, m.shape) for k, m in metas.items()},
-                       get_spec(str(config.get("model_type", ""))), recipe, None)
+    if table is None:  # a library call: the table a run's preflight would decide, by the same steps
+        reader, table = _run_table(path, config, recipe, reader)
     elif table.recipe is not recipe:
         raise ValueError(f"the decision table is for recipe {table.recipe.name}, not {recipe.name}")
+    metas = {k: TensorMeta(reader.info(k).dtype, reader.info(k).shape) for k in reader.names()}
     source = _group_linears(metas)
     linears: dict[str, Linear] = {}
     for d in table.decisions.values():

@@ -28,13 +28,15 @@ from pathlib import Path
 
 from ..dist.kinds import DENSE_MODES, EP_DEGREE_ENV, EXPERTS_CHOICES, PLAN_KINDS
 from ..export.format_names import EXPORT_FORMAT_NAMES
-from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, PtqConfig, RunPlan, qformat_names
+from ..run.plan import DTYPE_CHOICES, KV_CACHE_CHOICES, LAYERWISE_CACHE_MIB, PtqConfig, RunPlan, qformat_names
 from ._common import non_negative_int, positive_float, positive_int, run_cli
 
 # The launcher's default for ``--hardware`` (the wall-time note's preset): read by the command line, not a stage.
 HARDWARE_ENV = "MODELOPT_K3_HARDWARE"
 
 TINY_CACHE_ENV = "MODELOPT_K3_CACHE"
+# The launcher's default for ``--layerwise_cache_mib``: read by the command line, not by the layerwise stage.
+LAYERWISE_CACHE_ENV = "MODELOPT_K3_LAYERWISE_CACHE_MIB"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --layerwise: commit every completed layer here, per rank; the same command run "
                         "again resumes at the first incomplete layer (another source, recipe, world size, plan "
                         "or token set is refused)")
+    p.add_argument("--layerwise_cache_mib", type=positive_int, metavar="MIB",
+                   default=os.environ.get(LAYERWISE_CACHE_ENV) or LAYERWISE_CACHE_MIB,
+                   help="with --layerwise: host memory per rank a layer's captured inputs may take before they "
+                        f"spill to disk (default: ${LAYERWISE_CACHE_ENV}, else {LAYERWISE_CACHE_MIB})")
     _add_report_flags(p)
     p.add_argument("--debug", action="store_true", help="print the traceback of an expected failure too")
     p.add_argument("--no_progress", action="store_true")
@@ -277,7 +283,7 @@ def _calibrate(plan: RunPlan, model, packed, group, progress: bool, say) -> None
     from .. import quantize
     from ..data import make_forward_loop, rank_batches
 
-    device = model.modelopt_k3.plan.device
+    device = plan.distribution.device  # the plan's, not read back off the model
     t0 = time.perf_counter()
     batches = rank_batches(packed[: plan.config.calib_size], batch_size=plan.config.batch_size, rank=group.rank,
                            world_size=group.world_size)
@@ -343,7 +349,7 @@ def _evaluate_and_report(plan: RunPlan, model, packed, coverage, group, say, str
     t0 = time.perf_counter()
     if plan.report_dir is None:
         if fidelity is None and held_out:
-            fidelity = evaluate_fidelity(model, held_out, model.modelopt_k3.plan.device)
+            fidelity = evaluate_fidelity(model, held_out, plan.distribution.device)
     else:
         run = {"calibration_sequences": config.calib_size, "calibration_seq_len": config.calib_seq,
                "held_out_sequences": plan.held_out}

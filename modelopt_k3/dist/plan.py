@@ -29,7 +29,7 @@ from .placement import ExpertPlacement, Placement, PlanError, ResidencyError
 __all__ = [
     "AUTO", "DENSE_MODES", "EXPERTS_CHOICES", "PLAN_KINDS", "DenseMode", "DistributionPlan",
     "IneffectiveSettingWarning", "PlanError", "PlanKind", "Residency", "ResidencyError", "allowed_residencies",
-    "decide_plan", "residency_refusal",
+    "check_request_names", "decide_plan", "residency_refusal",
 ]
 
 
@@ -205,12 +205,22 @@ def decide_plan(
     return DistributionPlan(kind, rank, world_size, ep_degree, device, impl, experts, dense, local)
 
 
-def _resolve_kind(requested: str, dense: str, spec: ModelSpec, world_size: int) -> PlanKind:
-    """The plan kind (``auto`` resolved), after checking the names and what the world size allows."""
+def check_request_names(requested: str, dense: str, experts: str = AUTO) -> None:
+    """Refuse an unknown plan, dense sharding or experts residency name (``PlanError``/``ResidencyError``), the
+    way ``decide_plan`` and ``with_residency`` word it: also before a library call's ``PtqConfig`` is made."""
     if requested not in PLAN_KINDS:
         raise PlanError(f"unknown plan {requested!r}; choose one of {list(PLAN_KINDS)}")
     if dense not in DENSE_MODES:
         raise PlanError(f"unknown dense sharding {dense!r}; choose one of {list(DENSE_MODES)}")
+    if experts != AUTO:
+        why = residency_refusal(PlanKind.WHOLE, experts, packed_source=True)  # the name alone
+        if why is not None:
+            raise ResidencyError(why)
+
+
+def _resolve_kind(requested: str, dense: str, spec: ModelSpec, world_size: int) -> PlanKind:
+    """The plan kind (``auto`` resolved), after checking the names and what the world size allows."""
+    check_request_names(requested, dense)
     has_ep = bool(spec.experts.sharded_params)
     if requested == AUTO:
         kind = PlanKind.EXPERT_PARALLEL if world_size > 1 and has_ep else (

@@ -7,7 +7,7 @@ earlier layers skipped, this one replayed on the inputs captured for it; tokens 
 ``torch_a2a`` as in a resident run), calibrates the layer (the recipe's calibrator, scoped to it), writes
 the layer's exported tensors (``export.ExportInParts``: the same items, owners and bytes as a resident
 export) and releases it. The captured inputs of the next layer are kept per rank, in host memory up to a
-limit, then spilled. With ``--layerwise_checkpoint_dir`` each completed layer is committed per rank
+limit (``LayerwiseSettings.cache_mib``), then spilled. With ``--layerwise_checkpoint_dir`` each completed layer is committed per rank
 (``state.py``) and a rerun resumes at the first incomplete one.
 
 Max calibration with unquantized propagation (its default) gives a resident run's export byte for byte:
@@ -16,7 +16,6 @@ each layer sees the unquantized model's activations, the same batches in the sam
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -41,9 +40,6 @@ from .replay import InputCache, LayerReplay
 from .state import LayerRecord, RankDir, ResumeError, digest, held, producer, source_digest, tokens_digest
 
 __all__ = ["LayerwiseResult", "LayerwiseSettings", "ResumeError", "run_layerwise"]
-
-CACHE_LIMIT_ENV = "MODELOPT_K3_LAYERWISE_CACHE_MIB"
-DEFAULT_CACHE_LIMIT_MIB = 4096
 
 
 def fingerprint(plan: RunPlan, batches: list[torch.Tensor], qplan) -> dict[str, str]:
@@ -170,7 +166,7 @@ def _run(plan: RunPlan, batches, held_out, report: bool, settings: LayerwiseSett
     outside = LoadScope(("",), tuple(layers))
     attach_quantizers(model, qplan, within=outside.holds)
     replay = LayerReplay(model, layers, device)
-    limit = int(os.environ.get(CACHE_LIMIT_ENV, DEFAULT_CACHE_LIMIT_MIB)) * 2**20
+    limit = settings.cache_bytes  # the plan's (``--layerwise_cache_mib``), decided once
     result = LayerwiseResult(plan.export_path, model, resumed_at=done, weights=_no_rows() if report and not done
                              else None)
     run = _Layers(plan, model, loader, replay, exporter, work, qplan, batches, settings, limit, outside, result,
@@ -320,5 +316,5 @@ def _guard(run: _Layers, within) -> None:
     """The one coverage guard (``--min_expert_tokens``/``--uncovered_experts``) on the experts ``within`` holds,
     before they are written; their coverage kept for the report."""
     config = run.plan.config
-    run.result.coverage += guard_coverage(run.model, run.model.modelopt_k3.spec, min_tokens=config.min_expert_tokens,
+    run.result.coverage += guard_coverage(run.model, run.plan.spec, min_tokens=config.min_expert_tokens,
                                           policy=config.uncovered_experts, within=within, say=run.say)

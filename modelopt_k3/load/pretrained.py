@@ -26,7 +26,7 @@ from transformers.core_model_loading import WeightConverter
 
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.nonfinite import source_refusal, warn_passthrough
-from ..checkpoint.source_check import SourceLayout, check_config, check_dense, check_experts, check_present
+from ..checkpoint.source_check import SourceLayout, check_dense, check_present
 from ..checkpoint.source_decode import (
     SourceDecode,
     declared_shape_mismatch,
@@ -38,9 +38,10 @@ from ..dist.collectives import run_together
 from ..dist.fsdp import check_partition, local_experts, local_rows, local_tensor, shard_model
 from ..dist.group import current_group
 from ..dist.placement import ExpertPlacement, Placement
-from ..dist.plan import AUTO, DistributionPlan, Residency, decide_plan
+from ..dist.plan import DistributionPlan, Residency
 from ..experts.packed import DecodeWorkspace, ResidencyError, is_packed, to_packed
 from ..numerics._slabs import run_slabs
+from ..run.planning import check_library_source, library_config, plan_library_load
 from ..spec import CarriedModules, ModelSpec, PrepareContext, get_spec
 from ..spec.config import load_dtype
 from ..spec.conversion import (
@@ -86,6 +87,9 @@ class LoadInfo:
     keys_read: list[str] = field(default_factory=list)
     # Source tensors with NaN/Inf (or NaN E8M0 scales) let through by allow_nonfinite_passthrough.
     nonfinite: dict[str, str] = field(default_factory=dict)
+    # The plan the model was loaded through (``load_planned``; ``load_pretrained`` builds one): quantize takes
+    # its decision table when none is given (``quant.api.planned_table``). None: assembled by hand (tests).
+    run: RunPlan | None = field(default=None, repr=False)
     _source: CheckpointReader | None = field(default=None, repr=False)
 
     def source(self) -> CheckpointReader:
@@ -513,21 +517,6 @@ def _pack_experts(model: nn.Module, spec: ModelSpec) -> DecodeWorkspace:
     return workspace
 
 
-def _decide_residency(
-    requested: str, *, packed_source: bool, plan: DistributionPlan, path: Path, dtype: torch.dtype,
-    decode_chunk: int | None,
-) -> DistributionPlan:
-    """The plan with its experts residency: as asked (``with_residency`` refuses what the plan cannot hold),
-    or for ``auto`` the memory planner's choice among the residencies the plan allows."""
-    if requested == AUTO:
-        from ..memory.planner import choose_residency
-
-        requested, chosen_chunk = choose_residency(path, plan, packed_source=packed_source, dtype=dtype)
-        decode_chunk = decode_chunk if decode_chunk is not None else chosen_chunk
-    return plan.with_residency(requested, decode_chunk if requested == Residency.PACKED else None,
-                               packed_source=packed_source)
-
-
 def load_pretrained(
     path: str | Path,
     *,
@@ -561,17 +550,22 @@ def load_pretrained(
     ``bf16`` residency does not fit this device (``memory/planner.py``), else bf16. Both give the same
     logits, calibration and export, bit for bit. ``experts_implementation`` names what runs the experts
     (under expert parallelism: what runs each owner's experts; the plan's default otherwise).
+
+    Nothing is decided here: the arguments become a ``PtqConfig`` (``run.planning.library_config``: the model's
+    default recipe, the planner's default calibration shape) and hf_ptq's own planning steps make its ``RunPlan``
+    (``plan_library_load``: spec, reader, decision table, dtype, distribution plan, residency, memory fit --
+    a load the planner says cannot fit is refused, ``MemoryPlanError``), which ``load_planned`` loads; the
+    model keeps it (``model.modelopt_k3.run``) for ``quantize`` to take its table (decision 0016).
     """
-    path = Path(path)
     group = current_group()
-    # Every rank refuses the same input here, before any collective: one agreed error, not one per rank.
-    src = run_together("load: check the checkpoint", _open_source, path, trust_remote_code, group=group)
-    dtype = dtype or load_dtype(src.config)
-    the_plan = _decide_plan(src, plan, group, dtype=dtype, ep_degree=ep_degree,
-                            experts_implementation=experts_implementation, dense=dense)
-    the_plan = _decide_residency(experts, packed_source=src.layout.packed_experts, plan=the_plan, path=path,
-                                 dtype=dtype, decode_chunk=decode_chunk)
-    return _load_whole(_build(path, src, the_plan, dtype, group), progress, allow_nonfinite_passthrough)
+    config = library_config(path, plan=plan, trust_remote_code=trust_remote_code, dtype=dtype, ep_degree=ep_degree,
+                            dense=dense, experts=experts, allow_nonfinite_passthrough=allow_nonfinite_passthrough)
+    # hf_ptq's planning steps on these arguments (no second way to decide). Every rank refuses the same input
+    # here, before any collective: one agreed error, not one per rank.
+    checked = run_together("load: check the checkpoint", check_library_source, config, group=group)
+    run = plan_library_load(config, rank=group.rank, world_size=group.world_size, device=group.device,
+                            experts_implementation=experts_implementation, decode_chunk=decode_chunk, checked=checked)
+    return load_planned(run, progress=progress)
 
 
 def load_planned(run: RunPlan, *, progress: bool = True) -> nn.Module:
@@ -608,7 +602,9 @@ def build_planned(run: RunPlan) -> PlacedBuild:
     group = current_group()
     src = run_together("load: check the checkpoint", _planned_source, run, group=group)
     _register_dispatch(run.distribution)
-    return _build(run.checkpoint, src, run.distribution, run.dtype, group)
+    build = _build(run.checkpoint, src, run.distribution, run.dtype, group)
+    build.info.run = run  # quantize takes the plan's decision table from it (``quant.api.planned_table``)
+    return build
 
 
 def read_scope(build: PlacedBuild, scope: LoadScope | None, *, allow_nonfinite_passthrough: bool,
@@ -684,19 +680,6 @@ class _Source:
     config: object
 
 
-def _open_source(path: Path, trust_remote_code: bool) -> _Source:
-    """Stage 1: config -> spec; the experts' headers checked against config.json; the checkpoint's own class."""
-    raw = read_config(path)
-    spec = get_spec(raw.get("model_type", ""))
-    spec.check_transformers()
-    reader = CheckpointReader(path)  # headers only, until a tensor is asked for
-    check_config(raw, spec)
-    layout = check_experts(reader.headers(), raw, spec, reader.stored_name)  # the converter runs the same check
-    spec.loading.build(path)
-    model_cls, config = resolve_model_class(path, raw, trust_remote_code, spec)
-    return _Source(spec, reader, layout, model_cls, config)
-
-
 def _planned_source(run: RunPlan) -> _Source:
     """Stage 1 of a planned run: the preflight checked the headers against config.json; the model class."""
     spec = run.spec
@@ -704,26 +687,6 @@ def _planned_source(run: RunPlan) -> _Source:
     spec.loading.build(run.checkpoint)
     model_cls, config = resolve_model_class(run.checkpoint, run.raw_config, run.trust_remote_code, spec)
     return _Source(spec, run.reader, run.source, model_cls, config)
-
-
-def _decide_plan(src: _Source, requested: str, group, *, dtype: torch.dtype, ep_degree: int | None,
-                 experts_implementation: str | None, dense: str) -> DistributionPlan:
-    """Stage 2: the distribution plan for this launch (refused here, before anything is built)."""
-    text = getattr(src.config, "text_config", src.config)
-    the_plan = decide_plan(
-        requested,
-        dtype=dtype,
-        spec=src.spec,
-        num_experts=getattr(text, src.spec.experts.num_experts_attr),
-        rank=group.rank,
-        world_size=group.world_size,
-        device=group.device,
-        ep_degree=ep_degree,
-        experts_implementation=experts_implementation,
-        dense=dense,
-    )
-    _register_dispatch(the_plan)
-    return the_plan
 
 
 def _register_dispatch(plan: DistributionPlan) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.source_check import SourceLayout, check_experts
-from ..quant.decisions import DecisionTable, decide
+from ..quant.decisions import DecisionTable, run_table
 from ..spec import ModelSpec, get_spec
 from ..spec.config import load_dtype
 
@@ -134,12 +134,12 @@ class CheckpointLayout:
         return units
 
     def decision_table(self, recipe: Recipe) -> DecisionTable:
-        """The recipe against this checkpoint's modules: ``decide`` on the same headers as hf_ptq's preflight
-        decides the run's table (no shared-input groups: sizes do not depend on them). Once per recipe; a run
-        passes its own table instead (``fit_plan(table=)``)."""
+        """The recipe against this checkpoint's modules: ``run_table`` (the builder hf_ptq's preflight decides the
+        run's table with) on the same headers; no shared-input groups (sizes do not depend on them). Once per
+        recipe; a run passes its own table instead (``fit_plan(table=)``)."""
         key = ("table", id(recipe))
         if key not in self.cache:
-            self.cache[key] = (recipe, decide(self.inventory, self.spec, recipe, None, self.carried))
+            self.cache[key] = (recipe, run_table(self.inventory, self.spec, recipe, self.carried))
         return self.cache[key][1]
 
     def linear_weights(self) -> dict[str, tuple[int, int]]:

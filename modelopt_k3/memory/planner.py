@@ -803,57 +803,47 @@ def _refusal_message(layout: CheckpointLayout, est: Estimate, budget: int, shape
 
 
 def resolve_experts(layout: CheckpointLayout, plan: DistributionPlan, shape: RunShape, *, recipe: Recipe,
-                    budget: int | None, table: DecisionTable | None = None) -> Estimate:
-    """``experts="auto"`` resolved (once, for the CLI's run shape or the loader's defaults): the first
-    residency the plan allows (``allowed_residencies``: bf16) when it fits or no budget is known, else
+                    budget: int | None, table: DecisionTable | None = None,
+                    decode_chunk: int | None = None) -> Estimate:
+    """``experts="auto"`` resolved (once, for the run's shape: hf_ptq's flags, or a library load's defaults): the
+    first residency the plan allows (``allowed_residencies``: bf16) when it fits or no budget is known, else
     packed when the plan allows it (not under fsdp2, only for an MXFP4 source: the layout's, which is the
-    source check's decision), with its decode chunk."""
+    source check's decision), with its decode chunk (``decode_chunk`` if given, else the largest that fits)."""
     packed_source = layout.packed_source
     allowed = allowed_residencies(plan.kind, packed_source=packed_source)
     est = estimate(layout, plan.with_residency(allowed[0]), shape, recipe=recipe, budget=budget, table=table)
     if budget is None or est.fits(budget) or len(allowed) == 1:
         return est
     return estimate(layout, plan.with_residency(allowed[1], packed_source=packed_source), shape,
-                    recipe=recipe, budget=budget, table=table)
+                    recipe=recipe, budget=budget, table=table, decode_chunk=decode_chunk)
 
 
 def fit_plan(layout: CheckpointLayout, plan: DistributionPlan, experts: str, shape: RunShape, *, recipe: Recipe,
-             gpu_mem_gib: float | None = None, table: DecisionTable | None = None) -> tuple[DistributionPlan, Estimate]:
+             gpu_mem_gib: float | None = None, table: DecisionTable | None = None,
+             decode_chunk: int | None = None) -> tuple[DistributionPlan, Estimate]:
     """The run's ``plan`` (decided once, by the preflight) with its experts residency (``experts``: a residency
     or ``auto``, resolved here) and decode chunk, and the estimate of it; raises ``MemoryPlanError`` (the
     numbers and a configuration that would fit) when it cannot fit. Without a known budget nothing is refused.
     The owner's implementation is the plan's (``DistributionPlan.local_experts_implementation``), what is
-    quantized the run's decision ``table`` (the preflight's): each decided once."""
+    quantized the run's decision ``table`` (the preflight's): each decided once. ``decode_chunk``: the packed
+    experts' chunk a library caller asked for (``load_pretrained``; ignored for bf16 experts), else the
+    largest that fits."""
     budget = device_budget(shape.device, plan.world_size, gpu_mem_gib)
     if experts == AUTO:
-        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, table=table)
+        est = resolve_experts(layout, plan, shape, recipe=recipe, budget=budget, table=table,
+                              decode_chunk=decode_chunk)
     else:
-        est = estimate(layout, plan.with_residency(experts, packed_source=layout.packed_source), shape,
-                       recipe=recipe, budget=budget, table=table)
+        chunk = decode_chunk if experts == Residency.PACKED else None
+        est = estimate(layout, plan.with_residency(experts, chunk, packed_source=layout.packed_source), shape,
+                       recipe=recipe, budget=budget, table=table, decode_chunk=chunk)
     if budget is not None and not est.fits(budget):
         raise MemoryPlanError(_refusal_message(layout, est, budget, shape, recipe, gpu_mem_gib))
     # The decode chunk the estimate chose is one the plan can hold: packed, at least 1 (``estimate``).
     return dataclasses.replace(est.plan, decode_chunk=est.decode_chunk), est
 
 
-def choose_residency(path: str | Path, plan: DistributionPlan, *, packed_source: bool,
-                     dtype: torch.dtype | None = None) -> tuple[Residency, int | None]:
-    """``load_pretrained(experts="auto")`` (a library call; the CLI passes the preflight's resolution):
-    ``resolve_experts`` for this device at ``RunShape``'s default calibration shape. With one residency
-    allowed there is nothing to estimate (no layout is read)."""
-    allowed = allowed_residencies(plan.kind, packed_source=packed_source)
-    if len(allowed) == 1:
-        return allowed[0], None
-    layout = read_layout(path)
-    device = plan.device.type
-    shape = RunShape(device=device, dtype=dtype)
-    est = resolve_experts(layout, plan, shape, recipe=load_recipe(shape.recipe),
-                          budget=device_budget(device, plan.world_size, None))
-    return est.plan.experts_residency, est.decode_chunk
-
-
 __all__ = [
-    "Asked", "Estimate", "MemoryPlanError", "MemoryReport", "RunShape", "check_fits", "choose_residency",
+    "Asked", "Estimate", "MemoryPlanError", "MemoryReport", "RunShape", "check_fits",
     "estimate", "fit_plan", "estimate_asked", "owner_bytes", "plan_label", "plan_memory", "planned", "resolve_experts",
     "smallest_world",
 ]

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .inventory import layout_of
-from .planner import RunShape, fit_plan
+from ..run.planning import plan_memory
+from .planner import RunShape
 
 if TYPE_CHECKING:
     from ..run.preflight import PreflightContext
@@ -20,12 +20,10 @@ def memory_plan_fits(ctx: PreflightContext) -> None:
     does not fit) with the decode chunk, and keep the estimate in ``ctx.memory``. The budget is
     ``--gpu_mem_gib``, else the accelerator's memory, else host RAM per local rank. The layout is read off
     the preflight's one reader (no header is read again)."""
-    cfg = ctx.config
-    ctx.layout = layout_of(ctx.reader, ctx.raw_config, ctx.spec, ctx.source)
-    shape = RunShape(cfg.batch_size, cfg.calib_seq, ctx.recipe.name, "cuda" if torch.cuda.is_available() else "cpu",
-                     ctx.dtype, layerwise=ctx.layerwise is not None)  # the plan's dtype, decided once
-    ctx.distribution, ctx.memory = fit_plan(ctx.layout, ctx.distribution, cfg.experts, shape, recipe=ctx.recipe,
-                                            gpu_mem_gib=cfg.gpu_mem_gib, table=ctx.table)  # the run's table
+    # The step a library load takes too (``run.planning.plan_memory``), on the run's dtype and table.
+    ctx.layout, ctx.distribution, ctx.memory = plan_memory(
+        ctx.config, reader=ctx.reader, raw=ctx.raw_config, spec=ctx.spec, source=ctx.source, recipe=ctx.recipe,
+        table=ctx.table, distribution=ctx.distribution, dtype=ctx.dtype, layerwise=ctx.layerwise is not None)
 
 
 def predicted_wall_time(ctx: PreflightContext) -> None:

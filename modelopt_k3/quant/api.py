@@ -26,7 +26,7 @@ from .block_fp8_source import BlockFp8Source, block_fp8_passthrough
 from .calibrate import enable_calibrate_all_experts
 from .calibrators import calibrator_for
 from .coverage import attach_token_counter
-from .decisions import DecisionTable, decide, with_shared_groups
+from .decisions import DecisionTable, run_table, with_shared_groups
 from .kv_cache import attach_kv_cache
 from .modules import attach_experts, attach_linear
 from .mxfp4_source import Mxfp4ExpertSource
@@ -99,19 +99,29 @@ def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec
         raise RuntimeError(f"the checkpoint's Linears and the model's disagree on {len(diff)} module(s), e.g. {diff[:5]}")
 
 
+def planned_table(info, recipe: Recipe) -> DecisionTable:
+    """``quantize(table=None)``'s table: the one the load's plan made (``LoadInfo.run``: ``load_pretrained`` and
+    hf_ptq load through a ``RunPlan``) when it is for ``recipe``, else ``run_table`` -- the builder that plan
+    used -- on the load's reader and carried modules. Never a decision of its own."""
+    run = info.run
+    if run is not None and run.recipe == recipe:
+        return run.table
+    return run_table(info.source().inventory(), info.spec, recipe, info.carried)
+
+
 def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec,
                       table: DecisionTable | None = None) -> QuantPlan:
-    """The quantization plan of ``model``: ``table`` (the run's, decided by the preflight from the headers)
-    with its shared-input groups, or without one the table decided here."""
+    """The quantization plan of ``model``: ``table`` (the run's, decided by the preflight from the headers), else
+    ``planned_table``'s, with its shared-input groups."""
     info = model.modelopt_k3
     # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
     rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.quant.probe_model else None
     if table is None:
-        table = decide(info.source().inventory(), spec, recipe, rules, info.carried)
+        table = planned_table(info, recipe)
+        recipe = table.recipe  # equal to the one asked: the table's own object
     elif table.recipe is not recipe:
         raise ValueError(f"the decision table is for recipe {table.recipe.name}, not {recipe.name}")
-    else:
-        table = with_shared_groups(table, rules)
+    table = with_shared_groups(table, rules)
     table.check_groups_known()
     _check_modules_match(model, table, spec)
     plan = QuantPlan(recipe, table)
@@ -271,7 +281,8 @@ def quantize(
 
     ``forward_loop(model)`` runs this rank's share of the calibration data through the model; it may
     be None when the recipe needs no activation statistics (constant ``input_amax`` or weight-only).
-    ``table``: the run's decision table for ``recipe`` (``RunPlan.table``; hf_ptq), else decided here.
+    ``table``: the run's decision table for ``recipe`` (``RunPlan.table``; hf_ptq), else the load's plan's
+    (``planned_table``): no second decision.
     """
     qplan = start_quantization(model, recipe, table)
     calibrator = calibrator_for(qplan.recipe.algorithm)  # its options checked before any quantizer is attached

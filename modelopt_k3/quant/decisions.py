@@ -349,3 +349,12 @@ def with_shared_groups(
         for m in members:
             decisions[m] = Decision(m, "linear", decisions[m].shape, decisions[m].format, group=gid)
     return DecisionTable(table.recipe, decisions, groups, rules, table.naming)
+
+
+def run_table(inventory: Inventory, spec: ModelSpec, recipe: Recipe,
+              carried: CarriedModules | None = None) -> DecisionTable:
+    """A run's decision table, from headers alone: the one builder every stage that needs a table and was
+    given none calls (the preflight, the memory planner, ``quantize(table=None)``, the engine pre-check), so a
+    library call decides exactly what hf_ptq's preflight decides. No shared-input groups (they need the
+    model's code: ``quantize`` adds them with ``with_shared_groups``)."""
+    return decide(inventory, spec, recipe, None, carried)

@@ -87,6 +87,7 @@ def _recipe_exists(name: str) -> bool:
 
 
 DTYPE_CHOICES = (None, "bfloat16", "float32")
+LAYERWISE_CACHE_MIB = 4096  # ``--layerwise_cache_mib``'s default without the environment's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,11 +129,14 @@ class PtqConfig:
     uncovered_experts: str = "refuse"
     layerwise: bool = False  # also a recipe's algorithm.layerwise.enable
     layerwise_checkpoint_dir: Path | None = None  # also algorithm.layerwise.checkpoint_dir
+    # Host memory a layer's captured inputs may take before they spill to disk (the CLI's default:
+    # $MODELOPT_K3_LAYERWISE_CACHE_MIB, read by the parser; a stage never reads it).
+    layerwise_cache_mib: int = LAYERWISE_CACHE_MIB
     debug: bool = False
     no_progress: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("calib_size", "batch_size", "calib_seq", "max_shard_size_mb"):
+        for name in ("calib_size", "batch_size", "calib_seq", "max_shard_size_mb", "layerwise_cache_mib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("eval_kl", "min_expert_tokens", "report_heldout"):
@@ -196,6 +200,11 @@ class LayerwiseSettings:
 
     checkpoint_dir: Path | None  # None: a temporary directory, removed when the run ends
     qdq_inputs: bool  # each layer's inputs from the quantized layers before it (GPTQ), else unquantized
+    cache_mib: int = LAYERWISE_CACHE_MIB  # captured inputs held in host memory up to this, then spilled
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_mib * 2**20
 
 
 def layerwise_settings(config: PtqConfig, recipe: Recipe) -> LayerwiseSettings | None:
@@ -208,7 +217,7 @@ def layerwise_settings(config: PtqConfig, recipe: Recipe) -> LayerwiseSettings |
     ckpt = config.layerwise_checkpoint_dir or (Path(lw.checkpoint_dir) if lw.checkpoint_dir else None)
     from ..quant.calibrators import qdq_inputs  # the algorithm's default (the registry)
 
-    return LayerwiseSettings(ckpt, qdq_inputs(recipe.algorithm))
+    return LayerwiseSettings(ckpt, qdq_inputs(recipe.algorithm), config.layerwise_cache_mib)
 
 
 @dataclass(frozen=True)
@@ -219,7 +228,7 @@ class RunPlan:
     config: PtqConfig
     checkpoint: Path
     trust_remote_code: bool
-    export_path: Path
+    export_path: Path | None  # None: a library load's plan (``planning.plan_library_load``), no export
     export_format: ExportFormat  # the registered format ``config.export_format`` names
     raw_config: dict  # the checkpoint's config.json
     spec: ModelSpec

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointReader, read_config
+from ..checkpoint import CheckpointReader
 from ..export.staging import sweep_stale
 from ..files.paths import check_writable, refuse_overlap
 from ..memory.preflight import memory_plan_fits, predicted_wall_time
-from ..recipe import Recipe, load_recipe
-from ..spec import ModelSpec, get_spec
-from ..spec.config import load_dtype
+from ..recipe import Recipe
+from ..spec import ModelSpec
 from .plan import PtqConfig, RunPlan
+from .planning import plan_distribution, read_source, run_dtype, run_recipe, run_spec
 
 __all__ = ["CHECKS", "PreflightCheck", "PreflightContext", "PreflightError", "run_preflight"]
 
@@ -110,12 +110,12 @@ def run_preflight(ctx: PreflightContext, checks: Sequence[PreflightCheck] | None
 def _source_checkpoint(ctx: PreflightContext) -> None:
     """The run's spec, from config.json (decided here, once). The spec says whether its model class is the
     checkpoint's own code (``LoadingSpec.model_class``)."""
-    ctx.raw_config = raw = read_config(ctx.checkpoint)
-    ctx.spec = spec = get_spec(raw.get("model_type", ""))
+    ctx.raw_config, ctx.spec = run_spec(ctx.checkpoint)
+    spec = ctx.spec
     if spec.loading.model_class.remote_code and not ctx.trust_remote_code:
         raise PreflightError(f"{ctx.checkpoint} ships its own modeling code; pass --trust_remote_code if you trust it")
     # The recipe (and the export path it names by default) needs the spec: decided here, with it.
-    ctx.recipe = load_recipe(ctx.config.recipe_name(spec), overrides=ctx.config.recipe_overrides())
+    ctx.recipe = run_recipe(ctx.config, spec)
     ctx.export_path = ctx.config.export_path or Path(f"{ctx.checkpoint.name}-{Path(ctx.recipe.name).name}")
 
 
@@ -126,11 +126,7 @@ def _not_the_source(ctx: PreflightContext) -> None:
 def _checkpoint_matches_config(ctx: PreflightContext) -> None:
     """The shared source check (``source_check.check_experts``, headers only), as load and the converter run it.
     The reader made here is the run's one reader of the source (its headers are never read again)."""
-    from ..checkpoint.source_check import check_config, check_experts
-
-    ctx.reader = CheckpointReader(ctx.checkpoint, view=ctx.spec.loading.checkpoint_view)  # the run's spec
-    check_config(ctx.raw_config, ctx.spec)
-    ctx.source = check_experts(ctx.reader.headers(), ctx.raw_config, ctx.spec, ctx.reader.stored_name)
+    ctx.reader, ctx.source = read_source(ctx.checkpoint, ctx.raw_config, ctx.spec)
 
 
 def _export_path_free(ctx: PreflightContext) -> None:
@@ -177,10 +173,10 @@ def _lock_export_path(ctx: PreflightContext) -> None:
 def _export_format(ctx: PreflightContext) -> None:
     """The recipe against the checkpoint's modules (the run's decision table, from headers, decided here
     once), and what the export format can hold."""
-    from ..quant.decisions import decide
+    from ..quant.decisions import run_table
 
     # Shared-input groups need the model's code: quantize adds them to this table (``with_shared_groups``).
-    ctx.table = decide(ctx.reader.inventory(), ctx.spec, ctx.recipe, None, ctx.source.carried)
+    ctx.table = run_table(ctx.reader.inventory(), ctx.spec, ctx.recipe, ctx.source.carried)
     fmt = ctx.export_format  # the ExportFormat the caller resolved from the flag, once
     why = fmt.unexpressible(set(ctx.table.layer_algos().values()), ctx.recipe.kv_cache)
     if why is not None:
@@ -265,18 +261,9 @@ def _calib_seq_within_positions(ctx: PreflightContext) -> None:
 def _distribution_plan(ctx: PreflightContext) -> None:
     """The run's ``DistributionPlan`` for this rank (``decide_plan``: refuses what cannot work), decided here,
     once; the memory check then sets its experts residency."""
-    import torch
-
-    from ..dist.plan import decide_plan
-
-    cfg, spec = ctx.config, ctx.spec
-    text = ctx.raw_config.get("text_config", ctx.raw_config)
-    ctx.dtype = getattr(torch, cfg.dtype) if cfg.dtype else load_dtype(ctx.raw_config)  # once, for every stage
-    ctx.distribution = decide_plan(
-        cfg.plan, spec=spec, num_experts=int(text[spec.experts.num_experts_attr]), rank=ctx.rank,
-        world_size=ctx.world_size, device=ctx.device or torch.device("cpu"), ep_degree=cfg.ep_degree,
-        dense=cfg.dense, dtype=ctx.dtype,
-    )
+    ctx.dtype = run_dtype(ctx.config, ctx.raw_config)  # once, for every stage
+    ctx.distribution = plan_distribution(ctx.config, ctx.spec, ctx.raw_config, rank=ctx.rank,
+                                         world_size=ctx.world_size, device=ctx.device, dtype=ctx.dtype)
 
 
 def _layerwise(ctx: PreflightContext) -> None:

@@ -22,7 +22,7 @@ from modelopt_k3.dist.plan import (
     residency_refusal,
 )
 from modelopt_k3.memory.inventory import read_layout
-from modelopt_k3.memory.planner import Asked, check_fits, choose_residency, estimate_asked
+from modelopt_k3.memory.planner import Asked, check_fits, estimate_asked
 from modelopt_k3.models.kimi_k3 import KIMI_K3_SPEC
 
 CPU = torch.device("cpu")
@@ -56,8 +56,9 @@ def test_fsdp2_cannot_hold_packed_experts_one_rule_everywhere(tiny_ckpt: Path):
     assert refused.refused == why and refused.plan is None
     fits = check_fits(tiny_ckpt, plan="fsdp2", world_size=2, experts="packed", device="cpu")  # fit_plan's path
     assert fits.refused == why and fits.plan is None and fits.asked.residency == "packed"
-    # ... and auto never considers it: bf16, decided without reading the checkpoint.
-    assert choose_residency(Path("/nonexistent"), _plan("fsdp2", 2), packed_source=True) == (Residency.BF16, None)
+    # ... and auto never considers it: bf16.
+    assert check_fits(tiny_ckpt, plan="fsdp2", world_size=2, experts="auto", device="cpu").plan.experts_residency \
+        == Residency.BF16
 
 
 def test_the_planner_plans_the_placement_the_run_uses(tiny_ckpt: Path, tmp_path: Path, monkeypatch):

@@ -148,36 +148,43 @@ def test_packed_amax_equals_decoded_amax_with_edge_scales(dtype: torch.dtype) ->
         assert got[0].isnan() and got[1].isinf() and got[3] == 0 and 0 < got[2] < 2**-120
 
 
-def test_residency_refusals(tiny_ckpt: Path) -> None:
-    from modelopt_k3.load.pretrained import _decide_residency
+def _library_plan(ckpt: Path, experts: str, plan: str = "whole", world_size: int = 1, **kw):
+    """The distribution plan ``load_pretrained(ckpt, plan=, experts=)`` loads through (its ``RunPlan``)."""
+    from modelopt_k3.run.planning import library_config, plan_library_load
 
+    config = library_config(ckpt, plan=plan, trust_remote_code=True, dtype=torch.bfloat16, ep_degree=None,
+                            dense="replicated", experts=experts, allow_nonfinite_passthrough=False)
+    return plan_library_load(config, rank=0, world_size=world_size, device=torch.device("cpu"), **kw).distribution
+
+
+def test_residency_refusals(tiny_ckpt: Path, tmp_path: Path) -> None:
+    from modelopt_k3.testing.qwen3_moe import make_tiny_qwen3_moe
+
+    qwen3_moe_ckpt = make_tiny_qwen3_moe(tmp_path / "qwen3", seed=0)  # experts stored decoded
     plan = decide_plan("whole", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=1, device=torch.device("cpu"))
     with pytest.raises(ResidencyError, match="stores them decoded"):
-        _decide_residency("packed", packed_source=False, plan=plan, path=tiny_ckpt, dtype=torch.bfloat16, decode_chunk=None)
+        _library_plan(qwen3_moe_ckpt, "packed")
+    with pytest.raises(ResidencyError, match="stores them decoded"):
+        plan.with_residency("packed", packed_source=False)
     with pytest.raises(ResidencyError, match="unknown experts residency"):
-        _decide_residency("int4", packed_source=True, plan=plan, path=tiny_ckpt, dtype=torch.bfloat16, decode_chunk=None)
+        _library_plan(tiny_ckpt, "int4")
     fsdp = decide_plan("fsdp2", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=2, device=torch.device("cpu"))
     with pytest.raises(PlanError, match="--dense fsdp2"):
         fsdp.with_residency("packed")
     # auto never picks packed for fsdp2 (nor for a decoded source); a tiny model fits as bf16 anyway.
-    assert _decide_residency("auto", packed_source=True, plan=fsdp, path=tiny_ckpt, dtype=torch.bfloat16,
-                             decode_chunk=None).experts_residency == "bf16"
-    assert _decide_residency("auto", packed_source=True, plan=plan, path=tiny_ckpt, dtype=torch.bfloat16,
-                             decode_chunk=None).experts_residency == "bf16"
+    assert _library_plan(tiny_ckpt, "auto", plan="fsdp2", world_size=2).experts_residency == "bf16"
+    assert _library_plan(tiny_ckpt, "auto").experts_residency == "bf16"
     with pytest.raises(PlanError, match="decode_chunk"):
         plan.with_residency("bf16", decode_chunk=4)
 
 
 def test_auto_is_packed_when_bf16_does_not_fit(tiny_ckpt: Path, monkeypatch) -> None:
     """load_pretrained(experts="auto") asks the planner: a device between the two peaks gets packed."""
-    from modelopt_k3.load.pretrained import _decide_residency
     from modelopt_k3.memory import planner
 
-    plan = decide_plan("whole", spec=KIMI_K3_SPEC, num_experts=8, rank=0, world_size=1, device=torch.device("cpu"))
     layout, shape = planner.read_layout(tiny_ckpt), planner.RunShape(device="cpu", dtype=torch.bfloat16)
     peaks = {r: planner.estimate_asked(layout, planner.Asked("whole", "replicated", r, 1), shape).peak
              for r in ("bf16", "packed")}
     monkeypatch.setattr(planner, "device_budget", lambda *a: (peaks["bf16"] + peaks["packed"]) // 2)
-    chosen = _decide_residency("auto", packed_source=True, plan=plan, path=tiny_ckpt, dtype=torch.bfloat16,
-                               decode_chunk=None)
+    chosen = _library_plan(tiny_ckpt, "auto")
     assert chosen.experts_residency == "packed" and chosen.decode_chunk is None  # a whole layer fits

@@ -49,14 +49,15 @@ def _load_as_rank(ckpt: Path, ep_rank: int, ep_size: int):
 
     from modelopt_k3.dist.group import current_group
     from modelopt_k3.dist.placement import ExpertPlacement
-    from modelopt_k3.dist.plan import decide_plan
     from modelopt_k3.load import pretrained as L
+    from modelopt_k3.run.planning import library_config, plan_library_load
 
-    src = L._open_source(ckpt, False)
-    plan = decide_plan("whole", spec=src.spec, num_experts=4, rank=0, world_size=1, device=torch.device("cpu"))
+    config = library_config(ckpt, plan="whole", trust_remote_code=False, dtype=torch.float32, ep_degree=None,
+                            dense="replicated", experts="bf16", allow_nonfinite_passthrough=False)
+    run = plan_library_load(config, rank=0, world_size=1, device=torch.device("cpu"))  # load_pretrained's plan
+    src, plan = L._planned_source(run), run.distribution
     placement = dataclasses.replace(plan.build_placement(), experts=ExpertPlacement(4, ep_size=ep_size, ep_rank=ep_rank))
     converters = L._prepare(src, ckpt, plan)
-    plan = L._decide_residency("bf16", packed_source=True, plan=plan, path=ckpt, dtype=torch.float32, decode_chunk=None)
     model = L._build_placed_on_meta(src, plan, placement, torch.float32, current_group())
     L.materialize(model, plan.device)
     L.tie_as_stored(model, src.reader)
