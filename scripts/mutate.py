@@ -130,7 +130,8 @@ AREAS: dict[str, Area] = {
     # calibrators with their numerics (gptq.py and nvfp4_search.py are theirs, not the numerics area's: a
     # module named exactly wins over a glob). A few to forty seconds a mutant; no multiprocess test.
     "runplan": Area(
-        ("modelopt_k3/run/plan.py", "modelopt_k3/run/preflight.py", "modelopt_k3/memory/preflight.py"),
+        ("modelopt_k3/run/plan.py", "modelopt_k3/run/planning.py", "modelopt_k3/run/preflight.py",
+         "modelopt_k3/memory/preflight.py"),
         ("tests/cli/test_config.py", "tests/run/test_preflight_checks.py", "tests/dist/test_plan_decisions.py",
          "tests/faults/test_faults_config.py", "tests/faults/test_faults_bounds.py",
          "tests/faults/test_faults_destination.py", "tests/test_run_once.py",
@@ -297,9 +298,9 @@ CURATED: tuple[Mutant, ...] = (
            "self.peak <= budget", "self.peak < budget", "planner: a plan using exactly the budget does not fit"),
     # issue 33, second part: the run's settings and preflight (runplan), layerwise calibration and its
     # resume (layerwise), the calibrators and their numerics (calibrators).
-    Mutant("issue33:runplan-config-dtype", "modelopt_k3/run/preflight.py",
-           "ctx.dtype = getattr(torch, cfg.dtype) if cfg.dtype else load_dtype(ctx.raw_config)",
-           "ctx.dtype = load_dtype(ctx.raw_config)",
+    Mutant("issue33:runplan-config-dtype", "modelopt_k3/run/planning.py",
+           "return getattr(torch, config.dtype) if config.dtype else load_dtype(raw)",
+           "return load_dtype(raw)",
            "RunPlan: the load dtype from config.json even when --dtype is given"),
     Mutant("issue33:runplan-positive-off-by-one", "modelopt_k3/run/plan.py",
            "if getattr(self, name) < 1:", "if getattr(self, name) < 0:",
