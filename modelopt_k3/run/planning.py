@@ -138,9 +138,8 @@ def plan_library_load(config: PtqConfig, *, rank: int, world_size: int, device: 
     ``config`` -- ``checked`` (default: ``check_library_source`` here), dtype, distribution plan, memory fit --
     without the checks about an export, calibration data or a tokenizer (a load has none). The plan's refusals
     are decided alike on every rank from the same inputs, and raised as themselves (``PlanError``,
-    ``MemoryPlanError``). No export path; ``texts`` empty."""
-    from ..export.layouts import export_format
-
+    ``MemoryPlanError``). No export path and no export format (``export_checkpoint``, the library's export entry
+    point, resolves its ``format`` name); ``texts`` empty."""
     c = checked or check_library_source(config)
     dtype = run_dtype(config, c.raw)
     distribution = plan_distribution(config, c.spec, c.raw, rank=rank, world_size=world_size, device=device,
@@ -148,5 +147,5 @@ def plan_library_load(config: PtqConfig, *, rank: int, world_size: int, device: 
     layout, distribution, memory = plan_memory(config, reader=c.reader, raw=c.raw, spec=c.spec, source=c.source,
                                                recipe=c.recipe, table=c.table, distribution=distribution,
                                                dtype=dtype, layerwise=False, decode_chunk=decode_chunk)
-    return RunPlan(config, config.pyt_ckpt_path, config.trust_remote_code, None, export_format(config.export_format),
+    return RunPlan(config, config.pyt_ckpt_path, config.trust_remote_code, None, None,
                    c.raw, c.spec, c.reader, c.source, layout, c.recipe, c.table, distribution, memory, [], dtype=dtype)
