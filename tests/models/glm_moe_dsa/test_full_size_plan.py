@@ -5,22 +5,13 @@ copied by the export), never resident. The layout's generator is the stand-in's 
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import math
 from pathlib import Path
 
 import pytest
-
-from modelopt_k3.checkpoint import CheckpointReader
+from _full_size import plan_8_h200, stored_headers
 
 GiB = 2**30
-
-
-def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    with CheckpointReader(path) as reader:
-        return {name: (str(info.dtype), tuple(info.shape)) for name, info in reader.headers().items()}
 
 
 def test_the_layout_at_tiny_sizes_is_the_stand_in(glm_ckpt: Path, tmp_path: Path) -> None:
@@ -28,17 +19,7 @@ def test_the_layout_at_tiny_sizes_is_the_stand_in(glm_ckpt: Path, tmp_path: Path
     from modelopt_k3.testing.glm_moe_dsa import GLM_MOE_DSA_TINY_DEFAULTS, make_glm5_layout
 
     layout = make_glm5_layout(tmp_path / "tiny", sizes=GLM_MOE_DSA_TINY_DEFAULTS)
-    assert _headers(layout) == _headers(glm_ckpt)
-
-
-def _plan(layout: Path, *flags: str) -> dict[str, dict]:
-    from modelopt_k3.cli import plan
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        plan.main(["--pyt_ckpt_path", str(layout), "--world_size", "8", "--gpu_mem_gib", "141", "--device", "cuda",
-                   "--json", *flags])
-    return {r["plan"]: r for r in json.loads(out.getvalue()) if r["experts"] == "bf16"}
+    assert stored_headers(layout) == stored_headers(glm_ckpt)
 
 
 @pytest.mark.slow
@@ -64,11 +45,11 @@ def test_full_size_glm5_on_8_x_141_gib(tmp_path: Path) -> None:
     whole = estimate_asked(layout, Asked("whole", "replicated", "bf16", 1), RunShape(batch_size=1))
     assert whole.resident_dense + whole.resident_experts == built * 2
 
-    resident = _plan(path)
+    resident = plan_8_h200(path)
     assert not any(r["fits"] for r in resident.values())
-    layerwise = _plan(path, "--layerwise")
+    layerwise = plan_8_h200(path, "--layerwise")
     assert not any(r["fits"] for r in layerwise.values())
-    one_seq = _plan(path, "--layerwise", "--batch_size", "1")
+    one_seq = plan_8_h200(path, "--layerwise", "--batch_size", "1")
     ep = one_seq["expert_parallel, dense replicated"]
     assert ep["fits"] and 40 < ep["peak_gib"] < 70, ep
-    assert not any(r["fits"] for r in _plan(path, "--batch_size", "1").values())
+    assert not any(r["fits"] for r in plan_8_h200(path, "--batch_size", "1").values())

@@ -5,11 +5,10 @@ calibration workspace alone is ~300 GiB per rank)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
+from _full_size import plan_8_h200
 
 pytestmark = pytest.mark.slow
 
@@ -21,23 +20,13 @@ def full_layout(tmp_path_factory):
     return make_kimi_k25_layout(tmp_path_factory.mktemp("kimi_k25_full") / "ckpt")
 
 
-def _plan(layout, *flags) -> dict[str, dict]:
-    from modelopt_k3.cli import plan
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        plan.main(["--pyt_ckpt_path", str(layout), "--world_size", "8", "--gpu_mem_gib", "141", "--device", "cuda",
-                   "--json", *flags])
-    return {r["plan"]: r for r in json.loads(out.getvalue()) if r["experts"] == "bf16"}
-
-
 def test_the_layout_is_the_released_checkpoints_and_only_layerwise_fits_8_h200(full_layout):
     index = json.loads((full_layout / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(index) == 208550  # moonshotai/Kimi-K2.5's tensor count (decision 0007)
-    resident = _plan(full_layout, "--batch_size", "1", "--calib_seq", "2048")
+    resident = plan_8_h200(full_layout, "--batch_size", "1", "--calib_seq", "2048")
     assert not any(r["fits"] for r in resident.values())
     assert resident["fsdp2"]["smallest_world"] == 24
-    layerwise = _plan(full_layout, "--layerwise", "--batch_size", "1", "--calib_seq", "2048")
+    layerwise = plan_8_h200(full_layout, "--layerwise", "--batch_size", "1", "--calib_seq", "2048")
     ep = layerwise["expert_parallel, dense replicated"]
     assert ep["fits"] and 80 < ep["peak_gib"] < 95, ep
-    assert not _plan(full_layout, "--layerwise")["expert_parallel, dense replicated"]["fits"]  # 4 x 2048
+    assert not plan_8_h200(full_layout, "--layerwise")["expert_parallel, dense replicated"]["fits"]  # 4 x 2048

@@ -5,20 +5,12 @@ generator is the stand-in's own, checked at tiny sizes against the stand-in's he
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 from pathlib import Path
 
 import pytest
-
-from modelopt_k3.checkpoint import CheckpointReader
-
-
-def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    with CheckpointReader(path) as reader:
-        return {name: (str(info.dtype), tuple(info.shape)) for name, info in reader.headers().items()}
+from _full_size import plan_8_h200, stored_headers
 
 
 def test_the_layout_at_tiny_sizes_is_the_stand_in(minimax_m2_ckpt: Path, tmp_path: Path) -> None:
@@ -26,19 +18,9 @@ def test_the_layout_at_tiny_sizes_is_the_stand_in(minimax_m2_ckpt: Path, tmp_pat
     from modelopt_k3.testing.minimax_m2 import MINIMAX_M2_TINY_DEFAULTS, make_minimax_m2_layout
 
     layout = make_minimax_m2_layout(tmp_path / "tiny", sizes=MINIMAX_M2_TINY_DEFAULTS, sparse=True)
-    assert _headers(layout) == _headers(minimax_m2_ckpt)
+    assert stored_headers(layout) == stored_headers(minimax_m2_ckpt)
     stand_in = json.loads((minimax_m2_ckpt / "config.json").read_text())
     assert json.loads((layout / "config.json").read_text())["quantization_config"] == stand_in["quantization_config"]
-
-
-def _plan(layout: Path, *flags: str) -> dict[str, dict]:
-    from modelopt_k3.cli import plan
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        plan.main(["--pyt_ckpt_path", str(layout), "--world_size", "8", "--gpu_mem_gib", "141", "--device", "cuda",
-                   "--json", *flags])
-    return {r["plan"]: r for r in json.loads(out.getvalue()) if r["experts"] == "bf16"}
 
 
 @pytest.mark.slow
@@ -57,13 +39,13 @@ def test_full_size_minimax_m2_on_8_x_141_gib(tmp_path: Path) -> None:
               + sum(g.num_experts * g.decoded_numel_per_expert for g in layout.experts))
     assert params == pytest.approx(229e9, rel=0.005)
 
-    resident = _plan(path)
+    resident = plan_8_h200(path)
     assert not resident["whole"]["fits"] and not resident["expert_parallel, dense replicated"]["fits"]
     assert 141 < resident["expert_parallel, dense replicated"]["peak_gib"] < 170
     assert resident["fsdp2"]["fits"] and resident["fsdp2"]["smallest_world"] == 8
-    layerwise = _plan(path, "--layerwise")
+    layerwise = plan_8_h200(path, "--layerwise")
     assert layerwise["expert_parallel, dense replicated"]["fits"]
     assert layerwise["whole"]["fits"]  # one layer (~7 GiB) and one GPU's calibration workspace
-    one_seq = _plan(path, "--batch_size", "1")
+    one_seq = plan_8_h200(path, "--batch_size", "1")
     ep = one_seq["expert_parallel, dense replicated"]
     assert ep["fits"] and 70 < ep["peak_gib"] < 100, ep
