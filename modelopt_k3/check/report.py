@@ -112,6 +112,19 @@ class EngineResult:
         return lines
 
 
+
+def not_verified(engine: str, reason: str):
+    """The replay of an engine whose loader for a model was not read (or not run): every export gets "not
+    verified" with ``reason`` (on ``config.json``), never a guessed "loads" or "refuses"."""
+
+    def replay(layout, *, numerics: bool = True) -> EngineResult:
+        result = EngineResult(engine)
+        result.refusals.append(Refusal("config.json", reason, verdict=NOT_VERIFIED))
+        return result
+
+    replay.__qualname__ = f"not_verified[{engine}]"
+    return replay
+
 @dataclass
 class CheckReport:
     """``check_export``'s answer: one result per named engine."""

@@ -30,16 +30,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...check.layout import Layout
-from ...check.report import NOT_VERIFIED, EngineResult, Refusal
+from ...check.report import EngineResult, Refusal, not_verified
 from ...spec import get_spec
 
-
-def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
-    """TensorRT-LLM: not verified (module docstring)."""
-    result = EngineResult("trtllm")
-    result.refusals.append(Refusal("config.json", "TensorRT-LLM's GLM-5 (glm_moe_dsa) loader was not read by this "
-                                                  "check", verdict=NOT_VERIFIED))
-    return result
+# TensorRT-LLM: not verified (module docstring).
+replay_trtllm = not_verified("trtllm", "TensorRT-LLM's GLM-5 (glm_moe_dsa) loader was not read by this check")
 
 
 EXPERTS = re.compile(r"(.+\.layers\.\d+\.mlp)\.experts\.\d+\.")

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...check.layout import Layout, Linear
-from ...check.report import NOT_VERIFIED, EngineResult, Refusal
+from ...check.report import EngineResult, not_verified
 from ...spec import get_spec
 
 TEXT = "language_model."
@@ -84,12 +84,8 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return _prefixed(_rules("sglang")(_sglang_view(layout), numerics=numerics))
 
 
-def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
-    result = EngineResult("trtllm")
-    result.refusals.append(Refusal("config.json", "TensorRT-LLM's Kimi-K2.5 loading was not read (no "
-                                                  "KimiK25ForConditionalGeneration in the stored code)",
-                                   verdict=NOT_VERIFIED))
-    return result
+replay_trtllm = not_verified("trtllm", "TensorRT-LLM's Kimi-K2.5 loading was not read (no "
+                                       "KimiK25ForConditionalGeneration in the stored code)")
 
 
 # The spec's ``ServingSpec.rules``: engine -> rules.

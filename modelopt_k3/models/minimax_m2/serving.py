@@ -30,8 +30,7 @@ would take them on ``self_attn.attn``.
 from __future__ import annotations
 
 from ...check.engines.base import Fused, ModelServing, WeightsMapper
-from ...check.layout import Layout
-from ...check.report import NOT_VERIFIED, EngineResult, Refusal
+from ...check.report import not_verified
 
 EXPERT_RE = r"(?P<module>.+\.block_sparse_moe\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])"
 GATE_UP = ("w1", "w3")  # w13 in both engines' expert mapping
@@ -63,12 +62,8 @@ SGLANG_MINIMAX_M2 = _serving("sglang", ((r"^lm_head$", "SGLang's MiniMaxM2ForCau
 
 
 
-def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
-    """TensorRT-LLM: not verified (module docstring)."""
-    result = EngineResult("trtllm")
-    result.refusals.append(Refusal("config.json", "TensorRT-LLM's MiniMax-M2 loader was not read by this check",
-                                   verdict=NOT_VERIFIED))
-    return result
+# TensorRT-LLM: not verified (module docstring).
+replay_trtllm = not_verified("trtllm", "TensorRT-LLM's MiniMax-M2 loader was not read by this check")
 
 
 # The spec's ``ServingSpec.rules``: engine -> rules.

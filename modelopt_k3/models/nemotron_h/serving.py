@@ -41,7 +41,7 @@ from ...check.engines.base import Fused, ModelServing, WeightsMapper
 from ...check.engines.sglang import SGLANG
 from ...check.engines.vllm import VLLM
 from ...check.layout import Layout
-from ...check.report import NOT_VERIFIED, EngineResult, Refusal
+from ...check.report import EngineResult, Refusal, not_verified
 
 EXPERT_RE = r"(?P<module>.+\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)"
 W1_ONLY = ("up_proj", "")  # non-gated: w1 is the up projection, there is no w3
@@ -136,13 +136,9 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
-def replay_trtllm(layout: Layout, *, numerics: bool = True) -> EngineResult:
-    """TensorRT-LLM: not verified (its Nemotron-H loader was not read); never said to load."""
-    result = EngineResult("trtllm")
-    result.refusals.append(Refusal("config.json", "not verified: modelopt-k3-check has not read TensorRT-LLM's "
-                                                  "Nemotron-H loader, so it does not say this export loads there",
-                                   verdict=NOT_VERIFIED))
-    return result
+# TensorRT-LLM: not verified (its Nemotron-H loader was not read); never said to load.
+replay_trtllm = not_verified("trtllm", "not verified: modelopt-k3-check has not read TensorRT-LLM's Nemotron-H "
+                                       "loader, so it does not say this export loads there")
 
 
 # The spec's ``ServingSpec.rules``: engine -> rules.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ...check.engines.base import Fused, ModelServing, WeightsMapper
 from ...check.layout import Layout
-from ...check.report import NOT_VERIFIED, Deviation, EngineResult, Refusal
+from ...check.report import Deviation, EngineResult, not_verified
 
 EXPERT_RE = r"(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>(?:gate|up|down)_proj)"
 GATE_UP = ("gate_proj", "up_proj")
@@ -110,22 +110,10 @@ def replay_sglang(layout: Layout, *, numerics: bool = True) -> EngineResult:
     return result
 
 
-def not_verified(engine: str, what: str):
-    """A replay that gives no verdict but "not verified": the engine's Qwen3.5-MoE loading was not (fully) read."""
-
-    def replay(layout: Layout, *, numerics: bool = True) -> EngineResult:
-        result = EngineResult(engine)
-        result.refusals.append(Refusal("config.json", f"not verified: {what}; modelopt-k3-check guesses no verdict "
-                                                      "for this engine and model", verdict=NOT_VERIFIED))
-        return result
-
-    replay.__qualname__ = f"not_verified[{engine}]"
-    return replay
-
-
 # The spec's ``ServingSpec.rules``: engine -> rules.
 SERVING = {
     "vllm": VLLM_QWEN3_5_MOE,
     "sglang": replay_sglang,
-    "trtllm": not_verified("trtllm", "TensorRT-LLM's Qwen3.5-MoE loader was not read"),
+    "trtllm": not_verified("trtllm", "not verified: TensorRT-LLM's Qwen3.5-MoE loader was not read; "
+                                     "modelopt-k3-check guesses no verdict for this engine and model"),
 }
