@@ -17,12 +17,15 @@ of the pinned wheels, vLLM 0.33.0 and SGLang 0.5.23, was not verified):
   model (the MTP drafter is a separate class, not replayed here).
 * SGLang (``python/sglang/srt/models/qwen3_5.py`` @ 005fa71): ``Qwen3_5GatedDeltaNet`` builds ``in_proj_qkvz``
   and ``in_proj_ba`` with the quant config (packed-checkpoint loaders split ``in_proj_qkv``/``in_proj_z`` and
-  ``in_proj_b``/``in_proj_a`` into them) and ``conv1d`` without; the rest of its loader (router, vision tower
-  prefix under its ModelOpt exclusions, expert mapping, MTP) was not read, so the check says "not verified".
+  ``in_proj_b``/``in_proj_a`` into them) and ``conv1d`` without; the rest is replayed as the vLLM rules' data under
+  SGLang's prefixes, the vision tower unquantized, plus the deepstack default (``sglang_deepstack``), as SGLang
+  0.5.23's own loader did on CPU (decision 0017).
 * TensorRT-LLM: its Qwen3.5-MoE loader was not read; "not verified" too.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ...check.engines.base import Fused, ModelServing, WeightsMapper
 from ...check.layout import Layout
@@ -65,19 +68,14 @@ VLLM_QWEN3_5_MOE = ModelServing(
 # model. (Qwen3_5MoeForCausalLM under model), model.visual. -> visual.; attention keeps self_attn in its prefix
 # (get_layer's add_prefix("self_attn", ...)) though load_weights drops it from parameter names.
 SGLANG_MAPPER = WeightsMapper(prefixes={"model.language_model.": "model.", "model.visual.": "visual."})
-SGLANG_QWEN3_5_MOE = ModelServing(
+# The vLLM rules' data under SGLang's names: its prefixes, the vision tower unquantized, no packed-modules map.
+SGLANG_QWEN3_5_MOE = replace(
+    VLLM_QWEN3_5_MOE,
     engine="sglang",
-    model_type="qwen3_5_moe",
     mapper=SGLANG_MAPPER,
-    strip_prefix="",
-    fused=FUSED,
     unquantized=(*ROUTERS, (r"^model\.visual\.", "SGLang's Qwen3VLForConditionalGeneration builds the vision tower with "
                                                    "quant_config=None (qwen3_vl.py; Qwen3.5-MoE's class derives from it)")),
-    formats_only=(),
     packed_modules_mapping=None,
-    expert_re=EXPERT_RE,
-    gate_up=GATE_UP,
-    kv_scale_params=("attn.k_scale", "attn.v_scale"),
     kv_note="SGLang's Qwen3.5 attention holds its KV-cache scales on its RadixAttention (attn)",
 )
 # SGLang's Qwen3-VL vision config (configs/qwen3_vl.py) defaults deepstack_visual_indexes to [8, 16, 24]; Qwen3.5's
