@@ -206,28 +206,29 @@ def run(config: PtqConfig | argparse.Namespace) -> int:
 
 
 def _after_preflight(plan: RunPlan, group, say, progress: bool, t0: float) -> int:
-    """What ``run`` does once the preflight passed (rank 0 holding the export path's lock)."""
-    from .. import export_checkpoint
+    """What ``run`` does once the preflight passed (rank 0 holding the export path's lock): each stage takes
+    the plan and what the stage before it produced (the load's ``LoadInfo``, quantize's ``QuantPlan``)."""
     from ..dist.collectives import run_together
+    from ..export.model_export import export_planned
 
     config = plan.config
     sequences = run_together("calibration data", _calibration_sequences, plan, group=group)
     if plan.layerwise is not None:
         return _layerwise(plan, sequences, group, say, progress, t0)
-    model = _load(plan, progress)
+    model, info = _load(plan, progress)
     t_load = time.perf_counter()
-    say(f"[modelopt_k3] loaded {plan.checkpoint} ({model.modelopt_k3.plan.describe()}), read "
-        f"{model.modelopt_k3.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
-    _calibrate(plan, model, sequences, group, progress, say)
-    coverage = run_together("expert coverage", _coverage_guard, config, model, say, group=group)
+    say(f"[modelopt_k3] loaded {plan.checkpoint} ({info.plan.describe()}), read "
+        f"{info.bytes_read / 2**20:.1f} MiB on rank {group.rank} in {t_load - t0:.1f}s")
+    qplan = _calibrate(plan, model, info, sequences, group, progress, say)
+    coverage = run_together("expert coverage", _coverage_guard, config, model, plan.spec, say, group=group)
     t_calib = time.perf_counter()
-    out = export_checkpoint(model, plan.export_path, format=plan.export_format, overwrite=config.overwrite,
-                            max_shard_bytes=config.max_shard_size_mb * 2**20, progress=progress)
+    out = export_planned(model, qplan, plan.export_path, plan.export_format, group=group, overwrite=config.overwrite,
+                         max_shard_bytes=config.max_shard_size_mb * 2**20, progress=progress)
     t_export = time.perf_counter()
     say(f"[modelopt_k3] exported {out} in {t_export - t_calib:.1f}s (total {t_export - t0:.1f}s)")
     # After the export: the held-out pass is a fake-quant forward, after which (under FSDP2) the export
     # could no longer index MXFP4-sourced experts' scales; the report reads the weights before it.
-    run_together("held-out evaluation and report", _evaluate_and_report, plan, model, sequences, coverage,
+    run_together("held-out evaluation and report", _evaluate_and_report, plan, model, qplan, sequences, coverage,
                  group, say, group=group)
     return _check_served(plan, out, say) if group.is_main else 0
 
@@ -251,8 +252,8 @@ def _layerwise(plan: RunPlan, sequences, group, say, progress: bool, t0: float) 
                 f"checkpoint whose first {result.resumed_at} layer(s) an earlier run calibrated (their figures are "
                 "not kept); remove the --layerwise_checkpoint_dir directory to run every layer, with the report")
     else:
-        run_together("held-out evaluation and report", _evaluate_and_report, plan, result.model, sequences,
-                     result.coverage, group, say, streamed=result, group=group)
+        run_together("held-out evaluation and report", _evaluate_and_report, plan, result.model, result.qplan,
+                     sequences, result.coverage, group, say, streamed=result, group=group)
     return _check_served(plan, result.export, say) if group.is_main else 0
 
 
@@ -278,18 +279,20 @@ def _load(plan: RunPlan, progress: bool):
     return load_planned(plan, progress=progress)
 
 
-def _calibrate(plan: RunPlan, model, packed, group, progress: bool, say) -> None:
-    """Quantize with this rank's share of the calibration sequences, with the run's decision table."""
-    from .. import quantize
+def _calibrate(plan: RunPlan, model, info, packed, group, progress: bool, say):
+    """Quantize with this rank's share of the calibration sequences, with the run's decision table; returns
+    the ``QuantPlan`` the export and the report take."""
     from ..data import make_forward_loop, rank_batches
+    from ..quant.api import quantize_planned
 
     device = plan.distribution.device  # the plan's, not read back off the model
     t0 = time.perf_counter()
     batches = rank_batches(packed[: plan.config.calib_size], batch_size=plan.config.batch_size, rank=group.rank,
                            world_size=group.world_size)
-    quantize(model, plan.recipe, make_forward_loop(batches, device=device, progress=progress), verbose=group.is_main,
-             table=plan.table)
+    qplan = quantize_planned(model, info, plan.recipe, make_forward_loop(batches, device=device, progress=progress),
+                             table=plan.table, verbose=group.is_main)
     say(f"[modelopt_k3] calibrated on {len(batches)} batches/rank in {time.perf_counter() - t0:.1f}s")
+    return qplan
 
 
 def _report_dir(config: PtqConfig, export_path: Path, ckpt: Path) -> Path | None:
@@ -319,11 +322,11 @@ def _held_out_count(config: PtqConfig, world_size: int) -> int:
     return world_size if config.report != "none" else 0
 
 
-def _coverage_guard(config: PtqConfig, model, say):
+def _coverage_guard(config: PtqConfig, model, spec, say):
     """Experts below ``--min_expert_tokens`` under ``--uncovered_experts``: refuse before the export, or note."""
     from ..quant.coverage import guard_coverage
 
-    return guard_coverage(model, model.modelopt_k3.spec, min_tokens=config.min_expert_tokens,
+    return guard_coverage(model, spec, min_tokens=config.min_expert_tokens,
                           policy=config.uncovered_experts, say=say)
 
 
@@ -336,12 +339,12 @@ def _held_out_batches(plan: RunPlan, packed, group):
                         world_size=group.world_size) if plan.held_out else None
 
 
-def _evaluate_and_report(plan: RunPlan, model, packed, coverage, group, say, streamed=None) -> None:
+def _evaluate_and_report(plan: RunPlan, model, qplan, packed, coverage, group, say, streamed=None) -> None:
     """The held-out pass (per-layer hidden-state error, KL and top-1 agreement; the KL printed with
     ``--eval_kl``) and the report. ``streamed``: a layerwise run's ``LayerwiseResult``, whose held-out passes
     and weight rows were taken layer by layer; else the resident model runs them here."""
     from ..quant.evaluate import evaluate_fidelity
-    from ..report import report
+    from ..report import report_planned
 
     config = plan.config
     held_out = _held_out_batches(plan, packed, group) if streamed is None else None
@@ -349,11 +352,11 @@ def _evaluate_and_report(plan: RunPlan, model, packed, coverage, group, say, str
     t0 = time.perf_counter()
     if plan.report_dir is None:
         if fidelity is None and held_out:
-            fidelity = evaluate_fidelity(model, held_out, plan.distribution.device)
+            fidelity = evaluate_fidelity(model, plan.spec.decoder_layers(model), held_out, plan.distribution.device)
     else:
         run = {"calibration_sequences": config.calib_size, "calibration_seq_len": config.calib_seq,
                "held_out_sequences": plan.held_out}
-        data = report(model, plan.report_dir, held_out=held_out, fidelity=fidelity, coverage=coverage,
+        data = report_planned(model, qplan, plan.report_dir, group=group, held_out=held_out, fidelity=fidelity, coverage=coverage,
                       min_expert_tokens=config.min_expert_tokens, uncovered_experts=config.uncovered_experts, run=run,
                       weights=weights)
         say(f"[modelopt_k3] wrote the quantization report {plan.report_dir} in {time.perf_counter() - t0:.1f}s")

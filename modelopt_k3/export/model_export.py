@@ -1,4 +1,7 @@
-"""``export_checkpoint``: each rank quantizes and writes what it owns; only the index travels.
+"""``export_planned``: each rank quantizes and writes what it owns; only the index travels.
+
+The stage takes the run's ``QuantPlan`` (which holds the load), the resolved format and the run group;
+``export_checkpoint`` is the library's convenience over it, taking the plan off the model ``quantize`` returned.
 
 Ownership: a rank writes its own experts (expert parallel; under FSDP2 the expert rows of its shards)
 and a deterministic share of the dense work (quantized Linears and pass-through tensors, item ``i`` to
@@ -28,6 +31,7 @@ from ..dist.fsdp import gather_to_owner, local_rows
 from ..dist.group import current_group
 from ..experts.packed import expert_weight_rows, release_decode_workspaces
 from ..files.paths import refuse_overlap
+from ..quant.api import QuantPlan, quantized_plan
 from ..quant.modules import ExpertsQuantState
 from ..spec.names import is_under, under_any
 from .layouts import ExportFormat, export_format
@@ -152,15 +156,32 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
 ) -> Path:
-    """Write the quantized model as a ModelOpt Hugging Face checkpoint; returns ``export_dir``.
+    """Write the quantized model as a ModelOpt Hugging Face checkpoint; returns ``export_dir``: the library's
+    ``export_planned`` of the plan ``quantize`` left on ``model``, in the current run group.
 
     Call on every rank. Nothing is gathered: each rank writes its own shard files.
     """
-    fmt = export_format(format)
-    info, qplan = _check_exportable(model, Path(export_dir), fmt)
-    group = current_group()
+    return export_planned(model, quantized_plan(model, "export_checkpoint"), export_dir, export_format(format),
+                        group=current_group(), overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                        progress=progress)
+
+
+def export_planned(
+    model: nn.Module,
+    qplan: QuantPlan,
+    export_dir: str | Path,
+    fmt: ExportFormat,
+    *,
+    group,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> Path:
+    """The export stage: ``model`` quantized per ``qplan`` written in ``fmt`` (the run's resolved format) into
+    ``export_dir`` by every rank of ``group``; returns ``export_dir``."""
     export_dir = Path(export_dir)
-    job = _ExportJob(model, info, qplan, fmt, group)
+    _check_exportable(qplan, export_dir, fmt)
+    job = _ExportJob(model, qplan, fmt, group)
     release_decode_workspaces(job.experts_modules.values())  # export never runs the experts: give it back first
     with atomic_output_dir(export_dir, overwrite=overwrite, group=group) as tmp:
         weight_map, nbytes = run_together("export write shards", _write_rank_share, job, tmp, max_shard_bytes,
@@ -170,25 +191,21 @@ def export_checkpoint(
     return export_dir
 
 
-def _check_exportable(model: nn.Module, export_dir: Path, fmt: ExportFormat):
-    """Stage 1: refuse what cannot be exported before anything is written; returns (LoadInfo, QuantPlan)."""
-    info = getattr(model, "modelopt_k3", None)
-    qplan = getattr(model, "modelopt_k3_quant", None)
-    if info is None or qplan is None:
-        raise ValueError("export_checkpoint expects a model from load_pretrained that went through quantize")
-    refuse_overlap(info.checkpoint, export_dir, flag="export_dir")  # the copies read the source to the end
+def _check_exportable(qplan: QuantPlan, export_dir: Path, fmt: ExportFormat) -> None:
+    """Stage 1: refuse what cannot be exported before anything is written."""
+    refuse_overlap(qplan.load.checkpoint, export_dir, flag="export_dir")  # the copies read the source to the end
     why = fmt.unexpressible(set(qplan.table.layer_algos().values()), qplan.recipe.kv_cache)
     if why is not None:
         raise ValueError(f"{why}. Use format='modelopt' for it.")
-    return info, qplan
 
 
 class _ExportJob:
     """What every export stage reads: the model's modules, its load info and quantization plan, the layout
     of the export format and the run group. Whether this rank writes experts is the placement's word."""
 
-    def __init__(self, model: nn.Module, info, qplan, fmt: ExportFormat, group) -> None:
-        self.info, self.qplan, self.fmt, self.group = info, qplan, fmt, group
+    def __init__(self, model: nn.Module, qplan: QuantPlan, fmt: ExportFormat, group) -> None:
+        self.info, self.qplan, self.fmt, self.group = qplan.load, qplan, fmt, group
+        info = self.info
         self.spec = info.spec
         self.modules = dict(model.named_modules())
         self.experts_modules = self.spec.experts_modules(model)
@@ -300,13 +317,14 @@ class ExportInParts:
     while the layer is loaded; ``publish`` links those files into the export's staging directory, writes
     the rest and the index, and publishes the directory as ``export_checkpoint`` does."""
 
-    def __init__(self, model: nn.Module, export_dir: Path, *, format: ExportFormat,
+    def __init__(self, model: nn.Module, qplan: QuantPlan, export_dir: Path, *, format: ExportFormat, group,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> None:
         self.fmt = format  # the run's resolved format (``RunPlan.export_format``): no name is resolved here
         self.export_dir = Path(export_dir)
-        info, qplan = _check_exportable(model, self.export_dir, self.fmt)
-        self.group = current_group()
-        self.job = _ExportJob(model, info, qplan, self.fmt, self.group)
+        _check_exportable(qplan, self.export_dir, self.fmt)
+        self.group = group
+        info = qplan.load
+        self.job = _ExportJob(model, qplan, self.fmt, self.group)
         if qplan.recipe.kv_cache is not None:  # the sites, not attached quantizers: layers attach theirs later
             names = {id(m): n for n, m in self.job.modules.items()}
             self.job.kv_scales = {f"{names[id(site.attention)]}.{key}": site.attention

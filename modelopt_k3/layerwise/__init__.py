@@ -29,7 +29,7 @@ from ..dist.group import current_group
 from ..experts.packed import release_decode_workspaces
 from ..export.model_export import ExportInParts
 from ..load import LayerwiseLoad, LoadScope
-from ..quant.api import attach_quantizers, calibrate_scope, start_quantization
+from ..quant.api import QuantPlan, attach_quantizers, calibrate_scope, start_quantization
 from ..quant.coverage import LayerCoverage, guard_coverage
 from ..quant.evaluate import Fidelity
 from ..quant.modules import iter_quantizers
@@ -93,7 +93,8 @@ class LayerwiseResult:
     while each was resident (empty for a resumed run: its earlier layers were calibrated by another process)."""
 
     export: Path
-    model: nn.Module  # the model, its layers released: quantizers, counters and the quantization plan remain
+    model: nn.Module  # the model, its layers released: quantizers and counters remain
+    qplan: QuantPlan  # the quantization plan (with the load): the report stage takes it
     resumed_at: int = 0  # the first layer this run calibrated (0: every layer; then the fields below are complete)
     weights: dict[str, list] | None = None  # this rank's ``report.collect.weight_summary`` rows (asked for)
     coverage: list[LayerCoverage] = field(default_factory=list)  # the guard's coverage, in layer order
@@ -134,7 +135,7 @@ class _Layers:
     replay: LayerReplay
     exporter: ExportInParts
     work: RankDir
-    qplan: object
+    qplan: QuantPlan
     batches: list[torch.Tensor]
     settings: LayerwiseSettings
     limit: int
@@ -151,9 +152,8 @@ def _run(plan: RunPlan, batches, held_out, report: bool, settings: LayerwiseSett
     outside_reads = loader.take_reads()  # read at every start: the "rest" record keeps the ones it was written from
     model, layers = loader.model, loader.layers
     device = loader.info.plan.device
-    qplan = start_quantization(model, plan.recipe, plan.table)
-    model.modelopt_k3_quant = qplan  # the export and the coverage guard read it; calibration fills its labels
-    exporter = ExportInParts(model, plan.export_path, format=plan.export_format,
+    qplan = start_quantization(model, loader.info, plan.recipe, plan.table)  # calibration fills its labels
+    exporter = ExportInParts(model, qplan, plan.export_path, format=plan.export_format, group=group,
                              max_shard_bytes=plan.config.max_shard_size_mb * 2**20, progress=progress)
     work = RankDir(root, group.rank, fingerprint(plan, batches, qplan))
     done = run_together("layerwise: read the checkpoint", work.load, loader.source_change, group=group)
@@ -167,7 +167,7 @@ def _run(plan: RunPlan, batches, held_out, report: bool, settings: LayerwiseSett
     attach_quantizers(model, qplan, within=outside.holds)
     replay = LayerReplay(model, layers, device)
     limit = settings.cache_bytes  # the plan's (``--layerwise_cache_mib``), decided once
-    result = LayerwiseResult(plan.export_path, model, resumed_at=done, weights=_no_rows() if report and not done
+    result = LayerwiseResult(plan.export_path, model, qplan, resumed_at=done, weights=_no_rows() if report and not done
                              else None)
     run = _Layers(plan, model, loader, replay, exporter, work, qplan, batches, settings, limit, outside, result,
                   say=say, outside_reads=outside_reads)
@@ -198,10 +198,10 @@ def _no_rows() -> dict[str, list]:
     return {"dense": [], "experts": []}
 
 
-def _add_rows(result: LayerwiseResult, model: nn.Module, within) -> None:
+def _add_rows(result: LayerwiseResult, model: nn.Module, group, within) -> None:
     """The report's weight rows of the modules ``within`` holds, taken while their weights are resident."""
     if result.weights is not None:
-        rows = weight_summary(model, within)
+        rows = weight_summary(model, result.qplan, group, within)
         for kind in ("dense", "experts"):
             result.weights[kind] += rows[kind]
 
@@ -273,7 +273,7 @@ def _calibrate_layer(i: int, run: _Layers, cache: InputCache, progress: bool) ->
     _guard(run, scope.holds)
     weight_map, nbytes = run.exporter.write_part(name, work.path, f"layer{i:05d}")
     record = LayerRecord(i, weight_map, nbytes, replay.metas[i], source=reads[0], source_files=reads[1])
-    _add_rows(run.result, model, scope.holds)  # after the write, as a resident report reads the exported model
+    _add_rows(run.result, model, run.exporter.group, scope.holds)  # after the write, as a resident report reads the exported model
     if run.heldout is not None:
         run.heldout.advance(i)
     _free_quantizer_copies(layer)
@@ -308,7 +308,7 @@ def _calibrate_outside(run: _Layers, replay_all, last_layer: nn.Module) -> Layer
         calibrate_scope(qplan, scope, forward_loop, rename=rename, original=_Scope.original)
     _guard(run, outside.holds)
     weight_map, nbytes = run.exporter.write_outside(outside.outside, run.work.path, "model")
-    _add_rows(run.result, model, outside.holds)
+    _add_rows(run.result, model, run.exporter.group, outside.holds)
     return LayerRecord(-1, weight_map, nbytes, {})
 
 

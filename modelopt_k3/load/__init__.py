@@ -3,6 +3,7 @@ for a run the preflight planned) or one decoder layer at a time (``layerwise``: 
 
 from .layerwise import LayerwiseLoad, keys_by_layer, release_tensors
 from .pretrained import (
+    Loaded,
     LoadError,
     LoadInfo,
     LoadScope,
@@ -22,6 +23,7 @@ __all__ = [
     "LoadError",
     "LoadInfo",
     "LoadScope",
+    "Loaded",
     "PlacedBuild",
     "build_planned",
     "check_against_model",

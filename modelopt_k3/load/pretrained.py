@@ -16,7 +16,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from accelerate import init_empty_weights
@@ -66,7 +66,9 @@ class LoadError(ValueError):
 
 @dataclass
 class LoadInfo:
-    """Attached to the loaded model as ``model.modelopt_k3``; read by quantize and export."""
+    """What the load did: the load stage's result beside the model (``Loaded``), taken by the quantize stage and,
+    inside the ``QuantPlan``, by export and report; also left on the model as ``model.modelopt_k3`` for the
+    library's ``quantize``."""
 
     checkpoint: Path
     spec: ModelSpec
@@ -565,15 +567,24 @@ def load_pretrained(
     checked = run_together("load: check the checkpoint", check_library_source, config, group=group)
     run = plan_library_load(config, rank=group.rank, world_size=group.world_size, device=group.device,
                             experts_implementation=experts_implementation, decode_chunk=decode_chunk, checked=checked)
-    return load_planned(run, progress=progress)
+    return load_planned(run, progress=progress).model
 
 
-def load_planned(run: RunPlan, *, progress: bool = True) -> nn.Module:
+class Loaded(NamedTuple):
+    """The load stage's result: the model and what the load did (``LoadInfo``), which the quantize stage takes
+    (``quant.api.quantize_planned``). The model keeps ``info`` too (``model.modelopt_k3``) for library calls."""
+
+    model: nn.Module
+    info: LoadInfo
+
+
+def load_planned(run: RunPlan, *, progress: bool = True) -> Loaded:
     """``load_pretrained`` of a run the preflight planned (``RunPlan``, hf_ptq): its spec, its one reader of
     the source (headers read once), the experts' source layout and the distribution plan with its residency
     and decode chunk are taken as decided; only the model class is resolved here. The resident residency of
     ``build_planned`` + ``read_scope``: everything materialised, then read at once."""
-    return _load_whole(build_planned(run), progress, run.config.allow_nonfinite_passthrough)
+    build = build_planned(run)
+    return Loaded(_load_whole(build, progress, run.config.allow_nonfinite_passthrough), build.info)
 
 
 @dataclass

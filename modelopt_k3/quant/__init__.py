@@ -19,6 +19,7 @@ _API = {
     "discover_shared_inputs": ".shared_inputs",
     "plan_quantization": ".api",
     "quantize": ".api",
+    "quantize_planned": ".api",
 }
 
 __all__ = sorted(_API)

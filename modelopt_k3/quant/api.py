@@ -1,5 +1,11 @@
 """``quantize(model, recipe, forward_loop)``: match the recipe, attach quantizers, calibrate, summarise.
 
+The stage is ``quantize_planned(model, load, recipe, forward_loop, table=...)``: it takes what the load
+produced (``load``: the ``LoadInfo``) and the run's decision table, and returns the ``QuantPlan``, which holds
+that load; the stages after it (export, report) take the ``QuantPlan``. ``quantize`` is the library's
+convenience over the same path: it takes the load off the model ``load_pretrained`` returned and leaves the
+plan on it (``model.modelopt_k3_quant``) for ``export_checkpoint`` and ``report`` to take the same way.
+
 Recipe patterns are matched against the checkpoint's own module names: a dense Linear's in-memory
 name is its checkpoint name, and a fused experts module is matched as the per-expert Linears it is on
 disk (``…experts.{e}.w1`` etc., via the spec's ``ExpertsSpec.projections``).
@@ -12,6 +18,8 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -36,6 +44,27 @@ from .shared_inputs import discover_shared_inputs
 log = logging.getLogger(__name__)
 
 
+class LoadFacts(Protocol):
+    """What quantization and the stages after it read about the load (``load.LoadInfo`` is one; the load
+    layer sits above this one, so it is named by what it holds)."""
+
+    checkpoint: Path
+    spec: ModelSpec
+    plan: Any  # the DistributionPlan: rank, device, describe()
+    placement: Any  # the run's mesh and expert placement
+    model_cls: type | None
+    packed_experts: bool
+    decoded_dense: dict[str, tuple[str, ...]]
+    carried: Any  # CarriedModules | None: modules the checkpoint stores but the model does not build
+    carried_keys: frozenset[str]
+    carried_decode: Any
+    carried_dtype: Any
+    nonfinite: dict[str, str]
+    run: Any  # the RunPlan the model was loaded through, or None
+
+    def source(self) -> Any: ...
+
+
 @dataclass
 class QuantPlan:
     """What quantize decided, per checkpoint module name (views of the decision table); read by the
@@ -43,6 +72,9 @@ class QuantPlan:
 
     recipe: Recipe
     table: DecisionTable
+    # the load this plan quantizes (its spec, placement, source reader): the stages after quantize take it from
+    # here, never off the model
+    load: LoadFacts = field(repr=False, compare=False)
     dense: dict[str, QuantFormat] = field(default_factory=dict)
     # experts module name -> projection name -> format (same for every expert of the module)
     experts: dict[str, dict[str, QuantFormat]] = field(default_factory=dict)
@@ -84,9 +116,9 @@ def _tied_elsewhere(model: nn.Module, name: str, linear: nn.Linear) -> bool:
     return any(p is linear.weight and n != own for n, p in model.named_parameters(remove_duplicate=False))
 
 
-def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec) -> None:
-    """The table classifies the checkpoint's tensors; the model's own Linears must be the same set."""
-    carried = model.modelopt_k3.carried  # modules the model does not build (MTP layers): kept, never matched
+def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec, carried) -> None:
+    """The table classifies the checkpoint's tensors; the model's own Linears must be the same set.
+    ``carried``: modules the model does not build (MTP layers): kept, never matched."""
     held = (lambda name: False) if carried is None else carried.holds
     table_linears = {name for name in table.of_kind("linear") if not held(name)}
     routers = set(table.of_kind("router"))  # a router built as a Linear (Qwen3.5-MoE's shared_expert_gate)
@@ -99,7 +131,7 @@ def _check_modules_match(model: nn.Module, table: DecisionTable, spec: ModelSpec
         raise RuntimeError(f"the checkpoint's Linears and the model's disagree on {len(diff)} module(s), e.g. {diff[:5]}")
 
 
-def planned_table(info, recipe: Recipe) -> DecisionTable:
+def planned_table(info: LoadFacts, recipe: Recipe) -> DecisionTable:
     """``quantize(table=None)``'s table: the one the load's plan made (``LoadInfo.run``: ``load_pretrained`` and
     hf_ptq load through a ``RunPlan``) when it is for ``recipe``, else ``run_table`` -- the builder that plan
     used -- on the load's reader and carried modules. Never a decision of its own."""
@@ -109,11 +141,11 @@ def planned_table(info, recipe: Recipe) -> DecisionTable:
     return run_table(info.source().inventory(), info.spec, recipe, info.carried)
 
 
-def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec,
+def plan_quantization(model: nn.Module, info: LoadFacts, recipe: Recipe,
                       table: DecisionTable | None = None) -> QuantPlan:
-    """The quantization plan of ``model``: ``table`` (the run's, decided by the preflight from the headers), else
-    ``planned_table``'s, with its shared-input groups."""
-    info = model.modelopt_k3
+    """The quantization plan of ``model`` as ``info`` loaded it: ``table`` (the run's, decided by the preflight
+    from the headers), else ``planned_table``'s, with its shared-input groups."""
+    spec = info.spec
     # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
     rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.quant.probe_model else None
     if table is None:
@@ -123,8 +155,8 @@ def plan_quantization(model: nn.Module, recipe: Recipe, spec: ModelSpec,
         raise ValueError(f"the decision table is for recipe {table.recipe.name}, not {recipe.name}")
     table = with_shared_groups(table, rules)
     table.check_groups_known()
-    _check_modules_match(model, table, spec)
-    plan = QuantPlan(recipe, table)
+    _check_modules_match(model, table, spec, info.carried)
+    plan = QuantPlan(recipe, table, info)
     for name, d in table.decisions.items():
         if d.kind == "linear" and d.quantized:
             plan.dense[name] = d.format
@@ -167,17 +199,13 @@ def _fused_formats(
     return out
 
 
-def start_quantization(model: nn.Module, recipe: Recipe | str, table: DecisionTable | None = None) -> QuantPlan:
-    """The quantization plan of a loaded model (``quantize``'s first step; a layerwise run takes it once,
-    then attaches and calibrates layer by layer): nothing is attached yet."""
+def start_quantization(model: nn.Module, info: LoadFacts, recipe: Recipe | str,
+                       table: DecisionTable | None = None) -> QuantPlan:
+    """The quantization plan of a loaded model (``quantize_planned``'s first step; a layerwise run takes it
+    once, then attaches and calibrates layer by layer): nothing is attached yet."""
     if isinstance(recipe, str):
         recipe = load_recipe(recipe)
-    info = getattr(model, "modelopt_k3", None)
-    if info is None:
-        raise ValueError("quantize expects a model from modelopt_k3.load_pretrained (it needs the spec and plan)")
-    if getattr(model, "modelopt_k3_quant", None) is not None:
-        raise ValueError("this model is already quantized")
-    qplan = plan_quantization(model, recipe, info.spec, table)
+    qplan = plan_quantization(model, info, recipe, table)
     if recipe.kv_cache is not None and info.spec.quant.kv_cache_sites is None:
         raise RecipeError(f"recipe {recipe.name} asks for kv_cache={recipe.kv_cache}, "
                           f"which model_type {info.spec.model_type} does not support")
@@ -189,7 +217,7 @@ def start_quantization(model: nn.Module, recipe: Recipe | str, table: DecisionTa
 def attach_quantizers(model: nn.Module, qplan: QuantPlan, within: Callable[[str], bool] | None = None) -> None:
     """Attach ``qplan``'s quantizers to the modules ``within`` holds (default: all), their weights loaded:
     a weight's amax is taken from it here. Layer by layer, each part is attached once."""
-    info = model.modelopt_k3
+    info = qplan.load
     spec: ModelSpec = info.spec
     holds = within or (lambda name: True)
     _refuse_quantizing_nonfinite(qplan, info.nonfinite, spec)
@@ -227,7 +255,7 @@ def attach_quantizers(model: nn.Module, qplan: QuantPlan, within: Callable[[str]
 def _use_block_fp8_source(model: nn.Module, qplan: QuantPlan, name: str, module: nn.Linear) -> None:
     """Write ``name``'s weight as its block-FP8 source bytes where its format holds them (the converter's
     decision, ``block_fp8_passthrough``), recording the label either way."""
-    info = model.modelopt_k3
+    info = qplan.load
     reader = info.source()
     if qplan._dense_decodes is None:  # once per run: a layerwise run attaches layer by layer
         qplan._dense_decodes = dense_decodes(reader, info.spec.loading.dense_converters)
@@ -260,12 +288,51 @@ def calibrate_scope(qplan: QuantPlan, module: nn.Module, forward_loop: Callable[
     ``rename``: a model name -> its name inside ``module`` (None: outside); ``original``: the reverse, for
     the calibrator's labels. Both default to the identity (``module`` is the model)."""
     calibrator = calibrator or calibrator_for(qplan.recipe.algorithm)
+    calibrator.load = qplan.load if rename is None else None  # the run's load: only for the whole model
     groups = qplan.table.groups if rename is None else scoped_groups(qplan.table.groups, rename)
     calibrator.calibrate(module, forward_loop, groups)
     original = original or (lambda name: name)
     qplan.calibration.update({original(k): v for k, v in calibrator.labels.items()})
     qplan.weight_algorithms.update({original(k): v for k, v in calibrator.weight_algorithms.items()})
     qplan.rewritten |= {original(k) for k in calibrator.rewritten}  # tensors a calibrator changed (AWQ's folds)
+
+
+def quantize_planned(
+    model: nn.Module,
+    info: LoadFacts,
+    recipe: Recipe | str,
+    forward_loop: Callable[[nn.Module], None] | None = None,
+    *,
+    table: DecisionTable | None = None,
+    verbose: bool = True,
+) -> QuantPlan:
+    """The quantize stage: attach quantizers per ``recipe`` to ``model`` as ``info`` loaded it, calibrate with
+    ``forward_loop`` (the calibrator ``recipe.algorithm`` names, quant/calibrators); returns the plan the
+    export and the report take. ``table``: the run's decision table for ``recipe`` (``RunPlan.table``), else
+    the load's plan's (``planned_table``): no second decision."""
+    qplan = start_quantization(model, info, recipe, table)
+    calibrator = calibrator_for(qplan.recipe.algorithm)  # its options checked before any quantizer is attached
+    attach_quantizers(model, qplan)
+    calibrate_scope(qplan, model, forward_loop, calibrator=calibrator)
+    if verbose and info.plan.rank == 0:
+        print(qplan.summary())
+    return qplan
+
+
+def loaded_facts(model: nn.Module) -> LoadFacts:
+    """The load a library call takes off a model ``load_pretrained`` returned (``model.modelopt_k3``)."""
+    info = getattr(model, "modelopt_k3", None)
+    if info is None:
+        raise ValueError("quantize expects a model from modelopt_k3.load_pretrained (it needs the spec and plan)")
+    return info
+
+
+def quantized_plan(model: nn.Module, what: str) -> QuantPlan:
+    """The plan a library call (``export_checkpoint``, ``report``) takes off a model ``quantize`` returned."""
+    qplan = getattr(model, "modelopt_k3_quant", None)
+    if getattr(model, "modelopt_k3", None) is None or qplan is None:
+        raise ValueError(f"{what} expects a model from load_pretrained that went through quantize")
+    return qplan
 
 
 def quantize(
@@ -277,18 +344,16 @@ def quantize(
     table: DecisionTable | None = None,
 ) -> nn.Module:
     """Attach quantizers per ``recipe``, calibrate with ``forward_loop`` (the calibrator ``recipe.algorithm``
-    names, quant/calibrators), return ``model``.
+    names, quant/calibrators), return ``model``: the library's ``quantize_planned`` on the load
+    ``load_pretrained`` left on the model, with the plan left on it for ``export_checkpoint`` and ``report``.
 
     ``forward_loop(model)`` runs this rank's share of the calibration data through the model; it may
     be None when the recipe needs no activation statistics (constant ``input_amax`` or weight-only).
-    ``table``: the run's decision table for ``recipe`` (``RunPlan.table``; hf_ptq), else the load's plan's
+    ``table``: the run's decision table for ``recipe`` (``RunPlan.table``), else the load's plan's
     (``planned_table``): no second decision.
     """
-    qplan = start_quantization(model, recipe, table)
-    calibrator = calibrator_for(qplan.recipe.algorithm)  # its options checked before any quantizer is attached
-    attach_quantizers(model, qplan)
-    calibrate_scope(qplan, model, forward_loop, calibrator=calibrator)
-    model.modelopt_k3_quant = qplan
-    if verbose and model.modelopt_k3.plan.rank == 0:
-        print(qplan.summary())
+    info = loaded_facts(model)
+    if getattr(model, "modelopt_k3_quant", None) is not None:
+        raise ValueError("this model is already quantized")
+    model.modelopt_k3_quant = quantize_planned(model, info, recipe, forward_loop, table=table, verbose=verbose)
     return model

@@ -1,8 +1,9 @@
 """The quantization report: what quantization did to each module, layer and expert, and which experts
 calibration reached (``report.json``, ``report.md``, PNG plots). See docs/REPORT.md.
 
-``report(model, out_dir, ...)`` runs on every rank of a quantized model; each rank summarises what it
-owns (``collect.py``), rank 0 merges and writes. The numbers are pure functions (``stats.py``); the
+``report_planned(model, qplan, out_dir, group=...)`` runs on every rank of a quantized model; each rank
+summarises what it owns (``collect.py``), rank 0 merges and writes. ``report(model, out_dir, ...)`` is the
+library's convenience over it (the plan ``quantize`` left on the model, the current run group). The numbers are pure functions (``stats.py``); the
 files come from the JSON alone (``render.py``), so ``modelopt-k3-report`` re-renders them.
 Imports are lazy: the report sits above ``quant/``, whose modules it imports only when it runs.
 """
@@ -44,23 +45,44 @@ def report(
     Returns the report's data on rank 0, None on the other ranks.
     """
     from ..dist.group import current_group
+    from ..quant.api import quantized_plan
+
+    return report_planned(model, quantized_plan(model, "report"), out_dir, group=current_group(),
+                          held_out=held_out, fidelity=fidelity, coverage=coverage, min_expert_tokens=min_expert_tokens,
+                          uncovered_experts=uncovered_experts, run=run, weights=weights)
+
+
+def report_planned(
+    model,
+    qplan,
+    out_dir: str | Path | None,
+    *,
+    group,
+    held_out: list | None = None,
+    fidelity=None,
+    coverage=None,
+    min_expert_tokens: int = 1,
+    uncovered_experts: str = "refuse",
+    run: dict[str, Any] | None = None,
+    weights: dict[str, list] | None = None,
+) -> dict[str, Any] | None:
+    """The report stage: ``report``'s work on ``model`` quantized per ``qplan`` (the ``QuantPlan``, which holds
+    the load), every rank of ``group``; the arguments as ``report``'s."""
     from ..quant.coverage import expert_coverage, uncovered_explanation
     from ..quant.evaluate import evaluate_fidelity
     from . import build, collect
 
-    info, qplan = model.modelopt_k3, getattr(model, "modelopt_k3_quant", None)
-    if qplan is None:
-        raise ValueError("report expects a model that went through modelopt_k3.quantize")
+    info = qplan.load
     if coverage is None:
         coverage = expert_coverage(model, info.spec)
     # Weights first: under FSDP2 a fake-quant forward leaves MXFP4-sourced experts' scales unusable for
     # indexing by module row (seen in the fsdp2 hf_ptq test; not root-caused), so nothing reads them after it.
-    summary = collect.rank_summary(model, weights)
+    summary = collect.rank_summary(model, qplan, group, weights)
     if fidelity is None and held_out:
-        fidelity = evaluate_fidelity(model, held_out, info.plan.device)
+        fidelity = evaluate_fidelity(model, info.spec.decoder_layers(model), held_out, info.plan.device)
     summary["activations"] = collect.activation_counts(model)  # with the held-out pass's counts
-    parts = collect.gather_to_main(summary)
-    if not current_group().is_main:
+    parts = collect.gather_to_main(summary, group)
+    if not group.is_main:
         return None
     inputs = collect.input_settings(model)
     counts = collect.sum_counts([p["activations"] for p in parts])
@@ -69,7 +91,7 @@ def report(
     data = {
         "schema": build.SCHEMA, "version": build.VERSION,
         "run": {"checkpoint": str(info.checkpoint), "recipe": qplan.recipe.name,
-                "world_size": current_group().world_size, "plan": re.sub(r" rank=\d+", "", info.plan.describe()),
+                "world_size": group.world_size, "plan": re.sub(r" rank=\d+", "", info.plan.describe()),
                 "held_out_sequences": None, **(run or {})},
         "modules": build.dense_modules([r for p in parts for r in p["dense"]], inputs, counts),
         "experts": build.expert_modules(collect.merge_experts([p["experts"] for p in parts]), inputs, counts,

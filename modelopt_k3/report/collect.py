@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist.fsdp import gather_to_owner, local_rows
-from ..dist.group import current_group
 from ..experts.packed import expert_weight_rows
 from ..numerics import nvfp4_dequantize
 from ..numerics.stats import WEIGHT_FIELDS, weight_rows
@@ -46,12 +45,10 @@ def _dense_row(name: str, module: nn.Module, weight: torch.Tensor, fmt) -> dict[
             "weight_scale": None if scale is None else float(scale)}
 
 
-def dense_rows(model: nn.Module, within: Callable[[str], bool] | None = None) -> list[dict[str, Any]]:
+def dense_rows(model: nn.Module, qplan, group, within: Callable[[str], bool] | None = None) -> list[dict[str, Any]]:
     """This rank's share of the quantized dense Linears (of those ``within`` holds, default all; collective under
     FSDP2: every rank joins every gather). The owner is the Linear's place among *all* of them, so a layerwise
     run's rows, taken layer by layer, are the rows each rank takes at once in a resident run."""
-    qplan = model.modelopt_k3_quant
-    group = current_group()
     modules = dict(model.named_modules())
     rows = []
     for i, name in enumerate(sorted(qplan.dense)):
@@ -150,11 +147,12 @@ def weight_algorithm(qplan, quantizer_name: str) -> str | None:
     return qplan.weight_algorithms.get(quantizer_name)
 
 
-def weight_summary(model: nn.Module, within: Callable[[str], bool] | None = None) -> dict[str, list]:
+def weight_summary(model: nn.Module, qplan, group,
+                   within: Callable[[str], bool] | None = None) -> dict[str, list]:
     """This rank's weight rows (``dense``, ``experts``) of the quantized modules ``within`` holds (default all):
     what needs the weights resident. A layerwise run takes them per layer, before the layer is released, and
     hands their concatenation to ``report`` (the merge sorts by name and expert, so the order does not matter)."""
-    info, qplan = model.modelopt_k3, model.modelopt_k3_quant
+    info = qplan.load
     spec = info.spec
     experts = []
     if info.placement.experts.writes_experts:
@@ -167,23 +165,22 @@ def weight_summary(model: nn.Module, within: Callable[[str], bool] | None = None
                 row["calibration"] = calibration_label(qplan, f"{name}.{fused[row['projection']]}")
                 row["weight_algorithm"] = weight_algorithm(qplan, f"{name}.{fused[row['projection']]}")
                 experts.append(row)
-    return {"dense": dense_rows(model, within), "experts": experts}
+    return {"dense": dense_rows(model, qplan, group, within), "experts": experts}
 
 
-def rank_summary(model: nn.Module, weights: dict[str, list] | None = None) -> dict[str, Any]:
+def rank_summary(model: nn.Module, qplan, group, weights: dict[str, list] | None = None) -> dict[str, Any]:
     """What this rank contributes to the report (call on every rank: dense rows may gather under FSDP2);
     ``weights``: ``weight_summary``'s rows already taken (a layerwise run, whose weights are released)."""
-    spec = model.modelopt_k3.spec
-    weights = weight_summary(model) if weights is None else weights
+    spec = qplan.load.spec
+    weights = weight_summary(model, qplan, group) if weights is None else weights
     routed = {name: m.token_counter.routed.tolist() for name, m in spec.experts_modules(model).items()
               if hasattr(m, "token_counter")}
-    return {"rank": current_group().rank, "dense": weights["dense"], "experts": weights["experts"],
+    return {"rank": group.rank, "dense": weights["dense"], "experts": weights["experts"],
             "activations": activation_counts(model), "routed": routed}
 
 
-def gather_to_main(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere); pickled, so keep it small."""
-    group = current_group()
+def gather_to_main(obj: Any, group) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 of ``group`` (None elsewhere); pickled, so keep it small."""
     if group.world_size == 1:
         return [obj]
     out = [None] * group.world_size if group.is_main else None

@@ -64,13 +64,14 @@ def test_hf_ptq_guard_passes_min_expert_tokens_on(monkeypatch):
 
     layer = _layer([5, 2, 8, 7])
     monkeypatch.setattr(coverage, "expert_coverage", lambda model, spec, within=None: [layer])
-    model = types.SimpleNamespace(modelopt_k3=types.SimpleNamespace(spec=None))
+    model = types.SimpleNamespace()
     said = []
     args = argparse.Namespace(min_expert_tokens=4, uncovered_experts="shared")
-    assert hf_ptq._coverage_guard(args, model, said.append) == [layer]
+    assert hf_ptq._coverage_guard(args, model, None, said.append) == [layer]
     assert len(said) == 1 and "experts [1] got fewer than 4" in said[0]
     with pytest.raises(CoverageError, match=r"experts \[1\]"):
-        hf_ptq._coverage_guard(argparse.Namespace(min_expert_tokens=4, uncovered_experts="refuse"), model, said.append)
+        hf_ptq._coverage_guard(argparse.Namespace(min_expert_tokens=4, uncovered_experts="refuse"), model, None,
+                               said.append)
 
 
 def test_tokens_are_counted_only_while_the_layers_input_quantizers_calibrate():

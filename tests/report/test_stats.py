@@ -106,13 +106,6 @@ class _TwoForwards(torch.nn.Module):
         self.logits = [original, quantized]
         self.calls = 0
 
-        class _Spec:
-            @staticmethod
-            def decoder_layers(model):
-                return {}
-
-        self.modelopt_k3 = type("Bound", (), {"spec": _Spec()})()
-
     def forward(self, input_ids, use_cache=False):
         out = self.logits[self.calls % 2]
         self.calls += 1
@@ -124,5 +117,5 @@ def test_evaluate_fidelity_compares_the_original_pass_against_the_quantized_one(
 
     ref = torch.tensor([[P_ORIGINAL]]).log()
     quant = torch.tensor([[Q_QUANTIZED]]).log()
-    fid = evaluate_fidelity(_TwoForwards(ref, quant), [torch.zeros(1, 1, dtype=torch.long)], torch.device("cpu"))
+    fid = evaluate_fidelity(_TwoForwards(ref, quant), {}, [torch.zeros(1, 1, dtype=torch.long)], torch.device("cpu"))
     assert fid.kl == pytest.approx(_kl(P_ORIGINAL, Q_QUANTIZED), rel=1e-6) and fid.tokens == 1

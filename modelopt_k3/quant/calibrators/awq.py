@@ -310,8 +310,7 @@ class AwqCalibrator(Calibrator):
     # ------------------------------------------------------------------ which groups are smoothed
 
     def _groups(self, model: nn.Module, norms: dict[str, _Norm]) -> list[_Group]:
-        info = model.modelopt_k3
-        with info.source() as reader:
+        with self.load.source() as reader:
             stored = set(reader.names())
         groups = []
         for n in norms.values():
@@ -386,12 +385,11 @@ class AwqCalibrator(Calibrator):
                                  f"to {MAX_EXACT_TOKENS}: calibrate on fewer tokens")
             gr.mean = limbs_to_sum(limbs) / tokens
 
-    @staticmethod
-    def _weight_means(model: nn.Module, groups: list[_Group]) -> None:
+    def _weight_means(self, groups: list[_Group]) -> None:
         """Each group's ``mean|w~|`` (duo scaling): block-relative row sums of its dense members (whole on every
         rank) plus its routed experts', gathered over the EP group in global expert order and summed in that
         order, so every rank and one process add the same numbers in the same order."""
-        placement = model.modelopt_k3.placement.experts
+        placement = self.load.placement.experts
         for gr in groups:
             total, rows = None, 0
             for mem in gr.members:
@@ -537,14 +535,14 @@ class AwqCalibrator(Calibrator):
                   groups: dict[str, tuple[str, ...]]) -> None:
         if forward_loop is None:
             raise ValueError("algorithm awq needs calibration data (a forward_loop)")
-        if getattr(model, "modelopt_k3", None) is None:
+        if self.load is None:  # a part of the model (a layerwise layer) or a bare module
             raise ValueError("algorithm awq under layerwise is not built (the folded norms of a layer would be "
                              "written before the export knew them): calibrate resident")
         candidates = self.config.candidates()
         found = self._groups(model, self._observe(model, forward_loop))
         self._reduce_means(found)
         if self.config.duo_scaling:
-            self._weight_means(model, found)
+            self._weight_means(found)
         self._losses(model, forward_loop, found, candidates)
         chosen: set[str] = set()
         for gr in found:
@@ -568,6 +566,7 @@ class AwqCalibrator(Calibrator):
             for norm, (_, what) in self.smoothing.items():
                 log.info("awq %s: %s", norm, what)
         then = calibrator_for(self.config.then_algorithm())
+        then.load = self.load
         then.calibrate(model, forward_loop, groups)
         self._merge(then, chosen)
 

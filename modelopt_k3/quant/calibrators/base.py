@@ -95,7 +95,8 @@ class Calibrator:
     ``weight_algorithms``: weight quantizer name -> which of ``weight_algorithm_names()`` produced its scales
     (the report's ``weight_algorithm``), filled by max's finalize and overwritten where a search ran.
     ``rewritten``: source tensors (norm and router weights) whose value in the model the calibration changed
-    (``awq``'s fold): the export writes the model's value, in the source dtype, where it would copy the source."""
+    (``awq``'s fold): the export writes the model's value, in the source dtype, where it would copy the source.
+    ``load``: the run's load when the whole model is calibrated (see ``__init__``)."""
 
     config_type: ClassVar[type[AlgorithmConfig]]
 
@@ -107,6 +108,10 @@ class Calibrator:
         self.labels: dict[str, str] = {}
         self.weight_algorithms: dict[str, str] = {}
         self.rewritten: set[str] = set()
+        # The run's load (``quant.api.LoadFacts``: spec, placement, source reader) when the scope calibrated is
+        # the whole loaded model (``calibrate_scope`` sets it); None for a part of it (a layerwise layer) or a
+        # bare module. Handlers read the run from here, never off the model.
+        self.load = None
 
     def observe(self, model: nn.Module, forward_loop: ForwardLoop | None) -> None:
         raise NotImplementedError

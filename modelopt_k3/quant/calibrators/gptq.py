@@ -106,11 +106,10 @@ class _Target:
     cross_reduced: torch.Tensor | None = None
 
 
-def _decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The decoder layers by name (a resident model with a spec); else none (the whole module is one scope)."""
-    info = getattr(model, "modelopt_k3", None)
-    spec = getattr(info, "spec", None)
-    return {} if spec is None else dict(spec.decoder_layers(model))
+def _decoder_layers(model: nn.Module, load) -> dict[str, nn.Module]:
+    """The decoder layers by name (the whole loaded model: ``load``, the run's, names them); else none (the
+    module calibrated, a layerwise layer or a bare module, is one scope)."""
+    return {} if load is None else dict(load.spec.decoder_layers(model))
 
 
 class _Stages:
@@ -441,7 +440,7 @@ class GptqCalibrator(MaxCalibrator):
             for t in targets:
                 self._update(t)
             return
-        layers = _decoder_layers(model)
+        layers = _decoder_layers(model, self.load)
         stages = _Stages([f"{n}." for n in layers])
         self._collect(model, forward_loop, targets, 0, stages)  # stage 0's Hessians; the stages found on the way
         # Stages are numbered at a target's first call, before its sums: pass 0 took exactly stage 0's.

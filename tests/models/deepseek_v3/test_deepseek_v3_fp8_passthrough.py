@@ -115,10 +115,11 @@ def test_kept_linears_are_written_as_the_source_bytes(fp8_ckpt: Path, model_path
 def test_the_report_rows_say_passthrough(model_path) -> None:
     """The quantization report's dense rows: passed-through Linears labelled so (lossless_cast), lm_head's says why
     it is requantized."""
+    from modelopt_k3.dist.group import current_group
     from modelopt_k3.report.collect import dense_rows
 
     model, _, _ = model_path
-    rows = {r["name"]: r for r in dense_rows(model)}
+    rows = {r["name"]: r for r in dense_rows(model, model.modelopt_k3_quant, current_group())}
     for name in KEPT:
         assert (rows[name]["calibration"], rows[name]["weight_algorithm"]) == (PASSTHROUGH, "lossless_cast"), name
     assert rows["lm_head"]["calibration"].startswith("max (requantized:") and rows["lm_head"]["weight_algorithm"] == "max"
