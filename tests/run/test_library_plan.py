@@ -251,3 +251,76 @@ def test_no_stage_reads_run_settings_from_the_environment():
                     isinstance(node.value, ast.Name) and node.value.id == "os":
                 readers.add(rel)
     assert readers <= PROCESS_ENV, sorted(readers - PROCESS_ENV)
+
+
+# The only functions that read a run's load or quantization plan off the model: the library's conveniences.
+MODEL_ATTRIBUTE_READERS = {("quant/api.py", "loaded_facts"), ("quant/api.py", "quantized_plan"),
+                           ("quant/api.py", "quantize")}
+
+
+def _model_attribute_reads(tree: ast.AST) -> set[str]:
+    """The functions (innermost enclosing name) of ``tree`` that read ``.modelopt_k3``/``.modelopt_k3_quant``,
+    as an attribute or through ``getattr(x, "...")``."""
+    found = set()
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where = node.name
+        reads = (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                 and node.attr in ("modelopt_k3", "modelopt_k3_quant")) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+            and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in ("modelopt_k3", "modelopt_k3_quant"))
+        if reads:
+            found.add(where)
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_no_stage_reads_the_run_off_the_model():
+    """Load, quantize, export, report and the calibrators take the load and the quantization plan as arguments;
+    only the library's conveniences take them off the model ``load_pretrained``/``quantize`` returned."""
+    readers = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if "remote_code" in path.parts:
+            continue
+        readers |= {(rel, fn) for fn in _model_attribute_reads(ast.parse(path.read_text()))}
+    assert readers == MODEL_ATTRIBUTE_READERS, sorted(readers ^ MODEL_ATTRIBUTE_READERS)
+    planted = ast.parse("def stage(model):\n    return getattr(model, 'modelopt_k3_quant', None)\n")
+    assert _model_attribute_reads(planted) == {"stage"}  # the scan sees a getattr read
+
+
+def test_the_stages_need_nothing_on_the_model(tiny_ckpt, tmp_path):
+    """hf_ptq's stages on a model stripped of what the library leaves on it (``modelopt_k3``): the load's result,
+    then the quantize stage's, passed on, give the library path's export byte for byte and its report."""
+    from modelopt_k3.dist.group import current_group
+    from modelopt_k3.export.model_export import export_planned
+    from modelopt_k3.load import load_planned
+    from modelopt_k3.quant.api import quantize_planned
+    from modelopt_k3.report import report_planned
+    from _exports import read_export
+
+    lib = modelopt_k3.load_pretrained(tiny_ckpt, trust_remote_code=True, progress=False)
+    run = lib.modelopt_k3.run
+    modelopt_k3.quantize(lib, run.recipe, _forward, verbose=False)
+    want = modelopt_k3.export_checkpoint(lib, tmp_path / "library", progress=False)
+    want_report = modelopt_k3.report(lib, None)
+
+    model, info = load_planned(run, progress=False)
+    del model.modelopt_k3
+    qplan = quantize_planned(model, info, run.recipe, _forward, table=run.table, verbose=False)
+    assert not hasattr(model, "modelopt_k3_quant") and qplan.load is info
+    group = current_group()
+    got = export_planned(model, qplan, tmp_path / "stages", export_format("modelopt"), group=group, progress=False)
+    mine, theirs = read_export(got), read_export(want)
+    assert mine.keys() == theirs.keys()
+    assert all(mine[k].dtype == theirs[k].dtype and mine[k].shape == theirs[k].shape
+               and mine[k].reshape(-1).view(torch.uint8).equal(theirs[k].reshape(-1).view(torch.uint8)) for k in mine)
+    assert (got / "config.json").read_bytes() == (want / "config.json").read_bytes()
+    assert (got / "hf_quant_config.json").read_bytes() == (want / "hf_quant_config.json").read_bytes()
+    got_report = report_planned(model, qplan, None, group=group)
+    assert got_report["modules"] == want_report["modules"] and got_report["experts"] == want_report["experts"]
