@@ -311,6 +311,14 @@ def test_every_listed_hf_ptq_command_is_in_its_page() -> None:
     assert said and [int(n) for n in said.groups()] == [len(tiny), len(ran), len(tiny) - len(ran)], said
 
 
+def test_usage_names_every_hf_ptq_flag() -> None:
+    from modelopt_k3.cli.hf_ptq import build_parser
+
+    usage = (REPO / "docs/USAGE.md").read_text()
+    flags = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert [f for f in flags if not re.search(rf"`{f}[` ]", usage)] == []
+
+
 def test_a_wrong_command_fails() -> None:
     page = "\n".join(["```bash", "python examples/hf_ptq.py --qformat nvfp4 --calib_sz 8", "```",
                       "```bash", "python examples/hf_ptq.py --qformat nvfp4x", "```",
