@@ -276,6 +276,14 @@ def test_every_marked_block_says_why() -> None:
             assert block.marker is None or block.marker[1], f"{page}:{block.line}"
 
 
+def test_every_command_block_is_a_bash_block() -> None:
+    # An unlabelled block of commands would be neither run nor parsed.
+    commandlike = re.compile(rf"^(?:torchrun|python|pip|{'|'.join(SCRIPTS)})\b", re.M)
+    unlabelled = [f"{page}:{b.line}" for page in USER_PAGES for b in blocks(page)
+                  if b.lang not in ("bash", "python") and commandlike.search(b.text)]
+    assert not unlabelled, unlabelled
+
+
 def test_every_command_not_run_says_why() -> None:
     unmarked = [c for page in USER_PAGES for c in unmarked_real(page)]
     assert not unmarked, f"say why with '# needs: ...' (a real checkpoint, GPUs, an engine): {unmarked}"
