@@ -57,6 +57,8 @@ USER_PAGES = ["README.md", *(f"docs/{p}.md" for p in (
 LINKED_PAGES = [*USER_PAGES, "docs/DESIGN_NOTES.md", "docs/ENGINE_CONFORMANCE.md", "docs/MUTATION.md",
                 "benchmarks/README.md", *(str(p.relative_to(REPO)) for p in sorted((REPO / "docs/decisions").glob("*.md")))]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|fragment):\s*(\S.*?)\s*-->")
+# Above an output the page shows: the command (its start) whose run prints every row of the table that follows.
+OUTPUT = re.compile(r"<!--\s*docs-test:\s*output of:\s*(\S.*?)\s*-->")
 # What this machine cannot have: a command naming one of these must say why it is not run (``# needs: ...``).
 REAL = re.compile(r"/ckpts/|\.\.\.|(?<![\w/.-])(?:CKPT|OUT|DIR|SRC|DST|EXPORT|RECIPE|R|W)(?![\w/.-])|"
                   r"^(?:vllm|trtllm-serve)\b|sglang\.launch_server")
@@ -211,6 +213,17 @@ def classify(page: str, text: str | None = None) -> list[Item]:
     return out
 
 
+def shown_outputs(page: str) -> list[tuple[int, str, list[str]]]:
+    """(line, command start, table rows) for every output ``page`` shows under a ``docs-test: output of:`` mark."""
+    out, lines = [], (REPO / page).read_text().splitlines()
+    for n, line in enumerate(lines):
+        if m := OUTPUT.search(line):
+            first = next(k for k in range(n + 1, len(lines)) if lines[k].startswith("|"))
+            last = next((k for k in range(first, len(lines)) if not lines[k].startswith("|")), len(lines))
+            out.append((n + 1, m[1], lines[first:last]))
+    return out
+
+
 def unmarked_real(page: str, text: str | None = None) -> list[str]:
     """Commands naming what this machine cannot have, without the page's ``# needs:`` reason."""
     return [f"{page}:{c.block.line}: {c.text!r}" for b in blocks(page, text) if b.lang == "bash" and not b.marker
@@ -319,6 +332,13 @@ def test_every_listed_hf_ptq_command_is_in_its_page() -> None:
     assert said and [int(n) for n in said.groups()] == [len(tiny), len(ran), len(tiny) - len(ran)], said
 
 
+def test_every_shown_output_is_of_a_command_that_runs() -> None:
+    shown = [(page, line, start) for page in USER_PAGES for line, start, rows in shown_outputs(page) if rows]
+    assert shown, "MEMORY.md shows the tiny plan's table"
+    for page, line, start in shown:
+        assert any(i.how == "run" and i.text.startswith(start) for i in classify(page)), f"{page}:{line}: {start!r}"
+
+
 def test_usage_names_every_hf_ptq_flag() -> None:
     from modelopt_k3.cli.hf_ptq import build_parser
 
@@ -377,7 +397,7 @@ def test_every_runnable_command_runs(page: str, tmp_path: Path, tiny_cache: str)
         (tmp_path / name).symlink_to(REPO / name)
     env = {**os.environ, "MODELOPT_K3_CACHE": tiny_cache, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    ran = 0
+    ran, printed = 0, {}
     for item in classify(page):
         # torchrun's --master_port default (29500) would collide with any other run on this machine.
         run_env = {**env, "PET_MASTER_PORT": str(free_port())}
@@ -390,6 +410,10 @@ def test_every_runnable_command_runs(page: str, tmp_path: Path, tiny_cache: str)
         proc = subprocess.run(argv, cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == item.exit, (f"{page}:{item.block.line}: {item.text[:200]!r} exited "
                                               f"{proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        printed[item.text] = proc.stdout.splitlines()
         ran += 1
+    for line, start, rows in shown_outputs(page):
+        stdout = next(out for text, out in printed.items() if text.startswith(start))
+        assert [r for r in rows if r not in stdout] == [], f"{page}:{line}: not what {start!r} prints now"
     if page in ("docs/MODELS.md", "docs/MEMORY.md", "docs/USAGE.md", "README.md"):
         assert ran, f"{page}: its tiny-model commands ran"
