@@ -24,11 +24,11 @@ A command is a line of a ``bash`` block (continuations joined). How it is treate
   linked into it, as run from the repository root; ``MODELOPT_K3_CACHE``, the embedded tiny Kimi-K3's cache,
   shared by the pages). Each must exit 0, or the status an inline ``# exit N: WHY`` states.
 
-Every command naming one of this project's command lines (``examples/hf_ptq.py``, a ``modelopt-k3-*`` script,
-``-m modelopt_k3.cli.*``), run or not, goes through that command line's own parser (hf_ptq's through
-``PtqConfig`` too; its ``--qformat`` must be a preset), every repository path it names must exist and its
-``--recipe`` must resolve: a flag the CLI does not have, a bad value or a wrong path fails the fast test
-``test_every_command_parses`` whether or not the command runs.
+Every command, run or not, is checked without running it too (the fast ``test_every_command_parses``): each of
+this project's command lines it calls (``examples/hf_ptq.py``, a ``modelopt-k3-*`` script, ``-m
+modelopt_k3.cli.*``) goes through that command line's own parser (hf_ptq's through ``PtqConfig`` too), its
+``--qformat`` must be a preset and its ``--recipe`` resolve, and every repository path it names must exist: a
+flag the CLI does not have, a bad value or a wrong path fails whether or not the command runs.
 
 ``python`` blocks run as scripts in the page's scratch directory. A block preceded by
 ``<!-- docs-test: skip: REASON -->`` (or ``fragment: REASON`` for Python) is not run; the reason is required.
@@ -132,9 +132,10 @@ def commands(block: Block) -> list[Command]:
             needs = None  # a mark covers the commands under it up to the next blank line
             continue
         if line.startswith("#"):
-            needs = (m := NEEDS.search(line)) and m[1] or needs
+            if m := NEEDS.search(line):
+                needs = m[1]
             continue
-        command, _, comment = _split_comment(line)
+        command, comment = _split_comment(line)
         mark = NEEDS.search(comment)
         expect = EXPECT.search(comment)
         out.append(Command(re.sub(r"\s+", " ", command), block, mark[1] if mark else needs,
@@ -142,10 +143,10 @@ def commands(block: Block) -> list[Command]:
     return out
 
 
-def _split_comment(line: str) -> tuple[str, str, str]:
-    """``line`` as (command, "#", inline comment): an inline comment is two spaces or more, then ``#``."""
+def _split_comment(line: str) -> tuple[str, str]:
+    """``line`` as (command, inline comment): an inline comment is two spaces or more, then ``#``."""
     m = re.match(r"^(.*?)\s{2,}(#.*)$", line)
-    return (m[1], "#", m[2]) if m else (line, "", "")
+    return (m[1], m[2]) if m else (line, "")
 
 
 def cli_calls(command: str) -> Iterator[tuple[str, list[str]]]:
@@ -245,18 +246,16 @@ def parse_problems(command: str) -> list[str]:
             continue
         if module == HF_PTQ_MODULE:
             PtqConfig.from_namespace(ns)
-            if ns.recipe is None and ns.qformat not in qformat_names():
-                problems.append(f"--qformat {ns.qformat} is no preset")
-        recipe = getattr(ns, "recipe", None)
+        recipe, qformat = getattr(ns, "recipe", None), getattr(ns, "qformat", None)
+        if recipe is None and qformat is not None and qformat not in qformat_names():
+            problems.append(f"--qformat {qformat} is no preset")
         if recipe and not re.fullmatch(r"[A-Z_]+", str(recipe)):
             try:
                 RecipeRoots.current().find_recipe(REPO / recipe if (REPO / recipe).is_file() else recipe)
             except RecipeError as e:
                 problems.append(str(e).split(":")[0])
-        problems += [f"no {w} in the repository" for w in args
-                     if w.split("/")[0] in REPO_DIRS and "/" in w and not (REPO / w).exists()]
-    if HF_PTQ in command.split() and not (REPO / HF_PTQ).is_file():
-        problems.append(f"no {HF_PTQ}")
+    problems += [f"no {w} in the repository" for w in shlex.split(command.replace("&&", " "))
+                 if w.split("/")[0] in REPO_DIRS and "/" in w and not (REPO / w).exists()]
     return problems
 
 
@@ -352,15 +351,16 @@ def test_a_wrong_command_fails() -> None:
                       "```bash", "python examples/hf_ptq.py --qformat nvfp4x", "```",
                       "```bash", "python examples/hf_ptq.py --recipe recipes/presets/nvfp4x.yaml", "```",
                       "```bash", "modelopt-k3-plan --pyt_ckpt_path tiny-k3 --world_size two", "```",
+                      "```bash", "torchrun --nproc_per_node 2 examples/hf_ptqx.py --qformat nvfp4", "```",
                       "```bash", "torchrun --nproc_per_node 8 examples/hf_ptq.py --pyt_ckpt_path /ckpts/Kimi-K3", "```",
                       "```bash", "python examples/hf_ptq.py --recipe recipes/presets/nvfp4.yaml", "```"])
     items = classify("wrong.md", page)
-    assert [bool(parse_problems(i.text)) for i in items] == [True, True, True, True, False, False]
-    assert unmarked_real("wrong.md", page) == ["wrong.md:13: 'torchrun --nproc_per_node 8 examples/hf_ptq.py "
+    assert [bool(parse_problems(i.text)) for i in items] == [True, True, True, True, True, False, False]
+    assert unmarked_real("wrong.md", page) == ["wrong.md:16: 'torchrun --nproc_per_node 8 examples/hf_ptq.py "
                                                "--pyt_ckpt_path /ckpts/Kimi-K3'"]
     marked = page.replace("torchrun", "# needs: the real checkpoint and 8 GPUs\ntorchrun")
     assert not unmarked_real("wrong.md", marked)
-    assert [i.how for i in classify("wrong.md", marked)][4] == "needs"
+    assert [i.how for i in classify("wrong.md", marked)][5] == "needs"
 
 
 def test_the_classification_is_the_rule_the_docstring_states() -> None:
