@@ -106,15 +106,17 @@ class AwqConfig(AlgorithmConfig):
     alpha_step: float = 0.1
     duo_scaling: bool = False
     then: str = "max"
-    linear_folds: bool = True  # also v -> o_proj and up -> down_proj (awq_folds.py)
+    fold_up_down: bool = True  # also up -> down_proj, dense and per routed expert (awq_folds.py)
+    fold_v_o: bool = False  # also v -> o_proj: off, it raised layer 0's held-out error (docs/decisions/0030)
 
     def check(self) -> None:
         if not 0.0 < self.alpha_step <= 1.0:
             raise AlgorithmError(f"algorithm awq: alpha_step must be in (0, 1], got {self.alpha_step}")
         if not isinstance(self.duo_scaling, bool):
             raise AlgorithmError(f"algorithm awq: duo_scaling must be true or false, got {self.duo_scaling!r}")
-        if not isinstance(self.linear_folds, bool):
-            raise AlgorithmError(f"algorithm awq: linear_folds must be true or false, got {self.linear_folds!r}")
+        for option in ("fold_up_down", "fold_v_o"):
+            if not isinstance(getattr(self, option), bool):
+                raise AlgorithmError(f"algorithm awq: {option} must be true or false, got {getattr(self, option)!r}")
         if self.then not in THEN:
             raise AlgorithmError(f"algorithm awq: then must be one of {list(THEN)}, got {self.then!r}")
 
@@ -572,7 +574,8 @@ class AwqCalibrator(Calibrator):
             raise ValueError("algorithm awq under layerwise is not built (the folded norms of a layer would be "
                              "written before the export knew them): calibrate resident")
         candidates = self.config.candidates()
-        finder = PairFinder(model) if self.config.linear_folds else None
+        folds = (self.config.fold_v_o, self.config.fold_up_down)
+        finder = PairFinder(model, *folds) if any(folds) else None
         found = self._groups(model, self._observe(model, forward_loop, finder))
         pairs = self._pairs(finder)
         self._reduce_means(found)

@@ -64,6 +64,7 @@ class LinearPair:
     p_module: nn.Module
     c_module: nn.Module
     experts: bool
+    across_tokens: bool  # the consumer's input at a token also reads other tokens' producer rows (v -> o)
     row_map: torch.Tensor  # [C] int64: the producer row of each consumer input channel
     limbs: torch.Tensor  # [E, LIMBS, C] float64 integer-valued |x| limb sums
     tokens: torch.Tensor  # [E] float64
@@ -143,8 +144,9 @@ class PairFinder:
     """Pass 1's share of the folds: finds the pairs on the first call of each candidate module, then sums the
     consumers' ``|x|`` limbs. ``probing`` is set while a module is re-run, so that no statistic hook counts it."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, v_o: bool, up_down: bool) -> None:
         self.model = model
+        self.v_o, self.up_down = v_o, up_down  # which kinds are folded (the others are found and said not to be)
         self.probing = False
         self.pairs: dict[str, LinearPair] = {}
         self.skipped: dict[str, str] = {}  # a module or pair -> why no fold
@@ -157,7 +159,8 @@ class PairFinder:
         for name, m in self.model.named_modules():
             state = getattr(m, "quant", None)
             if isinstance(state, ExpertsQuantState):
-                self._experts_hooks(name, m, state, stack)
+                if self.up_down:
+                    self._experts_hooks(name, m, state, stack)
             elif len(_quantized_linears(m)) >= 2 and not _holds_experts(m):
                 h = m.register_forward_pre_hook(self._discover_dense(name), with_kwargs=True)
                 stack.callback(h.remove)
@@ -181,17 +184,20 @@ class PairFinder:
                 found = self._probe_dense(mod, args, _without_caches(kwargs), linears)
             finally:
                 self.probing = False
-            for p_name, c_name, row_map in found:
+            for p_name, c_name, row_map, across in found:
                 self._add_dense(f"{parent}.{p_name}", f"{parent}.{c_name}", linears[p_name], linears[c_name],
-                                row_map)
+                                row_map, across)
         return hook
 
     @staticmethod
     def _probe_dense(mod: nn.Module, args: tuple, kwargs: dict,
-                     linears: dict[str, nn.Linear]) -> list[tuple[str, str, torch.Tensor]]:
-        """(producer, consumer, row map) of ``mod``'s Linear children: a consumer's input doubles exactly when the
-        producer's weight doubles, and the rows map one to one (``probe_row_map``)."""
-        def inputs(scaled: nn.Linear | None, c: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                     linears: dict[str, nn.Linear]) -> list[tuple[str, str, torch.Tensor, bool]]:
+        """(producer, consumer, row map, across tokens) of ``mod``'s Linear children: a consumer's input doubles
+        exactly when the producer's weight doubles, and the rows map one to one (``probe_row_map``); across
+        tokens: doubling the producer's output at the first token changes the consumer's input at others too
+        (attention: v -> o), else the pair is token-wise (the MLP's ``act(gate) * up``: up -> down)."""
+        def inputs(scaled: nn.Linear | None, c: torch.Tensor | None,
+                   first_token: nn.Linear | None = None) -> dict[str, torch.Tensor]:
             seen: dict[str, torch.Tensor] = {}
 
             def capture(n: str):
@@ -200,6 +206,8 @@ class PairFinder:
                 return hook
 
             handles = [lin.register_forward_pre_hook(capture(n), with_kwargs=True) for n, lin in linears.items()]
+            if first_token is not None:
+                handles.append(first_token.register_forward_hook(_first_token_doubled))
             try:
                 with torch.no_grad(), (_RowScaled(scaled.weight, c) if scaled is not None else ExitStack()):
                     mod.forward(*args, **kwargs)
@@ -218,11 +226,18 @@ class PairFinder:
                     continue
                 row_map = probe_row_map(lambda c, p=p, c_name=c_name: inputs(p, c).get(c_name), p.out_features)
                 if row_map is not None:
-                    found.append((p_name, c_name, row_map))
+                    moved = inputs(None, None, first_token=p)[c_name]
+                    across = not torch.equal(moved.reshape(-1, moved.shape[-1])[1:], x.reshape(-1, x.shape[-1])[1:])
+                    found.append((p_name, c_name, row_map, across))
         return found
 
-    def _add_dense(self, producer: str, consumer: str, p: nn.Linear, c: nn.Linear, row_map: torch.Tensor) -> None:
+    def _add_dense(self, producer: str, consumer: str, p: nn.Linear, c: nn.Linear, row_map: torch.Tensor,
+                   across: bool) -> None:
         why = []
+        if across and not self.v_o:
+            why.append("its input mixes tokens (attention over v: the v -> o kind), off by default (fold_v_o)")
+        elif not across and not self.up_down:
+            why.append("a token-wise (up -> down) pair, and fold_up_down is off")
         for name, lin in ((producer, p), (consumer, c)):
             if not _is_nvfp4_linear(lin):
                 why.append(f"{name} is quantized as {lin.weight_quantizer.fmt} or from source bytes (not built)")
@@ -233,7 +248,7 @@ class PairFinder:
             self.skipped[key] = "; ".join(why)
             self.quantized_consumers[key] = [consumer]
             return
-        pair = LinearPair(producer, consumer, p, c, False, row_map,
+        pair = LinearPair(producer, consumer, p, c, False, across, row_map,
                           torch.zeros(1, LIMBS, c.in_features, dtype=torch.float64),
                           torch.zeros(1, dtype=torch.float64))
         self.pairs[key] = pair
@@ -257,7 +272,7 @@ class PairFinder:
             self.quantized_consumers[key] = [consumer] if DOWN in state.weight else []
             return
         down = getattr(m, DOWN)
-        pair = LinearPair(producer, consumer, m, m, True, torch.empty(0, dtype=torch.int64),
+        pair = LinearPair(producer, consumer, m, m, True, False, torch.empty(0, dtype=torch.int64),
                           torch.zeros(m.num_experts, LIMBS, down.shape[-1], dtype=torch.float64),
                           torch.zeros(m.num_experts, dtype=torch.float64))
 
@@ -307,6 +322,12 @@ class PairFinder:
             return False
         pair.row_map = row_map
         return True
+
+
+def _first_token_doubled(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    out = out.clone()
+    out.view(-1, out.shape[-1])[0] *= 2
+    return out
 
 
 def routed_tokens(module: nn.Module, hidden: torch.Tensor, local_ids: torch.Tensor) -> dict[int, torch.Tensor]:
