@@ -101,7 +101,9 @@ class AwqConfig(AlgorithmConfig):
     method = "awq"
     weight_algorithms = ("awq", "awq_gptq")
     # duo: it beat the plain rule on the outlier stand-in (benchmarks/results/peer_calibrators.md)
-    presets = {"awq": {"duo_scaling": True}, "awq_gptq": {"duo_scaling": True, "then": "gptq"}}
+    # awq_gptq without the up -> down fold: it raised that pair's held-out KL (docs/decisions/0030-awq-v-o-up-down-folds.md)
+    presets = {"awq": {"duo_scaling": True},
+               "awq_gptq": {"duo_scaling": True, "then": "gptq", "fold_up_down": False}}
 
     alpha_step: float = 0.1
     duo_scaling: bool = False
@@ -614,14 +616,14 @@ class AwqCalibrator(Calibrator):
 
     def _pairs(self, finder: PairFinder | None) -> list[LinearPair]:
         """The v->o / up->down pairs found (by name: the same order on every rank); the skipped ones said in
-        ``smoothing`` and their consumers' labels. A routed pair whose experts saw no token here is left as is."""
+        ``smoothing`` and their consumers' labels."""
         if finder is None:
             return []
         for key, why in sorted(finder.skipped.items()):
             self.smoothing[key] = (None, f"not folded: {why}")
             for name in finder.quantized_consumers.get(key, []):
                 self.labels[name] = f"not smoothed by awq: {why}"
-        return [p for _, p in sorted(finder.pairs.items()) if p.row_map.numel()]
+        return [p for _, p in sorted(finder.pairs.items())]
 
     def _fold_pairs(self, model: nn.Module, pairs: list[LinearPair], candidates: list[Candidate],
                     chosen: dict[str, list[str]]) -> None:

@@ -51,6 +51,7 @@ from ..modules import ExpertsQuantState
 from ..schemes import NVFP4_TENSOR
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
+EXPERT_PROBE_TOKENS = 16  # rows of the fixed N(0, 1) batch an experts module's activation is probed on
 Candidate = tuple[float, bool]  # (alpha, duo), as awq.py's
 
 
@@ -271,15 +272,19 @@ class PairFinder:
             self.skipped[key] = why
             self.quantized_consumers[key] = [consumer] if DOWN in state.weight else []
             return
+        row_map = self._probe_experts(m)
+        if row_map is None:
+            self.skipped[key] = f"{type(m).__name__}.activation is no product with one {GATE_UP} row per {DOWN} " \
+                                "input channel"
+            self.quantized_consumers[key] = [consumer]
+            return
         down = getattr(m, DOWN)
-        pair = LinearPair(producer, consumer, m, m, True, False, torch.empty(0, dtype=torch.int64),
+        pair = LinearPair(producer, consumer, m, m, True, False, row_map,
                           torch.zeros(m.num_experts, LIMBS, down.shape[-1], dtype=torch.float64),
                           torch.zeros(m.num_experts, dtype=torch.float64))
 
         def hook(module, hidden, local_ids):
-            if self.probing or hidden.shape[0] == 0 or key not in self.pairs:
-                return
-            if not pair.row_map.numel() and not self._probe_experts(module, hidden, local_ids, pair, key):
+            if self.probing or hidden.shape[0] == 0:
                 return
             for e, h in routed_down_inputs(module, hidden, local_ids).items():
                 pair.limbs[e] += abs_sum_limbs(h).cpu()
@@ -303,25 +308,15 @@ class PairFinder:
             return f"{type(m).__name__} has no activation(gate_up) to probe"
         return None
 
-    def _probe_experts(self, module: nn.Module, hidden: torch.Tensor, local_ids: torch.Tensor, pair: LinearPair,
-                       key: str) -> bool:
-        """The activation's map from ``gate_up`` rows to ``down`` input channels, probed on the first routed
-        tokens' gate_up outputs (the same activation for every expert)."""
-        tokens = routed_tokens(module, hidden, local_ids)
-        if not tokens:
-            return False  # nothing routed here yet: probe on a later call
-        e, x = next(iter(tokens.items()))
+    @staticmethod
+    def _probe_experts(module: nn.Module) -> torch.Tensor | None:
+        """The activation's map from ``gate_up`` rows to ``down`` input channels, probed on a fixed random batch
+        (the same on every rank, before any token: every rank of a replica group finds the same pairs)."""
         w = getattr(module, GATE_UP)
-        y = nn.functional.linear(x.to(w.dtype), w[e])
-        row_map = probe_row_map(lambda c: module.activation(y * c.to(y.dtype)), w.shape[-2])
-        if row_map is None:
-            del self.pairs[key]
-            self.skipped[key] = f"{type(module).__name__}.activation is no product with one {GATE_UP} row per " \
-                                f"{DOWN} input channel"
-            self.quantized_consumers[key] = [pair.consumer]
-            return False
-        pair.row_map = row_map
-        return True
+        gen = torch.Generator().manual_seed(0)
+        y = torch.randn(EXPERT_PROBE_TOKENS, w.shape[-2], generator=gen).to(w.device, w.dtype)
+        with torch.no_grad():
+            return probe_row_map(lambda c: module.activation(y * c.to(y.device, y.dtype)), w.shape[-2])
 
 
 def _first_token_doubled(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -348,21 +343,53 @@ def routed_down_inputs(module: nn.Module, hidden: torch.Tensor, local_ids: torch
 
 # -------------------------------------------------------------------- after pass 1
 
-def reduce_pairs(pairs: list[LinearPair]) -> None:
-    """Dense pairs' limb sums and token counts over ranks (integer-valued: exact); routed pairs are whole on their
-    owner already."""
+def _summed(parts: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """``parts`` all-reduced (summed) over ``group`` as one buffer, each back in its shape."""
     g = current_group()
-    dense = [p for p in pairs if not p.experts]
-    if g.world_size == 1 or not dense:
+    buf = torch.cat([t.reshape(-1) for t in parts]).to(g.device)
+    dist.all_reduce(buf, group=group)
+    out, pos = [], 0
+    for t in parts:
+        out.append(buf[pos:pos + t.numel()].cpu().reshape(t.shape))
+        pos += t.numel()
+    return out
+
+
+def _replicas(pairs: list[LinearPair]):
+    """The group of ranks holding the same experts as this one (replicated expert groups), or None."""
+    routed = [p for p in pairs if p.experts]
+    replicas = routed[0].p_module.placement.replicas if routed else None
+    return replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
+
+
+def _check_same_pairs(pairs: list[LinearPair]) -> None:
+    """Every rank found the same dense pairs (a data-dependent probe could differ: a buffer mismatch would hang)."""
+    names = "\n".join(p.name for p in pairs if not p.experts)
+    digest = torch.tensor([len(names), sum(names.encode()) % (1 << 40)], dtype=torch.float64)
+    lo, hi = digest.clone().to(current_group().device), digest.clone().to(current_group().device)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=current_group().pg)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=current_group().pg)
+    if not torch.equal(lo, hi):
+        raise RuntimeError("awq: the ranks found different v->o / up->down pairs (a probe saw a zero channel on "
+                           "one rank's first batch): calibrate with fold_up_down and fold_v_o off")
+
+
+def reduce_pairs(pairs: list[LinearPair]) -> None:
+    """Limb sums and token counts over ranks (integer-valued: exact): a dense pair's over every rank, a routed
+    pair's over the ranks holding the same experts (replicated expert groups; alone on its owner otherwise)."""
+    if current_group().world_size == 1:
         return
-    buf = torch.cat([torch.cat([p.limbs.reshape(-1), p.tokens]) for p in dense]).to(g.device)
-    dist.all_reduce(buf, group=g.pg)
-    buf, pos = buf.cpu(), 0
-    for p in dense:
-        n = p.limbs.numel()
-        p.limbs = buf[pos:pos + n].reshape(p.limbs.shape)
-        p.tokens = buf[pos + n:pos + n + 1].clone()
-        pos += n + 1
+    _check_same_pairs(pairs)
+    dense = [p for p in pairs if not p.experts]
+    if dense:
+        summed = _summed([t for p in dense for t in (p.limbs, p.tokens)], current_group().pg)
+        for i, p in enumerate(dense):
+            p.limbs, p.tokens = summed[2 * i], summed[2 * i + 1]
+    routed, replicas = [p for p in pairs if p.experts], _replicas(pairs)
+    if routed and replicas is not None:
+        summed = _summed([t for p in routed for t in (p.limbs, p.tokens)], replicas)
+        for i, p in enumerate(routed):
+            p.limbs, p.tokens = summed[2 * i], summed[2 * i + 1]
 
 
 def pair_means(pair: LinearPair, duo: bool) -> None:
@@ -428,18 +455,17 @@ def loss_hooks(pair: LinearPair, plans, stack: ExitStack,
 
 
 def reduce_losses(pairs: list[LinearPair]) -> None:
-    """Dense pairs' loss sums over ranks (routed experts' are their owner's)."""
-    g = current_group()
-    dense = [p for p in pairs if not p.experts]
-    if g.world_size == 1 or not dense:
+    """Loss sums over ranks: a dense pair's over every rank, a routed pair's over its experts' replicas."""
+    if current_group().world_size == 1:
         return
-    buf = torch.cat([p.losses.reshape(-1) for p in dense]).to(g.device)
-    dist.all_reduce(buf, group=g.pg)
-    buf, pos = buf.cpu(), 0
-    for p in dense:
-        n = p.losses.numel()
-        p.losses = buf[pos:pos + n].reshape(p.losses.shape)
-        pos += n
+    dense = [p for p in pairs if not p.experts]
+    if dense:
+        for p, t in zip(dense, _summed([p.losses for p in dense], current_group().pg)):
+            p.losses = t
+    routed, replicas = [p for p in pairs if p.experts], _replicas(pairs)
+    if routed and replicas is not None:
+        for p, t in zip(routed, _summed([p.losses for p in routed], replicas)):
+            p.losses = t
 
 
 @torch.no_grad()
