@@ -127,18 +127,23 @@ def _without_caches(kwargs: dict) -> dict:
 
 
 class _RowScaled:
-    """``weight``'s output rows (dim -2) times ``c`` (powers of two: exact both ways) for the block."""
+    """A Linear's output rows (its weight's rows and its bias) times ``c`` (powers of two: exact both ways)."""
 
-    def __init__(self, weight: torch.Tensor, c: torch.Tensor) -> None:
-        self.weight, self.c = weight, c.to(weight.device, weight.dtype).unsqueeze(-1)
+    def __init__(self, linear: nn.Linear, c: torch.Tensor) -> None:
+        w = linear.weight
+        self.params = [(w, c.to(w.device, w.dtype).unsqueeze(-1))]
+        if linear.bias is not None:
+            self.params.append((linear.bias, c.to(w.device, linear.bias.dtype)))
 
     def __enter__(self) -> None:
         with torch.no_grad():
-            self.weight.mul_(self.c)
+            for p, c in self.params:
+                p.mul_(c)
 
     def __exit__(self, *exc) -> None:
         with torch.no_grad():
-            self.weight.div_(self.c)
+            for p, c in self.params:
+                p.div_(c)
 
 
 class PairFinder:
@@ -186,8 +191,8 @@ class PairFinder:
             finally:
                 self.probing = False
             for p_name, c_name, row_map, across in found:
-                self._add_dense(f"{parent}.{p_name}", f"{parent}.{c_name}", linears[p_name], linears[c_name],
-                                row_map, across)
+                prefix = f"{parent}." if parent else ""
+                self._add_dense(prefix + p_name, prefix + c_name, linears[p_name], linears[c_name], row_map, across)
         return hook
 
     @staticmethod
@@ -210,7 +215,7 @@ class PairFinder:
             if first_token is not None:
                 handles.append(first_token.register_forward_hook(_first_token_doubled))
             try:
-                with torch.no_grad(), (_RowScaled(scaled.weight, c) if scaled is not None else ExitStack()):
+                with torch.no_grad(), (_RowScaled(scaled, c) if scaled is not None else ExitStack()):
                     mod.forward(*args, **kwargs)
             finally:
                 for h in handles:
