@@ -21,8 +21,13 @@ the normalisation that produces the input and ``s`` into every weight that reads
   reader (the lossless cast must stay the source's bytes), a block-FP8 pass-through or non-NVFP4 quantized reader,
   an FSDP2-sharded weight, a reader that takes only part of the output or cannot take the scales, a norm that is
   not a plain scale or is not a source tensor the export can rewrite. ``alpha = 0`` (no smoothing beat none) folds
-  nothing. The o_proj and down_proj inputs (after attention, after the activation) are not smoothed: their
-  producers are no norm (the v->o and up->down folds are not built).
+  nothing.
+- the down_proj and o_proj inputs (after the activation, after attention) read no norm: their scales go into the
+  producer's output rows (up's, v's), the pairs found by probing the forward (``awq_folds.py``). ``fold_up_down``
+  (on; off in the ``awq_gptq`` presets) folds up -> down, one ``s`` per dense MLP and PER ROUTED EXPERT;
+  ``fold_v_o`` (off) folds v -> o: it raised layer 0's held-out error on the outlier stand-in
+  (docs/decisions/0030-awq-v-o-up-down-folds.md). Their producers and consumers are quantized weights the export
+  writes from the model, so nothing is added to ``rewritten``.
 
 The loss is weight-only (inputs unquantized, weights fake-quantized with the group's shared per-tensor scale, as
 the export shares it): activation scales are calibrated after the fold, on the smoothed inputs, by ``then``.
@@ -96,7 +101,9 @@ class AwqConfig(AlgorithmConfig):
     weights' block-relative magnitude divides ``mean|x|^alpha``; numerics/awq.py), searched beside ``s = 1``;
     false: ModelOpt ``awq_lite``'s ``mean|x|^alpha``. ``then``: the weights' scales after the fold, ``max`` or
     ``gptq`` (its ``--qformat nvfp4_gptq`` preset's options): AWQ then GPTQ is the best pair of llm-compressor
-    #3001's NVFP4 comparison."""
+    #3001's NVFP4 comparison. ``fold_up_down`` / ``fold_v_o``: also smooth down_proj's input into up's output rows
+    (per dense MLP, per routed expert) / o_proj's into v's (``awq_folds.py``); the defaults and the ``awq_gptq``
+    preset's ``fold_up_down: false`` are what the peer comparison measured best (decision 0030)."""
 
     method = "awq"
     weight_algorithms = ("awq", "awq_gptq")
