@@ -211,3 +211,22 @@ def test_the_up_down_fold_skips_a_non_nvfp4_consumer_and_says_why(qwen3_moe_outl
     assert "not smoothed by awq: model.layers.1.mlp.down_proj is quantized as" in qplan.calibration[DOWNS[1]]
     assert qplan.calibration["model.layers.1.mlp.up_proj"].startswith("awq (smoothing folded into its input's norm)")
     assert qplan.weight_algorithms[DOWNS[0]] == qplan.weight_algorithms[DOWNS[2]] == "awq"
+
+
+@pytest.mark.multiprocess
+def test_replicated_expert_groups_awq_equals_one_process(qwen3_moe_outlier_ckpt, tmp_path):
+    """EP 2 on 4 ranks (two replicas of each expert block, each with its own tokens): each routed expert's up ->
+    down statistics and losses are added up over the ranks holding it, so the replicas fold one process's scales
+    and the export is one process's, byte for byte."""
+    from _mp import run_ranks
+
+    from .test_calibrators_ep import _ep_runs
+    from .test_qwen3_moe_ep import EP_ENV
+
+    recipe, out = "presets/nvfp4_default_awq", str(tmp_path / "rep")
+    results = run_ranks(4, _ep_runs, str(qwen3_moe_outlier_ckpt), [out], (recipe,), 2, timeout=900, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0] * 4, [r.traceback for r in results]
+    ours, theirs = read_export(out), read_export(quantize_and_export(qwen3_moe_outlier_ckpt, tmp_path / "one", recipe))
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
