@@ -4,7 +4,9 @@ Model: the tiny Qwen3-MoE outlier stand-in (``make_tiny_qwen3_moe(..., outliers=
 hidden 64, a few 20-100x input channels). Methods, each side at its own defaults for NVFP4 W4A4 (routers and
 ``lm_head`` BF16 on both): ``max`` (RTN), ``gptq``, ``awq``, ``awq_gptq``. Ours: ``modelopt_k3.quantize`` with
 the presets in ``OURS`` (AWQ: llm-compressor's duo scale rule, as the peer's default; the groups are ours: a norm
-and its readers, while the peer's default mappings also smooth v -> o and up -> down, which ours does not build); the peer: ``llmcompressor.oneshot`` (``benchmarks/peer_llmcompressor.py``, run by the
+and its readers, and up -> down per dense MLP and per routed expert for ``awq`` (off in ``awq_gptq``'s preset, and
+v -> o off in both: decision 0030), where the peer's default mappings smooth up -> down and, without GQA, v -> o;
+the stand-in has GQA, so the peer skips its v -> o); the peer: ``llmcompressor.oneshot`` (``benchmarks/peer_llmcompressor.py``, run by the
 peer's own interpreter, ``--llmc_python`` / ``$MODELOPT_K3_LLMC_PYTHON``: a scratch venv with
 ``llmcompressor==0.14.0.1``). Both calibrate on the same ``calibration_token_ids`` (``SEEDS``: three draws of
 16 x 32 tokens, so the noise of a calibration set is measured, not assumed) with every expert seeing every

@@ -95,3 +95,81 @@ def awq_scales(mean_abs: Tensor, alpha: float, weight_mean: Tensor | None = None
         s = (s / (weight_mean.to(s.device, torch.float64).pow(1.0 - alpha) + DUO_EPS)).clamp(min=SCALE_FLOOR)
     s = s / torch.sqrt(s.max() * s.min())
     return s.to(torch.float32)
+
+
+# ---------------------------------------------------------------------- folds into a Linear's output rows
+# AWQ's other groups read no norm: o_proj reads attention(v), down_proj reads act(gate) * up. Their smoothing
+# scales go into the producer's output rows (v's, up's) instead of a norm weight, which is exact only where each
+# consumer input channel is one producer row times a function of other rows. ``probe_row_map`` finds that map from
+# the model's own math; ``rows_of`` gives the map's per-row statistics (GQA: o channels repeat each v row).
+
+PROBE_FACTOR = 2.0  # a power of two: scaling by it and back is exact, so a probe's "doubled" is bit-exact
+
+
+def probe_row_map(probe, rows: int) -> Tensor | None:
+    """``[consumer channels]`` int64: the producer row each consumer input channel scales with, or None.
+
+    ``probe(c)`` returns the consumer's input ``[..., C]`` computed with the producer's ``rows`` output rows
+    scaled by ``c [rows]`` (powers of two). A channel ``i`` maps to row ``m(i)`` when scaling that row by 2
+    doubles channel ``i`` exactly and scaling rows other than the ones it depends on leaves it exactly as it was.
+    Each bit ``b`` of the row index is read from two probes, the rows with bit ``b`` set doubled and the rows
+    with it clear doubled: a channel that also depends non-linearly on another row (the gate of ``act(g) * u``)
+    changes otherwise in exactly one of the two, and the other tells ``m(i)``'s bit. A last probe scales every
+    mapped row by its own power of two and must scale every channel by its row's factor exactly. None: a
+    channel depends on no single row linearly (``relu(u)**2``, ``(u + 1) * ...``, attention's softmax of q/k),
+    or is zero on every probed token (undecidable)."""
+    ref = probe(torch.ones(rows, dtype=torch.float64))
+    if ref is None:
+        return None
+    ref = ref.reshape(-1, ref.shape[-1])
+    if not bool((ref != 0).any(dim=0).all()):
+        return None
+    index = torch.arange(rows)
+    bits = max(1, (rows - 1).bit_length())
+    row_map = torch.zeros(ref.shape[-1], dtype=torch.int64)
+    for b in range(bits):
+        high = ((index >> b) & 1).bool()
+        states = [_probe_states(probe, ref, mask) for mask in (high, ~high)]
+        (d1, s1), (d0, s0) = states  # doubled / unchanged, with bit b set doubled; then with bit b clear
+        one = (d1 & (s0 | ~(d0 | s0))) | (~(d1 | s1) & s0)  # bit b of m(i) set, read from the unaffected probe
+        zero = (s1 & (d0 | ~(d0 | s0))) | (~(d1 | s1) & d0)
+        if not bool((one ^ zero).all()):
+            return None
+        row_map |= one.to(torch.int64) << b
+    if int(row_map.max()) >= rows:
+        return None
+    return row_map if _verify_row_map(probe, ref, row_map, rows) else None
+
+
+def _probe_states(probe, ref: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per consumer channel: (exactly doubled, exactly unchanged) on every token, with ``mask``'s rows doubled."""
+    c = torch.where(mask, PROBE_FACTOR, 1.0).to(torch.float64)
+    y = probe(c)
+    if y is None:
+        return torch.zeros(ref.shape[-1], dtype=torch.bool), torch.zeros(ref.shape[-1], dtype=torch.bool)
+    y = y.reshape(-1, y.shape[-1])
+    return (y == ref * PROBE_FACTOR).all(dim=0), (y == ref).all(dim=0)
+
+
+def _verify_row_map(probe, ref: Tensor, row_map: Tensor, rows: int) -> bool:
+    """Every mapped row scaled by its own power of two (1/4 ... 4, by row index) scales each channel by its row's
+    factor exactly; the rows no channel maps to stay at 1."""
+    factors = torch.ones(rows, dtype=torch.float64)
+    mapped = torch.unique(row_map)
+    factors[mapped] = torch.exp2((mapped % 5 - 2).to(torch.float64))
+    factors[mapped[factors[mapped] == 1.0]] = 0.5  # every mapped row moves
+    y = probe(factors)
+    if y is None:
+        return False
+    y = y.reshape(-1, y.shape[-1])
+    return bool((y == ref * factors[row_map].to(ref.dtype)).all())
+
+
+def rows_of(per_channel: Tensor, row_map: Tensor) -> tuple[Tensor, Tensor]:
+    """``per_channel [..., C]`` float64 summed into the rows of ``row_map`` -> (``[..., R]`` sums over each mapped
+    row's channels, in channel order, ``[R]`` int64 channel counts), ``R`` the mapped rows in ascending order
+    (``torch.unique(row_map)``). Integer-valued limb sums stay exact (GQA's repeated o channels sum into one v row)."""
+    mapped, inverse = torch.unique(row_map, return_inverse=True)
+    out = torch.zeros((*per_channel.shape[:-1], len(mapped)), dtype=torch.float64, device=per_channel.device)
+    out.index_add_(-1, inverse.to(per_channel.device), per_channel.to(torch.float64))
+    return out, torch.bincount(inverse, minlength=len(mapped))

@@ -1,4 +1,5 @@
-"""AWQ's pure numerics (numerics/awq.py): the exact, split-independent ``mean|x|`` limbs, the scale rule, the grid."""
+"""AWQ's pure numerics (numerics/awq.py): the exact, split-independent ``mean|x|`` limbs, the scale rule, the grid,
+and the probe that maps a consumer's input channels to a producer's output rows (the v->o / up->down folds)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from modelopt_k3.numerics.awq import (
     alpha_grid,
     awq_scales,
     limbs_to_sum,
+    probe_row_map,
+    rows_of,
 )
 
 
@@ -96,3 +99,55 @@ def test_duo_scales_divide_by_the_weight_term_and_straddle_one():
         want = want / torch.sqrt(want.max() * want.min())
         assert torch.allclose(awq_scales(x, alpha, wm).double(), want, rtol=1e-6)
     assert not torch.equal(awq_scales(x, 0.0, wm), torch.ones(4))  # duo at alpha 0 still smooths: s ~ 1 / w
+
+
+def _probe(activation, y: torch.Tensor):
+    """``probe(c)``: ``activation`` of the producer's output ``y [tokens, rows]`` with its rows scaled by ``c``."""
+    return lambda c: activation(y * c.to(y.dtype))
+
+
+def _producer_output(rows: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(16, rows, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_probe_maps_each_up_row_of_a_gated_product_wherever_the_model_keeps_it():
+    """``act(gate) * up`` with gate and up concatenated (Qwen3's experts) or interleaved: the map is the up row of
+    each channel, whatever the layout; the gate rows are no channel's."""
+    silu = torch.nn.functional.silu
+    y = _producer_output(64)
+    chunked = probe_row_map(_probe(lambda t: silu(t[:, :32]) * t[:, 32:], y), 64)
+    assert torch.equal(chunked, torch.arange(32, 64))
+    interleaved = probe_row_map(_probe(lambda t: silu(t[:, 0::2]) * t[:, 1::2], y), 64)
+    assert torch.equal(interleaved, torch.arange(1, 64, 2))
+
+
+def test_probe_maps_gqas_repeated_channels_to_their_one_producer_row():
+    """o_proj's input repeats each v row once per query head of its kv group (here 2 kv heads of 4 dims, 3 query
+    heads each, the heads' order kv-major as transformers' repeat_kv): channel i maps to row (i // 12) * 4 + i % 4."""
+    y = _producer_output(8)
+    heads = lambda t: t.view(-1, 2, 1, 4).expand(-1, 2, 3, 4).reshape(-1, 24)  # noqa: E731
+    row_map = probe_row_map(_probe(heads, y), 8)
+    want = torch.tensor([(i // 12) * 4 + i % 4 for i in range(24)])
+    assert torch.equal(row_map, want)
+    sums, counts = rows_of(torch.arange(24, dtype=torch.float64).unsqueeze(0), row_map)
+    assert torch.equal(counts, torch.full((8,), 3))
+    assert torch.equal(sums[0], torch.stack([torch.arange(24, dtype=torch.float64)[want == r].sum() for r in range(8)]))
+
+
+@pytest.mark.parametrize("name, activation", [
+    ("relu squared (no gate: 4x, not 2x)", lambda t: torch.relu(t[:, 32:]) ** 2),
+    ("GPT-OSS's up + 1", lambda t: (t[:, 1::2] + 1) * torch.sigmoid(t[:, 0::2])),
+    ("a mix of rows", lambda t: t[:, :32] + t[:, 32:]),
+    ("softmax over rows (attention's q/k)", lambda t: torch.softmax(t, dim=-1)),
+    ("a channel that is always zero", lambda t: t[:, :32] * torch.zeros(1, 32).index_fill(1, torch.tensor([0]), 1)),
+])
+def test_probe_refuses_what_is_not_one_row_times_a_function_of_others(name, activation):
+    assert probe_row_map(_probe(activation, _producer_output(64)), 64) is None, name
+
+
+def test_probe_refuses_a_map_that_breaks_under_the_final_mixed_probe():
+    """A clamp the doubling probes never reach but the 4x of the final probe does: refused, not folded."""
+    y = _producer_output(64).float().clamp(-1, 1)
+    clamped = lambda t: torch.nn.functional.silu(t[:, :32]) * t[:, 32:].clamp(-3.0, 3.0)  # noqa: E731
+    assert probe_row_map(_probe(clamped, y), 64) is None
+    assert probe_row_map(_probe(lambda t: torch.nn.functional.silu(t[:, :32]) * t[:, 32:], y), 64) is not None

@@ -21,8 +21,13 @@ the normalisation that produces the input and ``s`` into every weight that reads
   reader (the lossless cast must stay the source's bytes), a block-FP8 pass-through or non-NVFP4 quantized reader,
   an FSDP2-sharded weight, a reader that takes only part of the output or cannot take the scales, a norm that is
   not a plain scale or is not a source tensor the export can rewrite. ``alpha = 0`` (no smoothing beat none) folds
-  nothing. The o_proj and down_proj inputs (after attention, after the activation) are not smoothed: their
-  producers are no norm (the v->o and up->down folds are not built).
+  nothing.
+- the down_proj and o_proj inputs (after the activation, after attention) read no norm: their scales go into the
+  producer's output rows (up's, v's), the pairs found by probing the forward (``awq_folds.py``). ``fold_up_down``
+  (on; off in the ``awq_gptq`` presets) folds up -> down, one ``s`` per dense MLP and PER ROUTED EXPERT;
+  ``fold_v_o`` (off) folds v -> o: it raised layer 0's held-out error on the outlier stand-in
+  (docs/decisions/0030-awq-v-o-up-down-folds.md). Their producers and consumers are quantized weights the export
+  writes from the model, so nothing is added to ``rewritten``.
 
 The loss is weight-only (inputs unquantized, weights fake-quantized with the group's shared per-tensor scale, as
 the export shares it): activation scales are calibrated after the fold, on the smoothed inputs, by ``then``.
@@ -61,6 +66,17 @@ from ...numerics.nvfp4 import nvfp4_fake_quant, nvfp4_global_scale
 from ...recipe.algorithm import MAX, Algorithm, AlgorithmError
 from ..modules import ExpertsQuantState, set_mode
 from ..schemes import NVFP4_TENSOR
+from .awq_folds import (
+    LinearPair,
+    PairFinder,
+    fold_pair,
+    loss_hooks,
+    pair_means,
+    pair_plans,
+    reduce_losses,
+    reduce_pairs,
+    routed_tokens,
+)
 from .base import (
     AlgorithmConfig,
     Calibrator,
@@ -75,6 +91,7 @@ log = logging.getLogger(__name__)
 
 THEN = ("max", "gptq")  # the weight algorithms after the fold (each also names a weight_algorithm, below)
 GATE_UP = "gate_up_proj"  # the fused experts' projection that reads the layer's input
+DOWN = "down_proj"
 
 
 @dataclass(frozen=True)
@@ -84,22 +101,31 @@ class AwqConfig(AlgorithmConfig):
     weights' block-relative magnitude divides ``mean|x|^alpha``; numerics/awq.py), searched beside ``s = 1``;
     false: ModelOpt ``awq_lite``'s ``mean|x|^alpha``. ``then``: the weights' scales after the fold, ``max`` or
     ``gptq`` (its ``--qformat nvfp4_gptq`` preset's options): AWQ then GPTQ is the best pair of llm-compressor
-    #3001's NVFP4 comparison."""
+    #3001's NVFP4 comparison. ``fold_up_down`` / ``fold_v_o``: also smooth down_proj's input into up's output rows
+    (per dense MLP, per routed expert) / o_proj's into v's (``awq_folds.py``); the defaults and the ``awq_gptq``
+    preset's ``fold_up_down: false`` are what the peer comparison measured best (decision 0030)."""
 
     method = "awq"
     weight_algorithms = ("awq", "awq_gptq")
     # duo: it beat the plain rule on the outlier stand-in (benchmarks/results/peer_calibrators.md)
-    presets = {"awq": {"duo_scaling": True}, "awq_gptq": {"duo_scaling": True, "then": "gptq"}}
+    # awq_gptq without the up -> down fold: it raised that pair's held-out KL (docs/decisions/0030-awq-v-o-up-down-folds.md)
+    presets = {"awq": {"duo_scaling": True},
+               "awq_gptq": {"duo_scaling": True, "then": "gptq", "fold_up_down": False}}
 
     alpha_step: float = 0.1
     duo_scaling: bool = False
     then: str = "max"
+    fold_up_down: bool = True  # also up -> down_proj, dense and per routed expert (awq_folds.py)
+    fold_v_o: bool = False  # also v -> o_proj: off, it raised layer 0's held-out error (docs/decisions/0030)
 
     def check(self) -> None:
         if not 0.0 < self.alpha_step <= 1.0:
             raise AlgorithmError(f"algorithm awq: alpha_step must be in (0, 1], got {self.alpha_step}")
         if not isinstance(self.duo_scaling, bool):
             raise AlgorithmError(f"algorithm awq: duo_scaling must be true or false, got {self.duo_scaling!r}")
+        for option in ("fold_up_down", "fold_v_o"):
+            if not isinstance(getattr(self, option), bool):
+                raise AlgorithmError(f"algorithm awq: {option} must be true or false, got {getattr(self, option)!r}")
         if self.then not in THEN:
             raise AlgorithmError(f"algorithm awq: then must be one of {list(THEN)}, got {self.then!r}")
 
@@ -178,6 +204,13 @@ def _gathered_experts(local: torch.Tensor, placement) -> torch.Tensor:
     return torch.cat([p.cpu() for p in parts])  # EP rank r holds the r-th contiguous block
 
 
+def _calling_each(hooks: list):
+    def hook(*args):
+        for h in hooks:
+            h(*args)
+    return hook
+
+
 def _first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     x = args[0] if args else kwargs.get("hidden_states")
     return x if isinstance(x, torch.Tensor) else None
@@ -238,14 +271,17 @@ class AwqCalibrator(Calibrator):
 
     # ------------------------------------------------------------------ pass 1: groups and mean|x|
 
-    def _observe(self, model: nn.Module, forward_loop: ForwardLoop) -> dict[str, _Norm]:
+    def _observe(self, model: nn.Module, forward_loop: ForwardLoop, finder: PairFinder | None) -> dict[str, _Norm]:
+        """Pass 1: the norms, their readers and ``mean|x|`` limbs; with ``finder``, the v->o / up->down pairs and
+        their consumers' limbs too (no hook counts the finder's re-runs)."""
         norms = {name: _Norm(name, m) for name, m in _norm_candidates(model).items()}
+        probing = (lambda: finder.probing) if finder is not None else (lambda: False)
         by_storage: dict[int, _Norm] = {}
         handles = []
 
         def produced(n: _Norm):
             def hook(mod, args, kwargs, out):
-                if not isinstance(out, torch.Tensor):
+                if not isinstance(out, torch.Tensor) or probing():
                     return
                 if n.scales_exactly is None:  # once: is the output the weight times a function of the input?
                     with _scaled_param(mod.weight, 2.0):
@@ -263,7 +299,7 @@ class AwqCalibrator(Calibrator):
         def read(name: str):
             def hook(mod, args, kwargs):
                 x = _first_input(args, kwargs)
-                if x is None:
+                if x is None or probing():
                     return
                 n = by_storage.get(x.untyped_storage().data_ptr())
                 if n is None or mod is n.module:
@@ -285,7 +321,10 @@ class AwqCalibrator(Calibrator):
             handles.append(m.register_forward_pre_hook(read(name), with_kwargs=True, prepend=True))
         set_mode(model, "off")
         try:
-            run_together("awq statistics forward", forward_loop, model)
+            with ExitStack() as stack:
+                if finder is not None:
+                    finder.hooks(stack)
+                run_together("awq statistics forward", forward_loop, model)
         finally:
             for h in handles:
                 h.remove()
@@ -408,10 +447,11 @@ class AwqCalibrator(Calibrator):
     # ------------------------------------------------------------------ pass 2: the loss of each alpha
 
     def _losses(self, model: nn.Module, forward_loop: ForwardLoop, groups: list[_Group],
-                candidates: list[Candidate]) -> None:
-        """For every group and candidate scale rule, the summed squared output error of its members' fake-quantized smoothed
-        weights against their weights, on the calibration tokens (dense: this rank's; experts: those routed to
-        the experts this rank owns), then summed over ranks."""
+                candidates: list[Candidate], pairs: list[LinearPair]) -> None:
+        """For every group (and v->o / up->down pair) and candidate scale rule, the summed squared output error of
+        its members' fake-quantized smoothed weights against their weights, on the calibration tokens (dense: this
+        rank's; experts: those routed to the experts this rank owns), then summed over ranks (routed pairs: their
+        owner's alone)."""
         for gr in groups:
             gr.losses = torch.zeros(len(candidates), dtype=torch.float64)
         plans = [self._candidate_plans(gr, candidates) for gr in groups]
@@ -427,25 +467,26 @@ class AwqCalibrator(Calibrator):
             def hook(module, hidden, local_ids):
                 if hidden.shape[0] == 0:
                     return
-                k = local_ids.shape[-1]
-                flat = local_ids.reshape(-1)
-                rows = torch.arange(local_ids.shape[0], device=flat.device).repeat_interleave(k)
-                tokens = {e: hidden[rows[flat == e]] for e in
-                          torch.unique(flat[(flat >= 0) & (flat < module.num_experts)]).tolist()}
+                tokens = routed_tokens(module, hidden, local_ids)
                 gr.losses += self._experts_losses(getattr(module, GATE_UP), tokens, plan, mem)
             return hook
 
         handles = []
+        owner_hooks: dict[nn.Module, list] = {}  # one owner hook per experts module, calling each of these
         set_mode(model, "off")
         try:
             with torch.no_grad(), ExitStack() as observing:
                 for gr, plan in zip(groups, plans):
                     for mem in gr.members:
                         if mem.experts:
-                            observing.enter_context(owner_inputs(mem.module, routed(gr, plan, mem)))
+                            owner_hooks.setdefault(mem.module, []).append(routed(gr, plan, mem))
                         else:
                             handles.append(mem.module.register_forward_pre_hook(dense(gr, plan, mem),
                                                                                 with_kwargs=True))
+                for pair in pairs:
+                    loss_hooks(pair, pair_plans(pair, candidates), observing, owner_hooks)
+                for module, hooks in owner_hooks.items():
+                    observing.enter_context(owner_inputs(module, _calling_each(hooks)))
                 run_together("awq search forward", forward_loop, model)
         finally:
             for h in handles:
@@ -456,6 +497,7 @@ class AwqCalibrator(Calibrator):
             dist.all_reduce(buf, group=g.pg)
             for gr, row in zip(groups, buf.cpu()):
                 gr.losses = row
+        reduce_losses(pairs)
 
     @staticmethod
     def _candidate_plans(gr: _Group, candidates: list[Candidate]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
@@ -539,12 +581,18 @@ class AwqCalibrator(Calibrator):
             raise ValueError("algorithm awq under layerwise is not built (the folded norms of a layer would be "
                              "written before the export knew them): calibrate resident")
         candidates = self.config.candidates()
-        found = self._groups(model, self._observe(model, forward_loop))
+        folds = (self.config.fold_v_o, self.config.fold_up_down)
+        finder = PairFinder(model, *folds) if any(folds) else None
+        found = self._groups(model, self._observe(model, forward_loop, finder))
+        pairs = self._pairs(finder)
         self._reduce_means(found)
+        reduce_pairs(pairs)
         if self.config.duo_scaling:
             self._weight_means(found)
-        self._losses(model, forward_loop, found, candidates)
-        chosen: set[str] = set()
+        for pair in pairs:
+            pair_means(pair, self.config.duo_scaling)
+        self._losses(model, forward_loop, found, candidates, pairs)
+        chosen: dict[str, list[str]] = {}  # weight -> the folds that changed it
         for gr in found:
             best = int(torch.argmin(gr.losses))  # the first of equal losses: no smoothing, then the smaller alpha
             gr.choice = candidates[best]
@@ -561,7 +609,9 @@ class AwqCalibrator(Calibrator):
             self.smoothing[gr.norm.name] = (alpha, f"smoothed: {rule}, search loss x{gain:.3f} of "
                                                    f"no smoothing, into {members}" +
                                             "".join(f" and {n} (BF16)" for n, _ in gr.others))
-            chosen.update(m.name for m in gr.members)
+            for m in gr.members:
+                chosen.setdefault(m.name, []).append("smoothing folded into its input's norm")
+        self._fold_pairs(model, pairs, candidates, chosen)
         if current_group().is_main:
             for norm, (_, what) in self.smoothing.items():
                 log.info("awq %s: %s", norm, what)
@@ -570,16 +620,69 @@ class AwqCalibrator(Calibrator):
         then.calibrate(model, forward_loop, groups)
         self._merge(then, chosen)
 
-    def _merge(self, then: Calibrator, chosen: set[str]) -> None:
+    def _pairs(self, finder: PairFinder | None) -> list[LinearPair]:
+        """The v->o / up->down pairs found (by name: the same order on every rank); the skipped ones said in
+        ``smoothing`` and their consumers' labels."""
+        if finder is None:
+            return []
+        for key, why in sorted(finder.skipped.items()):
+            self.smoothing[key] = (None, f"not folded: {why}")
+            for name in finder.quantized_consumers.get(key, []):
+                self.labels[name] = f"not smoothed by awq: {why}"
+        return [p for _, p in sorted(finder.pairs.items())]
+
+    def _fold_pairs(self, model: nn.Module, pairs: list[LinearPair], candidates: list[Candidate],
+                    chosen: dict[str, list[str]]) -> None:
+        """Each pair's (each expert's) best candidate folded; what was folded said in ``smoothing`` and, through
+        ``chosen``, the labels (a routed pair's count of folded experts summed over the EP group)."""
+        folded = []
+        for pair in pairs:
+            pair.choice = [int(i) for i in torch.argmin(pair.losses, dim=1)]  # the first of equal losses
+            folded.append(fold_pair(pair, candidates))
+        routed = [i for i, p in enumerate(pairs) if p.experts]
+        placement = self.load.placement.experts
+        if routed and placement.ep_size > 1:
+            counts = torch.tensor([folded[i] for i in routed], dtype=torch.float64).to(current_group().device)
+            dist.all_reduce(counts, group=placement.group or current_group().pg)
+            for i, n in zip(routed, counts.cpu().tolist()):
+                folded[i] = int(n)
+        for pair, n in zip(pairs, folded):
+            if pair.experts:
+                total = placement.num_experts
+                alphas = sorted({candidates[c][0] for c in pair.choice if candidates[c] != (0.0, False)})
+                self.smoothing[pair.name] = (None, f"folded per expert into {n} of {total} experts" +
+                                             (f" (this rank's alphas {alphas})" if alphas else ""))
+                if n:
+                    chosen.setdefault(pair.consumer, []).append(
+                        f"per-expert smoothing folded into {GATE_UP}'s rows, {n} of {total} experts")
+                    chosen.setdefault(pair.producer, []).append(f"rows scaled for {DOWN}'s smoothing")
+                else:
+                    self.labels[pair.consumer] = "not smoothed by awq: alpha 0 erred least for every expert"
+                continue
+            best = pair.choice[0]
+            if not n:
+                self.smoothing[pair.name] = (None, "not folded: alpha 0 erred least")
+                self.labels.setdefault(pair.consumer, "not smoothed by awq: alpha 0 erred least")
+                continue
+            alpha, duo = candidates[best]
+            gain = float(pair.losses[0, best] / pair.losses[0, 0]) if pair.losses[0, 0] > 0 else 1.0
+            self.smoothing[pair.name] = (alpha, f"folded: alpha {alpha:g}" + (" duo" if duo else "") +
+                                         f", search loss x{gain:.3f} of no smoothing")
+            chosen.setdefault(pair.consumer, []).append(f"smoothing folded into {pair.producer}'s output rows")
+            chosen.setdefault(pair.producer, []).append(f"output rows scaled for {pair.consumer}'s smoothing")
+
+    def _merge(self, then: Calibrator, chosen: dict[str, list[str]]) -> None:
         """``then``'s labels and weight algorithms, the smoothed weights' named ``awq``/``awq_gptq``."""
         notes = dict(self.labels)  # the groups not smoothed, by why
         self.labels = dict(then.labels)
         self.weight_algorithms = dict(then.weight_algorithms)
         for name, note in notes.items():
-            self.labels[name] = f"{then.labels.get(name, 'max')} ({note})"
-        for name in chosen:
+            if name not in chosen:
+                self.labels[name] = f"{then.labels.get(name, 'max')} ({note})"
+        for name, folds in chosen.items():
             after = then.weight_algorithms.get(name, "max")
-            # the alpha and norm are in ``smoothing`` and the log: one summary line per ``then`` label, not per group
-            self.labels[name] = f"awq (smoothing folded into its input's norm), then {then.labels.get(name, 'max')}"
+            # the alphas are in ``smoothing`` and the log: one summary line per ``then`` label, not per group
+            what = "; ".join([*folds, *([notes[name]] if name in notes else [])])
+            self.labels[name] = f"awq ({what}), then {then.labels.get(name, 'max')}"
             if after in ("max", "gptq"):
                 self.weight_algorithms[name] = "awq" if after == "max" else "awq_gptq"

@@ -1,6 +1,7 @@
 """``awq`` on GPT-OSS, whose routed experts are MXFP4-sourced: their lossless cast is kept, so the MoE input
 (post_attention_layernorm -> experts + router) is not smoothed and says why; attention's q/k/v (Linears with a
-bias) are smoothed into input_layernorm; the fold leaves the fp32 model's logits unchanged."""
+bias) are smoothed into input_layernorm; the fold leaves the fp32 model's logits unchanged. The experts' up -> down
+fold is not made either, and down_proj's label says why."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def test_awq_keeps_the_mxfp4_experts_lossless_cast_and_smooths_attention(tiny_gp
     for i in layers:
         assert qplan.weight_algorithms[f"model.layers.{i}.mlp.experts.gate_up_proj"] == "lossless_cast"
         assert "MXFP4-sourced" in qplan.calibration[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        assert "not smoothed by awq: MXFP4-sourced" in qplan.calibration[f"model.layers.{i}.mlp.experts.down_proj"]
+        assert qplan.weight_algorithms[f"model.layers.{i}.mlp.experts.down_proj"] == "lossless_cast"
         for p in ("q_proj", "k_proj", "v_proj"):  # smoothed, or the search kept alpha 0 (random weights)
             name = f"model.layers.{i}.self_attn.{p}"
             if i in smoothed:

@@ -1,6 +1,7 @@
-"""``awq`` (quant/calibrators/awq.py) on the tiny Qwen3-MoE stand-ins: the fold alone leaves the fp32 model's logits
-unchanged, the export has no ``pre_quant_scale`` (the folded norms and router weights written instead) and loads in
-the engines' checks as max's does, AWQ composes with GPTQ, and on the outlier stand-in AWQ lowers every decoder
+"""``awq`` (quant/calibrators/awq.py) on the tiny Qwen3-MoE stand-ins: the folds alone (norms; up -> down per dense
+MLP and per routed expert; v -> o with GQA when asked) leave the fp32 model's logits unchanged, the export has no
+``pre_quant_scale`` (the folded norms and router weights written instead) and loads in the engines' checks as max's
+does, AWQ composes with GPTQ, EP 2 exports one process's bytes, and on the outlier stand-in AWQ lowers every decoder
 layer's held-out output error below max's."""
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ CALIB = dict(num=16, seq=32)
 HELD_OUT = dict(num=8, seq=32, seed=4321)  # another seed than calibration_token_ids' 1234
 NORMS = [f"model.layers.{i}.{n}" for i in range(3) for n in ("input_layernorm", "post_attention_layernorm")]
 ROUTERS = ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]  # layer 1 is dense (mlp_only_layers)
+DOWNS = ["model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.down_proj", "model.layers.2.mlp.experts.down_proj"]
+O_PROJS = [f"model.layers.{i}.self_attn.o_proj" for i in range(3)]
+
+
+def _awq_recipe(**options):
+    """``presets/nvfp4_default_awq`` with these ``awq`` options (beside its ``duo_scaling``)."""
+    from modelopt_k3.recipe import load_recipe
+
+    return load_recipe("presets/nvfp4_default_awq",
+                       overrides={"algorithm": {"method": "awq", "duo_scaling": True, **options}})
 
 
 def _quantized(ckpt, recipe: str, dtype=None, calib=CALIB):
@@ -49,11 +60,14 @@ def _outputs(model, ids) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.
     return layers, routes, logits
 
 
-def test_the_fold_alone_leaves_the_fp32_models_outputs_unchanged(qwen3_moe_outlier_ckpt):
+@pytest.mark.parametrize("v_o", [False, True])
+def test_the_fold_alone_leaves_the_fp32_models_outputs_unchanged(qwen3_moe_outlier_ckpt, v_o):
     """In fp32, with every quantizer off, the smoothed model (1/s in the norms, s in q/k/v, gate/up, the experts'
-    gate_up and the router) is the source model to fp32 rounding: every token routed to the same experts, each
-    decoder layer's output within 2**-17 of its largest value (the stand-in's residual stream reaches ~5e4;
-    fp32's epsilon is 2**-23), hence the logits within 2e-3 (|logits| up to ~50). Every group was smoothed."""
+    gate_up and the router; 1/s in up's rows and the experts' up rows, s in down's columns, one s per expert;
+    with ``fold_v_o``, 1/s in v's rows and s in o's columns, each v row's s on the two o channels GQA repeats it
+    to) is the source model to fp32 rounding: every token routed to the same experts, each decoder layer's
+    output within 2**-17 of its largest value (the stand-in's residual stream reaches ~5e4; fp32's epsilon is
+    2**-23), hence the logits within 2e-3 (|logits| up to ~50). Every group was smoothed."""
     import modelopt_k3
     from modelopt_k3.quant.modules import set_mode
 
@@ -62,14 +76,24 @@ def test_the_fold_alone_leaves_the_fp32_models_outputs_unchanged(qwen3_moe_outli
     want_layers, want_routes, want = _outputs(source, ids)
     before = {n: p.detach().clone() for n, p in source.named_parameters()}
     del source
-    model = _quantized(qwen3_moe_outlier_ckpt, "presets/nvfp4_default_awq", torch.float32, dict(num=4, seq=32))
+    model = _quantized(qwen3_moe_outlier_ckpt, _awq_recipe(fold_v_o=v_o), torch.float32, dict(num=4, seq=32))
     qplan = model.modelopt_k3_quant
-    assert qplan.rewritten == {f"{n}.weight" for n in NORMS + ROUTERS}
+    assert qplan.rewritten == {f"{n}.weight" for n in NORMS + ROUTERS}  # o/down/v/up are quantized from the model
     params = dict(model.named_parameters())
     for name in qplan.rewritten:
         assert not torch.equal(params[name], before[name]), name  # folded, not left alone
-    assert sum(v.startswith("awq (") for v in qplan.calibration.values()) == 13  # 3x q/k/v, gate/up, 2 experts
-    assert sum(v == "awq" for v in qplan.weight_algorithms.values()) == 13
+    for name in DOWNS + O_PROJS:  # the norm folds do not touch these: only the v -> o / up -> down folds do
+        changed = not torch.equal(params[f"{name}.weight" if "experts" not in name else name], before[
+            f"{name}.weight" if "experts" not in name else name])
+        assert changed == (name in DOWNS or v_o), name
+    smoothed = 13 + len(DOWNS) + (len(O_PROJS) if v_o else 0)  # 3x q/k/v, gate/up, 2 experts; + down (+ o)
+    assert sum(v.startswith("awq (") for v in qplan.calibration.values()) == smoothed
+    assert sum(v == "awq" for v in qplan.weight_algorithms.values()) == smoothed
+    assert "smoothing folded into model.layers.1.mlp.up_proj's output rows" in qplan.calibration[DOWNS[1]]
+    assert "per-expert smoothing folded into gate_up_proj's rows, 8 of 8 experts" in qplan.calibration[DOWNS[0]]
+    for name in O_PROJS:
+        label = qplan.calibration[name]
+        assert ("v_proj's output rows" in label) if v_o else ("not smoothed by awq: its input mixes tokens" in label)
     set_mode(model, "off")
     layers, routes, got = _outputs(model, ids)
     assert all(torch.equal(a, b) for a, b in zip(routes, want_routes))
@@ -173,3 +197,36 @@ def test_ep2_awq_equals_one_process(qwen3_moe_outlier_ckpt, tmp_path):
         for key, t in theirs.items():
             assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (recipe, key)
         assert all(not torch.equal(theirs[f"{n}.weight"], source[f"{n}.weight"]) for n in NORMS + ROUTERS), recipe
+
+
+def test_the_up_down_fold_skips_a_non_nvfp4_consumer_and_says_why(qwen3_moe_outlier_ckpt):
+    """A dense down_proj quantized as FP8 is no NVFP4 consumer: its pair is found, not folded, and its label says
+    why; up_proj keeps only its norm fold; the routed experts' pairs still fold."""
+    from modelopt_k3.recipe import load_recipe
+
+    recipe = load_recipe("presets/nvfp4_default_awq", overrides={
+        "algorithm": {"method": "awq", "duo_scaling": True},
+        "quant_cfg": [{"pattern": "*.layers.1.mlp.down_proj", "weights": "fp8", "inputs": "fp8"}]})
+    qplan = _quantized(qwen3_moe_outlier_ckpt, recipe, calib=dict(num=2, seq=32)).modelopt_k3_quant
+    assert "not smoothed by awq: model.layers.1.mlp.down_proj is quantized as" in qplan.calibration[DOWNS[1]]
+    assert qplan.calibration["model.layers.1.mlp.up_proj"].startswith("awq (smoothing folded into its input's norm)")
+    assert qplan.weight_algorithms[DOWNS[0]] == qplan.weight_algorithms[DOWNS[2]] == "awq"
+
+
+@pytest.mark.multiprocess
+def test_replicated_expert_groups_awq_equals_one_process(qwen3_moe_outlier_ckpt, tmp_path):
+    """EP 2 on 4 ranks (two replicas of each expert block, each with its own tokens): each routed expert's up ->
+    down statistics and losses are added up over the ranks holding it, so the replicas fold one process's scales
+    and the export is one process's, byte for byte."""
+    from _mp import run_ranks
+
+    from .test_calibrators_ep import _ep_runs
+    from .test_qwen3_moe_ep import EP_ENV
+
+    recipe, out = "presets/nvfp4_default_awq", str(tmp_path / "rep")
+    results = run_ranks(4, _ep_runs, str(qwen3_moe_outlier_ckpt), [out], (recipe,), 2, timeout=900, env=EP_ENV)
+    assert [r.exitcode for r in results] == [0] * 4, [r.traceback for r in results]
+    ours, theirs = read_export(out), read_export(quantize_and_export(qwen3_moe_outlier_ckpt, tmp_path / "one", recipe))
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
