@@ -297,12 +297,13 @@ def test_no_stage_reads_the_run_off_the_model():
 def test_the_stages_need_nothing_on_the_model(tiny_ckpt, tmp_path):
     """hf_ptq's stages on a model stripped of what the library leaves on it (``modelopt_k3``): the load's result,
     then the quantize stage's, passed on, give the library path's export byte for byte and its report."""
+    from _exports import read_export
+
     from modelopt_k3.dist.group import current_group
     from modelopt_k3.export.model_export import export_planned
     from modelopt_k3.load import load_planned
     from modelopt_k3.quant.api import quantize_planned
     from modelopt_k3.report import report_planned
-    from _exports import read_export
 
     lib = modelopt_k3.load_pretrained(tiny_ckpt, trust_remote_code=True, progress=False)
     run = lib.modelopt_k3.run
