@@ -47,9 +47,9 @@ def worker(argv: list[str]) -> None:
         return finish(self)
 
     def planned_recording(run, **kw):
-        model = planned(run, **kw)
-        read["reader"] = model.modelopt_k3.source()
-        return model
+        loaded = planned(run, **kw)
+        read["reader"] = loaded.info.source()
+        return loaded
 
     load_module.LayerwiseLoad.finish = finish_recording
     load_module.load_planned = planned_recording

@@ -92,7 +92,8 @@ def test_export_checkpoint_refuses_the_source_directory_too(tiny_ckpt: Path) -> 
 
     from modelopt_k3 import export_checkpoint
 
-    model = SimpleNamespace(modelopt_k3=SimpleNamespace(checkpoint=tiny_ckpt), modelopt_k3_quant=object())
+    load = SimpleNamespace(checkpoint=tiny_ckpt)
+    model = SimpleNamespace(modelopt_k3=load, modelopt_k3_quant=SimpleNamespace(load=load))
     with pytest.raises(DestinationError, match="is the source checkpoint"):
         export_checkpoint(model, tiny_ckpt, overwrite=True)
 
