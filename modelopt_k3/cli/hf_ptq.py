@@ -356,9 +356,9 @@ def _evaluate_and_report(plan: RunPlan, model, qplan, packed, coverage, group, s
     else:
         run = {"calibration_sequences": config.calib_size, "calibration_seq_len": config.calib_seq,
                "held_out_sequences": plan.held_out}
-        data = report_planned(model, qplan, plan.report_dir, group=group, held_out=held_out, fidelity=fidelity, coverage=coverage,
-                      min_expert_tokens=config.min_expert_tokens, uncovered_experts=config.uncovered_experts, run=run,
-                      weights=weights)
+        data = report_planned(model, qplan, plan.report_dir, group=group, held_out=held_out, fidelity=fidelity,
+                              coverage=coverage, min_expert_tokens=config.min_expert_tokens,
+                              uncovered_experts=config.uncovered_experts, run=run, weights=weights)
         say(f"[modelopt_k3] wrote the quantization report {plan.report_dir} in {time.perf_counter() - t0:.1f}s")
         final = data["final"] if data is not None else None
         if final is not None:

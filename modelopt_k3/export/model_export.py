@@ -162,8 +162,8 @@ def export_checkpoint(
     Call on every rank. Nothing is gathered: each rank writes its own shard files.
     """
     return export_planned(model, quantized_plan(model, "export_checkpoint"), export_dir, export_format(format),
-                        group=current_group(), overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                        progress=progress)
+                          group=current_group(), overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                          progress=progress)
 
 
 def export_planned(

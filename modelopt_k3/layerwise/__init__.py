@@ -141,6 +141,7 @@ class _Layers:
     limit: int
     outside: LoadScope
     result: LayerwiseResult
+    group: object  # the run group: the report rows' gathers
     heldout: HeldOutStreams | None = None
     say: object = print
     outside_reads: tuple[dict, dict] = ({}, {})  # the source reads outside the layers, for the "rest" record
@@ -167,10 +168,10 @@ def _run(plan: RunPlan, batches, held_out, report: bool, settings: LayerwiseSett
     attach_quantizers(model, qplan, within=outside.holds)
     replay = LayerReplay(model, layers, device)
     limit = settings.cache_bytes  # the plan's (``--layerwise_cache_mib``), decided once
-    result = LayerwiseResult(plan.export_path, model, qplan, resumed_at=done, weights=_no_rows() if report and not done
-                             else None)
+    result = LayerwiseResult(plan.export_path, model, qplan, resumed_at=done,
+                             weights=_no_rows() if report and not done else None)
     run = _Layers(plan, model, loader, replay, exporter, work, qplan, batches, settings, limit, outside, result,
-                  say=say, outside_reads=outside_reads)
+                  group, say=say, outside_reads=outside_reads)
     try:
         for record in work.state.layers:
             replay.metas[record.index] = record.output_meta
@@ -273,7 +274,7 @@ def _calibrate_layer(i: int, run: _Layers, cache: InputCache, progress: bool) ->
     _guard(run, scope.holds)
     weight_map, nbytes = run.exporter.write_part(name, work.path, f"layer{i:05d}")
     record = LayerRecord(i, weight_map, nbytes, replay.metas[i], source=reads[0], source_files=reads[1])
-    _add_rows(run.result, model, run.exporter.group, scope.holds)  # after the write, as a resident report reads the exported model
+    _add_rows(run.result, model, run.group, scope.holds)  # after the write, as a resident report reads the export
     if run.heldout is not None:
         run.heldout.advance(i)
     _free_quantizer_copies(layer)
@@ -308,7 +309,7 @@ def _calibrate_outside(run: _Layers, replay_all, last_layer: nn.Module) -> Layer
         calibrate_scope(qplan, scope, forward_loop, rename=rename, original=_Scope.original)
     _guard(run, outside.holds)
     weight_map, nbytes = run.exporter.write_outside(outside.outside, run.work.path, "model")
-    _add_rows(run.result, model, run.exporter.group, outside.holds)
+    _add_rows(run.result, model, run.group, outside.holds)
     return LayerRecord(-1, weight_map, nbytes, {})
 
 

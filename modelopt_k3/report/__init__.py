@@ -3,8 +3,9 @@ calibration reached (``report.json``, ``report.md``, PNG plots). See docs/REPORT
 
 ``report_planned(model, qplan, out_dir, group=...)`` runs on every rank of a quantized model; each rank
 summarises what it owns (``collect.py``), rank 0 merges and writes. ``report(model, out_dir, ...)`` is the
-library's convenience over it (the plan ``quantize`` left on the model, the current run group). The numbers are pure functions (``stats.py``); the
-files come from the JSON alone (``render.py``), so ``modelopt-k3-report`` re-renders them.
+library's convenience over it (the plan ``quantize`` left on the model, the current run group). The numbers
+are pure functions (``stats.py``); the files come from the JSON alone (``render.py``), so
+``modelopt-k3-report`` re-renders them.
 Imports are lazy: the report sits above ``quant/``, whose modules it imports only when it runs.
 """
 
