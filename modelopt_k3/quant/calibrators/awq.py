@@ -70,6 +70,7 @@ from .awq_folds import (
     LinearPair,
     PairFinder,
     fold_pair,
+    is_nvfp4_linear,
     loss_hooks,
     pair_means,
     pair_plans,
@@ -237,11 +238,6 @@ def _without_containers(readers: dict[str, nn.Module]) -> dict[str, nn.Module]:
     return {name: m for name, m in readers.items() if not container(name, m)}
 
 
-def _is_nvfp4_linear(m: nn.Module) -> bool:
-    q = getattr(m, "weight_quantizer", None)
-    return type(m) is nn.Linear and q is not None and q.fmt is NVFP4_TENSOR and q.block_source is None
-
-
 def _same_output(a: object, b: object) -> bool:
     xs, ys = pytree.tree_leaves(a), pytree.tree_leaves(b)
     return len(xs) == len(ys) and all(
@@ -307,7 +303,7 @@ class AwqCalibrator(Calibrator):
                 n.readers[name] = mod
                 if x.storage_offset() != n.output.storage_offset() or x.numel() != n.output.numel():
                     n.partial.add(name)
-                elif not _is_nvfp4_linear(mod) and not isinstance(getattr(mod, "quant", None), ExpertsQuantState) \
+                elif not is_nvfp4_linear(mod) and not isinstance(getattr(mod, "quant", None), ExpertsQuantState) \
                         and name not in n.linear_only:
                     n.linear_only[name] = self._takes_scale_through_weight(mod, args, kwargs, x)
             return hook
@@ -365,7 +361,7 @@ class AwqCalibrator(Calibrator):
                     quantized.append(name)
                 if name in n.partial:
                     why.append(f"{name} reads only part of its output")
-                elif _is_nvfp4_linear(m):
+                elif is_nvfp4_linear(m):
                     members.append(_Member(name, m, "weight", False))
                     if is_sharded(m.weight):
                         why.append(f"{name} is FSDP2-sharded (the fold needs whole weights)")

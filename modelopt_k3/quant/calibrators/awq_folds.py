@@ -110,7 +110,9 @@ def _quantized_linears(m: nn.Module) -> dict[str, nn.Linear]:
             getattr(c, "weight_quantizer", None) is not None}
 
 
-def _is_nvfp4_linear(m: nn.Module) -> bool:
+def is_nvfp4_linear(m: nn.Module) -> bool:
+    """A Linear whose weight is quantized to NVFP4 from the model's values (not written as its source bytes):
+    a weight AWQ can scale (its norm groups and its pairs alike)."""
     q = getattr(m, "weight_quantizer", None)
     return type(m) is nn.Linear and q is not None and q.fmt is NVFP4_TENSOR and q.block_source is None
 
@@ -245,7 +247,7 @@ class PairFinder:
         elif not across and not self.up_down:
             why.append("a token-wise (up -> down) pair, and fold_up_down is off")
         for name, lin in ((producer, p), (consumer, c)):
-            if not _is_nvfp4_linear(lin):
+            if not is_nvfp4_linear(lin):
                 why.append(f"{name} is quantized as {lin.weight_quantizer.fmt} or from source bytes (not built)")
         if p.bias is not None:
             why.append(f"{producer} has a bias (its fold is not built)")
