@@ -129,8 +129,17 @@ def ours_cmds(src: Path, dst: Path, p: int, cores: int) -> list[list[str]]:
     return [base + ["--rank", str(r), "--world_size", str(p)] for r in range(p)]
 
 
+def peer_recipe(script: str) -> str:
+    """The mirror recipe as the pinned checkout holds it (an absolute path), else its name. The script puts its
+    checkout first on ``sys.path``, so ``modelopt_recipes`` is the checkout's, where this recipe sits under
+    ``huggingface/models/``; the 0.47 wheel's loader rewrites that prefix to ``models/``, which only the wheel
+    has: by name, the pinned script cannot find its own recipe."""
+    pinned = Path(script).resolve().parents[3] / "modelopt_recipes" / f"{PEER_RECIPE}.yaml"
+    return str(pinned) if pinned.is_file() else PEER_RECIPE
+
+
 def peer_cmd(prefix: list[str], src: Path, dst: Path, p: int, cores: int) -> list[list[str]]:
-    return [prefix + ["--source_ckpt", str(src), "--output_ckpt", str(dst), "--recipe", PEER_RECIPE,
+    return [prefix + ["--source_ckpt", str(src), "--output_ckpt", str(dst), "--recipe", peer_recipe(prefix[-1]),
                       "--jobs", str(p), "--threads_per_job", str(max(1, cores // p))]]
 
 

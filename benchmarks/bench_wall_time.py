@@ -41,8 +41,9 @@ def _meta_model(ckpt: Path):
     """The checkpoint's model on meta, built as the loader builds it (the spec's shims and class, no bytes)."""
     from modelopt_k3.checkpoint import CheckpointReader, read_config
     from modelopt_k3.checkpoint.source_check import check_experts
-    from modelopt_k3.load.pretrained import _build_on_meta, _config_dtype, resolve_model_class
+    from modelopt_k3.load.pretrained import _build_on_meta, resolve_model_class
     from modelopt_k3.spec import PrepareContext, get_spec
+    from modelopt_k3.spec.config import load_dtype
 
     raw = read_config(ckpt)
     spec = get_spec(raw.get("model_type", ""))
@@ -51,7 +52,7 @@ def _meta_model(ckpt: Path):
     with CheckpointReader(ckpt, view=spec.loading.checkpoint_view) as reader:
         source = check_experts(reader.headers(), raw, spec, reader.stored_name)
         spec.loading.prepare(PrepareContext(model_cls, config, ckpt, packed_experts=source.packed_experts))
-        return _build_on_meta(model_cls, config, _config_dtype(config), reader, spec)
+        return _build_on_meta(model_cls, config, load_dtype(raw), reader, spec)
 
 
 def startup(ckpt: Path) -> None:

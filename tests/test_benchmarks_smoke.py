@@ -217,3 +217,19 @@ def test_the_converter_peer_is_skipped_saying_so_when_absent(monkeypatch, tmp_pa
                                                        ("convert_peer/floor_p1", "report")]
     assert figures[0].target == 5.0 and figures[0].skipped == f"no peer: {why}"
     assert f"**Peer skipped**: {why}" in convert_area._peer_markdown(r)
+
+
+def test_every_name_the_benchmarks_import_from_the_package_exists():
+    # The benchmarks import the package lazily, inside the functions an area runs; an area the quick run skips
+    # (wall_time, convert, the peers) would otherwise find a renamed function only in a full run.
+    import ast
+    import importlib
+
+    missing = []
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("modelopt_k3"):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert not missing, missing
