@@ -19,8 +19,8 @@ records every tensor as the max golden does. The configurations, by ModelOpt's n
 - ``local_hessian``: ``NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG`` (``nvfp4_local_hessian``);
 - ``gptq``: the recipe ``general/ptq/nvfp4_default-kv_none-gptq`` (``nvfp4_gptq``).
 
-Our ``nvfp4_gptq`` presets add ``true_sequential`` and ``asymmetric`` (ours, not ModelOpt's: DESIGN_NOTES
-"Calibrators"); compare the gptq golden with ``{method: gptq, perc_damp: 0.01, block_size: 128, layerwise:
+Our ``nvfp4_gptq`` presets add ``true_sequential`` and ``asymmetric`` (ours, not ModelOpt's: docs/decisions/0029-calibrators.md,
+"Ours, not ModelOpt's"); compare the gptq golden with ``{method: gptq, perc_damp: 0.01, block_size: 128, layerwise:
 {enable: true}}`` and both off, which is ModelOpt's semantics. The comparison with our exports is then the max golden's test (``tests/models/qwen3_moe/test_qwen3_moe.py::
 test_export_equals_modelopt_0_47``) with the algorithm's ``--qformat`` and the outlier stand-in; commit each JSON
 with that test. Where an algorithm is not deterministic on the GPU (GPTQ's Hessian sums), compare scales and

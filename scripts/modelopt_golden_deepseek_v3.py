@@ -11,7 +11,7 @@ Steps (what tests/data/README.md states):
 1. ``make_tiny_deepseek_v3(OUT_DIR/ckpt, source="block_fp8")`` (the default stand-in).
 2. Every FP8 weight dequantized by transformers' own declared-block ``_dequantize_fp8_weight`` (fp32, one cast
    to BF16) into OUT_DIR/bf16; transformers' ``Fp8Dequantize`` load path is not used because it infers the
-   block from the scale grid and gets the stand-in's partial blocks wrong (docs/DESIGN_NOTES.md, DeepSeek-V3).
+   block from the scale grid and gets the stand-in's partial blocks wrong (docs/decisions/0027-deepseek-v3.md).
 3. ``AutoModelForCausalLM.from_pretrained(bf16, dtype=bfloat16, experts_implementation="eager")``.
 4. The recipe of ModelOpt's ``examples/deepseek/ptq.py`` (its defaults) in the HF module names:
    ``NVFP4_DEFAULT_CFG``, the MLA projections off (``*attn*`` there, ``*self_attn*`` here), ``o_proj`` back on

@@ -50,12 +50,12 @@ import pytest
 from _mp import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-# The pages a user reads; DESIGN_NOTES.md (the decision log), ENGINE_CONFORMANCE.md and MUTATION.md (developer
-# procedures that install engines or mutate the tree) are checked for links only.
+# The pages a user reads; DESIGN_NOTES.md (the index of decision records), PROVENANCE.md, ENGINE_CONFORMANCE.md
+# and MUTATION.md (developer procedures that install engines or mutate the tree) are checked for links only.
 USER_PAGES = ["README.md", *(f"docs/{p}.md" for p in (
     "USAGE", "MODELS", "SERVING", "SERVING_RULES", "MEMORY", "CALIBRATION", "REPORT", "CONVERT", "RELIABILITY", "ARCHITECTURE"))]
-LINKED_PAGES = [*USER_PAGES, "docs/DESIGN_NOTES.md", "docs/ENGINE_CONFORMANCE.md", "docs/MUTATION.md",
-                "benchmarks/README.md", *(str(p.relative_to(REPO)) for p in sorted((REPO / "docs/decisions").glob("*.md")))]
+LINKED_PAGES = [*USER_PAGES, "docs/DESIGN_NOTES.md", "docs/PROVENANCE.md", "docs/ENGINE_CONFORMANCE.md",
+                "docs/MUTATION.md", "benchmarks/README.md", *(str(p.relative_to(REPO)) for p in sorted((REPO / "docs/decisions").glob("*.md")))]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|fragment):\s*(\S.*?)\s*-->")
 # Above an output the page shows: the command (its start) whose run prints every row of the table that follows.
 OUTPUT = re.compile(r"<!--\s*docs-test:\s*output of:\s*(\S.*?)\s*-->")
@@ -280,6 +280,20 @@ def test_every_module_the_architecture_names_exists() -> None:
     assert not missing, missing
     for dotted in sorted(set(re.findall(r"`(modelopt_k3(?:\.\w+)+)`", text))):
         importlib.import_module(dotted)
+
+
+def test_every_test_the_design_docs_cite_exists() -> None:
+    # ARCHITECTURE.md and the decision records name the tests that hold each invariant: a renamed or deleted test
+    # must not leave a record pointing at nothing. ``path::name`` (a ``Class::name`` counts by its last part).
+    pages = ["docs/ARCHITECTURE.md", *(str(p.relative_to(REPO)) for p in sorted((REPO / "docs/decisions").glob("*.md")))]
+    cited = {(page, path, name) for page in pages
+             for path, name in re.findall(r"`?(tests/[\w/]+\.py)((?:::\w+)+)", (REPO / page).read_text())}
+    assert cited, "the design docs cite their tests"
+    missing = [f"{page}: {path}{name}" for page, path, name in sorted(cited)
+               if not (REPO / path).exists()
+               or not re.search(rf"^\s*(?:async )?def {name.split('::')[-1]}\b|^class {name.split('::')[-1]}\b",
+                                (REPO / path).read_text(), re.M)]
+    assert not missing, missing
 
 
 def test_every_marked_block_says_why() -> None:

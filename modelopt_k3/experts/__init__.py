@@ -7,8 +7,8 @@
 * ``dispatch``: ``torch_a2a``, the expert-parallel implementation (the exchange itself is ``dist.a2a``).
 
 Layering: this package sits above ``dist/``, ``numerics/`` and ``spec/`` and below ``models/``,
-``load``, ``quant/``, ``export/`` and ``report/``; nothing below imports it (docs/DESIGN_NOTES.md,
-"The experts base").
+``load``, ``quant/``, ``export/`` and ``report/``; nothing below imports it (docs/decisions/0021-experts-base-and-packed-memory.md,
+"Files and layering").
 """
 
 from .base import FusedExperts, combine_fp32

@@ -362,8 +362,8 @@ class ShardWriter:
 
     Memory stays bounded by ``spill_bytes`` (plus one tensor): once a shard's buffered tensors pass
     it, their bytes go to a spill file next to the shard, and the shard is assembled from it (header,
-    then the spilled bytes) when it is full. A shard that never spills is written by safetensors'
-    own ``save_file``. A tensor larger than the limit gets a shard of its own. A view is buffered as it is
+    then the spilled bytes) when it is full. A shard that never spills is written as safetensors'
+    ``save`` bytes, into a file created new. A tensor larger than the limit gets a shard of its own. A view is buffered as it is
     (no copy; it keeps what it views alive until spilled), so a tensor must not change once added. File names are
     unique per rank: ``{prefix}-r{rank:05d}-{i:05d}.safetensors``; ``write_index`` renames them.
     """

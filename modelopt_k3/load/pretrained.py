@@ -450,8 +450,8 @@ def tie_as_stored(model: nn.Module, reader: CheckpointReader) -> None:
 def check_against_model(path: str | Path, source: SourceLayout) -> None:
     """Build the checkpoint's own model on the meta device and check every dense tensor's header against it.
 
-    What ``load_pretrained`` does before reading; the streaming converter calls it when asked to
-    (``trust_remote_code``: building the model runs the checkpoint's code). Prepares the spec with
+    What ``load_pretrained`` does before reading; the streaming converter calls it whenever no untrusted code
+    runs (a model on transformers' own classes, or ``trust_remote_code`` given). Prepares the spec with
     the whole-model placement (a process-wide patch, as a load does).
     """
     path = Path(path)

@@ -146,7 +146,7 @@ def plan_quantization(model: nn.Module, info: LoadFacts, recipe: Recipe,
     """The quantization plan of ``model`` as ``info`` loaded it: ``table`` (the run's, decided by the preflight
     from the headers), else ``planned_table``'s, with its shared-input groups."""
     spec = info.spec
-    # The probe runs only when a dense Linear gets NVFP4 (the only format whose groups share scales).
+    # The probe runs only when a dense Linear gets a format whose groups share scales (NVFP4, per-tensor FP8).
     rules = (lambda: discover_shared_inputs(spec, info.model_cls, model.config)) if spec.quant.probe_model else None
     if table is None:
         table = planned_table(info, recipe)

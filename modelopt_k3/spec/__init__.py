@@ -3,7 +3,7 @@
 ``contract``: ``ModelSpec`` and its groups, one per consumer; ``kv_cache``: where a model's KV cache is;
 ``conversion``: running transformers ``WeightConverter`` chains (and ``DecodeOp``, the decode step a
 model's converters declare); ``registry``: ``model_type`` -> spec, builtin models found lazily under
-``models/``. See docs/DESIGN_NOTES.md "The model-spec contract".
+``models/``. See docs/ARCHITECTURE.md "Model specs".
 """
 
 from .contract import (

@@ -1,4 +1,4 @@
-"""The INT4 -> NVFP4 question (docs/DESIGN_NOTES.md "DeepSeek-V3"): which INT4 values NVFP4 holds exactly, and
+"""The INT4 -> NVFP4 question (docs/decisions/0027-deepseek-v3.md): which INT4 values NVFP4 holds exactly, and
 the error of the two casts, measured on INT4 weights made the way a symmetric group-32 quantizer makes them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Engine-in-the-loop conformance: the engines' own Kimi-K3 and Qwen3-MoE loaders, run on CPU, against the check.
+"""Engine-in-the-loop conformance: the engines' own loaders of every model here, run on CPU, against the check.
 
 A developer tool run from a checkout, not part of the installed library (it builds test checkpoints and
 calls ``modelopt_k3.cli.hf_ptq``): ``python -m tools.conformance`` validates its arguments, builds the

@@ -27,7 +27,7 @@ DRIVERS = Path(__file__).parent / "drivers"
 DRIVER_MODELS = {"kimi_k3": "k3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3",
                  "nemotron_h": "nemotron_h", "kimi_k25": "kimi_k25",
                  "minimax_m2": "minimax_m2",
-                 # GLM-5: both engines' GlmMoeDsaForCausalLM subclasses their DeepSeek-V2 class, same names (not yet run).
+                 # GLM-5: both engines' GlmMoeDsaForCausalLM subclasses their DeepSeek-V2 class, same names.
                  "glm_moe_dsa": "deepseek_v3",
                  "qwen3_5_moe": "qwen3_5_moe"}
 CHECK_ENGINES = ("vllm", "sglang", "trtllm")

@@ -5,8 +5,8 @@ What an MLA server caches is the compressed latent, not per-head K and V: the no
 ``kv_a_proj_with_mqa``'s output, in one entry with one scale. So one amax is observed over both and exported as
 ``self_attn.k_proj.k_scale`` and ``self_attn.v_proj.v_scale`` (equal): the names ModelOpt gives its MLA
 ``k_bmm_quantizer``/``v_bmm_quantizer`` scales (checked by running nvidia-modelopt 0.47.0's export on the tiny
-Kimi-K3) and the ones vLLM's ``maybe_remap_kv_scale_name`` moves onto its attention layer (MLA has no
-``k_proj`` module; the name is a convention). transformers' ``DeepseekV3Attention`` and Kimi-K3's remote
+Kimi-K3); MLA has no ``k_proj`` module, the name is a convention (vLLM and SGLang drop these scales on their
+MLA layers and serve the FP8 cache with scale 1.0: docs/SERVING.md). transformers' ``DeepseekV3Attention`` and Kimi-K3's remote
 ``KimiMLAAttention`` use the same attribute names, so one rule serves both.
 """
 

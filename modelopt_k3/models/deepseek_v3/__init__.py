@@ -3,7 +3,7 @@ transformers' own ``DeepseekV3*`` classes, BF16, block-FP8 or INT4 pack-quantize
 
 Built by ``models/common``'s ``transformers_moe_spec`` (fused ``DeepseekV3Experts``, the gate/up layout, the
 layer regexes) and its MLA KV-cache site. What is DeepSeek-V3's own: ``prepare`` (the source kind and its
-experts converters), recipes, serving rules and memory model. Facts: docs/DESIGN_NOTES.md "DeepSeek-V3".
+experts converters), recipes, serving rules and memory model. Facts: docs/decisions/0027-deepseek-v3.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """GPT-OSS (``model_type: gpt_oss``): transformers' own ``GptOss*`` classes, MXFP4 routed experts.
 
-``layout``: the checkpoint's OpenAI MXFP4 layout, transformers' ``GptOssExperts`` and ModelOpt's fused NVFP4
+``source_layout``: the checkpoint's OpenAI MXFP4 layout, transformers' ``GptOssExperts`` and ModelOpt's fused NVFP4
 export layout, as pure functions. ``model``: the model class (our experts on transformers' instances), the
 checkpoint view and converters. ``experts``: the fused experts module. The rest (layer regexes, the shared-input
-probe) is ``models/common``'s builder. Facts: docs/DESIGN_NOTES.md "GPT-OSS".
+probe) is ``models/common``'s builder. Facts: docs/decisions/0026-gpt-oss.md.
 """
 
 from __future__ import annotations

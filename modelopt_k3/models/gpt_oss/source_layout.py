@@ -1,7 +1,7 @@
 """GPT-OSS tensor layouts: the OpenAI MXFP4 checkpoint, transformers' ``GptOssExperts``, ModelOpt's export.
 
 Pure functions (no modules, no I/O); the numerics are ``numerics/mxfp4.py`` and ``numerics/convert.py``,
-only the layout mapping lives here (facts in docs/DESIGN_NOTES.md, "GPT-OSS").
+only the layout mapping lives here (facts in docs/decisions/0026-gpt-oss.md).
 
 - Checkpoint, per MoE layer and fused projection ``p`` (``gate_up_proj``: out = 2I, in = H; ``down_proj``:
   out = H, in = I): ``p_blocks`` uint8 ``[E, out, in/32, 16]`` and ``p_scales`` uint8 ``[E, out, in/32]``.

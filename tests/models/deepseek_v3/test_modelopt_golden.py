@@ -34,7 +34,7 @@ def _is_router(key: str) -> bool:
 
 def assert_equals_modelopt_golden(export: Path) -> None:
     """Every tensor bit for bit (input_scale included), hf_quant_config's quantization and config.json's
-    quantization_config equal. One stated exception (docs/DESIGN_NOTES.md, DeepSeek-V3): the routers, which we
+    quantization_config equal. One stated exception (docs/decisions/0027-deepseek-v3.md): the routers, which we
     write as the checkpoint stores them (BF16) and ModelOpt's HF export writes as transformers holds them
     (upcast to FP32): their FP32 values must be ModelOpt's bytes."""
     golden, ours = GOLDEN["tensors"], read_export(export)

@@ -168,8 +168,8 @@ def _block_errors(model, calls: list) -> tuple[list[float], float]:
 def test_nvfp4_gptq_beats_max_on_held_out_tokens_on_the_outlier_stand_in(qwen3_moe_outlier_ckpt):
     """The issue's acceptance: every decoder layer's output, and layer 1's dense MLP block output, err less
     under nvfp4_gptq than under max on tokens calibration never saw. One-pass GPTQ (ModelOpt's) and
-    sequential GPTQ without the asymmetric target both made the dense MLP block 1.6-1.7x max's (recorded in
-    DESIGN_NOTES); the asymmetric target brings it to ~0.13x."""
+    sequential GPTQ without the asymmetric target both made the dense MLP block 1.6-1.7x max's (docs/decisions/0029-calibrators.md,
+    "Ours, not ModelOpt's"); the asymmetric target brings it to ~0.13x."""
     from modelopt_k3.quant.schemes import NVFP4_TENSOR
 
     gptq = _quantized(qwen3_moe_outlier_ckpt, "presets/nvfp4_default_gptq")
