@@ -15,10 +15,12 @@ def test_awq_options_presets_and_refusals():
     assert algorithm_config({"method": "awq", "then": "gptq"}).then_algorithm() == qformat_presets()["nvfp4_gptq"][1]
     assert algorithm_config("awq").then_algorithm() == "max"
     assert algorithm_config(qformat_presets()["nvfp4_awq_gptq"][1]).then == "gptq"
-    assert algorithm_config(qformat_presets()["nvfp4_awq"][1]) == algorithm_config({"method": "awq", "duo_scaling": True})
+    assert algorithm_config(qformat_presets()["nvfp4_awq"][1]) == algorithm_config(
+        {"method": "awq", "duo_scaling": True, "inputs": "act_headroom"})
     assert algorithm_config("awq").duo_scaling is False  # the bare method: ModelOpt awq_lite's rule
+    assert algorithm_config("awq").inputs == "max"  # ... and its inputs: then's max
     for bad in ({"then": "mse"}, {"alpha_step": 0.0}, {"alpha_step": 1.5}, {"pre_quant_scale": True},
-                {"duo_scaling": "yes"}):
+                {"duo_scaling": "yes"}, {"inputs": "mse"}):
         with pytest.raises(AlgorithmError, match="awq"):
             algorithm_config({"method": "awq", **bad})
 

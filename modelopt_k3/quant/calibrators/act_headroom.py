@@ -146,6 +146,55 @@ def recounted_experts(model: nn.Module) -> list[str]:
     return out
 
 
+def counting_blocks(inputs: dict[str, TensorQuantizer], counts: dict[str, torch.Tensor], mode: str) -> list:
+    """Hooks adding each input's block-amax histogram into ``counts`` (name -> int64 ``[HIST_BINS]``) whenever
+    its quantizer runs in ``mode``; the handles, for the caller to remove."""
+    def count(name: str):
+        def hook(q: TensorQuantizer, args: tuple) -> None:
+            if q.mode == mode:  # counted where the activation is (no host sync per batch)
+                c = block_amax_counts(args[0])
+                counts[name] = counts[name].to(c.device) + c
+        return hook
+
+    return [q.register_forward_pre_hook(count(name)) for name, q in inputs.items()]
+
+
+def summed_over_ranks(counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The histograms summed over the run group (integers: exact in any order); on the host."""
+    g = current_group()
+    if g.world_size == 1 or not counts:
+        return {n: c.cpu() for n, c in counts.items()}
+    names = list(counts)
+    summed = torch.stack([counts[n].to(g.device) for n in names])
+    dist.all_reduce(summed, group=g.pg)
+    return dict(zip(names, summed.cpu()))
+
+
+def set_headroom_amaxes(inputs: dict[str, TensorQuantizer], counts: dict[str, torch.Tensor],
+                        config: ActHeadroomConfig) -> dict[str, str]:
+    """Each calibrated input's amax by the rule, from its histogram and its max-calibrated amax (the observed
+    max); the inputs where the rule did not add headroom, and why (a label's note)."""
+    notes = {}
+    for name, q in inputs.items():
+        if not q.calibrated or q.saw_nonfinite:
+            continue  # max's finalize refuses these, naming them
+        amax, which = headroom_amax(counts[name].cpu(), float(q.amax), config.anchor_percentile,
+                                    config.upper_percentile, config.rho)
+        q.amax.copy_(amax.to(q.amax.device))
+        if which != "headroom":
+            notes[name] = "no headroom at this rho" if which == "upper" else "percentiles collapsed"
+    return notes
+
+
+def refuse_recounted(model: nn.Module, who: str) -> None:
+    recounted = recounted_experts(model)
+    if recounted:
+        raise ValueError(f"{who}: {recounted[0]} pushes every token through every replica of its experts "
+                         "(calibrate_all_experts with replicated expert groups), so its histogram would count them "
+                         "once per replica: calibrate without --calibrate_all_experts, or with --ep_degree equal to "
+                         "the world size")
+
+
 @register_calibrator
 class ActHeadroomCalibrator(MaxCalibrator):
     config_type = ActHeadroomConfig
@@ -156,23 +205,10 @@ class ActHeadroomCalibrator(MaxCalibrator):
 
     def observe(self, model: nn.Module, forward_loop: ForwardLoop | None) -> None:
         """Max's forward, each rule input also counting the blocks it observes (the tensors max folds in)."""
-        recounted = recounted_experts(model)
-        if recounted:
-            raise ValueError(f"algorithm nvfp4_act_headroom: {recounted[0]} pushes every token through every replica "
-                             "of its experts (calibrate_all_experts with replicated expert groups), so its histogram "
-                             "would count them once per replica: calibrate without --calibrate_all_experts, or with "
-                             "--ep_degree equal to the world size")
+        refuse_recounted(model, "algorithm nvfp4_act_headroom")
         inputs = headroom_inputs(model)
         self.counts = {name: torch.zeros(HIST_BINS, dtype=torch.int64) for name in inputs}
-
-        def count(name: str):
-            def hook(q: TensorQuantizer, args: tuple) -> None:
-                if q.mode == "calib":  # counted where the activation is (no host sync per batch)
-                    c = block_amax_counts(args[0])
-                    self.counts[name] = self.counts[name].to(c.device) + c
-            return hook
-
-        handles = [q.register_forward_pre_hook(count(name)) for name, q in inputs.items()]
+        handles = counting_blocks(inputs, self.counts, "calib")
         try:
             super().observe(model, forward_loop)
         finally:
@@ -182,22 +218,10 @@ class ActHeadroomCalibrator(MaxCalibrator):
     def reduce(self, model: nn.Module) -> None:
         """Max's amax reduction, and the histograms summed over ranks (integers: exact in any order)."""
         super().reduce(model)
-        g = current_group()
-        if g.world_size > 1 and self.counts:
-            names = list(self.counts)
-            summed = torch.stack([self.counts[n].to(g.device) for n in names])
-            dist.all_reduce(summed, group=g.pg)
-            self.counts = dict(zip(names, summed.cpu()))
+        self.counts = summed_over_ranks(self.counts)
 
     def finalize(self, model: nn.Module, groups: dict[str, tuple[str, ...]]) -> None:
-        inputs = headroom_inputs(model)
-        for name, q in inputs.items():
-            if not q.calibrated or q.saw_nonfinite:
-                continue  # max's finalize refuses these, naming them
-            amax, which = headroom_amax(self.counts[name].cpu(), float(q.amax), self.config.anchor_percentile,
-                                        self.config.upper_percentile, self.config.rho)
-            q.amax.copy_(amax.to(q.amax.device))
-            if which != "headroom":
-                self.labels[name] = f"{self.algorithm} ({which}: {'no headroom at this rho' if which == 'upper' else 'percentiles collapsed'})"
+        for name, why in set_headroom_amaxes(headroom_inputs(model), self.counts, self.config).items():
+            self.labels[name] = f"{self.algorithm} ({'upper' if why.startswith('no') else 'max'}: {why})"
         self.counts = {}
         super().finalize(model, groups)  # refusals, quant mode, shared-input groups, max's weights

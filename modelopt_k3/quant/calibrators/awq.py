@@ -30,7 +30,8 @@ the normalisation that produces the input and ``s`` into every weight that reads
   writes from the model, so nothing is added to ``rewritten``.
 
 The loss is weight-only (inputs unquantized, weights fake-quantized with the group's shared per-tensor scale, as
-the export shares it): activation scales are calibrated after the fold, on the smoothed inputs, by ``then``.
+the export shares it): activation scales are calibrated after the fold, on the smoothed inputs, by ``then`` (its
+max) or, with ``inputs: act_headroom`` (the presets), by nvfp4_act_headroom's rule.
 The folded norms and router weights are source tensors the export would copy: ``rewritten`` names them, and the
 export writes the model's value (in the source dtype) instead. Not built: ``layerwise`` (the layer's norms would
 be written before the export knew them).
@@ -64,8 +65,18 @@ from ...numerics.awq import (
 from ...numerics.constants import NVFP4_BLOCK
 from ...numerics.nvfp4 import nvfp4_fake_quant, nvfp4_global_scale
 from ...recipe.algorithm import MAX, Algorithm, AlgorithmError
-from ..modules import ExpertsQuantState, set_mode
+from ..calibrate import share_group_amax
+from ..modules import ExpertsQuantState, iter_quantizers, set_mode
 from ..schemes import NVFP4_TENSOR
+from .act_headroom import (
+    HIST_BINS,
+    ActHeadroomConfig,
+    counting_blocks,
+    headroom_inputs,
+    refuse_recounted,
+    set_headroom_amaxes,
+    summed_over_ranks,
+)
 from .awq_folds import (
     LinearPair,
     PairFinder,
@@ -91,6 +102,7 @@ from .base import (
 log = logging.getLogger(__name__)
 
 THEN = ("max", "gptq")  # the weight algorithms after the fold (each also names a weight_algorithm, below)
+INPUTS = ("max", "act_headroom")  # the NVFP4 input scales after ``then``: its max, or nvfp4_act_headroom's rule
 GATE_UP = "gate_up_proj"  # the fused experts' projection that reads the layer's input
 DOWN = "down_proj"
 
@@ -104,20 +116,25 @@ class AwqConfig(AlgorithmConfig):
     ``gptq`` (its ``--qformat nvfp4_gptq`` preset's options): AWQ then GPTQ is the best pair of llm-compressor
     #3001's NVFP4 comparison. ``fold_up_down`` / ``fold_v_o``: also smooth down_proj's input into up's output rows
     (per dense MLP, per routed expert) / o_proj's into v's (``awq_folds.py``); the defaults and the ``awq_gptq``
-    preset's ``fold_up_down: false`` are what the peer comparison measured best (decision 0030)."""
+    preset's ``fold_up_down: false`` are what the peer comparison measured best (decision 0030). ``inputs``:
+    the NVFP4 inputs' scales after ``then``, its ``max`` or ``act_headroom`` (nvfp4_act_headroom's rule at its
+    defaults, from one more calibration forward of the smoothed model): the presets take the headroom, since a
+    channel that smoothing made louder and calibration saw quiet is clipped at max's amax on other tokens."""
 
     method = "awq"
     weight_algorithms = ("awq", "awq_gptq")
     # duo: it beat the plain rule on the outlier stand-in (benchmarks/results/peer_calibrators.md)
     # awq_gptq without the up -> down fold: it raised that pair's held-out KL (docs/decisions/0030-awq-v-o-up-down-folds.md)
-    presets = {"awq": {"duo_scaling": True},
-               "awq_gptq": {"duo_scaling": True, "then": "gptq", "fold_up_down": False}}
+    # inputs by the headroom rule: smoothing clipped other tokens at max's input amax (docs/decisions/0030)
+    presets = {"awq": {"duo_scaling": True, "inputs": "act_headroom"},
+               "awq_gptq": {"duo_scaling": True, "then": "gptq", "fold_up_down": False, "inputs": "act_headroom"}}
 
     alpha_step: float = 0.1
     duo_scaling: bool = False
     then: str = "max"
     fold_up_down: bool = True  # also up -> down_proj, dense and per routed expert (awq_folds.py)
     fold_v_o: bool = False  # also v -> o_proj: off, it raised layer 0's held-out error (docs/decisions/0030)
+    inputs: str = "max"  # act_headroom: NVFP4 input amaxes by nvfp4_act_headroom's rule (its defaults) after then
 
     def check(self) -> None:
         if not 0.0 < self.alpha_step <= 1.0:
@@ -129,6 +146,8 @@ class AwqConfig(AlgorithmConfig):
                 raise AlgorithmError(f"algorithm awq: {option} must be true or false, got {getattr(self, option)!r}")
         if self.then not in THEN:
             raise AlgorithmError(f"algorithm awq: then must be one of {list(THEN)}, got {self.then!r}")
+        if self.inputs not in INPUTS:
+            raise AlgorithmError(f"algorithm awq: inputs must be one of {list(INPUTS)}, got {self.inputs!r}")
 
     def candidates(self) -> list[Candidate]:
         """The scale rules searched, in order (the first of equal losses wins): ``alpha`` on the grid, plain; with
@@ -576,6 +595,8 @@ class AwqCalibrator(Calibrator):
         if self.load is None:  # a part of the model (a layerwise layer) or a bare module
             raise ValueError("algorithm awq under layerwise is not built (the folded norms of a layer would be "
                              "written before the export knew them): calibrate resident")
+        if self.config.inputs == "act_headroom":
+            refuse_recounted(model, "algorithm awq (inputs: act_headroom)")
         candidates = self.config.candidates()
         folds = (self.config.fold_v_o, self.config.fold_up_down)
         finder = PairFinder(model, *folds) if any(folds) else None
@@ -615,6 +636,41 @@ class AwqCalibrator(Calibrator):
         then.load = self.load
         then.calibrate(model, forward_loop, groups)
         self._merge(then, chosen)
+        if self.config.inputs == "act_headroom":
+            self._input_headroom(model, forward_loop, groups)
+
+    def _input_headroom(self, model: nn.Module, forward_loop: ForwardLoop,
+                        groups: dict[str, tuple[str, ...]]) -> None:
+        """Every NVFP4 input's amax by nvfp4_act_headroom's rule, from the block-amax histogram of one more
+        calibration forward of the smoothed model (calibration mode, as that calibrator counts: every expert
+        sees every token where the recipe says so) and ``then``'s max as the observed max; shared-input groups
+        then take their members' max again. Smoothing moves each channel by its ``1/s``: a channel quiet in
+        calibration and loud later is what max's amax clips and the headroom holds (decision 0030)."""
+        inputs = headroom_inputs(model)
+        calibrated = {name: q.amax.clone() for name, q in inputs.items()}
+        counting = {name: q.stats for name, q in inputs.items()}  # the report's calibration counts: one pass only
+        modes = [(q, q.mode) for _, q in iter_quantizers(model)]
+        counts = {name: torch.zeros(HIST_BINS, dtype=torch.int64) for name in inputs}
+        handles = counting_blocks(inputs, counts, "calib")
+        set_mode(model, "off")  # the unquantized smoothed model, as max's calibration forward saw it
+        try:
+            for q in inputs.values():
+                q.stats, q.mode = None, "calib"
+            with torch.no_grad():
+                run_together("awq input headroom forward", forward_loop, model)
+        finally:
+            for h in handles:
+                h.remove()
+            for name, q in inputs.items():
+                q.stats = counting[name]
+                q.amax.copy_(calibrated[name])  # the observed max stays then's (max-reduced over ranks)
+            for q, mode in modes:
+                q.mode = mode
+        notes = set_headroom_amaxes(inputs, summed_over_ranks(counts), ActHeadroomConfig())
+        share_group_amax(model, groups)
+        for name in inputs:
+            rule = "nvfp4_act_headroom" + (f" ({notes[name]})" if name in notes else "")
+            self.labels[name] = f"{rule}, after awq's smoothing"
 
     def _pairs(self, finder: PairFinder | None) -> list[LinearPair]:
         """The v->o / up->down pairs found (by name: the same order on every rank); the skipped ones said in

@@ -16,6 +16,7 @@ from .conftest import quantize_and_export
 
 CALIB = dict(num=16, seq=32)
 HELD_OUT = dict(num=8, seq=32, seed=4321)  # another seed than calibration_token_ids' 1234
+CALIB_SEEDS = (1234, 99, 7)  # benchmarks/bench_peer_calibrators.py's draws
 NORMS = [f"model.layers.{i}.{n}" for i in range(3) for n in ("input_layernorm", "post_attention_layernorm")]
 ROUTERS = ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]  # layer 1 is dense (mlp_only_layers)
 DOWNS = ["model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.down_proj", "model.layers.2.mlp.experts.down_proj"]
@@ -149,7 +150,9 @@ def _layer_errors(model, calls: list, want: list) -> list[float]:
 @pytest.mark.slow
 def test_awq_lowers_every_layers_held_out_error_below_max_on_the_outlier_stand_in(qwen3_moe_outlier_ckpt):
     """On tokens calibration never saw, every decoder layer of the AWQ model errs less than max's (each layer fed
-    the BF16 source model's inputs, compared with its output); AWQ then GPTQ errs less than GPTQ alone."""
+    the BF16 source model's inputs, compared with its output); AWQ then GPTQ errs less than GPTQ alone. Summed over
+    the peer benchmark's three calibration draws (``CALIB_SEEDS``): one draw's order is noise (the dense layer's
+    AWQ+GPTQ error is 0.086 against GPTQ's 0.078 on seed 1234, 0.082 against 0.136 on seed 99; decision 0030)."""
     import modelopt_k3
 
     source = modelopt_k3.load_pretrained(qwen3_moe_outlier_ckpt, progress=False)
@@ -162,7 +165,8 @@ def test_awq_lowers_every_layers_held_out_error_below_max_on_the_outlier_stand_i
         h.remove()
     with torch.no_grad():
         want = [_first(layer(*args, **kwargs)) for layer, (args, kwargs) in zip(source.model.layers, calls)]
-    errors = {r: _layer_errors(_quantized(qwen3_moe_outlier_ckpt, r), calls, want)
+    errors = {r: [sum(e) for e in zip(*(_layer_errors(_quantized(qwen3_moe_outlier_ckpt, r, calib={**CALIB, "seed": seed}),
+                                                        calls, want) for seed in CALIB_SEEDS))]
               for r in ("nvfp4_default", "presets/nvfp4_default_awq", "presets/nvfp4_default_gptq",
                         "presets/nvfp4_default_awq_gptq")}
     mx, awq = errors["nvfp4_default"], errors["presets/nvfp4_default_awq"]
@@ -230,3 +234,43 @@ def test_replicated_expert_groups_awq_equals_one_process(qwen3_moe_outlier_ckpt,
     assert set(ours) == set(theirs)
     for key, t in theirs.items():
         assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
+
+
+def test_awq_inputs_by_headroom_are_the_rule_on_the_smoothed_models_calibration_blocks(qwen3_moe_outlier_ckpt):
+    """``inputs: act_headroom`` changes only the NVFP4 inputs' amaxes: every parameter (the folded norms and router,
+    the smoothed weights) is ``inputs: max``'s, and each input's amax is nvfp4_act_headroom's rule on the block
+    amaxes that input sees in a calibration forward of the smoothed, unquantized model, max's amax its observed
+    max; most inputs get headroom above max's."""
+    from modelopt_k3.quant.calibrators.act_headroom import (
+        HIST_BINS,
+        ActHeadroomConfig,
+        block_amax_counts,
+        headroom_amax,
+        headroom_inputs,
+    )
+    from modelopt_k3.quant.modules import set_mode
+
+    plain = _quantized(qwen3_moe_outlier_ckpt, _awq_recipe(inputs="max"))
+    room = _quantized(qwen3_moe_outlier_ckpt, _awq_recipe(inputs="act_headroom"))
+    theirs = dict(room.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, theirs[name]), name
+    inputs = headroom_inputs(plain)
+    counts = {n: torch.zeros(HIST_BINS, dtype=torch.int64) for n in inputs}
+    hooks = [q.register_forward_pre_hook(lambda mod, args, n=n: counts.__setitem__(n, counts[n] + block_amax_counts(args[0])))
+             for n, q in inputs.items()]
+    set_mode(plain, "off")
+    try:
+        with torch.no_grad():
+            plain(input_ids=calibration_token_ids(**CALIB))
+    finally:
+        for h in hooks:
+            h.remove()
+    rule, got = ActHeadroomConfig(), headroom_inputs(room)
+    assert set(got) == set(inputs) and len(inputs) >= 10
+    raised = 0
+    for name, q in inputs.items():
+        want, _ = headroom_amax(counts[name], float(q.amax), rule.anchor_percentile, rule.upper_percentile, rule.rho)
+        assert torch.equal(got[name].amax.reshape(()), want), name
+        raised += bool(want > q.amax)
+    assert raised > len(inputs) // 2, raised
