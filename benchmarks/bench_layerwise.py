@@ -93,7 +93,9 @@ def run(ctx):
     repeats = 1 if ctx.quick else max(1, min(ctx.repeats, 3))
     sides: dict[str, list[dict]] = {"resident": [], "layerwise": []}
     for r in range(repeats):  # interleaved: machine noise hits both sides alike
-        for side, flags in (("resident", ["--report", "none"]), ("layerwise", ["--layerwise"])):
+        # both without the report: since decision 0003 a layerwise run writes one too, and its held-out pass and
+        # weight statistics are work the resident side would not do
+        for side, flags in (("resident", ["--report", "none"]), ("layerwise", ["--layerwise", "--report", "none"])):
             out = ctx.workdir / f"layerwise-bench-{side}"
             argv = ["--pyt_ckpt_path", str(ckpt), "--trust_remote_code", "--export_path", str(out), "--overwrite",
                     "--no_progress", *calib, *flags]
