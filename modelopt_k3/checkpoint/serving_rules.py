@@ -339,7 +339,8 @@ def implausible_input_scales(reader: CheckpointReader, norm_weight_offset: float
                 f"{fmt[1]} input_scale {scale:.6g} implies an input amax of {implied:.6g}; its input, the output of "
                 f"{norm.rsplit('.', 1)[0]}, cannot exceed sqrt(hidden) x max|weight| = {bounds[norm]:.6g} "
                 f"({implied / bounds[norm]:.3g}x above it): activations are quantized that much too coarsely "
-                f"(an input_scale written as amax/6 instead of amax/(6*448) is 448x)")))
+                f"(an input_scale written as amax/6 instead of amax/(6*448) is 448x; nvfp4_act_headroom's rule, "
+                f"also after awq in its presets, puts it there on purpose: rho x the 1st-percentile block amax)")))
     return out
 
 

@@ -79,7 +79,7 @@ class QuantPlan:
     # experts module name -> projection name -> format (same for every expert of the module)
     experts: dict[str, dict[str, QuantFormat]] = field(default_factory=dict)
     left_bf16: dict[str, str] = field(default_factory=dict)  # module name -> reason
-    # weight quantizer name -> what chose its scales, for weight algorithms (quant/calibrators); {} under max
+    # weight name (input quantizer name, for an input rule's exceptions) -> what chose its scales; {} under max
     calibration: dict[str, str] = field(default_factory=dict)
     # weight quantizer name -> which algorithm produced its scales (calibrators.weight_algorithm_names());
     # the calibrator's own record, the report's ``weight_algorithm``
@@ -103,9 +103,17 @@ class QuantPlan:
         lines += [f"    {n:>6}  {reason}" for reason, n in reasons.most_common()]
         if self.table.groups:
             lines.append(f"  {len(self.table.groups)} shared-input groups share weight_scale_2/input_scale")
-        lines += [f"  weight scales: {n:>6} by {how}" for how, n in sorted(Counter(self.calibration.values()).items())]
+        for what, inputs in (("weight scales", False), ("input scales", True)):
+            labels = Counter(how for name, how in self.calibration.items() if _names_an_input(name) == inputs)
+            lines += [f"  {what}: {n:>6} by {how}" for how, n in sorted(labels.items())]
         lines += [f"  source bytes:  {n:>6} {how}" for how, n in sorted(Counter(self.source_labels.values()).items())]
         return "\n".join(lines)
+
+
+def _names_an_input(quantizer: str) -> bool:
+    """Whether a calibration label's key is an input quantizer (a Linear's ``input_quantizer``, an experts module's
+    ``quant.input.<param>``): calibrators label weights by the weight's name, inputs by the quantizer's."""
+    return quantizer.endswith(".input_quantizer") or ".quant.input." in quantizer
 
 
 def _tied_elsewhere(model: nn.Module, name: str, linear: nn.Linear) -> bool:

@@ -48,3 +48,20 @@ def test_awq_refuses_what_it_cannot_fold():
         calibrator_for("awq").calibrate(layer, None, {})
     with pytest.raises(ValueError, match="layerwise is not built"):
         calibrator_for("awq").calibrate(layer, lambda m: m(torch.zeros(1, 16)), {})
+
+
+def test_the_summary_counts_input_labels_as_input_scales():
+    """A calibrator labels weights by the weight's name and an input rule's exceptions by the input quantizer's
+    (nvfp4_act_headroom, awq's ``inputs``): the run's summary says which are which."""
+    from modelopt_k3.quant.api import QuantPlan
+    from modelopt_k3.quant.decisions import DecisionTable
+    from modelopt_k3.recipe import load_recipe
+
+    recipe = load_recipe("presets/nvfp4_default_awq")
+    plan = QuantPlan(recipe, DecisionTable(recipe, {}), load=None, calibration={
+        "model.layers.0.self_attn.q_proj": "awq (folded), then max",
+        "model.layers.0.self_attn.q_proj.input_quantizer": "nvfp4_act_headroom after awq (no headroom at this rho)",
+        "model.layers.0.mlp.experts.quant.input.gate_up_proj": "nvfp4_act_headroom after awq (no headroom at this rho)"})
+    lines = plan.summary().splitlines()
+    assert "  weight scales:      1 by awq (folded), then max" in lines
+    assert "  input scales:      2 by nvfp4_act_headroom after awq (no headroom at this rho)" in lines

@@ -668,9 +668,11 @@ class AwqCalibrator(Calibrator):
                 q.mode = mode
         notes = set_headroom_amaxes(inputs, summed_over_ranks(counts), ActHeadroomConfig())
         share_group_amax(model, groups)
-        for name in inputs:
-            rule = "nvfp4_act_headroom" + (f" ({notes[name]})" if name in notes else "")
-            self.labels[name] = f"{rule}, after awq's smoothing"
+        for name, why in notes.items():  # as nvfp4_act_headroom labels them: the inputs the rule left at max
+            self.labels[name] = f"nvfp4_act_headroom after awq ({why})"
+        if current_group().is_main:
+            log.info("awq inputs: %d NVFP4 input scales by nvfp4_act_headroom's rule (%d left at max)",
+                     len(inputs) - len(notes), len(notes))
 
     def _pairs(self, finder: PairFinder | None) -> list[LinearPair]:
         """The v->o / up->down pairs found (by name: the same order on every rank); the skipped ones said in
