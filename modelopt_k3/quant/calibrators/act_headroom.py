@@ -170,20 +170,24 @@ def summed_over_ranks(counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return dict(zip(names, summed.cpu()))
 
 
+# headroom_amax's term -> why the rule added no headroom (the labels' words); "headroom" is not listed
+NO_HEADROOM = {"upper": "no headroom at this rho", "max": "percentiles collapsed"}
+
+
 def set_headroom_amaxes(inputs: dict[str, TensorQuantizer], counts: dict[str, torch.Tensor],
                         config: ActHeadroomConfig) -> dict[str, str]:
     """Each calibrated input's amax by the rule, from its histogram and its max-calibrated amax (the observed
-    max); the inputs where the rule did not add headroom, and why (a label's note)."""
-    notes = {}
+    max); the inputs where the rule added no headroom, and which term chose their amax (``NO_HEADROOM``'s keys)."""
+    kept = {}
     for name, q in inputs.items():
         if not q.calibrated or q.saw_nonfinite:
             continue  # max's finalize refuses these, naming them
-        amax, which = headroom_amax(counts[name].cpu(), float(q.amax), config.anchor_percentile,
+        amax, which = headroom_amax(counts[name], float(q.amax), config.anchor_percentile,
                                     config.upper_percentile, config.rho)
         q.amax.copy_(amax.to(q.amax.device))
         if which != "headroom":
-            notes[name] = "no headroom at this rho" if which == "upper" else "percentiles collapsed"
-    return notes
+            kept[name] = which
+    return kept
 
 
 def refuse_recounted(model: nn.Module, who: str) -> None:
@@ -221,7 +225,7 @@ class ActHeadroomCalibrator(MaxCalibrator):
         self.counts = summed_over_ranks(self.counts)
 
     def finalize(self, model: nn.Module, groups: dict[str, tuple[str, ...]]) -> None:
-        for name, why in set_headroom_amaxes(headroom_inputs(model), self.counts, self.config).items():
-            self.labels[name] = f"{self.algorithm} ({'upper' if why.startswith('no') else 'max'}: {why})"
+        for name, which in set_headroom_amaxes(headroom_inputs(model), self.counts, self.config).items():
+            self.labels[name] = f"{self.algorithm} ({which}: {NO_HEADROOM[which]})"
         self.counts = {}
         super().finalize(model, groups)  # refusals, quant mode, shared-input groups, max's weights

@@ -70,6 +70,7 @@ from ..modules import ExpertsQuantState, iter_quantizers, set_mode
 from ..schemes import NVFP4_TENSOR
 from .act_headroom import (
     HIST_BINS,
+    NO_HEADROOM,
     ActHeadroomConfig,
     counting_blocks,
     headroom_inputs,
@@ -666,13 +667,13 @@ class AwqCalibrator(Calibrator):
                 q.amax.copy_(calibrated[name])  # the observed max stays then's (max-reduced over ranks)
             for q, mode in modes:
                 q.mode = mode
-        notes = set_headroom_amaxes(inputs, summed_over_ranks(counts), ActHeadroomConfig())
+        kept = set_headroom_amaxes(inputs, summed_over_ranks(counts), ActHeadroomConfig())
         share_group_amax(model, groups)
-        for name, why in notes.items():  # as nvfp4_act_headroom labels them: the inputs the rule left at max
-            self.labels[name] = f"nvfp4_act_headroom after awq ({why})"
+        for name, which in kept.items():  # as nvfp4_act_headroom labels them: the inputs the rule left at max
+            self.labels[name] = f"nvfp4_act_headroom after awq ({NO_HEADROOM[which]})"
         if current_group().is_main:
             log.info("awq inputs: %d NVFP4 input scales by nvfp4_act_headroom's rule (%d left at max)",
-                     len(inputs) - len(notes), len(notes))
+                     len(inputs) - len(kept), len(kept))
 
     def _pairs(self, finder: PairFinder | None) -> list[LinearPair]:
         """The v->o / up->down pairs found (by name: the same order on every rank); the skipped ones said in
