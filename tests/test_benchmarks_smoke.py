@@ -223,7 +223,6 @@ def test_every_name_the_benchmarks_import_from_the_package_exists():
     # The benchmarks import the package lazily, inside the functions an area runs; an area the quick run skips
     # (wall_time, convert, the peers) would otherwise find a renamed function only in a full run.
     import ast
-    import importlib
 
     missing = []
     for path in sorted((REPO / "benchmarks").glob("*.py")):
