@@ -32,6 +32,13 @@ PROCESS_IO_READ, PROCESS_IO_WRITE = 2 * GB, 1.5 * GB
 # decoder layer per forward (kernel launches and Python dispatch of ~30 modules; eager, no CUDA graphs).
 GPU_STARTUP_S = 60.0
 GPU_LAYER_FORWARD_S = 2e-3
+# Fixed costs per tensor and per routed-expert call (nominal, not measured on a GPU host; this CPU host measures
+# its own, 0.1-0.5 ms each: benchmarks/bench_wall_time.py). The loader handles each source tensor in Python (slice,
+# checks, decode and copy launches), the export each written tensor (quantize launches, device->host copy, header,
+# digest) and the served check reads each one back; an eager fused-experts forward launches ~15 kernels per expert
+# that received tokens (gather, two GEMMs, activation, scatter, the observers' reductions) at ~10 us each.
+GPU_TENSOR_LOAD_S, GPU_TENSOR_EXPORT_S, GPU_TENSOR_CHECK_S = 1e-4, 1e-4, 5e-5
+GPU_EXPERT_CALL_S = 1.5e-4
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,10 @@ class Hardware:
     ``gpus_per_host``: ranks sharing one host's disks; ``nvlink_domain``: ranks an all-to-all reaches over
     NVLink (beyond it, ``inter_node_bytes_per_s``). ``decode_bytes_per_s``: decoded bytes one rank produces
     per second from an MXFP4/FP8 source (on a GPU: HBM-bound, three passes: read source, write decoded,
-    the copy into the module). ``startup_s`` and ``layer_forward_s``: the fixed costs."""
+    the copy into the module). ``startup_s`` and ``layer_forward_s``: the fixed costs. The per-unit costs
+    (``tensor_load_s``: per source tensor a rank loads; ``expert_call_s``: per routed expert that receives tokens,
+    per batch and MoE layer; ``tensor_export_s``: per tensor written; ``tensor_check_s``: per tensor the served
+    check reads back) grow with the expert count, not the bytes; 0 leaves a cost out."""
 
     name: str
     memory_bytes: int  # per GPU (the memory planner's budget)
@@ -62,6 +72,10 @@ class Hardware:
     startup_s: float
     layer_forward_s: float
     source: str = ""  # where the numbers come from, printed with the plan
+    tensor_load_s: float = 0.0
+    expert_call_s: float = 0.0
+    tensor_export_s: float = 0.0
+    tensor_check_s: float = 0.0
 
     def with_overrides(self, *, disk_gbps: float | None = None, disk_write_gbps: float | None = None,
                        net_gbps: float | None = None) -> Hardware:
@@ -98,7 +112,9 @@ def gpu_preset(name: str, *, memory_gb: float, gpus_per_host: int, nvlink_domain
         host_disk_read_bytes_per_s=HOST_DISK_READ, host_disk_write_bytes_per_s=HOST_DISK_WRITE,
         process_read_bytes_per_s=PROCESS_IO_READ, process_write_bytes_per_s=PROCESS_IO_WRITE,
         decode_bytes_per_s=hbm / 3, search_bytes_per_s=hbm, factor_flop_per_s=bf16_tflops * TFLOPS * 0.02,
-        startup_s=GPU_STARTUP_S, layer_forward_s=GPU_LAYER_FORWARD_S, source=source)
+        startup_s=GPU_STARTUP_S, layer_forward_s=GPU_LAYER_FORWARD_S, source=source,
+        tensor_load_s=GPU_TENSOR_LOAD_S, expert_call_s=GPU_EXPERT_CALL_S, tensor_export_s=GPU_TENSOR_EXPORT_S,
+        tensor_check_s=GPU_TENSOR_CHECK_S)
 
 
 PRESETS: dict[str, Hardware] = {

@@ -62,12 +62,17 @@ class ExpertGroup:
     num_experts: int = 0
     packed: bool = False  # the source check's decision for the checkpoint (``SourceLayout.packed_experts``)
     stored_bytes: int = 0  # all experts, as stored (packed: codes + scales)
+    stored_tensors: int = 0  # all experts' tensors, as stored (the loader's per-tensor work)
     # projection name -> decoded (out, in) per expert
     projections: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def stored_bytes_per_expert(self) -> int:
         return self.stored_bytes // max(self.num_experts, 1)
+
+    @property
+    def stored_tensors_per_expert(self) -> float:
+        return self.stored_tensors / max(self.num_experts, 1)
 
     @property
     def decoded_numel_per_expert(self) -> int:
@@ -205,6 +210,7 @@ def _layout(path: Path, config: dict, spec: ModelSpec, stored: list[tuple[str, t
         group = groups.get(module) or groups.setdefault(module, ExpertGroup(module, packed=packed))
         experts_seen[module].add(expert)
         group.stored_bytes += math.prod(shape) * dtype.itemsize
+        group.stored_tensors += 1
         if kind == PACKED_CODES and dtype == torch.int32:  # INT4 pack-quantized: 8 values a word, decoded
             group.projections[proj] = (shape[0], shape[1] * 8)
         elif kind == PACKED_CODES:  # MXFP4: two E2M1 codes a byte

@@ -14,20 +14,23 @@ What each phase counts, for the busiest rank (replica 0 of the EP group: it also
 
 * **load**: the source bytes this rank reads, streamed through the slowest of the host's disks (shared by the
   host's ranks), one process's reader and the host->device link (they overlap: the largest counts), then the
-  decode of MXFP4/FP8 sources into the load dtype (after the read: ``load/pretrained.py`` decodes what it read).
+  decode of MXFP4/FP8 sources into the load dtype (after the read: ``load/pretrained.py`` decodes what it read),
+  and a fixed cost per source tensor.
 * **calibration**: ``forwards`` passes over this rank's ``calib_size / world`` sequences (max: 1; local_hessian
   and gptq one more; gptq ``true_sequential`` one per stage of a layer). Each pass is a roofline over the
   batches (GEMM FLOPs of the dense Linears and top-k routed experts, plus every expert on every token of the EP
   group under ``calibrate_all_experts``, against streaming the resident weights
   from HBM once per batch) plus the all-to-all bytes (dispatch and combine of every routed row that leaves the
   rank, over NVLink within the domain, else the network; ``calibrate_all_experts`` also gathers the group's
-  tokens), a fixed cost per decoder layer per batch, the
-  packed experts' decode per batch, and under ``--layerwise`` each layer's captured inputs through the
+  tokens), a fixed cost per decoder layer per batch and, under the eager experts loop, per expert that receives
+  tokens per batch and MoE layer (``grouped_mm`` runs a layer's experts in one call), the packed experts'
+  decode per batch, and under ``--layerwise`` each layer's captured inputs through the
   host link (out and back). Then the weight algorithm: the block-scale searches stream their candidates;
   GPTQ factorizes one ``[in, in]`` Hessian per Linear/expert (``4/3 in^3`` FLOPs: Cholesky and inverse) and
   updates the weight (``2 out in^2``).
 * **export**: the bytes this rank writes (NVFP4: 4.5 bits a weight; the rest as loaded), through the slowest
-  of the device->host link, one process's writer and the host's disks.
+  of the device->host link, one process's writer and the host's disks; a fixed cost per tensor written, and
+  the served check hf_ptq runs after the export (rank 0 reads every tensor's header and the scales back).
 * **start-up**: a fixed cost per run (process, imports, process group, tokenizer, preflight).
 
 First order, stated: the phases do not overlap one another (the code runs them in turn; layerwise reads,
@@ -75,7 +78,10 @@ class Workload:
     ``resident_weight_bytes``: weights a pass streams from HBM per batch; ``forward_decode_bytes``: packed
     experts decoded per batch. ``a2a_bytes``: per pass, what leaves the rank in the all-to-alls (dispatch and
     combine). ``activation_bytes``: layerwise only, captured inputs moved per pass (to the host and back).
-    ``search_bytes``/``factor_flop``/``update_flop``: the weight algorithm after the passes."""
+    ``search_bytes``/``factor_flop``/``update_flop``: the weight algorithm after the passes. The counts behind
+    the fixed costs: ``source_tensors`` this rank loads, ``expert_calls`` per pass (routed experts that receive
+    tokens, summed over batches and MoE layers), ``output_tensors`` this rank writes, ``checked_tensors`` the
+    served check reads back (the whole export, on rank 0)."""
 
     world_size: int
     ep_degree: int
@@ -98,6 +104,10 @@ class Workload:
     factor_flop: float = 0.0
     update_flop: float = 0.0
     algorithm: str = "max"
+    source_tensors: int = 0
+    expert_calls: float = 0.0
+    output_tensors: int = 0
+    checked_tensors: int = 0
 
 
 @dataclass
@@ -166,6 +176,7 @@ def predict(w: Workload, hw: Hardware) -> WallTime:
         "process read": w.read_bytes / hw.process_read_bytes_per_s,
         "host->device": w.read_bytes / hw.host_link_bytes_per_s,
         "decode": w.decode_bytes / hw.decode_bytes_per_s,
+        "per-tensor overhead": w.source_tensors * hw.tensor_load_s,
     }, streamed=("disk read", "process read", "host->device"))
     flop = w.tokens * (w.dense_flop_per_token + w.expert_flop_per_token)
     gemm, hbm = flop / hw.gemm_flop_per_s, w.batches * w.resident_weight_bytes / hw.hbm_bytes_per_s
@@ -174,6 +185,7 @@ def predict(w: Workload, hw: Hardware) -> WallTime:
         "HBM weight reads": hbm if hbm > gemm else 0.0,  # the roofline: the larger of the two counts
         "all-to-all": w.a2a_bytes / _a2a_rate(w, hw) if w.ep_degree > 1 else 0.0,
         "per-layer overhead": w.batches * w.layers * hw.layer_forward_s,
+        "per-expert dispatch": w.expert_calls * hw.expert_call_s,
         "packed decode": w.batches * w.forward_decode_bytes / hw.decode_bytes_per_s,
         "activations host<->device": w.activation_bytes / hw.host_link_bytes_per_s,
     }
@@ -187,6 +199,8 @@ def predict(w: Workload, hw: Hardware) -> WallTime:
         "disk write": w.write_bytes * writers_per_host / hw.host_disk_write_bytes_per_s,
         "process write": w.write_bytes / hw.process_write_bytes_per_s,
         "device->host": w.write_bytes / hw.host_link_bytes_per_s,
+        "per-tensor overhead": w.output_tensors * hw.tensor_export_s,
+        "served check": w.checked_tensors * hw.tensor_check_s,
     }, streamed=("disk write", "process write", "device->host"))
     phases = [Phase("start-up", {"fixed start-up": hw.startup_s}), load, Phase("calibration", calib), export]
     return WallTime(hw.name, {p.name: p for p in phases})
@@ -283,6 +297,8 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
         factor = sum(n * 4 / 3 * i ** 3 for o, i, n in weights)
         update = sum(n * 2.0 * o * i * i for o, i, n in weights)
     writes_experts = not plan.expert_parallel or plan.expert_placement.writes_experts
+    experts_out_tensors = sum(g.num_experts * _tensors_per_expert(table, g, layout.spec) for g in layout.experts)
+    dense_out_tensors = _dense_output_tensors(layout, table)
     out_experts = sum(e_local * o * i * _output_bytes_per_weight(experts_formats(table, g, layout.spec).get(p), b)
                       for g in layout.experts for p, (o, i) in g.fused_shapes(layout.spec).items())
     return Workload(
@@ -296,7 +312,53 @@ def workload_of(layout: CheckpointLayout, plan: DistributionPlan, *, recipe: Rec
         forward_decode_bytes=experts_decoded if packed else 0,
         dense_flop_per_token=dense_flop, expert_flop_per_token=expert_flop, a2a_bytes=int(a2a),
         activation_bytes=2 * tokens * hidden * b * layers if layerwise else 0,
-        search_bytes=int(search), factor_flop=factor, update_flop=update, algorithm=algorithm)
+        search_bytes=int(search), factor_flop=factor, update_flop=update, algorithm=algorithm,
+        source_tensors=round((len(layout.dense) + len(layout.carried_tensors)) / dense_share
+                             + sum(e_local * g.stored_tensors_per_expert for g in layout.experts)),
+        expert_calls=batches * sum(_experts_hit(g, e_local, ep, tokens / max(batches, 1), top_k,
+                                                recipe.calibrate_all_experts) for g in layout.experts)
+        if plan.local_experts_implementation == "eager" else 0.0,  # grouped_mm: one call per projection
+        output_tensors=round((experts_out_tensors * e_local / max(layout.num_experts, 1) if writes_experts else 0)
+                             + dense_out_tensors / world),
+        checked_tensors=experts_out_tensors + dense_out_tensors)
+
+
+def _experts_hit(group, e_local: int, ep: int, batch_tokens: float, top_k: int, all_experts: bool) -> float:
+    """Expected local experts that receive tokens in one batch of one MoE layer: the EP group's routed rows
+    for this rank's experts, spread uniformly (balanced routing) over them; every one under
+    ``calibrate_all_experts``. Counted only for the eager loop (one call per expert); ``grouped_mm`` runs a
+    layer's experts in one call per projection, inside the per-layer overhead."""
+    if all_experts or not e_local:
+        return float(e_local)
+    rows = batch_tokens * ep * top_k * e_local / max(group.num_experts, 1)
+    return e_local * (1 - (1 - 1 / e_local) ** rows)
+
+
+def _tensors_per_weight(fmt: QuantFormat | None) -> int:
+    """Tensors the export writes for one weight in ``fmt``: the weight alone where it stays as loaded; NVFP4's
+    codes, block scales and global scale; another format's codes and scale; plus ``input_scale`` where inputs are
+    quantized."""
+    from ..quant.schemes import NVFP4_TENSOR
+
+    if fmt is None:
+        return 1
+    return (3 if fmt.weights is NVFP4_TENSOR else 2) + (fmt.inputs is not None)
+
+
+def _tensors_per_expert(table: DecisionTable, group, spec) -> int:
+    """Tensors the export writes per routed expert (one prefix per checkpoint projection, ``_expert_tensors``)."""
+    formats = experts_formats(table, group, spec)
+    return sum(_tensors_per_weight(formats.get(proj.fused_param)) for proj in spec.experts.projections)
+
+
+def _dense_output_tensors(layout: CheckpointLayout, table: DecisionTable) -> int:
+    """Tensors of the dense part and the carried modules in the export (a quantized Linear's weight becomes its
+    format's tensors; everything else is written once)."""
+    total = len(layout.carried_tensors)
+    for t in layout.dense:
+        linear = t.name.endswith(".weight") and len(t.shape) == 2
+        total += _tensors_per_weight(dense_format(table, t.module)) if linear else 1
+    return total
 
 
 def _searched_weights(layout: CheckpointLayout, table: DecisionTable, e_local: int) -> list[tuple[int, int, int]]:

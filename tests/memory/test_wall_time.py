@@ -32,35 +32,41 @@ HW = Hardware(
     host_link_bytes_per_s=1e10, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e8,
     host_disk_read_bytes_per_s=4e9, host_disk_write_bytes_per_s=2e9, process_read_bytes_per_s=1e9,
     process_write_bytes_per_s=2e9, decode_bytes_per_s=1e10, search_bytes_per_s=1e11, factor_flop_per_s=1e10,
-    startup_s=3.0, layer_forward_s=0.01)
+    startup_s=3.0, layer_forward_s=0.01, tensor_load_s=1e-3, expert_call_s=1e-3, tensor_export_s=1e-3,
+    tensor_check_s=5e-4)
 WORK = Workload(
     world_size=2, ep_degree=2, layerwise=False, read_bytes=3 * 10**9, decode_bytes=2 * 10**10,
     write_bytes=3 * 10**9, writers=2, tokens=1000, batches=4, forwards=2, layers=10,
     resident_weight_bytes=10**10, forward_decode_bytes=0, dense_flop_per_token=1e9, expert_flop_per_token=1e9,
-    a2a_bytes=5 * 10**8, activation_bytes=0, search_bytes=10**11)
+    a2a_bytes=5 * 10**8, activation_bytes=0, search_bytes=10**11, source_tensors=1000, expert_calls=200,
+    output_tensors=2000, checked_tensors=4000)
 
 
 def test_hand_computed_phases() -> None:
     t = predict(WORK, HW)
     load = t.phases["load"]
     # disk 3e9 x 2 ranks / 4e9 = 1.5 s, one process 3e9 / 1e9 = 3 s, host link 0.3 s: streamed, the slowest
-    # counts; then the decode 2e10 / 1e10 = 2 s.
-    assert load.terms == pytest.approx({"disk read": 1.5, "process read": 3.0, "host->device": 0.3, "decode": 2.0})
-    assert (load.seconds, load.bottleneck) == (pytest.approx(5.0), "process read")
+    # counts; then the decode 2e10 / 1e10 = 2 s and 1000 source tensors x 1 ms = 1 s.
+    assert load.terms == pytest.approx({"disk read": 1.5, "process read": 3.0, "host->device": 0.3, "decode": 2.0,
+                                        "per-tensor overhead": 1.0})
+    assert (load.seconds, load.bottleneck) == (pytest.approx(6.0), "process read")
     calib = t.phases["calibration"]
     # Per pass: 1000 tokens x 2e9 FLOP / 1e12 = 2 s against 4 batches x 1e10 B / 1e11 = 0.4 s (GEMM-bound);
-    # all-to-all 5e8 / 1e9 (EP 2 within the NVLink domain of 2) = 0.5 s; 4 batches x 10 layers x 10 ms = 0.4 s.
-    # Two passes, then the search 1e11 / 1e11 = 1 s.
+    # all-to-all 5e8 / 1e9 (EP 2 within the NVLink domain of 2) = 0.5 s; 4 batches x 10 layers x 10 ms = 0.4 s;
+    # 200 expert calls x 1 ms = 0.2 s. Two passes, then the search 1e11 / 1e11 = 1 s.
     assert calib.terms == pytest.approx({"GEMM FLOPs": 4.0, "all-to-all": 1.0, "per-layer overhead": 0.8,
-                                         "weight search": 1.0})
-    assert (calib.seconds, calib.bottleneck) == (pytest.approx(6.8), "GEMM FLOPs")
+                                         "per-expert dispatch": 0.4, "weight search": 1.0})
+    assert (calib.seconds, calib.bottleneck) == (pytest.approx(7.2), "GEMM FLOPs")
     export = t.phases["export"]
-    # disk 3e9 x 2 writers / 2e9 = 3 s, one process 1.5 s, device->host 0.3 s: the disk.
-    assert (export.seconds, export.bottleneck) == (pytest.approx(3.0), "disk write")
-    assert t.total == pytest.approx(3.0 + 5.0 + 6.8 + 3.0)
+    # disk 3e9 x 2 writers / 2e9 = 3 s, one process 1.5 s, device->host 0.3 s: the disk; then 2000 tensors
+    # written x 1 ms and 4000 read back by the check x 0.5 ms, 2 s each.
+    assert export.terms["per-tensor overhead"] == pytest.approx(2.0)
+    assert export.terms["served check"] == pytest.approx(2.0)
+    assert (export.seconds, export.bottleneck) == (pytest.approx(7.0), "disk write")
+    assert t.total == pytest.approx(3.0 + 6.0 + 7.2 + 7.0)
     assert t.bottleneck == "calibration: GEMM FLOPs"
     row = t.as_dict()
-    assert (row["total_s"], row["load_s"], row["load_bottleneck"]) == (17.8, 5.0, "process read")
+    assert (row["total_s"], row["load_s"], row["load_bottleneck"]) == (23.2, 6.0, "process read")
 
 
 def test_roofline_all_to_all_and_layerwise_terms() -> None:
@@ -134,6 +140,52 @@ def test_workload_reads_the_checkpoint_once_across_an_ep_group(tiny_ckpt: Path) 
     assert packed.resident_weight_bytes == two.resident_weight_bytes - decoded // 2 + experts // 2
     # The expert FLOPs: top-k experts' Linears per token, every MoE layer.
     assert one.expert_flop_per_token == 2 * top_k * sum(g.decoded_numel_per_expert for g in layout.experts)
+
+
+def _tensor_count(path: Path) -> int:
+    return len(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_workload_counts_the_tensors_a_run_reads_writes_and_checks(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """The fixed costs' counts are the run's: the source tensors a rank loads, the tensors a real export of the
+    recipe holds (every one written once, and read back by the served check), the experts that get tokens."""
+    import torch
+
+    from modelopt_k3 import export_checkpoint, load_pretrained, quantize
+
+    layout = read_layout(tiny_ckpt)
+    recipe = load_recipe("presets/nvfp4")
+    one = workload_of(layout, _plan(layout, 1), recipe=recipe, calib_size=8, batch_size=2, calib_seq=64,
+                      layerwise=False)
+    model = load_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32, progress=False)
+    quantize(model, "presets/nvfp4", lambda m: m(input_ids=torch.arange(64)[None], use_cache=False), verbose=False)
+    export_checkpoint(model, tmp_path / "out", progress=False)
+    written = _tensor_count(tmp_path / "out")
+    assert one.source_tensors == _tensor_count(tiny_ckpt)
+    assert one.output_tensors == one.checked_tensors == written
+    # EP 2: rank 0 loads the dense part and half the experts' tensors, writes half of both; the check reads all.
+    two = workload_of(layout, _plan(layout, 2), recipe=recipe, calib_size=8, batch_size=2, calib_seq=64,
+                      layerwise=False)
+    experts_stored = sum(g.stored_tensors for g in layout.experts)
+    assert two.source_tensors == len(layout.dense) + experts_stored // 2
+    assert two.output_tensors == pytest.approx(written / 2, abs=1) and two.checked_tensors == written
+    # Expert calls: 2 batches x 128 tokens x top-k rows over 8 experts hit nearly all of them, per MoE layer;
+    # calibrate_all_experts calls every local expert; grouped_mm (a bf16 CUDA plan) none one by one.
+    moe_layers, e = len(layout.experts), layout.num_experts
+    top_k = layout.text_config["num_experts_per_token"]
+
+    def calls(world: int, device: str, r=recipe) -> float:
+        plan = planned(layout, Asked("whole" if world == 1 else "expert_parallel", "replicated", "bf16", world),
+                       RunShape(device=device))
+        return workload_of(layout, plan, recipe=r, calib_size=8, batch_size=2, calib_seq=64,
+                           layerwise=False).expert_calls
+
+    assert calls(1, "cpu") == pytest.approx(4 * moe_layers * e * (1 - (1 - 1 / e) ** (128 * top_k)))
+    # EP 2: both ranks' 128-token batches route rows to this rank's half of the experts.
+    half = e // 2
+    assert calls(2, "cpu") == pytest.approx(2 * moe_layers * half * (1 - (1 - 1 / half) ** (2 * 128 * top_k / 2)))
+    assert calls(2, "cpu", dataclasses.replace(recipe, calibrate_all_experts=True)) == 2 * moe_layers * half
+    assert calls(1, "cuda") == 0  # grouped_mm (a bf16 CUDA plan): one call per projection, not per expert
 
 
 def test_workload_counts_the_recipe(tiny_ckpt: Path) -> None:
