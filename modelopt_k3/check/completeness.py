@@ -40,15 +40,16 @@ class DegenerateScales(CheckpointError):
 def _expected(path: Path, raw: dict, reader) -> tuple[set[str], list[tuple[str, int, tuple[str, ...]]]] | None:
     """(dense names, [(experts module, num experts, projections)]) of the export's model, or None when its
     class runs checkpoint code (not built without the user's trust)."""
-    from ..load.pretrained import _build_on_meta, _sharded_expert_params, persistent_tensors
-    from ..spec.config import load_dtype
-
     try:
         spec = get_spec(str(raw.get("model_type", "")))
     except SpecError:
         return None
     if spec.loading.model_class.remote_code:
         return None
+    # Imported only when a model is built here (the loader imports transformers' experts interface, ~0.5 s).
+    from ..load.pretrained import _build_on_meta, _sharded_expert_params, persistent_tensors
+    from ..spec.config import load_dtype
+
     model_cls, config = spec.loading.model_class.resolve(path, raw, trust_remote_code=False)
     # The export's reader: what is stored decides the ties (tied embeddings without lm_head.weight), as on load.
     model = _build_on_meta(model_cls, config, load_dtype(config), reader, spec)

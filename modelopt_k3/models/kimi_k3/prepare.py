@@ -24,7 +24,6 @@ from ...dist.placement import ExpertPlacement
 from ...numerics.constants import MXFP4_BLOCK
 from ...spec import PrepareContext, SpecError
 from .converters import kimi_k3_converters
-from .experts import KimiK3Experts
 from .shims import apply_class_shims
 
 BLOCK_CLASS = "KimiSparseMoeBlock"
@@ -88,6 +87,9 @@ def parse_source_scheme(config) -> str | None:
 
 def make_fused_block(original: type) -> type:
     """A subclass of the remote MoE block whose experts are one ``KimiK3Experts`` holding every expert."""
+    # Imported when a model is built: transformers' experts interface imports torch's compiler stack (~0.5 s),
+    # which the streaming converter and the checks never use.
+    from .experts import KimiK3Experts
 
     class FusedKimiSparseMoeBlock(original):
         _modelopt_k3_fused = True
