@@ -176,15 +176,18 @@ def run(ctx):
             statistics.median(times[n]) / tmax, ratio_range=(min(paired), max(paired)), target=None,
             target_text="report only (x max's time)", higher_is_better=False))
         per_linear = [output[n][k] / output["max"][k] for k in output["max"]]
-        for kind, ours, ref, ratio, what in (
+        for kind, ours, ref, ratio, what, sides in (
                 ("weight", sum(weight[n].values()), sum(weight["max"].values()), None,
-                 "summed weight error (all NVFP4 weights)"),
+                 "summed weight error (all NVFP4 weights)",
+                 (f"{ALGORITHMS[n]}: summed weight error", "nvfp4_default (max): summed weight error")),
                 ("output", max(per_linear), min(per_linear), statistics.mean(per_linear),
-                 "held-out output error (dense Linears), mean of per-Linear ratios")):
+                 "held-out output error (dense Linears), mean of per-Linear ratios",
+                 (f"worst per-Linear held-out output error, {n} / max",
+                  f"best per-Linear held-out output error, {n} / max"))):
             figures.append(Figure(
                 f"calibrators/{kind}_error_{n}", AREA, f"{what}, {n} / max",
-                {"value": ours, "unit": "" if ratio is None else "worst ratio"},
-                {"value": ref, "unit": "" if ratio is None else "best ratio"},
+                {"label": sides[0], "value": ours, "unit": "" if ratio is None else "worst ratio"},
+                {"label": sides[1], "value": ref, "unit": "" if ratio is None else "best ratio"},
                 ours / ref if ratio is None else ratio, target=None,
                 target_text="report only (< 1: less error than max)", higher_is_better=False, unit="",
                 checks=checks.get((n, kind), {})))

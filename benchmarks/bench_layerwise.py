@@ -109,16 +109,20 @@ def run(ctx):
     checks = {"layerwise export == resident export": same}
     figures = [
         Figure("layerwise_wall", AREA, "hf_ptq wall time, layerwise / resident (tiny Kimi-K3, 1 process)",
-               walls["layerwise"], walls["resident"], med["layerwise"] / med["resident"],
+               {"label": "hf_ptq --layerwise (one decoder layer resident at a time), start to exit", **walls["layerwise"]},
+               {"label": "hf_ptq, whole model resident, start to exit", **walls["resident"]},
+               med["layerwise"] / med["resident"],
                target=1.3, target_text="<= 1.3", higher_is_better=False, checks=checks,
                bound="one model forward per layer and batch (embeddings, masks, placeholders of skipped layers) "
                      "and per-layer load/export bookkeeping; process start-up is common to both"),
         Figure("layerwise_bytes_read", AREA, "source bytes read, layerwise / resident",
-               {"value": read["layerwise"], "unit": "B"}, {"value": read["resident"], "unit": "B"},
+               {"label": "bytes the layerwise run read from the source", "value": read["layerwise"], "unit": "B"},
+               {"label": "bytes the resident run read from the source", "value": read["resident"], "unit": "B"},
                read["layerwise"] / read["resident"], target=1.0, target_text="<= 1.0 (each source byte once)",
                higher_is_better=False, unit="", bound="the export's lossless MXFP4 cast re-reads expert bytes on both sides"),
         Figure("layerwise_peak_rss", AREA, "peak RSS, layerwise / resident",
-               {"value": rss["layerwise"] / 2**20, "unit": "MiB"}, {"value": rss["resident"] / 2**20, "unit": "MiB"},
+               {"label": "peak RSS of the layerwise run", "value": rss["layerwise"] / 2**20, "unit": "MiB"},
+               {"label": "peak RSS of the resident run", "value": rss["resident"] / 2**20, "unit": "MiB"},
                rss["layerwise"] / rss["resident"], target=1.0, target_text="< 1 (one layer resident)",
                higher_is_better=False, unit="",
                bound="the process's torch/transformers footprint, common to both, dominates a tiny model's RSS"),
@@ -137,7 +141,8 @@ def _planner_figure(ckpt: Path, calib: list[str], measured: int) -> Figure:
     planned = report.find("whole", "replicated", "bf16").peak
     off = max(planned / measured, measured / planned)  # two-sided: 1.2 is 20% either way
     return Figure("layerwise_planned_peak", AREA, "layerwise peak RSS, planned vs measured (larger / smaller)",
-                  {"value": planned / 2**20, "unit": "MiB"}, {"value": measured / 2**20, "unit": "MiB"},
+                  {"label": "plan_memory's layerwise peak for this run", "value": planned / 2**20, "unit": "MiB"},
+                  {"label": "the layerwise run's measured peak RSS", "value": measured / 2**20, "unit": "MiB"},
                   off, target=1.2, target_text="<= 1.2 (within 20%)", higher_is_better=False, unit="",
                   details={"planned_over_measured": planned / measured},
                   bound="the planner's fixed host runtime term (torch, transformers) against the process's own")

@@ -109,6 +109,10 @@ class Figure:
             raise ValueError(f"benchmark figure {self.name!r} has no target_text (say 'report only' if none)")
         if not self.skipped:
             _check_measured(self)
+            unnamed = [side for side, d in (("ours", self.ours), ("reference", self.reference)) if not d.get("label")]
+            if unnamed:  # RESULTS.md says what each side ran; a figure that cannot say it is not a comparison
+                raise ValueError(f"benchmark figure {self.name!r} does not say what its {' and '.join(unnamed)} "
+                                 "side ran: give each side a 'label'")
 
     @classmethod
     def not_measured(cls, name: str, area: str, title: str, why: str, *, target: float | None,

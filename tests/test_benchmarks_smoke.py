@@ -73,7 +73,8 @@ def test_benchmarks_quick_judges_every_figure(tmp_path):
 
 
 def _figure(name: str, ratio: float, target: float | None, **kw) -> Figure:
-    return Figure(name=name, area="fake", title=name, ours={"value": ratio}, reference={"value": 1.0},
+    return Figure(name=name, area="fake", title=name, ours={"label": "ours", "value": ratio},
+                  reference={"label": "ref", "value": 1.0},
                   ratio=ratio, target=target, target_text=kw.pop("target_text", f">= {target}"), **kw)
 
 
@@ -85,12 +86,22 @@ def test_a_target_needs_a_bound_and_every_figure_a_target_text():
     assert _figure("f", 1.0, 2.0, details={"bound": "memory"}).bound == "memory"
 
 
+def test_a_measured_figure_names_what_each_side_ran():
+    """RESULTS.md lists what each side ran; "ours = ; reference = " was printed for the layerwise figures."""
+    with pytest.raises(ValueError, match="reference side ran"):
+        Figure(name="f", area="a", title="f", ours={"label": "ours", "value": 1.0}, reference={"value": 1.0},
+               ratio=1.0, target_text="report only")
+    skipped = Figure.not_measured("f", "a", "f", "no peer", target=None, target_text="report only")
+    assert skipped.verdict == "skipped"  # nothing ran, so nothing to name
+
+
 FAKE_AREA = """
 import os
 from benchmarks.common import Figure
 
 def _figure(name, ratio, target, **kw):
-    return Figure(name=name, area="fake", title=name, ours={"value": ratio}, reference={"value": 1.0},
+    return Figure(name=name, area="fake", title=name, ours={"label": "ours", "value": ratio},
+                  reference={"label": "ref", "value": 1.0},
                   ratio=ratio, target=target, target_text=kw.pop("target_text", f">= {target}"), **kw)
 
 def run(ctx):
@@ -135,7 +146,8 @@ def test_a_missed_target_is_reported_and_only_a_failed_check_fails_the_run(tmp_p
                                           ("ours", {"value": -46.7}), ("reference", {"median": float("nan")})])
 def test_an_impossible_figure_is_an_error_not_a_verdict(field, value):
     """A negative RSS difference gave "packed_calibration_peak" ratios of -0.28 reported as met (<= 0.5)."""
-    kw = {"ours": {"value": 1.0}, "reference": {"value": 1.0}, "ratio": 0.2, field: value}
+    kw = {"ours": {"label": "o", "value": 1.0}, "reference": {"label": "r", "value": 1.0}, "ratio": 0.2,
+          field: {"label": "x", **value} if isinstance(value, dict) else value}
     with pytest.raises(FigureError, match="impossible"):
         Figure(name="f", area="a", title="f", target=0.5, target_text="<= 0.5", higher_is_better=False,
                bound="b", **kw)
@@ -172,16 +184,16 @@ def test_every_area_runs_in_a_fresh_process(tmp_path, monkeypatch):
         "import os\nimport benchmarks.common as common\nfrom benchmarks.common import Figure\n"
         "def run(ctx):\n"
         "    common._LEFT_BEHIND = os.getpid()\n"
-        "    return [Figure(name='pid', area='a', title='pid', ours={}, reference={}, ratio=float(os.getpid()),\n"
+        "    return [Figure(name='pid', area='a', title='pid', ours={'label': 'o'}, reference={'label': 'r'}, ratio=float(os.getpid()),\n"
         "                   target_text='report only')]\n"
     )
     reader = (
         "import os\nimport benchmarks.common as common\nfrom benchmarks.common import Figure\n"
         "def run(ctx):\n"
         "    seen = float(hasattr(common, '_LEFT_BEHIND'))\n"
-        "    return [Figure(name='seen', area='b', title='seen', ours={}, reference={}, ratio=seen,\n"
+        "    return [Figure(name='seen', area='b', title='seen', ours={'label': 'o'}, reference={'label': 'r'}, ratio=seen,\n"
         "                   target_text='report only'),\n"
-        "            Figure(name='pid', area='b', title='pid', ours={}, reference={}, ratio=float(os.getpid()),\n"
+        "            Figure(name='pid', area='b', title='pid', ours={'label': 'o'}, reference={'label': 'r'}, ratio=float(os.getpid()),\n"
         "                   target_text='report only')]\n"
     )
     code, results, _ = _run_fake_areas(tmp_path, monkeypatch, {"a": leaker, "b": reader})
