@@ -5,9 +5,10 @@ built and a way to run that engine's own loading on it, it records:
 
 * where every export tensor landed: the engine parameter whose bytes contain the tensor's bytes (after
   ``load_weights``, before post-processing), or that it landed nowhere byte for byte;
-* the engine parameters ``load_weights`` never wrote (two loads over two byte sentinels: an element is
-  unwritten when it still holds the sentinel both times; those elements get their initial values back
-  before post-processing, so the engine post-processes what it would have had);
+* the engine parameters ``load_weights`` never wrote (one load over a byte sentinel: an element is
+  unwritten when all its bytes still hold it, or, for one-byte dtypes where the sentinel is a plausible value,
+  unless an export tensor landed over it; those elements get their initial values back before
+  post-processing, so the engine post-processes what it would have had);
 * the small scale tensors the engine holds after ``process_weights_after_loading``, for the engine-specific
   driver to compare with the export's.
 """
