@@ -99,22 +99,3 @@ def test_layerwise_equals_resident(glm_ckpt, glm_export, tmp_path):
     assert [k for k in ta if not torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8))] == []
     for name in ("config.json", "hf_quant_config.json"):
         assert json.loads((tmp_path / "lw" / name).read_text()) == json.loads((glm_export / name).read_text())
-
-
-@pytest.mark.slow
-def test_the_converter_with_a_weight_only_recipe_equals_the_model_path(glm_ckpt, tmp_path):
-    """No default converter recipe (calibration needed for W4A4); with `--recipe presets/w4a16_nvfp4` the converter
-    (shard by shard, no model built) writes the model path's weight-only export byte for byte."""
-    import modelopt_k3
-    from modelopt_k3.cli import convert
-    from modelopt_k3.spec import SpecError, get_spec
-
-    with pytest.raises(SpecError, match="no calibration-free default recipe"):
-        get_spec("glm_moe_dsa").converter_recipe()
-    model = modelopt_k3.load_pretrained(glm_ckpt, progress=False)
-    modelopt_k3.quantize(model, "presets/w4a16_nvfp4", None, verbose=False)
-    modelopt_k3.export_checkpoint(model, tmp_path / "model", progress=False)
-    assert convert.main(["--src", str(glm_ckpt), "--dst", str(tmp_path / "conv"), "--recipe", "presets/w4a16_nvfp4"]) in (0, None)
-    ta, tb = read_export(tmp_path / "conv"), read_export(tmp_path / "model")
-    assert set(ta) == set(tb)
-    assert [k for k in ta if not torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8))] == []

@@ -118,22 +118,3 @@ def test_hf_ptq_nvfp4_quantizes_the_experts_only_under_the_hub_names(minimax_m2_
 def test_layerwise_equals_resident(minimax_m2_ckpt, minimax_m2_export, tmp_path):
     assert _ptq("--pyt_ckpt_path", minimax_m2_ckpt, "--export_path", tmp_path / "lw", "--layerwise") == 0
     _assert_same_export(tmp_path / "lw", minimax_m2_export)
-
-
-@pytest.mark.slow
-def test_the_converter_with_a_weight_only_recipe_equals_the_model_path(minimax_m2_ckpt, tmp_path):
-    """No default converter recipe (calibration needed for W4A4); with `--recipe presets/w4a16_nvfp4` the converter
-    (shard by shard, no model built) writes the model path's weight-only export byte for byte."""
-    import modelopt_k3
-    from modelopt_k3.cli import convert
-    from modelopt_k3.spec import SpecError, get_spec
-
-    with pytest.raises(SpecError, match="no calibration-free default recipe"):
-        get_spec("minimax_m2").converter_recipe()
-    model = modelopt_k3.load_pretrained(minimax_m2_ckpt, progress=False)
-    modelopt_k3.quantize(model, "presets/w4a16_nvfp4", None, verbose=False)
-    modelopt_k3.export_checkpoint(model, tmp_path / "model", progress=False)
-    assert convert.main(["--src", str(minimax_m2_ckpt), "--dst", str(tmp_path / "conv"), "--recipe", "presets/w4a16_nvfp4"]) in (0, None)
-    ta, tb = read_export(tmp_path / "conv"), read_export(tmp_path / "model")
-    assert set(ta) == set(tb)
-    assert [k for k in ta if not torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8))] == []
