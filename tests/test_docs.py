@@ -296,6 +296,30 @@ def test_every_test_the_design_docs_cite_exists() -> None:
     assert not missing, missing
 
 
+def _brace_expansions(word: str) -> list[str]:
+    """``a_{x,y}`` -> ``a_x``, ``a_y`` (one brace group, as the recipes tree writes a family)."""
+    m = re.search(r"\{([^{}]+)\}", word)
+    return [word] if m is None else [word[:m.start()] + part + word[m.end():] for part in m[1].split(",")]
+
+
+def test_the_recipes_readme_lists_every_recipe() -> None:
+    """recipes/README.md's tree names every preset and model recipe (it once listed only Kimi-K3's and DeepSeek-V3's
+    model recipes), and nothing that is not there."""
+    text = (REPO / "recipes/README.md").read_text()
+    tree = text[text.index("```\nrecipes/\n"):]
+    tree = tree[:tree.index("```", 4)]
+    listed, folder = set(), ""
+    for line in tree.splitlines()[1:]:
+        first = line.split()[0] if line.strip() else ""
+        if first in ("presets/", "models/"):
+            folder = first
+        elif folder and re.fullmatch(r"[\w.{},/-]+", first) and line.startswith("    ") and not line.startswith(" " * 8):
+            listed.update(folder + name for name in _brace_expansions(first))
+    stored = {str(p.relative_to(REPO / "recipes").with_suffix("")) for sub in ("presets", "models")
+              for p in (REPO / "recipes" / sub).rglob("*.yaml")}
+    assert listed == stored, {"not listed": sorted(stored - listed), "listed, no file": sorted(listed - stored)}
+
+
 def test_every_marked_block_says_why() -> None:
     for page in USER_PAGES:
         for block in blocks(page):
