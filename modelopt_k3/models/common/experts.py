@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.integrations.moe import use_experts_implementation
 
 from ...dist.placement import ExpertPlacement
 from ...experts.base import FusedExperts
+from .lazy import ClassRef, modeling_class, resolve_class
 
 
 def combine_in_expert_order(
@@ -73,6 +73,9 @@ def fused_experts_class(base: type) -> type:
     ``base`` (``adopt`` tests ``isinstance``), never constructed directly. The base's eager loop runs the same
     per-expert matmuls as transformers' (its forward casts tokens to the weight dtype first: they are equal)."""
     if base not in _FUSED:
+        # Imported here: it imports torch's compiler stack, which only a built model needs (``lazy.py``).
+        from transformers.integrations.moe import use_experts_implementation
+
         cls = type(fused_name(base), (GatedExpertsMath, FusedExperts, base), {
             "__module__": __name__,
             "__doc__": f"transformers' ``{base.__name__}`` with our placement, hooks and its eager combine.",
@@ -82,16 +85,25 @@ def fused_experts_class(base: type) -> type:
     return _FUSED[base]
 
 
-def experts_placer(base: type) -> Callable[[nn.Module, ExpertPlacement], None]:
-    """``ExpertsSpec.place_experts`` for ``base``: every instance in the model re-classed and narrowed to the
+def lazy_fused_experts(model: str, base: str) -> Callable[[], type]:
+    """``fused_experts_class`` of transformers' ``base`` in ``model``'s modeling module, made when called (a
+    package's public ``...FusedExperts`` through its ``lazy_attrs``)."""
+    return lambda: fused_experts_class(modeling_class(model, base)())
+
+
+def experts_placer(base: ClassRef) -> Callable[[nn.Module, ExpertPlacement], None]:
+    """``ExpertsSpec.place_experts`` for ``base`` (the class, or a function giving it on the first placement: a
+    spec is read without building a model): every instance in the model re-classed and narrowed to the
     placement's experts (it must hold them all, e.g. on meta)."""
-    fused = fused_experts_class(base)
 
     def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
+        cls = resolve_class(base)
+        fused = fused_experts_class(cls)
         for module in model.modules():
-            if isinstance(module, base):
+            if isinstance(module, cls):
                 fused.adopt(module)
                 module.place(placement)
 
-    place_experts.__qualname__ = f"place_experts[{base.__name__}]"
+    if isinstance(base, type):
+        place_experts.__qualname__ = f"place_experts[{base.__name__}]"
     return place_experts

@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from ...spec import ExpertsLayout
+from .lazy import ClassRef, resolve_class
 
 
 def layer_re(layers: str = "model.layers") -> str:
@@ -38,11 +39,11 @@ def _frozen(config: Mapping[str, Any]) -> str:
 
 
 @lru_cache(maxsize=4)
-def _meta_shapes(model_class: str | type, config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _meta_shapes(model_class: str | ClassRef, config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every persistent tensor of ``model_class`` (transformers' class by name, or a package's
     subclass of it) built from the config on meta (cached by the config's JSON: the loader and the converter ask
     for both layouts of one config)."""
-    cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
+    cls = getattr(transformers, model_class) if isinstance(model_class, str) else resolve_class(model_class)
     raw = {k: v for k, v in json.loads(config_json).items() if k != "quantization_config"}
     config = cls.config_class(**raw)
     config._experts_implementation = "eager"
@@ -51,7 +52,7 @@ def _meta_shapes(model_class: str | type, config_json: str) -> tuple[tuple[str, 
     return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items())
 
 
-def meta_tensor_shapes(model_class: str | type, config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def meta_tensor_shapes(model_class: str | ClassRef, config: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every persistent tensor of transformers' ``model_class`` built from ``config`` on meta."""
     return _meta_shapes(model_class, _frozen(config))
 
@@ -60,7 +61,7 @@ def _same_name(name: str) -> str:
     return name
 
 
-def meta_layouts(model_class: str | type, fields: tuple[str, ...] = ("num_hidden_layers",),
+def meta_layouts(model_class: str | ClassRef, fields: tuple[str, ...] = ("num_hidden_layers",),
                  experts_re: str = r"\.mlp\.experts$", *, fusion: Mapping[str, tuple[str, ...]] = GATED_FUSION,
                  checkpoint_name: Callable[[str], str] = _same_name, layer_re: str = LAYER_RE) -> tuple[
         Callable[[Mapping[str, Any]], tuple[ExpertsLayout, ...]], Callable[[Mapping[str, Any]], Dense]]:
@@ -71,14 +72,17 @@ def meta_layouts(model_class: str | type, fields: tuple[str, ...] = ("num_hidden
     rows (a non-gated model: ``{"up_proj": ("up_proj",), ...}``); ``checkpoint_name``: transformers' name -> the
     checkpoint's (a hub prefix transformers renames, e.g. Nemotron-H's ``backbone.``); ``layer_re``: a decoder
     layer's checkpoint keys, group ``layer``. ``model_class``: transformers' class by name, or a package's subclass
-    of it (MiniMax-M2's, which keeps the hub's ``block_sparse_moe``; its ``fusion`` names Mixtral's ``w1``/``w3``/``w2``)."""
-    shown = model_class if isinstance(model_class, str) else model_class.__name__
+    of it (MiniMax-M2's, which keeps the hub's ``block_sparse_moe``; its ``fusion`` names Mixtral's ``w1``/``w3``/``w2``),
+    or a function giving that subclass: nothing is imported or built until the returned functions are called."""
+
+    def shown() -> str:
+        return model_class if isinstance(model_class, str) else resolve_class(model_class).__name__
 
     def text(config: Mapping[str, Any]) -> Mapping[str, Any]:  # a VLM's fields live in its text_config
         return config["text_config"] if isinstance(config.get("text_config"), Mapping) else config
 
     def quoted(config: Mapping[str, Any]) -> str:
-        return f"{shown} built from config.json: " + ", ".join(f"{k}={text(config).get(k)}" for k in fields)
+        return f"{shown()} built from config.json: " + ", ".join(f"{k}={text(config).get(k)}" for k in fields)
 
     def experts(config: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
         found: dict[str, dict[str, tuple[int, ...]]] = {}

@@ -16,19 +16,21 @@ import torch
 
 from ...spec import CarriedModules
 from ...spec.config import positive_int
+from .lazy import ClassRef, resolve_class
 
 Extras = Mapping[str, Callable[[int, int], tuple[int, ...]]]
 MTP_REASON = "MTP layer (not built by transformers; carried unquantized)"
 
 
-def mtp_layer_shapes(decoder_layer: type, config_class: type, config: Mapping[str, Any], layer: int,
+def mtp_layer_shapes(decoder_layer: ClassRef, config_class: ClassRef, config: Mapping[str, Any], layer: int,
                      extras: Extras) -> dict[str, tuple[int, ...]]:
     """The logical tensors of MTP layer ``layer`` (``model.layers.{layer}``) and their shapes, in module order:
-    transformers' ``decoder_layer`` for that index, built on meta, then ``extras``."""
+    transformers' ``decoder_layer`` of ``config_class`` (either may be a function giving it: ``lazy.py``) for that
+    index, built on meta, then ``extras``."""
     fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "quantization_config")}
-    cfg = config_class(**{**fields, "num_hidden_layers": layer + 1})
+    cfg = resolve_class(config_class)(**{**fields, "num_hidden_layers": layer + 1})
     with torch.device("meta"):
-        decoder = decoder_layer(cfg, layer)
+        decoder = resolve_class(decoder_layer)(cfg, layer)
     prefix = f"model.layers.{layer}"
     out: dict[str, tuple[int, ...]] = {}
     tensors = [*decoder.named_parameters(),
@@ -48,7 +50,7 @@ def mtp_layer_shapes(decoder_layer: type, config_class: type, config: Mapping[st
     return out
 
 
-def mtp_carried(decoder_layer: type, config_class: type, extras: Extras
+def mtp_carried(decoder_layer: ClassRef, config_class: ClassRef, extras: Extras
                 ) -> Callable[[Mapping[str, Any]], CarriedModules | None]:
     """``SourceCheckSpec.carried``: the ``num_nextn_predict_layers`` MTP layers of a config, or None."""
 

@@ -41,6 +41,7 @@ from ...spec import (
 from .experts import experts_placer
 from .layout import layer_re as checkpoint_layer_re
 from .layout import meta_layouts
+from .lazy import ClassRef, resolve_class
 from .probe import probe_model as default_probe
 
 # The checkpoint's per-expert gate, up and down Linears of a gated experts module (transformers' own names).
@@ -75,14 +76,14 @@ def decoder_regexes(layers: str) -> tuple[str, str]:
     return rf"^(?P<unit>{escaped}\.\d+)\.", rf"(?:^|\.){escaped}\.\d+$"
 
 
-def transformers_base(model_class: str | type) -> type:
+def transformers_base(model_class: str | ClassRef) -> type:
     """transformers' class ``model_class`` names, or the transformers class a package's subclass derives from."""
     if isinstance(model_class, str):
         return getattr(transformers, model_class)
-    return next(c for c in model_class.__mro__ if c.__module__.startswith("transformers.models."))
+    return next(c for c in resolve_class(model_class).__mro__ if c.__module__.startswith("transformers.models."))
 
 
-def experts_class(model_class: str | type) -> type:
+def experts_class(model_class: str | ClassRef) -> type:
     """The experts class of transformers' ``model_class``: the one class of its modeling module decorated by
     transformers' experts interface (SpecError unless exactly one)."""
     module = sys.modules[transformers_base(model_class).__module__]  # imported by that getattr
@@ -112,23 +113,23 @@ def eager_experts(ctx: PrepareContext) -> None:
 class TransformersSubclass:
     """A package's subclass of transformers' own model class (the checkpoint's names on transformers' modules,
     MiniMax-M2's ``block_sparse_moe``); the config is read with transformers' own config class, no checkpoint
-    code runs."""
+    code runs. ``cls``: the class, or a function giving it when a model is built (``lazy.py``)."""
 
-    cls: type
+    cls: ClassRef
     remote_code: bool = field(default=False, init=False)
 
     def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
-        return self.cls, transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+        return resolve_class(self.cls), transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def transformers_moe_spec(
     model_type: str,
-    model_class: str | type,
+    model_class: str | ClassRef,
     *,
     num_experts_attr: str | None = None,
     prepare: Callable[[PrepareContext], None] = eager_experts,
     converters: Callable[[PrepareContext], list] | None = None,
-    experts: type | None = None,
+    experts: ClassRef | None = None,
     experts_spec: ExpertsSpec | None = None,
     model_source: ModelClassSource | None = None,
     loading: dict[str, Any] | None = None,
@@ -145,7 +146,9 @@ def transformers_moe_spec(
 ) -> ModelSpec:
     """The ``ModelSpec`` of transformers' ``model_class`` (see the module docstring).
 
-    ``model_class``: transformers' class by name, or a package's subclass of it (``TransformersSubclass``).
+    ``model_class``: transformers' class by name, or a package's subclass of it (``TransformersSubclass``), or a
+    function giving that subclass. Classes are resolved when a model is built (the experts class on its first
+    placement, ``lazy.py``): building and reading the spec imports no modeling module.
     ``experts_module``/``expert_names``: where the experts live and the checkpoint's per-expert gate, up and
     down Linears, when the model's modules carry the checkpoint's names (MiniMax-M2: ``block_sparse_moe.experts``,
     ``w1``/``w3``/``w2``). ``converters``: the checkpoint conversion (default: transformers' own for ``model_type``). ``experts``:
@@ -169,7 +172,7 @@ def transformers_moe_spec(
             projections=gated_projections(expert_names),
             num_experts_attr=num_experts_attr,
             key_regex=expert_key_regex(experts_module, expert_names),
-            place_experts=experts_placer(experts or experts_class(model_class)),
+            place_experts=experts_placer(experts or (lambda: experts_class(model_class))),
         )
     if "source_check" not in groups:
         gate, up, down = expert_names
@@ -201,7 +204,7 @@ def transformers_moe_spec(
     )
 
 
-def _class_source(model_class: str | type) -> ModelClassSource:
+def _class_source(model_class: str | ClassRef) -> ModelClassSource:
     return TransformersClass(model_class) if isinstance(model_class, str) else TransformersSubclass(model_class)
 
 
