@@ -12,18 +12,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
-
 from ...spec import RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
 from ..common.compressed_sources import DENSE_FP8_CONVERTERS
-from ..common.experts import fused_experts_class
+from ..common.experts import lazy_fused_experts
+from ..common.lazy import lazy_attrs
 from ..common.mla_memory import activation_memory
 from ..common.spec import transformers_moe_spec
 from .kv_cache import kv_cache_sites, kv_scale_names
 from .prepare import checkpoint_converters, prepare
 from .source_layout import carried_modules, check_config_fields
-
-DeepseekV3FusedExperts = fused_experts_class(DeepseekV3Experts)
 
 
 def serving_rules() -> Mapping[str, Any]:
@@ -64,5 +61,8 @@ DEEPSEEK_V3_SPEC = register_spec(
         stand_in=make_stand_in,
     ),
 )
+
+# Made on first use: transformers' modeling module is imported when a model is built, not with the spec.
+__getattr__ = lazy_attrs(__name__, {"DeepseekV3FusedExperts": lazy_fused_experts("deepseek_v3", "DeepseekV3Experts")})
 
 __all__ = ["DEEPSEEK_V3_SPEC", "DeepseekV3FusedExperts"]

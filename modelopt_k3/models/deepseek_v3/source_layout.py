@@ -15,9 +15,13 @@ from typing import Any
 from ...spec import CarriedModules
 from ...spec.config import positive_int
 from ..common.deepseek_text import check_config_fields as check_config_fields
+from ..common.lazy import imported_attr, modeling_class
 from ..common.mtp import mtp_carried
 from ..common.mtp import mtp_layer_shapes as common_mtp_layer_shapes
 
+# transformers' classes an MTP layer is read off (built on meta), imported only then (common/lazy.py).
+DECODER_LAYER = modeling_class("deepseek_v3", "DeepseekV3DecoderLayer")
+CONFIG_CLASS = imported_attr("transformers", "DeepseekV3Config")
 # An MTP layer's own modules beside its decoder layer (DeepSeek-V3's hub checkpoint stores them BF16): name -> shape
 # from (hidden_size, vocab_size).
 MTP_EXTRAS = {
@@ -33,20 +37,14 @@ MTP_EXTRAS = {
 def mtp_layer_shapes(config: Mapping[str, Any], layer: int) -> dict[str, tuple[int, ...]]:
     """The logical tensors of MTP layer ``layer``: transformers' ``DeepseekV3DecoderLayer`` for that index, then
     ``MTP_EXTRAS`` (``models/common/mtp.py``)."""
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
-    return common_mtp_layer_shapes(DeepseekV3DecoderLayer, DeepseekV3Config, config, layer, MTP_EXTRAS)
+    return common_mtp_layer_shapes(DECODER_LAYER, CONFIG_CLASS, config, layer, MTP_EXTRAS)
 
 
 def carried_modules(config: Mapping[str, Any]) -> CarriedModules | None:
     """``SourceCheckSpec.carried``: the ``num_nextn_predict_layers`` MTP layers, ``model.layers.{num_hidden_layers
     + j}`` (transformers does not build them; vLLM and SGLang skip them in the main model, TensorRT-LLM never
-    asks: models/deepseek_v3/serving.py)."""
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
-    return mtp_carried(DeepseekV3DecoderLayer, DeepseekV3Config, MTP_EXTRAS)(config)
+    asks: models/deepseek_v3/serving.py). transformers' classes are imported only for a config with MTP layers."""
+    return mtp_carried(DECODER_LAYER, CONFIG_CLASS, MTP_EXTRAS)(config)
 
 
 def moe_layers(config: Mapping[str, Any]) -> list[int]:

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from transformers import GlmMoeDsaConfig
-from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention, GlmMoeDsaDecoderLayer
 
 from ...spec import PrepareContext, RecipesSpec, ServingSpec, SpecError, register_spec
 from ...spec.kv_cache import KvCacheSite
 from ..common.kv_cache import mla_kv_cache_sites, mla_kv_scale_names
+from ..common.lazy import imported_attr, modeling_class
 from ..common.mtp import mtp_carried
 from ..common.spec import eager_experts, transformers_moe_spec
 from .memory import activation_memory
@@ -34,6 +33,10 @@ MTP_EXTRAS = {
     "eh_proj.weight": lambda h, v: (h, 2 * h),
     "shared_head.norm.weight": lambda h, v: (h,),
 }
+# transformers' classes, imported when a model (or an MTP layer, on meta) is built, not with the spec.
+ATTENTION = modeling_class("glm_moe_dsa", "GlmMoeDsaAttention")
+DECODER_LAYER = modeling_class("glm_moe_dsa", "GlmMoeDsaDecoderLayer")
+CONFIG_CLASS = imported_attr("transformers", "GlmMoeDsaConfig")  # transformers' lazy module imports its auto maps
 LAYOUT_FIELDS = ("num_hidden_layers", "first_k_dense_replace", "n_routed_experts", "moe_intermediate_size",
                  "hidden_size")
 
@@ -46,7 +49,8 @@ def prepare(ctx: PrepareContext) -> None:
 
 
 def kv_cache_sites(model: nn.Module) -> list[KvCacheSite]:
-    return mla_kv_cache_sites(model, lambda module: isinstance(module, GlmMoeDsaAttention))
+    attention = ATTENTION()
+    return mla_kv_cache_sites(model, lambda module: isinstance(module, attention))
 
 
 def kv_scale_names(config: dict) -> list[str]:
@@ -75,7 +79,7 @@ GLM_MOE_DSA_SPEC = register_spec(
         quant={"kv_cache_sites": kv_cache_sites},
         activation_memory=activation_memory,
         layout_fields=LAYOUT_FIELDS,
-        carried=mtp_carried(GlmMoeDsaDecoderLayer, GlmMoeDsaConfig, MTP_EXTRAS),
+        carried=mtp_carried(DECODER_LAYER, CONFIG_CLASS, MTP_EXTRAS),
         recipes=RecipesSpec(
             qformat={"nvfp4": "models/zai-org/GLM-5/nvfp4"},
             converter=None,

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from ...spec import ExpertProjection, ExpertsSpec, RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
+from ..common.lazy import lazy_attrs
 from ..common.spec import transformers_moe_spec
 from .config_layout import check_config_fields, dense_layout, expert_layout
-from .experts import GptOssFusedExperts
 from .memory import activation_memory
 from .model import (
     EXPERT_KEY_RE,
-    FusedGptOssForCausalLM,
+    EXPERTS_CLASS,
+    MODEL_CLASS,
     TransformersGptOss,
     checkpoint_converters,
     per_expert_view,
@@ -70,5 +71,8 @@ GPT_OSS_SPEC = register_spec(
         stand_in=make_stand_in,
     ),
 )
+
+# Made on first use: they subclass transformers' modeling classes, imported when a model is built.
+__getattr__ = lazy_attrs(__name__, {"FusedGptOssForCausalLM": MODEL_CLASS, "GptOssFusedExperts": EXPERTS_CLASS})
 
 __all__ = ["GPT_OSS_SPEC", "FusedGptOssForCausalLM", "GptOssFusedExperts", "TransformersGptOss"]

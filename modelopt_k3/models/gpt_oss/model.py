@@ -1,9 +1,9 @@
 """GPT-OSS on the pipeline: transformers' own classes, our experts on the instances, the checkpoint's view.
 
-- Model class: ``FusedGptOssForCausalLM``, a subclass of transformers' ``GptOssForCausalLM`` whose
-  constructor gives each built layer's ``mlp`` a ``GptOssFusedExperts`` (the instances only: transformers'
-  classes stay untouched, so its own ``GptOssForCausalLM`` in the same process is unaffected). No
-  checkpoint code runs (``TransformersGptOss.remote_code`` is False).
+- Model class: ``FusedGptOssForCausalLM`` (``modeling.py``, imported when a model is built), a subclass of
+  transformers' ``GptOssForCausalLM`` whose constructor gives each built layer's ``mlp`` a ``GptOssFusedExperts``
+  (the instances only: transformers' classes stay untouched, so its own ``GptOssForCausalLM`` in the same process
+  is unaffected). No checkpoint code runs (``TransformersGptOss.remote_code`` is False).
 - Checkpoint view (``LoadingSpec.checkpoint_view``): the fused OpenAI MXFP4 tensors
   ``<experts>.<p>_blocks [E, out, in/32, 16]`` / ``<p>_scales [E, out, in/32]`` are shown as per-expert
   ``<experts>.<e>.<p>.weight_packed [out, in/2]`` / ``.weight_scale [out, in/32]``: the same bytes (one
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
-from transformers import AutoConfig, GptOssForCausalLM
 from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
 
 from ...checkpoint import CheckpointError, TensorInfo
@@ -31,25 +31,19 @@ from ...dist.placement import ExpertPlacement
 from ...numerics.mxfp4 import mxfp4_decode
 from ...spec import PrepareContext, SpecError
 from ...spec.conversion import DecodeOp
-from .experts import GptOssFusedExperts
+from ..common.lazy import imported_attr
 from .source_layout import BLOCK_BYTES
 
 PACKED, SCALE = "weight_packed", "weight_scale"
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # The stored fused MXFP4 tensors the view splits, and the per-expert keys it shows.
 _FUSED_RE = re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)_(?P<field>blocks|scales)$")
+# Subclasses of transformers' GPT-OSS classes, imported when a model is built, not with the spec (common/lazy.py).
+MODEL_CLASS = imported_attr(f"{__package__}.modeling", "FusedGptOssForCausalLM")
+EXPERTS_CLASS = imported_attr(f"{__package__}.experts", "GptOssFusedExperts")
 EXPERT_KEY_RE = re.compile(
     r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_up_proj|down_proj)\.(?P<tensor>weight_packed|weight_scale|weight)$"
 )
-
-
-class FusedGptOssForCausalLM(GptOssForCausalLM):
-    """transformers' ``GptOssForCausalLM`` with ``GptOssFusedExperts`` in every built layer (see module docstring)."""
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        for layer in self.model.layers:
-            layer.mlp.experts = GptOssFusedExperts(config)
 
 
 class TransformersGptOss:
@@ -58,7 +52,7 @@ class TransformersGptOss:
     remote_code = False
 
     def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
-        return FusedGptOssForCausalLM, AutoConfig.from_pretrained(path, trust_remote_code=False)
+        return MODEL_CLASS(), transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def per_expert_view(stored: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
@@ -142,8 +136,9 @@ def gpt_oss_converters(*, packed: bool) -> list[WeightConverter]:
 
 def prepare(ctx: PrepareContext) -> None:
     """Check the class and the checkpoint's quantization method (transformers' GPT-OSS loading is untouched)."""
-    if ctx.model_cls is not FusedGptOssForCausalLM:
-        raise SpecError(f"the GPT-OSS spec builds {FusedGptOssForCausalLM.__name__}, not {ctx.model_cls.__name__}")
+    model_class = MODEL_CLASS()
+    if ctx.model_cls is not model_class:
+        raise SpecError(f"the GPT-OSS spec builds {model_class.__name__}, not {ctx.model_cls.__name__}")
     qcfg = getattr(ctx.config, "quantization_config", None)
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else getattr(qcfg, "quant_method", None)
     if ctx.packed_experts and str(getattr(method, "value", method)) != "mxfp4":
@@ -158,6 +153,7 @@ def checkpoint_converters(ctx: PrepareContext) -> list[WeightConverter]:
 
 def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
     """Keep ``placement``'s experts in every ``GptOssFusedExperts`` of ``model`` (on the instances)."""
+    experts = EXPERTS_CLASS()
     for module in model.modules():
-        if isinstance(module, GptOssFusedExperts):
+        if isinstance(module, experts):
             module.place(placement)

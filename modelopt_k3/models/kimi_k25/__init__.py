@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
-
 from ...spec import RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
 from ..common.deepseek_text import check_config_fields
+from ..common.lazy import modeling_class
 from ..common.mla_memory import activation_memory
 from ..common.spec import transformers_moe_spec
 from .kv_cache import kv_cache_sites, kv_scale_names
@@ -56,7 +55,7 @@ KIMI_K25_SPEC = register_spec(
     transformers_moe_spec(
         "kimi_k25", "Kimi_K25ForConditionalGeneration",
         num_experts_attr="n_routed_experts",
-        experts=DeepseekV3Experts,
+        experts=modeling_class("deepseek_v3", "DeepseekV3Experts"),
         model_source=TransformersKimiK25(),
         prepare=prepare,
         converters=checkpoint_converters,

@@ -4,14 +4,17 @@ transformers' ``DeepseekV3Attention`` inside ``language_model``; every decoder l
 from __future__ import annotations
 
 from torch import nn
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 from ...spec.kv_cache import KvCacheSite
 from ..common.kv_cache import mla_kv_cache_sites, mla_kv_scale_names
+from ..common.lazy import modeling_class
+
+ATTENTION = modeling_class("deepseek_v3", "DeepseekV3Attention")  # imported with the model it finds sites in
 
 
 def kv_cache_sites(model: nn.Module) -> list[KvCacheSite]:
-    return mla_kv_cache_sites(model, lambda module: isinstance(module, DeepseekV3Attention))
+    attention = ATTENTION()
+    return mla_kv_cache_sites(model, lambda module: isinstance(module, attention))
 
 
 def kv_scale_names(config: dict) -> list[str]:

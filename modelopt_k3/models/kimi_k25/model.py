@@ -6,7 +6,8 @@ pipeline reads and writes each tensor under its module name, so the class here i
 whose one child, ``language_model``, is transformers' ``DeepseekV3ForCausalLM`` built from ``text_config``:
 every text module's name is its hub name (an export needs no renaming back), its forward is transformers'
 own (``tests/models/kimi_k25`` holds its logits to ``Kimi_K25ForConditionalGeneration``'s), and the vision tower
-and projector are not built (``vision.py``: carried as stored). No checkpoint code runs.
+and projector are not built (``vision.py``: carried as stored). No checkpoint code runs. The class subclasses
+transformers' modeling class, so it lives in ``modeling.py``, imported when a model is built (``common/lazy.py``).
 """
 
 from __future__ import annotations
@@ -15,33 +16,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import transformers
 from torch import nn
-from transformers import AutoConfig, DeepseekV3ForCausalLM
-from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25PreTrainedModel
 
 from ...spec import PrepareContext, SpecError
 from ..common.compressed_sources import experts_converters, source_kind
+from ..common.lazy import imported_attr, modeling_class
 from ..common.probe import tiny_config
 from ..common.spec import eager_experts
 
 TEXT_PREFIX = "language_model."
-
-
-class KimiK25TextForCausalLM(Kimi_K25PreTrainedModel):
-    """``language_model``: transformers' ``DeepseekV3ForCausalLM`` of ``config.text_config`` (module docstring)."""
-
-    _no_split_modules = ["DeepseekV3DecoderLayer"]
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.language_model = DeepseekV3ForCausalLM(config.text_config)
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.language_model.get_input_embeddings()
-
-    def forward(self, input_ids=None, **kwargs):
-        return self.language_model(input_ids=input_ids, **kwargs)
+MODEL_CLASS = imported_attr(f"{__package__}.modeling", "KimiK25TextForCausalLM")
+TEXT_MODEL_CLASS = modeling_class("deepseek_v3", "DeepseekV3ForCausalLM")
 
 
 class TransformersKimiK25:
@@ -50,7 +36,7 @@ class TransformersKimiK25:
     remote_code = False
 
     def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
-        return KimiK25TextForCausalLM, AutoConfig.from_pretrained(path, trust_remote_code=False)
+        return MODEL_CLASS(), transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def _text(config: Any) -> Any:
@@ -80,4 +66,5 @@ def probe_model(model_cls: type, config: Any, device: Any) -> tuple[nn.Module, s
     names sit under ``language_model.`` in the checkpoint."""
     from ...spec.probe import random_probe_model
 
-    return random_probe_model(lambda: DeepseekV3ForCausalLM(tiny_config(_text(config))), device), TEXT_PREFIX
+    text_model = TEXT_MODEL_CLASS()
+    return random_probe_model(lambda: text_model(tiny_config(_text(config))), device), TEXT_PREFIX

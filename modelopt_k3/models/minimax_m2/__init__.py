@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers import MiniMaxM2ForCausalLM
 from transformers.core_model_loading import WeightConverter
 
 from ...spec import PrepareContext, RecipesSpec, ServingSpec, SpecError, register_spec
@@ -31,25 +30,16 @@ from ..common.block_fp8 import (
     quantization_config,
     weight_block_size,
 )
+from ..common.lazy import imported_attr, lazy_attrs
 from ..common.spec import eager_experts, transformers_moe_spec
 from .memory import activation_memory
 
 MOE = "block_sparse_moe"
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down (Mixtral's)
+# Our subclass of transformers' model class (``modeling.py``), imported when a model is built (``common/lazy.py``).
+HUB_MODEL_CLASS = imported_attr(f"{__name__}.modeling", "MiniMaxM2HubForCausalLM")
 # The block-FP8 source's dense Linears: attention only (every layer is MoE; the router is stored plain).
 _DENSE_FP8 = r"(self_attn\.(?:q|k|v|o)_proj)"
-
-
-class MiniMaxM2HubForCausalLM(MiniMaxM2ForCausalLM):
-    """transformers' ``MiniMaxM2ForCausalLM`` with each layer's MoE block registered as ``block_sparse_moe`` (the
-    checkpoint's name). The instance attribute ``mlp`` still points at it, so transformers' forward is unchanged."""
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        for layer in self.model.layers:
-            moe = layer.mlp
-            layer._modules = {(MOE if k == "mlp" else k): m for k, m in layer._modules.items()}  # order kept
-            object.__setattr__(layer, "mlp", moe)  # outside _modules: named once, as the hub names it
 
 
 def source_kind(config: Any) -> str:
@@ -99,7 +89,7 @@ def make_stand_in(path: str | Path, **sizes: Any) -> Path:
 
 MINIMAX_M2_SPEC = register_spec(
     transformers_moe_spec(
-        "minimax_m2", MiniMaxM2HubForCausalLM,
+        "minimax_m2", HUB_MODEL_CLASS,
         num_experts_attr="num_local_experts",
         experts_module=f"{MOE}.experts",
         expert_names=EXPERT_NAMES,
@@ -117,5 +107,7 @@ MINIMAX_M2_SPEC = register_spec(
         stand_in=make_stand_in,
     ),
 )
+
+__getattr__ = lazy_attrs(__name__, {"MiniMaxM2HubForCausalLM": HUB_MODEL_CLASS})
 
 __all__ = ["MINIMAX_M2_SPEC", "MiniMaxM2HubForCausalLM"]

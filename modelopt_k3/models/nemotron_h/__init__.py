@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ...spec import ExpertProjection, ExpertsSpec, RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
+from ..common.lazy import lazy_attrs
 from ..common.spec import transformers_moe_spec
 from .memory import activation_memory
 from .model import (
-    NemotronHBackboneForCausalLM,
+    EXPERTS_CLASS,
+    MODEL_CLASS,
     NemotronHClass,
-    NemotronHFusedExperts,
     checkpoint_converters,
     place_experts,
     prepare,
@@ -89,5 +90,8 @@ NEMOTRON_H_SPEC = register_spec(
         stand_in=make_stand_in,
     ),
 )
+
+# Made on first use: they subclass transformers' modeling classes, imported when a model is built.
+__getattr__ = lazy_attrs(__name__, {"NemotronHBackboneForCausalLM": MODEL_CLASS, "NemotronHFusedExperts": EXPERTS_CLASS})
 
 __all__ = ["NEMOTRON_H_SPEC", "NemotronHBackboneForCausalLM", "NemotronHFusedExperts"]

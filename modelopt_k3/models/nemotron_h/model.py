@@ -15,6 +15,9 @@ Two things differ from transformers' model, and nothing it computes:
   (``gate_up_proj``, here ``[E, I, L]``: nothing to split) and declares ``has_gate=True``, so every implementation
   calls ``_apply_gate``: relu2, then ``down_input_hook``. Its eager numerics are transformers' bit for bit (per
   expert in ascending id: up, relu2, down, times the routing weight, added in expert order).
+
+Both classes subclass transformers' modeling classes, so they live in ``modeling.py``, imported when a model is
+built (``common/lazy.py``); this module holds what the spec reads without building one.
 """
 
 from __future__ import annotations
@@ -24,76 +27,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
-from transformers import AutoConfig, NemotronHForCausalLM
 from transformers.core_model_loading import MergeModulelist, WeightConverter
-from transformers.integrations.moe import use_experts_implementation
-from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
 from ...dist.placement import ExpertPlacement
-from ...experts.base import FusedExperts
 from ...spec import PrepareContext, SpecError
 from ...spec.probe import random_probe_model
-from ..common.experts import combine_in_expert_order
+from ..common.lazy import imported_attr, modeling_class
 from ..common.probe import tiny_config
 
 # The Mamba-2 widths the common probe table does not know (the mixer's inner width is heads x head_dim).
 MAMBA_PROBE_WIDTHS = {"mamba_num_heads": 2, "mamba_head_dim": 8, "n_groups": 1, "ssm_state_size": 8,
                       "chunk_size": 8, "moe_latent_size": 16, "moe_shared_expert_intermediate_size": 16}
 
-
-@use_experts_implementation(is_concatenated=True, is_transposed=False, has_bias=False, has_gate=True)
-class NemotronHFusedExperts(FusedExperts, NemotronHExperts):
-    """transformers' ``NemotronHExperts`` with our placement and hooks; ``gate_up_proj`` is its ``up_proj``."""
-
-    act_fn: Any
-
-    def activation(self, up: torch.Tensor) -> torch.Tensor:
-        """relu2 of the up projection's ``[.., I]`` output (non-gated: it is the down projection's input)."""
-        return self.act_fn(up)
-
-    def combine(self, per_slot: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-        """transformers' eager combine: weighted outputs added one expert at a time in ascending id."""
-        return combine_in_expert_order(per_slot, top_k_index, top_k_weights, dtype)
-
-    @classmethod
-    def adopt(cls, module: nn.Module) -> None:
-        """Re-class a built ``NemotronHExperts``: its ``up_proj`` renamed ``gate_up_proj`` in place (parameter
-        order kept), gated dispatch on, and the experts' own width (the latent one) as ``hidden_dim``."""
-        if isinstance(module, cls):
-            return
-        module._parameters = {("gate_up_proj" if k == "up_proj" else k): v for k, v in module._parameters.items()}
-        module.has_gate = True
-        module.hidden_dim = module._parameters["gate_up_proj"].shape[-1]
-        super().adopt(module)
+MODEL_CLASS = imported_attr(f"{__package__}.modeling", "NemotronHBackboneForCausalLM")
+EXPERTS_CLASS = imported_attr(f"{__package__}.modeling", "NemotronHFusedExperts")
+TRANSFORMERS_EXPERTS = modeling_class("nemotron_h", "NemotronHExperts")
 
 
 def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
     """``ExpertsSpec.place_experts``: every experts module narrowed to the placement."""
+    base, fused = TRANSFORMERS_EXPERTS(), EXPERTS_CLASS()
     for module in model.modules():
-        if isinstance(module, NemotronHExperts):
-            NemotronHFusedExperts.adopt(module)
+        if isinstance(module, base):
+            fused.adopt(module)
             module.place(placement)
-
-
-class NemotronHBackboneForCausalLM(NemotronHForCausalLM):
-    """transformers' ``NemotronHForCausalLM`` holding its decoder as ``backbone`` (the hub's name) and its experts
-    as ``NemotronHFusedExperts`` from construction, so every build of the class (the loader's, the export's
-    completeness check, the probe) has the same parameter names."""
-
-    base_model_prefix = "backbone"
-
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self._modules = {("backbone" if k == "model" else k): v for k, v in self._modules.items()}
-        for module in self.modules():
-            if isinstance(module, NemotronHExperts):
-                NemotronHFusedExperts.adopt(module)
-
-    @property
-    def model(self) -> nn.Module:
-        return self.backbone
 
 
 class NemotronHClass:
@@ -102,7 +61,7 @@ class NemotronHClass:
     remote_code = False
 
     def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
-        return NemotronHBackboneForCausalLM, AutoConfig.from_pretrained(path, trust_remote_code=False)
+        return MODEL_CLASS(), transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def checkpoint_converters(ctx: PrepareContext) -> list:

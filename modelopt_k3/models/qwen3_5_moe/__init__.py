@@ -19,17 +19,16 @@ from typing import Any
 
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightConverter
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
 
 from ...spec import PrepareContext, RecipesSpec, ServingSpec, SourceCheckSpec, SpecError, register_spec
-from ..common.experts import fused_experts_class
+from ..common.experts import lazy_fused_experts
 from ..common.layout import layer_re, meta_layouts
+from ..common.lazy import lazy_attrs
 from ..common.spec import transformers_moe_spec
 from .memory import activation_memory
 from .probe import probe_model
 from .source_layout import LAYERS, LAYOUT_FIELDS, carried_modules, check_config_fields, per_expert_view
 
-Qwen3_5MoeFusedExperts = fused_experts_class(Qwen3_5MoeExperts)
 # The source check's layouts: the VLM built on meta (per-expert names, as the view presents the fused experts).
 EXPERT_LAYOUT, DENSE_LAYOUT = meta_layouts("Qwen3_5MoeForConditionalGeneration", LAYOUT_FIELDS,
                                            layer_re=layer_re(LAYERS))
@@ -94,5 +93,8 @@ QWEN3_5_MOE_SPEC = register_spec(
         stand_in=make_stand_in,
     ),
 )
+
+# Made on first use: transformers' modeling module is imported when a model is built, not with the spec.
+__getattr__ = lazy_attrs(__name__, {"Qwen3_5MoeFusedExperts": lazy_fused_experts("qwen3_5_moe", "Qwen3_5MoeExperts")})
 
 __all__ = ["QWEN3_5_MOE_SPEC", "Qwen3_5MoeFusedExperts"]

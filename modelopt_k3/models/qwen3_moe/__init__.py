@@ -12,15 +12,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
 from ...spec import PrepareContext, RecipesSpec, ServingSpec, SpecError, register_spec
-from ..common.experts import fused_experts_class
+from ..common.experts import lazy_fused_experts
+from ..common.lazy import lazy_attrs
 from ..common.spec import eager_experts, transformers_moe_spec
 from .memory import activation_memory
 from .source_layout import LAYOUT_FIELDS, check_config_fields
-
-Qwen3MoeFusedExperts = fused_experts_class(Qwen3MoeExperts)
 
 
 def prepare(ctx: PrepareContext) -> None:
@@ -62,5 +59,8 @@ QWEN3_MOE_SPEC = register_spec(
         stand_in=make_stand_in,
     ),
 )
+
+# Made on first use: transformers' modeling module is imported when a model is built, not with the spec.
+__getattr__ = lazy_attrs(__name__, {"Qwen3MoeFusedExperts": lazy_fused_experts("qwen3_moe", "Qwen3MoeExperts")})
 
 __all__ = ["QWEN3_MOE_SPEC", "Qwen3MoeFusedExperts"]
