@@ -21,7 +21,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from ..dist.a2a import dispatch_layout, exchange, exchange_counts
 from ..dist.placement import ExpertPlacement
@@ -108,5 +107,8 @@ setattr(torch_a2a_experts_forward, DISPATCHES_ATTR, True)
 
 def register_torch_a2a() -> None:
     """Register ``torch_a2a`` with transformers' experts interface (expert-parallel route only)."""
+    # Imported here: the interface imports torch's compiler stack (~1 s), which only a built model needs.
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
     if A2A_NAME not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(A2A_NAME, torch_a2a_experts_forward)
