@@ -334,21 +334,17 @@ def _experts_hit(group, e_local: int, ep: int, batch_tokens: float, top_k: int, 
     return e_local * (1 - (1 - 1 / e_local) ** rows)
 
 
-def _tensors_per_weight(fmt: QuantFormat | None) -> int:
-    """Tensors the export writes for one weight in ``fmt``: the weight alone where it stays as loaded; NVFP4's
-    codes, block scales and global scale; another format's codes and scale; plus ``input_scale`` where inputs are
-    quantized."""
-    from ..quant.schemes import NVFP4_TENSOR
-
-    if fmt is None:
-        return 1
-    return (3 if fmt.weights is NVFP4_TENSOR else 2) + (fmt.inputs is not None)
+def _tensors_per_weight(fmt: QuantFormat | None, shape: tuple[int, int]) -> int:
+    """Tensors the export writes for one ``[out, in]`` weight in ``fmt``: the weight alone where it stays as
+    loaded, else its scheme's declared layout (the exporters' own: weight tensors, then ``input_scale``)."""
+    return 1 if fmt is None else len(fmt.scheme.layout(shape))
 
 
 def _tensors_per_expert(table: DecisionTable, group, spec) -> int:
     """Tensors the export writes per routed expert (one prefix per checkpoint projection, ``_expert_tensors``)."""
     formats = experts_formats(table, group, spec)
-    return sum(_tensors_per_weight(formats.get(proj.fused_param)) for proj in spec.experts.projections)
+    return sum(_tensors_per_weight(formats.get(proj.fused_param), group.projections[proj.name])
+               for proj in spec.experts.projections)
 
 
 def _dense_output_tensors(layout: CheckpointLayout, table: DecisionTable) -> int:
@@ -357,7 +353,7 @@ def _dense_output_tensors(layout: CheckpointLayout, table: DecisionTable) -> int
     total = len(layout.carried_tensors)
     for t in layout.dense:
         linear = t.name.endswith(".weight") and len(t.shape) == 2
-        total += _tensors_per_weight(dense_format(table, t.module)) if linear else 1
+        total += _tensors_per_weight(dense_format(table, t.module), tuple(t.shape)) if linear else 1
     return total
 
 
