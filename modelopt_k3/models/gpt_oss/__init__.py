@@ -14,14 +14,13 @@ from typing import Any
 
 from ...spec import ExpertProjection, ExpertsSpec, RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
 from ..common.lazy import lazy_attrs
-from ..common.spec import transformers_moe_spec
+from ..common.spec import TransformersSubclass, transformers_moe_spec
 from .config_layout import check_config_fields, dense_layout, expert_layout
 from .memory import activation_memory
 from .model import (
     EXPERT_KEY_RE,
     EXPERTS_CLASS,
     MODEL_CLASS,
-    TransformersGptOss,
     checkpoint_converters,
     per_expert_view,
     place_experts,
@@ -46,7 +45,7 @@ GPT_OSS_SPEC = register_spec(
     transformers_moe_spec(
         "gpt_oss", "GptOssForCausalLM",
         # transformers' own classes (no checkpoint code), with our experts module on the built instances.
-        model_source=TransformersGptOss(),
+        model_source=TransformersSubclass(MODEL_CLASS),
         prepare=prepare,
         converters=checkpoint_converters,
         loading={"source_formats": frozenset({"mxfp4"}), "checkpoint_view": per_expert_view},
@@ -75,4 +74,4 @@ GPT_OSS_SPEC = register_spec(
 # Made on first use: they subclass transformers' modeling classes, imported when a model is built.
 __getattr__ = lazy_attrs(__name__, {"FusedGptOssForCausalLM": MODEL_CLASS, "GptOssFusedExperts": EXPERTS_CLASS})
 
-__all__ = ["GPT_OSS_SPEC", "FusedGptOssForCausalLM", "GptOssFusedExperts", "TransformersGptOss"]
+__all__ = ["GPT_OSS_SPEC", "FusedGptOssForCausalLM", "GptOssFusedExperts"]

@@ -3,7 +3,7 @@
 - Model class: ``FusedGptOssForCausalLM`` (``modeling.py``, imported when a model is built), a subclass of
   transformers' ``GptOssForCausalLM`` whose constructor gives each built layer's ``mlp`` a ``GptOssFusedExperts``
   (the instances only: transformers' classes stay untouched, so its own ``GptOssForCausalLM`` in the same process
-  is unaffected). No checkpoint code runs (``TransformersGptOss.remote_code`` is False).
+  is unaffected). No checkpoint code runs (the spec's class source is ``TransformersSubclass``).
 - Checkpoint view (``LoadingSpec.checkpoint_view``): the fused OpenAI MXFP4 tensors
   ``<experts>.<p>_blocks [E, out, in/32, 16]`` / ``<p>_scales [E, out, in/32]`` are shown as per-expert
   ``<experts>.<e>.<p>.weight_packed [out, in/2]`` / ``.weight_scale [out, in/32]``: the same bytes (one
@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
 
@@ -44,15 +42,6 @@ EXPERTS_CLASS = imported_attr(f"{__package__}.experts", "GptOssFusedExperts")
 EXPERT_KEY_RE = re.compile(
     r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_up_proj|down_proj)\.(?P<tensor>weight_packed|weight_scale|weight)$"
 )
-
-
-class TransformersGptOss:
-    """The spec's model class source: transformers' GPT-OSS classes with our experts (no checkpoint code)."""
-
-    remote_code = False
-
-    def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
-        return MODEL_CLASS(), transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def per_expert_view(stored: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:

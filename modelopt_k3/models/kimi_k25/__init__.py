@@ -18,9 +18,9 @@ from ...spec import RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
 from ..common.deepseek_text import check_config_fields
 from ..common.lazy import modeling_class
 from ..common.mla_memory import activation_memory
-from ..common.spec import transformers_moe_spec
+from ..common.spec import TransformersSubclass, transformers_moe_spec
 from .kv_cache import kv_cache_sites, kv_scale_names
-from .model import TransformersKimiK25, checkpoint_converters, prepare, probe_model
+from .model import MODEL_CLASS, checkpoint_converters, prepare, probe_model
 from .vision import carried_modules
 
 
@@ -56,7 +56,7 @@ KIMI_K25_SPEC = register_spec(
         "kimi_k25", "Kimi_K25ForConditionalGeneration",
         num_experts_attr="n_routed_experts",
         experts=modeling_class("deepseek_v3", "DeepseekV3Experts"),
-        model_source=TransformersKimiK25(),
+        model_source=TransformersSubclass(MODEL_CLASS),
         prepare=prepare,
         converters=checkpoint_converters,
         layers="language_model.model.layers",

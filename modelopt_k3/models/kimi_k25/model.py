@@ -12,11 +12,8 @@ transformers' modeling class, so it lives in ``modeling.py``, imported when a mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import transformers
 from torch import nn
 
 from ...spec import PrepareContext, SpecError
@@ -28,15 +25,6 @@ from ..common.spec import eager_experts
 TEXT_PREFIX = "language_model."
 MODEL_CLASS = imported_attr(f"{__package__}.modeling", "KimiK25TextForCausalLM")
 TEXT_MODEL_CLASS = modeling_class("deepseek_v3", "DeepseekV3ForCausalLM")
-
-
-class TransformersKimiK25:
-    """The spec's model class source: ``KimiK25TextForCausalLM`` with transformers' own config (no checkpoint code)."""
-
-    remote_code = False
-
-    def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
-        return MODEL_CLASS(), transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def _text(config: Any) -> Any:

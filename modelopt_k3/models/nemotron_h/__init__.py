@@ -18,12 +18,11 @@ from typing import Any
 
 from ...spec import ExpertProjection, ExpertsSpec, RecipesSpec, ServingSpec, SourceCheckSpec, register_spec
 from ..common.lazy import lazy_attrs
-from ..common.spec import transformers_moe_spec
+from ..common.spec import TransformersSubclass, transformers_moe_spec
 from .memory import activation_memory
 from .model import (
     EXPERTS_CLASS,
     MODEL_CLASS,
-    NemotronHClass,
     checkpoint_converters,
     place_experts,
     prepare,
@@ -61,7 +60,7 @@ def make_stand_in(path: str | Path, **sizes: Any) -> Path:
 NEMOTRON_H_SPEC = register_spec(
     transformers_moe_spec(
         "nemotron_h", "NemotronHForCausalLM",
-        model_source=NemotronHClass(),
+        model_source=TransformersSubclass(MODEL_CLASS),
         prepare=prepare,
         converters=checkpoint_converters,
         # The router's score-correction bias decides which experts run: kept fp32 as stored (transformers keeps

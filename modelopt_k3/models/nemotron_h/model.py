@@ -22,12 +22,9 @@ built (``common/lazy.py``); this module holds what the spec reads without buildi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from transformers.core_model_loading import MergeModulelist, WeightConverter
 
@@ -53,15 +50,6 @@ def place_experts(model: nn.Module, placement: ExpertPlacement) -> None:
         if isinstance(module, base):
             fused.adopt(module)
             module.place(placement)
-
-
-class NemotronHClass:
-    """The spec's model class source: transformers' Nemotron-H classes under the hub's names (no checkpoint code)."""
-
-    remote_code = False
-
-    def resolve(self, path: Path, raw: Mapping[str, Any], trust_remote_code: bool) -> tuple[type, Any]:
-        return MODEL_CLASS(), transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def checkpoint_converters(ctx: PrepareContext) -> list:
