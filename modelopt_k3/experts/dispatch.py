@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..dist.a2a import dispatch_layout, exchange, exchange_counts
 from ..dist.placement import ExpertPlacement
 from .base import combine_fp32
-from .packed import DISPATCHES_ATTR, local_experts_forward
+from .packed import DISPATCHES_ATTR, experts_functions, local_experts_forward
 
 A2A_NAME = "torch_a2a"
 
@@ -107,8 +107,6 @@ setattr(torch_a2a_experts_forward, DISPATCHES_ATTR, True)
 
 def register_torch_a2a() -> None:
     """Register ``torch_a2a`` with transformers' experts interface (expert-parallel route only)."""
-    # Imported here: the interface imports torch's compiler stack (~1 s), which only a built model needs.
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if A2A_NAME not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(A2A_NAME, torch_a2a_experts_forward)
+    registry = experts_functions()
+    if A2A_NAME not in registry:
+        registry.register(A2A_NAME, torch_a2a_experts_forward)

@@ -127,7 +127,7 @@ class PackedExpertsMixin:
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         name = self.config._experts_implementation
-        fn = _experts_functions().get(name) if name != "eager" else None
+        fn = experts_functions().get(name) if name != "eager" else None
         if fn is not None and getattr(fn, DISPATCHES_ATTR, False):
             return fn(self, hidden_states, top_k_index, top_k_weights)
         return local_experts_forward(self, name)(self, hidden_states, top_k_index, top_k_weights)
@@ -207,10 +207,10 @@ def _eager_forward(cls: type) -> Callable:
 
 def implementation(module: nn.Module, name: str) -> Callable:
     """The experts implementation ``name`` as ``fn(module, hidden, ids, weights)`` (eager: the class's own)."""
-    return _eager_forward(type(module)) if name == "eager" else _experts_functions()[name]
+    return _eager_forward(type(module)) if name == "eager" else experts_functions()[name]
 
 
-def _experts_functions():
+def experts_functions():
     """transformers' experts-interface registry, imported on first use: the interface imports torch's compiler
     stack (~1 s), which the command lines that never run a model (plan, check, convert) must not pay."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

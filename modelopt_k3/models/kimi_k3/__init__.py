@@ -21,6 +21,7 @@ from ...spec import (
     SourceCheckSpec,
     register_spec,
 )
+from ..common.lazy import imported_attr, lazy_attrs
 from .converters import A_LOG_CONVERTER, EXPERT_KEY_RE, kimi_k3_converters
 from .kv_cache import kv_cache_sites, kv_scale_names
 from .manifest import KIMI_K3_MANIFEST
@@ -100,13 +101,8 @@ KIMI_K3_SPEC = register_spec(
 
 
 
-def __getattr__(name: str) -> Any:
-    # ``KimiK3Experts`` on first use (prepare.make_fused_block says why it is not imported with the spec).
-    if name == "KimiK3Experts":
-        from .experts import KimiK3Experts
-
-        return KimiK3Experts
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``KimiK3Experts`` on first use (prepare.make_fused_block says why it is not imported with the spec).
+__getattr__ = lazy_attrs(__name__, {"KimiK3Experts": imported_attr(f"{__name__}.experts", "KimiK3Experts")})
 
 
 __all__ = ["KIMI_K3_SPEC", "KimiK3Experts", "kimi_k3_converters", "prepare"]
