@@ -120,19 +120,11 @@ def convert_once(ckpt: Path, dst: Path) -> tuple[float, dict]:
     return time.perf_counter() - t0, report.stats.to_dict()
 
 
-def cpu_seconds() -> float:
-    """This process's CPU time so far, every thread, user + system."""
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def timed_cpu(fn, *args, **kwargs) -> tuple[object, float]:
     """``fn``'s result and the CPU seconds it took (what bounds a run once the cores are busy)."""
-    before = cpu_seconds()
+    before = time.process_time()  # this process, every thread, user + system
     result = fn(*args, **kwargs)
-    return result, cpu_seconds() - before
+    return result, time.process_time() - before
 
 
 def _status_bytes(field: str) -> int:
